@@ -1,0 +1,39 @@
+# Two commands for a fresh machine (see README.md):
+#   make demo   set up .venv and train the demo model with every strategy on 2 CPU processes
+#   make test   set up .venv and run lint + the whole test suite
+#
+# On a CPU-only machine the CPU build of torch is pinned (a bare `torch` pulls a multi-GB CUDA build).
+# On a GPU machine: `make test TORCH_SPEC=torch` (or any CUDA build you prefer).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m lightning_parallel.demos.main
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -ra
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,12 @@
+"""lightning_parallel: PyTorch Lightning strategies for data parallel, pipeline parallel and ZeRO training.
+
+Importing this package registers its strategy names with Lightning, so ``Trainer(strategy="data_parallel")``
+works after ``import lightning_parallel``.
+"""
+
+from lightning_parallel.strategies import DataParallelStrategy, register_all
+
+__all__ = ["DataParallelStrategy", "__version__"]
+__version__ = "0.1.0"
+
+register_all()

@@ -1,0 +1,47 @@
+"""The shared demo: a byte-level GPT LightningModule and its data, used by examples, tests and benchmarks.
+
+``lightning_parallel.demos.gpt`` is plain torch and can be imported without Lightning.
+"""
+
+from __future__ import annotations
+
+from lightning_parallel.demos.data import (
+    RandomTokenDataModule,
+    RandomTokenDataset,
+    TextDataModule,
+    TokenChunkDataset,
+    default_corpus_files,
+    load_corpus,
+)
+from lightning_parallel.demos.gpt import (
+    GPT,
+    MLP,
+    PRESETS,
+    Block,
+    CausalSelfAttention,
+    GPTConfig,
+    LMHead,
+    TokenEmbedding,
+    num_parameters,
+)
+from lightning_parallel.demos.module import GPTLightningModule, next_token_loss
+
+__all__ = [
+    "GPT",
+    "MLP",
+    "PRESETS",
+    "Block",
+    "CausalSelfAttention",
+    "GPTConfig",
+    "GPTLightningModule",
+    "LMHead",
+    "RandomTokenDataModule",
+    "RandomTokenDataset",
+    "TextDataModule",
+    "TokenChunkDataset",
+    "TokenEmbedding",
+    "default_corpus_files",
+    "load_corpus",
+    "next_token_loss",
+    "num_parameters",
+]

@@ -1,0 +1,72 @@
+"""The one place that decides how processes start and checks the launch environment.
+
+Every strategy of this package goes through these functions, so ``start_method`` spellings, their errors and the
+check of ``devices``/``num_nodes`` against what a cluster launcher (torchrun, SLURM, MPI, ...) set up are the same
+everywhere. Checks here read only local facts (arguments, environment variables), so every rank reaches the same
+verdict before the first collective: a bad configuration raises on all ranks instead of hanging one of them.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Literal
+
+from lightning.fabric.plugins.environments import ClusterEnvironment
+
+__all__ = ["START_METHODS", "StartMethod", "to_timeout", "validate_launch_environment", "validate_start_method"]
+
+StartMethod = Literal["popen", "spawn", "fork"]
+START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork")
+
+
+def validate_start_method(start_method: str) -> str:
+    """Return ``start_method`` if valid, else raise ``ValueError`` listing the valid ones and when to use each."""
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"Unknown `start_method={start_method!r}`. Valid options: 'popen' (re-launch the script, the default"
+            " for scripts and the CLI), 'spawn' (fresh interpreters, picklable code), 'fork' (Jupyter notebooks)."
+        )
+    if start_method == "fork" and not hasattr(os, "fork"):
+        raise ValueError("`start_method='fork'` is not available on this platform. Use 'spawn' or 'popen'.")
+    return start_method
+
+
+def to_timeout(timeout: timedelta | float) -> timedelta:
+    """Accept a ``timedelta`` or seconds (friendlier in YAML/CLI) for the process-group timeout."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, int | float) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"`timeout={timeout!r}` must be a `datetime.timedelta` or a number of seconds.")
+    if seconds <= 0:
+        raise ValueError(f"`timeout={timeout!r}` must be positive (seconds before a stuck collective fails).")
+    return timedelta(seconds=seconds)
+
+
+def validate_launch_environment(
+    cluster_environment: ClusterEnvironment, *, num_processes: int, num_nodes: int, local_rank: int
+) -> None:
+    """Check ``devices``/``num_nodes`` against what an external launcher set up, before any collective.
+
+    Lightning only runs the cluster environment's own check when it launches the processes itself; under
+    torchrun, SLURM, MPI or a hand-made launcher a mismatch would otherwise make ``init_process_group`` wait for
+    ranks that never come.
+    """
+    cluster_environment.validate_settings(num_devices=num_processes, num_nodes=num_nodes)
+    expected = num_processes * num_nodes
+    if cluster_environment.creates_processes_externally:
+        launched = os.environ.get("WORLD_SIZE")
+        if launched is not None and launched.isdigit() and int(launched) != expected:
+            raise ValueError(
+                f"The launcher started WORLD_SIZE={launched} processes, but the Trainer was given"
+                f" `devices={num_processes}` and `num_nodes={num_nodes}` ({num_processes} * {num_nodes} = {expected})."
+                f" Set `devices` to the processes per node and `num_nodes` so that their product is {launched}."
+            )
+    if local_rank >= num_processes:
+        raise ValueError(
+            f"This process has LOCAL_RANK={local_rank}, but the Trainer was given `devices={num_processes}`:"
+            f" local ranks must be below `devices`. Set `devices` to the number of processes per node"
+            f" ({local_rank + 1} or more)."
+        )

@@ -1,0 +1,27 @@
+"""Shared test set-up. torch and Lightning are imported here so forked ranks inherit them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import lightning.pytorch  # noqa: F401  (imported once in the parent so forked ranks inherit it)
+import pytest
+import torch
+
+import lightning_parallel  # noqa: F401  (registers the strategy names)
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+# One intra-op thread: ranks share two cores, and forking a process whose OpenMP pool is busy is unsafe.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Lightning's launchers write MASTER_PORT, WORLD_SIZE, ... into os.environ; undo that after each test."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
