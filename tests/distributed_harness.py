@@ -43,14 +43,14 @@ def _rank_main(
     workdir: Path,
     init_process_group: bool,
     timeout: float,
-    extra_env: dict[str, str],
+    extra_env: dict[str, str] | None,
     args: tuple[Any, ...],
 ) -> None:
     exit_code = 0
     try:
         torch.set_num_threads(1)
-        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0"})
-        os.environ.update(extra_env)
+        if extra_env is not None:
+            os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", **extra_env})
         if init_process_group:
             store = dist.FileStore(str(workdir / "store"), world_size)
             dist.init_process_group(
@@ -79,6 +79,7 @@ def run_distributed(
     timeout: float = 60.0,
     init_process_group: bool = True,
     env: dict[str, str] | None = None,
+    launcher_env: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` forked processes; return each rank's result.
 
@@ -89,16 +90,20 @@ def run_distributed(
             (a Lightning ``Trainer``), with ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``RANK``/``LOCAL_RANK``
             set as torchrun would.
         env: extra environment variables for every rank.
+        launcher_env: set the torchrun-style variables above. ``False`` runs ``fn`` in a clean isolated process
+            (``world_size=1``), e.g. to let Lightning's own fork launcher start the ranks under a deadline.
     """
     context = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="lp-dist-") as tmp:
         workdir = Path(tmp)
-        extra_env = {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(find_free_port()),
-            "WORLD_SIZE": str(world_size),
-            **(env or {}),
-        }
+        extra_env = None
+        if launcher_env:
+            extra_env = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(find_free_port()),
+                "WORLD_SIZE": str(world_size),
+                **(env or {}),
+            }
         processes = [
             context.Process(
                 target=_rank_main,
@@ -124,9 +129,7 @@ def run_distributed(
         return results
 
 
-def _raise_on_failure(
-    workdir: Path, processes: list[multiprocessing.Process], hung: list[int], timeout: float
-) -> None:
+def _raise_on_failure(workdir: Path, processes: list[multiprocessing.Process], hung: list[int], timeout: float) -> None:
     errors = []
     for rank in range(len(processes)):
         path = workdir / f"error_{rank}.txt"

@@ -138,4 +138,3 @@ def test_a_rank_without_any_batch_raises_on_every_rank():
     assert "--- rank 0 ---" in text and "--- rank 1 ---" in text
     assert text.count("received no training batch") == 2
     assert "did not finish" not in text
-

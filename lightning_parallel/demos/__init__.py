@@ -25,6 +25,7 @@ from lightning_parallel.demos.gpt import (
     num_parameters,
 )
 from lightning_parallel.demos.module import GPTLightningModule, next_token_loss
+from lightning_parallel.demos.stats import RunStats, RunSummary, peak_memory_bytes, summarize
 
 __all__ = [
     "GPT",
@@ -37,6 +38,8 @@ __all__ = [
     "LMHead",
     "RandomTokenDataModule",
     "RandomTokenDataset",
+    "RunStats",
+    "RunSummary",
     "TextDataModule",
     "TokenChunkDataset",
     "TokenEmbedding",
@@ -44,4 +47,6 @@ __all__ = [
     "load_corpus",
     "next_token_loss",
     "num_parameters",
+    "peak_memory_bytes",
+    "summarize",
 ]

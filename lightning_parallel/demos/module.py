@@ -41,6 +41,7 @@ class GPTLightningModule(LightningModule):
         n_embd: Embedding width; ``None`` keeps the preset's.
         block_size: Maximum sequence length; ``None`` keeps the preset's. Must be at least the data's ``seq_len``.
         dropout: Dropout probability; ``None`` keeps the preset's (0.0).
+        bias: Whether Linear and LayerNorm layers have biases; ``None`` keeps the preset's (True).
         optimizer: ``"adamw"`` or ``"sgd"`` (with momentum).
         learning_rate: Learning rate of the optimizer.
         weight_decay: Weight decay applied to weight matrices and embeddings only (not to biases or LayerNorms).
@@ -57,6 +58,7 @@ class GPTLightningModule(LightningModule):
         n_embd: int | None = None,
         block_size: int | None = None,
         dropout: float | None = None,
+        bias: bool | None = None,
         optimizer: Literal["adamw", "sgd"] = "adamw",
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
@@ -66,7 +68,9 @@ class GPTLightningModule(LightningModule):
         super().__init__()
         _validate_optimizer_args(optimizer, learning_rate, weight_decay, betas, momentum)
         self.save_hyperparameters()
-        overrides = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, dropout=dropout)
+        overrides = dict(
+            n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, dropout=dropout, bias=bias
+        )
         self.config = GPTConfig.from_preset(preset, **{k: v for k, v in overrides.items() if v is not None})
         self.model = GPT(self.config)
         vocab_size = self.config.vocab_size

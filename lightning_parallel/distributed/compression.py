@@ -127,7 +127,7 @@ def low_precision_allreduce_hook(
 
     # No annotations on the hook itself: DDP compares them with the real `dist.GradBucket` object, and
     # `from __future__ import annotations` turns them into strings it rejects.
-    def hook(process_group, bucket):  # noqa: ANN001, ANN202
+    def hook(process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
         buffer = bucket.buffer()
         compressed = buffer.to(dtype) if dtype is not None else buffer
@@ -172,9 +172,9 @@ class SerializedPowerSGD:
         )
         self.stats = stats
         self.serialize = serialize
-        self.__name__ = "serialized_powersgd_hook"  # DDP reads a hook's __name__
+        self.__name__ = self.__qualname__ = "serialized_powersgd_hook"  # DDP logs the hook by name
 
-    def __call__(self, state, bucket):  # noqa: ANN001, ANN204  (unannotated: see low_precision_allreduce_hook)
+    def __call__(self, state, bucket):  # unannotated: see low_precision_allreduce_hook
         compressing = self.state.iter >= self.state.start_powerSGD_iter
         numel_before = self.state.total_numel_after_compression
         future = powerSGD_hook.powerSGD_hook(self.state, bucket)

@@ -39,9 +39,7 @@ def needs_lockstep(dataloader: Iterable, *, device: torch.device, group: dist.Pr
     """
     length = _local_length(dataloader)
     # [has no length, -length, +length] reduced with MAX gives: any rank without length, min length, max length.
-    stats = torch.tensor(
-        [int(length is None), -(length or 0), length or 0], dtype=torch.int64, device=device
-    )
+    stats = torch.tensor([int(length is None), -(length or 0), length or 0], dtype=torch.int64, device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
     any_without_length, negative_min, maximum = stats.tolist()
     return bool(any_without_length) or -negative_min != maximum

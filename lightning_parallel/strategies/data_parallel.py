@@ -103,9 +103,7 @@ class DataParallelStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         validate_start_method(start_method)
-        validate_compression(
-            gradient_compression, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter
-        )
+        validate_compression(gradient_compression, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter)
         if uneven_inputs not in _UNEVEN_CHOICES or not isinstance(uneven_inputs, str | bool):
             raise ValueError(f"`uneven_inputs={uneven_inputs!r}` is invalid. Valid options: 'auto', True, False.")
         if not bucket_cap_mb > 0:
@@ -151,10 +149,16 @@ class DataParallelStrategy(DDPStrategy):
         super().setup_environment()
 
     @override
+    def configure_ddp(self) -> None:
+        if self.world_size == 1:
+            # Nothing to communicate: train the bare module, so results equal plain single-device training bit
+            # for bit (Lightning's DDPStrategy still wraps in DDP and all-reduces with itself).
+            return
+        super().configure_ddp()
+
+    @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
-        if self.world_size == 1:
-            return  # nothing is communicated: keep single-device numerics exactly
         hook = self._make_communication_hook()
         if hook is not None:
             self.model.register_comm_hook(state=None, hook=hook)

@@ -19,6 +19,4 @@ def register_all() -> None:
 
 def registered_names() -> list[str]:
     """The registry names this package provides, e.g. ``"data_parallel_notebook"``."""
-    return sorted(
-        name for name, entry in StrategyRegistry.items() if entry["strategy"] in STRATEGY_CLASSES
-    )
+    return sorted(name for name, entry in StrategyRegistry.items() if entry["strategy"] in STRATEGY_CLASSES)

@@ -1,0 +1,265 @@
+"""The project's main demo: train the demo GPT with every strategy on CPU processes and print one row per strategy.
+
+Run it as ``python -m lightning_parallel.demos.main`` (``make demo``). Each strategy trains the same model, from the
+same initial weights, on the Python standard library's source code for ``--steps`` optimizer steps on ``--devices``
+CPU processes started with ``fork``, so that every run's numbers come back to this process. The table shows the
+training loss at the end, the throughput in tokens per second (summed over processes, after a warm-up), the
+all-reduce payload per optimizer step and the peak memory of each process.
+
+A strategy is a row of :data:`STRATEGY_ROWS`: a CLI name, a table label and a function that builds a fresh strategy.
+A row that fails prints its error in the table; the others still run and the program exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import Strategy
+
+from lightning_parallel.demos.data import TextDataModule
+from lightning_parallel.demos.gpt import PRESETS
+from lightning_parallel.demos.module import GPTLightningModule
+from lightning_parallel.demos.stats import RunStats, RunSummary, summarize
+from lightning_parallel.strategies import DataParallelStrategy
+
+__all__ = ["STRATEGY_ROWS", "DemoConfig", "RowResult", "StrategyRow", "format_table", "main", "run_demo", "train_once"]
+
+_MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class StrategyRow:
+    """One strategy of the demo table."""
+
+    name: str
+    """Name for ``--strategies``."""
+    label: str
+    """Text of the table's first column."""
+    make_strategy: Callable[[], Strategy]
+    """Builds a fresh strategy (a Trainer takes ownership of its strategy, so every run needs a new one). Use
+    ``start_method="fork"`` so the run's results come back to this process."""
+
+
+STRATEGY_ROWS: tuple[StrategyRow, ...] = (
+    StrategyRow(
+        "data_parallel",
+        "data_parallel",
+        # track_communication counts the fp32 all-reduce bytes, to compare with the compressed row below.
+        lambda: DataParallelStrategy(start_method="fork", track_communication=True),
+    ),
+    StrategyRow(
+        "data_parallel_fp16",
+        "data_parallel + fp16 compression",
+        lambda: DataParallelStrategy(start_method="fork", gradient_compression="fp16"),
+    ),
+)
+"""The strategies the demo compares, in table order. Later strategies add a row here."""
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    """What every row trains: the same model, data and number of steps."""
+
+    preset: str = "small"
+    """Model size, a key of :data:`~lightning_parallel.demos.gpt.PRESETS`."""
+    steps: int = 40
+    """Optimizer steps per strategy."""
+    devices: int = 2
+    """CPU processes per strategy."""
+    warmup_steps: int = 3
+    """Steps before throughput is measured."""
+    batch_size: int = 8
+    """Sequences per batch per process."""
+    seq_len: int = 128
+    """Tokens per sequence; capped at the preset's ``block_size``."""
+    max_bytes: int = 400_000
+    """Bytes of the standard library's source to train on (the demo needs few)."""
+    seed: int = 0
+    """Seed of the initial weights and of the data split."""
+
+
+@dataclass
+class RowResult:
+    """Outcome of one row: its measured numbers, or the error that stopped it."""
+
+    label: str
+    """The row's table label."""
+    summary: RunSummary | None = None
+    """The :class:`~lightning_parallel.demos.stats.RunStats` numbers of a finished run."""
+    error: str | None = None
+    """One line describing why the run failed."""
+
+
+@contextmanager
+def _restored_environ() -> Iterator[None]:
+    """Lightning's fork launcher writes MASTER_PORT into this process's environment; undo it so that every run picks
+    a fresh port."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def train_once(strategy: Strategy, config: DemoConfig) -> RunSummary:
+    """Train the demo model with ``strategy`` and return the numbers :class:`RunStats` measured.
+
+    Args:
+        strategy: A fresh strategy; a fork or spawn start method brings the results back to this process.
+        config: Model size, data and steps.
+    """
+    seq_len = min(config.seq_len, PRESETS[config.preset]["block_size"])
+    torch.manual_seed(config.seed)
+    model = GPTLightningModule(config.preset)
+    datamodule = TextDataModule(
+        seq_len=seq_len, batch_size=config.batch_size, max_bytes=config.max_bytes, seed=config.seed
+    )
+    datamodule.setup("fit")  # once here: forked processes inherit the loaded corpus
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=config.devices,
+        strategy=strategy,
+        max_steps=config.steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[RunStats(warmup_steps=config.warmup_steps)],
+    )
+    with _restored_environ():
+        trainer.fit(model, datamodule=datamodule)
+    return summarize(trainer)
+
+
+def run_demo(rows: Sequence[StrategyRow], config: DemoConfig) -> list[RowResult]:
+    """Train once per row; a failing row records its error and the next row still runs."""
+    results = []
+    for row in rows:
+        print(f"\n=== {row.label} ===", flush=True)
+        try:
+            results.append(RowResult(row.label, summary=train_once(row.make_strategy(), config)))
+        except Exception as error:  # one broken strategy must not hide the others' results
+            traceback.print_exc()
+            results.append(RowResult(row.label, error=_one_line(error)))
+    return results
+
+
+def _one_line(error: BaseException) -> str:
+    """The last non-empty line of an error's message (a forked rank's traceback ends with its real error)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[-1] if lines else ""
+    return f"{type(error).__name__}: {text}"[:160]
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:,.{digits}f}"
+
+
+def format_table(results: Sequence[RowResult], *, devices: int) -> str:
+    """The results as a plain-text table with ``|`` separated columns, one row per strategy.
+
+    Columns: strategy, loss at the end, tokens/s, all-reduce MiB per optimizer step and peak memory (MiB) per rank.
+    """
+    header = ["strategy", "loss", "tokens/s", "all-reduce MiB/step"] + [f"peak MiB rank{r}" for r in range(devices)]
+    lines = [header]
+    for result in results:
+        summary = result.summary
+        if summary is None:
+            lines.append([result.label, f"FAILED: {result.error}"])
+            continue
+        comm = summary["comm_bytes_per_step"]
+        peaks = [_number(m / _MIB, 1) for m in summary["peak_mem"]]
+        lines.append(
+            [
+                result.label,
+                _number(summary["final_loss"], 3),
+                _number(summary["tokens_per_s"], 0),
+                _number(None if comm is None else comm / _MIB, 2),
+                *peaks,
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines if i < len(line) and len(line) > 2) for i in range(len(header))]
+    rendered = []
+    for line in lines:
+        if len(line) == 2:  # a failed row: the error spans the numeric columns
+            rendered.append(f"{line[0]:<{widths[0]}} | {line[1]}")
+        else:
+            cells = [f"{line[0]:<{widths[0]}}"] + [f"{cell:>{w}}" for cell, w in zip(line[1:], widths[1:], strict=True)]
+            rendered.append(" | ".join(cells))
+    rendered.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(rendered)
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_parallel.demos.main",
+        description="Train the demo GPT with each strategy on CPU processes and compare loss, speed and memory.",
+    )
+    names = [row.name for row in STRATEGY_ROWS]
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size (default: small)")
+    parser.add_argument("--steps", type=int, default=DemoConfig.steps, help="optimizer steps per strategy")
+    parser.add_argument("--devices", type=int, default=DemoConfig.devices, help="CPU processes per strategy")
+    parser.add_argument(
+        "--strategies",
+        default=",".join(names),
+        help=f"comma-separated rows to run (default: all): {', '.join(names)}",
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps={args.steps} must be at least 1.")
+    if args.devices < 1:
+        parser.error(f"--devices={args.devices} must be at least 1.")
+    unknown = [name for name in args.strategies.split(",") if name not in names]
+    if unknown:
+        parser.error(f"unknown strategies {unknown}; valid names: {', '.join(names)}.")
+    return args
+
+
+def _quiet_lightning() -> None:
+    """Keep Lightning's start-up chatter and the CPU data-loading hint out of the demo's output."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.distributed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message in (".*does not have many workers.*", ".*LeafSpec.*", ".*all_gather is deprecated.*"):
+        warnings.filterwarnings("ignore", message)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo and print its table.
+
+    Sets this process to one intra-op thread before forking (forking a process whose OpenMP pool has run is unsafe);
+    the forked ranks choose their own thread count.
+
+    Args:
+        argv: Command-line arguments; ``None`` reads ``sys.argv``.
+
+    Returns:
+        0 if every strategy trained, 1 otherwise.
+    """
+    args = _parse_args(argv)
+    wanted = args.strategies.split(",")
+    rows = [row for row in STRATEGY_ROWS if row.name in wanted]
+    config = DemoConfig(preset=args.preset, steps=args.steps, devices=args.devices)
+    config.warmup_steps = min(config.warmup_steps, max(0, config.steps - 1))
+    torch.set_num_threads(1)
+    _quiet_lightning()
+    results = run_demo(rows, config)
+    print(f"\n{config.devices} CPU processes, preset {config.preset!r}, {config.steps} steps per strategy:")
+    print(format_table(results, devices=config.devices))
+    return 0 if all(r.error is None for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Run statistics for demos and benchmarks: loss, steady-state throughput, peak memory and communication per rank.
+
+:class:`RunStats` measures on every rank and gathers the per-rank numbers to rank 0 at the end of training, where it
+writes them into ``trainer.callback_metrics``. Lightning's fork and spawn launchers send ``callback_metrics`` of rank 0
+back to the parent process, so after ``trainer.fit`` the parent reads them with :func:`summarize`:
+
+.. code-block:: python
+
+    trainer = Trainer(strategy=DataParallelStrategy(start_method="fork"), devices=2, callbacks=[RunStats()])
+    trainer.fit(model, datamodule)
+    print(summarize(trainer)["tokens_per_s"])
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import resource
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypedDict
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from typing_extensions import override
+
+__all__ = ["STATS_PREFIX", "RunStats", "RunSummary", "peak_memory_bytes", "summarize"]
+
+STATS_PREFIX = "stats/"
+"""Prefix of every key :class:`RunStats` writes into ``trainer.callback_metrics``."""
+
+# Per-rank values, packed into one float64 vector so that a single all_gather moves them all. float64 holds byte
+# counts exactly up to 2**53.
+_FIELDS = (
+    "tokens",
+    "samples",
+    "elapsed_s",
+    "measured_batches",
+    "optimizer_steps",
+    "peak_mem",
+    "all_reduce_bytes",
+    "comm_total_bytes",
+    "comm_calls",
+    "final_loss",
+)
+_VM_HWM = re.compile(r"^VmHWM:\s+(\d+)\s+kB", re.MULTILINE)
+
+
+class RunSummary(TypedDict):
+    """What :func:`summarize` reads back from ``trainer.callback_metrics``."""
+
+    world_size: int
+    """Number of ranks that trained."""
+    measured_steps: int
+    """Training batches (per rank) inside the measurement window, after the warm-up."""
+    final_loss: float
+    """Training loss of the last batch, averaged over ranks (NaN if no batch ran)."""
+    samples_per_s: float
+    """Samples per second summed over ranks in the measurement window (NaN if it was empty)."""
+    tokens_per_s: float
+    """Input tokens per second summed over ranks in the measurement window (NaN if it was empty)."""
+    peak_mem: list[float]
+    """Peak memory in bytes of each rank, indexed by global rank (process RSS on CPU, allocated memory on CUDA)."""
+    comm_bytes_per_step: float | None
+    """All-reduce payload bytes per optimizer step on one rank; ``None`` if the strategy counts no communication,
+    NaN if it has counters but recorded nothing although several ranks trained (tracking was off)."""
+
+
+def peak_memory_bytes(device: torch.device | None = None) -> int:
+    """Peak memory of this process in bytes.
+
+    Args:
+        device: On a CUDA device, the peak of ``torch.cuda.max_memory_allocated``; otherwise (CPU) the process's peak
+            resident set size: ``VmHWM`` from ``/proc/self/status``, or ``resource.getrusage`` where there is no
+            ``/proc``.
+    """
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        match = _VM_HWM.search(Path("/proc/self/status").read_text())
+    except OSError:
+        match = None
+    if match is not None:
+        return int(match.group(1)) * 1024
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return int(max_rss) if sys.platform == "darwin" else int(max_rss) * 1024
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    """Start the peak-memory window now, so peaks of earlier work in this process (or its parent) are not counted."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        # "5" resets VmHWM to the current RSS (Linux >= 4.0, see `man 5 proc`, /proc/pid/clear_refs).
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # getrusage's peak cannot be reset; the window then starts at process start
+
+
+def _batch_inputs(batch: Any) -> Tensor | None:
+    """The input tensor of a batch: the first element of a tuple/list, ``input_ids``/``inputs`` of a dict, or itself."""
+    if isinstance(batch, Tensor):
+        return batch
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Tensor):
+        return batch[0]
+    if isinstance(batch, Mapping):
+        for key in ("input_ids", "inputs", "input"):
+            if isinstance(batch.get(key), Tensor):
+                return batch[key]
+    return None
+
+
+class RunStats(Callback):
+    """Measure loss, steady-state throughput, peak memory and all-reduce bytes on every rank; report on rank 0.
+
+    The first ``warmup_steps`` training batches are not measured (allocator warm-up, DDP's bucket rebuild, lazy
+    initialisation). Throughput is the wall time from ``on_train_batch_start`` of the first measured batch to
+    ``on_train_batch_end`` of the last one; samples are ``inputs.size(0)`` and tokens ``inputs.numel()`` of each batch,
+    summed over ranks (every rank trains on its own batch) and divided by the slowest rank's time. Peak memory is
+    measured from ``setup`` on: the process's peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA. If the
+    strategy has a ``communication_stats`` attribute (:class:`~lightning_parallel.DataParallelStrategy`), it is reset
+    when measurement starts and its all-reduce bytes are reported per optimizer step.
+
+    At ``on_train_end`` every rank's numbers are all-gathered and written, on every rank, into
+    ``trainer.callback_metrics`` as float64 tensors under ``stats/...`` keys (``stats/tokens_per_s``,
+    ``stats/samples_per_s``, ``stats/final_loss``, ``stats/peak_mem_rank{r}``, ``stats/comm_bytes_per_step``, ...).
+    Read them with :func:`summarize`, also in the parent process of a fork/spawn launch.
+
+    Args:
+        warmup_steps: Training batches to skip before measuring (>= 0).
+    """
+
+    def __init__(self, warmup_steps: int = 2) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"`warmup_steps={warmup_steps!r}` must be an integer >= 0 (training batches to skip).")
+        self.warmup_steps = warmup_steps
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self._batches_seen = 0
+        self._start_time: float | None = None
+        self._end_time: float | None = None
+        self._start_global_step = 0
+        self._tokens = 0
+        self._samples = 0
+        self._measured_batches = 0
+        self._final_loss = math.nan
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._reset_counters()
+            _reset_peak_memory(trainer.strategy.root_device)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._batches_seen != self.warmup_steps:
+            return
+        stats = getattr(trainer.strategy, "communication_stats", None)
+        if stats is not None:
+            stats.reset()
+        self._start_global_step = trainer.global_step
+        _synchronize(trainer.strategy.root_device)
+        self._start_time = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._batches_seen += 1
+        self._final_loss = _loss_value(trainer, outputs)
+        if self._start_time is None:
+            return
+        _synchronize(trainer.strategy.root_device)
+        self._end_time = time.perf_counter()
+        inputs = _batch_inputs(batch)
+        if inputs is not None:
+            self._tokens += inputs.numel()
+            self._samples += inputs.size(0) if inputs.dim() > 0 else 1
+        self._measured_batches += 1
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        local = torch.tensor(self._local_values(trainer), dtype=torch.float64, device=trainer.strategy.root_device)
+        gathered = _all_gather(trainer, local).reshape(-1, len(_FIELDS)).cpu()  # (world_size, num_fields)
+        has_comm_stats = getattr(trainer.strategy, "communication_stats", None) is not None
+        for key, value in _metrics_from_gathered(gathered, has_comm_stats=has_comm_stats).items():
+            trainer.callback_metrics[STATS_PREFIX + key] = torch.tensor(value, dtype=torch.float64)
+
+    def _local_values(self, trainer: pl.Trainer) -> list[float]:
+        elapsed = 0.0
+        if self._start_time is not None and self._end_time is not None:
+            elapsed = self._end_time - self._start_time
+        stats = getattr(trainer.strategy, "communication_stats", None)
+        all_reduce_bytes = comm_total = comm_calls = 0
+        if stats is not None:
+            all_reduce_bytes = stats.bytes_by_collective.get("all_reduce", 0)
+            comm_total, comm_calls = stats.total_bytes, stats.calls
+        optimizer_steps = trainer.global_step - self._start_global_step if self._start_time is not None else 0
+        values = {
+            "tokens": self._tokens,
+            "samples": self._samples,
+            "elapsed_s": elapsed,
+            "measured_batches": self._measured_batches,
+            "optimizer_steps": optimizer_steps,
+            "peak_mem": peak_memory_bytes(trainer.strategy.root_device),
+            "all_reduce_bytes": all_reduce_bytes,
+            "comm_total_bytes": comm_total,
+            "comm_calls": comm_calls,
+            "final_loss": self._final_loss,
+        }
+        return [float(values[name]) for name in _FIELDS]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loss_value(trainer: pl.Trainer, outputs: Any) -> float:
+    """The batch's training loss: ``outputs["loss"]`` (undoing Lightning's division by the accumulation factor), or
+    the ``train_loss`` the module logged."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if isinstance(loss, Tensor) and loss.numel() == 1:
+        return float(loss.detach().float().item()) * trainer.accumulate_grad_batches
+    logged = trainer.callback_metrics.get("train_loss")
+    return float(logged) if isinstance(logged, Tensor) and logged.numel() == 1 else math.nan
+
+
+def _all_gather(trainer: pl.Trainer, local: Tensor) -> Tensor:
+    """Every rank's ``local`` vector stacked, ``(world_size, n)``; ``local`` itself when there is one rank."""
+    if trainer.world_size == 1:
+        return local.unsqueeze(0)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == trainer.world_size:
+        out = torch.empty(trainer.world_size, local.numel(), dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(
+            out, local.unsqueeze(0)
+        )  # (world_size, n); Lightning's all_gather goes through a deprecated API
+        return out
+    if hasattr(trainer.strategy, "all_gather"):
+        return trainer.strategy.all_gather(local)
+    raise RuntimeError(f"RunStats cannot gather from {trainer.world_size} ranks: no collective is available.")
+
+
+def _metrics_from_gathered(gathered: Tensor, *, has_comm_stats: bool) -> dict[str, float]:
+    """Turn the ``(world_size, num_fields)`` table of per-rank values into the reported metrics."""
+    col = {name: gathered[:, i] for i, name in enumerate(_FIELDS)}
+    world_size = gathered.size(0)
+    elapsed = float(col["elapsed_s"].max())
+    has_window = elapsed > 0 and float(col["measured_batches"].min()) > 0
+    metrics = {
+        "world_size": float(world_size),
+        "measured_steps": float(col["measured_batches"].min()),
+        "elapsed_s": elapsed,
+        "final_loss": float(col["final_loss"].mean()),
+        "samples_per_s": float(col["samples"].sum()) / elapsed if has_window else math.nan,
+        "tokens_per_s": float(col["tokens"].sum()) / elapsed if has_window else math.nan,
+        "tokens_per_s_per_rank": float(col["tokens"].sum()) / elapsed / world_size if has_window else math.nan,
+    }
+    for rank in range(world_size):
+        metrics[f"peak_mem_rank{rank}"] = float(col["peak_mem"][rank])
+    if has_comm_stats:
+        steps = float(col["optimizer_steps"].min())
+        # No recorded call with several ranks means tracking was off (uncompressed DDP without a counting hook).
+        counted = steps > 0 and (world_size == 1 or float(col["comm_calls"].min()) > 0)
+        metrics["comm_bytes_per_step"] = float(col["all_reduce_bytes"][0]) / steps if counted else math.nan
+        metrics["comm_total_bytes_per_step"] = float(col["comm_total_bytes"][0]) / steps if counted else math.nan
+    return metrics
+
+
+def summarize(trainer: pl.Trainer) -> RunSummary:
+    """Read the numbers :class:`RunStats` put into ``trainer.callback_metrics`` back as plain Python values.
+
+    Works in the process that called ``trainer.fit``, including the parent of a fork/spawn launch.
+
+    Raises:
+        RuntimeError: If ``trainer.callback_metrics`` holds no ``RunStats`` results (no ``RunStats`` callback, or
+            training did not reach ``on_train_end``).
+    """
+    metrics = {k[len(STATS_PREFIX) :]: v for k, v in trainer.callback_metrics.items() if k.startswith(STATS_PREFIX)}
+    if "world_size" not in metrics:
+        raise RuntimeError(
+            "No RunStats results in `trainer.callback_metrics`: pass `callbacks=[RunStats()]` to the Trainer and"
+            " call `summarize` after `trainer.fit` returned."
+        )
+    world_size = int(metrics["world_size"])
+    comm = metrics.get("comm_bytes_per_step")
+    return RunSummary(
+        world_size=world_size,
+        measured_steps=int(metrics["measured_steps"]),
+        final_loss=float(metrics["final_loss"]),
+        samples_per_s=float(metrics["samples_per_s"]),
+        tokens_per_s=float(metrics["tokens_per_s"]),
+        peak_mem=[float(metrics[f"peak_mem_rank{rank}"]) for rank in range(world_size)],
+        comm_bytes_per_step=None if comm is None else float(comm),
+    )

@@ -1,0 +1,79 @@
+"""Small training runs shared by the integration tests: one tiny GPT, seeded data, real Trainers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
+
+SEQ_LEN = 16
+SEED = 1234
+
+
+def make_module(optimizer: str = "adamw", learning_rate: float | None = None) -> GPTLightningModule:
+    """The tiny GPT without biases (a key bias has an exactly-zero gradient, which Adam turns into noise-sized
+    steps of size ~lr, so its value depends on rounding alone)."""
+    pl.seed_everything(SEED, verbose=False)
+    if learning_rate is None:
+        learning_rate = {"adamw": 1e-3, "sgd": 1e-1}[optimizer]
+    return GPTLightningModule("tiny", block_size=SEQ_LEN, bias=False, optimizer=optimizer, learning_rate=learning_rate)
+
+
+def make_trainer(strategy: Any, *, devices: int, max_steps: int, accumulate: int = 1, **kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": devices,
+        "strategy": strategy,
+        "max_steps": max_steps,
+        "accumulate_grad_batches": accumulate,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+    }
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def fit_tiny(
+    strategy: Any,
+    *,
+    devices: int,
+    per_device_batch: int,
+    max_steps: int = 3,
+    accumulate: int = 1,
+    optimizer: str = "adamw",
+) -> dict[str, torch.Tensor]:
+    """Fit the tiny GPT on seeded tokens and return the weights.
+
+    With several devices Lightning inserts its ``DistributedSampler(shuffle=True, seed=SEED)``, so rank r takes
+    ``perm[r::N]`` of one global permutation. At ``devices=1`` the same permutation is used explicitly, so global
+    batch k of the single-device run (batch ``N * b``) holds exactly the samples of step k on the N ranks.
+    """
+    module = make_module(optimizer)
+    dataset = RandomTokenDataset(96, SEQ_LEN, seed=7)
+    if devices == 1:
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+        loader = DataLoader(dataset, batch_size=per_device_batch, sampler=sampler)
+    else:
+        loader = DataLoader(dataset, batch_size=per_device_batch, shuffle=False)
+    trainer = make_trainer(strategy, devices=devices, max_steps=max_steps, accumulate=accumulate)
+    trainer.fit(module, train_dataloaders=loader)
+    # Lightning's fork/spawn launchers bring weights back to the parent but not the loop counters.
+    assert trainer.global_step == max_steps or trainer.strategy.launcher.is_interactive_compatible
+    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+
+
+def assert_weights_close(actual: dict, expected: dict, *, rtol: float, atol: float) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(
+            actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
