@@ -6,7 +6,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
