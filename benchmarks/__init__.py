@@ -1,1 +1,1 @@
-"""Benchmarks of lightning_parallel's strategies against their Lightning/torch anchors (``python -m benchmarks.run_all``)."""
+"""Benchmarks of our strategies against their Lightning/torch anchors (run: ``python -m benchmarks.run_all``)."""

@@ -49,6 +49,7 @@ def fit_tiny(
     max_steps: int = 3,
     accumulate: int = 1,
     optimizer: str = "adamw",
+    **trainer_kwargs: Any,
 ) -> dict[str, torch.Tensor]:
     """Fit the tiny GPT on seeded tokens and return the weights.
 
@@ -63,11 +64,16 @@ def fit_tiny(
         loader = DataLoader(dataset, batch_size=per_device_batch, sampler=sampler)
     else:
         loader = DataLoader(dataset, batch_size=per_device_batch, shuffle=False)
-    trainer = make_trainer(strategy, devices=devices, max_steps=max_steps, accumulate=accumulate)
+    trainer = make_trainer(strategy, devices=devices, max_steps=max_steps, accumulate=accumulate, **trainer_kwargs)
     trainer.fit(module, train_dataloaders=loader)
     # Lightning's fork/spawn launchers bring weights back to the parent but not the loop counters.
     assert trainer.global_step == max_steps or trainer.strategy.launcher.is_interactive_compatible
-    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+    # The strategy's own (consolidated) state dict: plain tensors even where the module holds shards (ZeRO-3);
+    # rank 0 holds all of it.
+    state = module.state_dict() if devices == 1 or trainer.strategy.launcher.is_interactive_compatible else None
+    if state is None:
+        state = trainer.strategy.lightning_module_state_dict()
+    return {name: tensor.detach().clone() for name, tensor in state.items()}
 
 
 def assert_weights_close(actual: dict, expected: dict, *, rtol: float, atol: float) -> None:

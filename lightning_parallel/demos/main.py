@@ -33,7 +33,17 @@ from lightning_parallel.demos.module import GPTLightningModule
 from lightning_parallel.demos.stats import RunStats, RunSummary, summarize
 from lightning_parallel.strategies import DataParallelStrategy
 
-__all__ = ["STRATEGY_ROWS", "DemoConfig", "RowResult", "StrategyRow", "format_table", "main", "run_demo", "train_once"]
+__all__ = [
+    "STRATEGY_ROWS",
+    "DemoConfig",
+    "RowResult",
+    "StrategyRow",
+    "format_table",
+    "main",
+    "quiet_lightning",
+    "run_demo",
+    "train_once",
+]
 
 _MIB = 1024**2
 
@@ -191,14 +201,22 @@ def format_table(results: Sequence[RowResult], *, devices: int) -> str:
                 *peaks,
             ]
         )
-    widths = [max(len(line[i]) for line in lines if i < len(line) and len(line) > 2) for i in range(len(header))]
+    return _render(lines)
+
+
+def _render(lines: list[list[str]]) -> str:
+    """Align ``lines`` (the header first) into columns; a two-cell line (a failed row) spans the numeric columns."""
+    header = lines[0]
+    complete = [line for line in lines if len(line) == len(header)]
+    widths = [max(len(line[0]) for line in lines)]
+    widths += [max(len(line[i]) for line in complete) for i in range(1, len(header))]
     rendered = []
     for line in lines:
-        if len(line) == 2:  # a failed row: the error spans the numeric columns
+        if len(line) != len(header):
             rendered.append(f"{line[0]:<{widths[0]}} | {line[1]}")
-        else:
-            cells = [f"{line[0]:<{widths[0]}}"] + [f"{cell:>{w}}" for cell, w in zip(line[1:], widths[1:], strict=True)]
-            rendered.append(" | ".join(cells))
+            continue
+        cells = [f"{line[0]:<{widths[0]}}"] + [f"{cell:>{w}}" for cell, w in zip(line[1:], widths[1:], strict=True)]
+        rendered.append(" | ".join(cells))
     rendered.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(rendered)
 
@@ -228,11 +246,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _quiet_lightning() -> None:
+def quiet_lightning() -> None:
     """Keep Lightning's start-up chatter and the CPU data-loading hint out of the demo's output."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    for message in (".*does not have many workers.*", ".*LeafSpec.*", ".*all_gather is deprecated.*"):
+    for message in (".*does not have many workers.*", ".*LeafSpec.*"):
         warnings.filterwarnings("ignore", message)
 
 
@@ -254,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = DemoConfig(preset=args.preset, steps=args.steps, devices=args.devices)
     config.warmup_steps = min(config.warmup_steps, max(0, config.steps - 1))
     torch.set_num_threads(1)
-    _quiet_lightning()
+    quiet_lightning()
     results = run_demo(rows, config)
     print(f"\n{config.devices} CPU processes, preset {config.preset!r}, {config.steps} steps per strategy:")
     print(format_table(results, devices=config.devices))

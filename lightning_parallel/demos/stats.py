@@ -118,7 +118,7 @@ def _batch_inputs(batch: Any) -> Tensor | None:
 
 
 class RunStats(Callback):
-    """Measure loss, steady-state throughput, peak memory and all-reduce bytes on every rank; report on rank 0.
+    """Measure loss, throughput, peak memory and all-reduce bytes on every rank; gather them into callback_metrics.
 
     The first ``warmup_steps`` training batches are not measured (allocator warm-up, DDP's bucket rebuild, lazy
     initialisation). Throughput is the wall time from ``on_train_batch_start`` of the first measured batch to
@@ -241,11 +241,11 @@ def _all_gather(trainer: pl.Trainer, local: Tensor) -> Tensor:
     if trainer.world_size == 1:
         return local.unsqueeze(0)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == trainer.world_size:
-        out = torch.empty(trainer.world_size, local.numel(), dtype=local.dtype, device=local.device)
-        dist.all_gather_into_tensor(
-            out, local.unsqueeze(0)
-        )  # (world_size, n); Lightning's all_gather goes through a deprecated API
-        return out
+        # The list form of all_gather: Lightning's all_gather and all_gather_into_tensor both warn of deprecated torch
+        # APIs (torch 2.13), and their replacement, all_gather_single, is missing from older torch.
+        parts = [torch.empty_like(local) for _ in range(trainer.world_size)]
+        dist.all_gather(parts, local)
+        return torch.stack(parts)  # (world_size, n)
     if hasattr(trainer.strategy, "all_gather"):
         return trainer.strategy.all_gather(local)
     raise RuntimeError(f"RunStats cannot gather from {trainer.world_size} ranks: no collective is available.")

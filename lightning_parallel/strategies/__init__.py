@@ -2,5 +2,6 @@
 
 from lightning_parallel.strategies.data_parallel import DataParallelStrategy
 from lightning_parallel.strategies.registry import register_all
+from lightning_parallel.strategies.sharded_optimizer import ShardedOptimizerStrategy
 
-__all__ = ["DataParallelStrategy", "register_all"]
+__all__ = ["DataParallelStrategy", "ShardedOptimizerStrategy", "register_all"]

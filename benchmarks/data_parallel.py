@@ -1,0 +1,245 @@
+"""DataParallelStrategy against its anchor, Lightning's own DDPStrategy, side by side in one run.
+
+Both train the demo GPT on the same data with the same per-process batch, number of steps and world size, started
+with ``fork``. Each repeat runs every configuration once, in alternating order (forwards, then backwards) so that
+slow drift of the machine affects both sides alike; the table reports medians. Two more configurations of ours
+measure the all-reduce payload per optimizer step: fp32 (counted with ``track_communication=True``) and
+``gradient_compression="fp16"``, which should send exactly half the bytes.
+
+Run it with ``python -m benchmarks.data_parallel [--preset small|tiny] [--repeats N]`` or through
+``python -m benchmarks.run_all``. It updates its section of ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+
+from benchmarks.results import machine_description, markdown_table, today, update_section
+from lightning_parallel.demos.gpt import PRESETS, num_parameters
+from lightning_parallel.demos.main import DemoConfig, quiet_lightning, train_once
+from lightning_parallel.demos.stats import RunSummary
+from lightning_parallel.strategies import DataParallelStrategy
+
+__all__ = ["CONFIGS", "BenchmarkConfig", "DataParallelResults", "main", "measure", "render_markdown"]
+
+_MIB = 1024**2
+NAME = "data_parallel"
+"""This benchmark's section name in RESULTS.md."""
+
+OURS, ANCHOR, FP32_COUNTED, FP16 = "ours", "lightning_ddp", "ours_fp32_counted", "ours_fp16"
+
+CONFIGS: dict[str, tuple[str, Callable[[], Strategy]]] = {
+    OURS: ("ours: DataParallelStrategy", lambda: DataParallelStrategy(start_method="fork")),
+    ANCHOR: ("anchor: Lightning DDPStrategy", lambda: DDPStrategy(start_method="fork")),
+    FP32_COUNTED: (
+        "ours, fp32 all-reduce counted",
+        lambda: DataParallelStrategy(start_method="fork", track_communication=True),
+    ),
+    FP16: ("ours, fp16 compression", lambda: DataParallelStrategy(start_method="fork", gradient_compression="fp16")),
+}
+"""Configuration name -> (table label, strategy factory), in the order of the first repeat."""
+
+
+@dataclass(kw_only=True)
+class BenchmarkConfig:
+    """What every configuration trains."""
+
+    preset: str = "small"
+    """Model size, a key of :data:`~lightning_parallel.demos.gpt.PRESETS`."""
+    steps: int = 20
+    """Optimizer steps per run."""
+    warmup_steps: int = 3
+    """Steps before throughput is measured."""
+    devices: int = 2
+    """CPU processes (world size)."""
+    batch_size: int = 8
+    """Sequences per batch per process."""
+    seq_len: int = 128
+    """Tokens per sequence; capped at the preset's ``block_size``."""
+    repeats: int = 3
+    """Runs per configuration; medians are reported."""
+
+    def demo_config(self) -> DemoConfig:
+        """The same settings in the demo's terms."""
+        return DemoConfig(
+            preset=self.preset,
+            steps=self.steps,
+            devices=self.devices,
+            warmup_steps=self.warmup_steps,
+            batch_size=self.batch_size,
+            seq_len=min(self.seq_len, PRESETS[self.preset]["block_size"]),
+        )
+
+
+@dataclass
+class DataParallelResults:
+    """Every run's numbers and the figures derived from them."""
+
+    config: BenchmarkConfig
+    """What was run."""
+    runs: dict[str, list[RunSummary]] = field(default_factory=dict)
+    """Configuration name -> one summary per repeat."""
+    throughput_ratios: list[float] = field(default_factory=list)
+    """Ours / anchor tokens per second of each repeat (the two ran back to back)."""
+    throughput_ratio: float = float("nan")
+    """Median of :attr:`throughput_ratios` (goal: >= 1.0)."""
+    fp32_bytes_per_step: float = float("nan")
+    """All-reduce payload bytes per optimizer step on one rank without compression."""
+    fp16_bytes_per_step: float = float("nan")
+    """All-reduce payload bytes per optimizer step on one rank with fp16 compression."""
+    bytes_ratio: float = float("nan")
+    """fp16 / fp32 bytes per step (goal: 0.5)."""
+
+    def median(self, name: str, key: str) -> float:
+        """Median over repeats of a scalar field (``"tokens_per_s"``, ``"final_loss"``, ...) of config ``name``."""
+        return statistics.median(float(run[key]) for run in self.runs[name])
+
+    def median_peak_mem(self, name: str) -> list[float]:
+        """Median over repeats of each rank's peak memory in bytes."""
+        per_rank = zip(*(run["peak_mem"] for run in self.runs[name]), strict=True)
+        return [statistics.median(values) for values in per_rank]
+
+
+def measure(config: BenchmarkConfig) -> DataParallelResults:
+    """Run every configuration ``config.repeats`` times, alternating the order, and derive the ratios.
+
+    Call it with one intra-op thread in this process (``torch.set_num_threads(1)``): it forks the ranks.
+
+    Raises:
+        RuntimeError: If a run failed (the rank's error is chained).
+    """
+    if config.repeats < 1:
+        raise ValueError(f"`repeats={config.repeats}` must be at least 1.")
+    demo_config = config.demo_config()
+    results = DataParallelResults(config=config, runs={name: [] for name in CONFIGS})
+    for repeat in range(config.repeats):
+        order = list(CONFIGS) if repeat % 2 == 0 else list(reversed(CONFIGS))
+        for name in order:
+            label, make_strategy = CONFIGS[name]
+            print(f"\n=== repeat {repeat + 1}/{config.repeats}: {label} ===", flush=True)
+            results.runs[name].append(train_once(make_strategy(), demo_config))
+    results.throughput_ratios = [
+        ours["tokens_per_s"] / anchor["tokens_per_s"]
+        for ours, anchor in zip(results.runs[OURS], results.runs[ANCHOR], strict=True)
+    ]
+    results.throughput_ratio = statistics.median(results.throughput_ratios)
+    results.fp32_bytes_per_step = _comm_bytes(results, FP32_COUNTED)
+    results.fp16_bytes_per_step = _comm_bytes(results, FP16)
+    results.bytes_ratio = results.fp16_bytes_per_step / results.fp32_bytes_per_step
+    return results
+
+
+def _comm_bytes(results: DataParallelResults, name: str) -> float:
+    values = {run["comm_bytes_per_step"] for run in results.runs[name]}
+    if len(values) != 1 or None in values:
+        raise RuntimeError(f"`{name}` counted different or no all-reduce bytes across repeats: {sorted(values)}.")
+    return float(values.pop())
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None or value != value else f"{value:,.{digits}f}"
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def render_markdown(results: DataParallelResults, *, command: str) -> str:
+    """The RESULTS.md section: command, date, machine, setup, a table of medians and the ratios against the goals."""
+    cfg = results.config
+    demo = cfg.demo_config()
+    params = num_parameters(cfg.preset)
+    header = ["configuration", "tokens/s", "final loss", "all-reduce MiB/step"]
+    header += [f"peak MiB rank{r}" for r in range(cfg.devices)]
+    rows = []
+    for name, (label, _) in CONFIGS.items():
+        comm = results.runs[name][0]["comm_bytes_per_step"]
+        rows.append(
+            [
+                label,
+                _fmt(results.median(name, "tokens_per_s"), 0),
+                _fmt(results.median(name, "final_loss"), 4),
+                _fmt(None if comm is None else comm / _MIB, 3),
+                *(_fmt(m / _MIB, 1) for m in results.median_peak_mem(name)),
+            ]
+        )
+    per_repeat = "; ".join(
+        f"{CONFIGS[name][0].split(':')[0]} " + ", ".join(f"{run['tokens_per_s']:,.0f}" for run in results.runs[name])
+        for name in (OURS, ANCHOR)
+    )
+    ratios = ", ".join(f"{ratio:.3f}" for ratio in results.throughput_ratios)
+    ratio_rows = [
+        [
+            "throughput ours / Lightning DDP (median of per-repeat ratios)",
+            f"{results.throughput_ratio:.3f}",
+            ">= 1.0",
+            _yes_no(results.throughput_ratio >= 1.0),
+        ],
+        [
+            "all-reduce bytes per step, fp16 / fp32",
+            f"{results.bytes_ratio:.4f}",
+            "0.5",
+            _yes_no(results.bytes_ratio == 0.5),
+        ],
+    ]
+    return f"""## {NAME}: DataParallelStrategy vs Lightning's DDPStrategy
+
+- Command: `{command}`
+- Date: {today()}
+- Machine: {machine_description()}
+- Setup: GPT preset `{cfg.preset}` ({params / 1e6:.2f} M parameters), {cfg.devices} CPU processes (fork, gloo),
+  {cfg.batch_size} x {demo.seq_len} tokens per process per step, {cfg.steps} steps of which {cfg.warmup_steps} warm-up,
+  {cfg.repeats} repeats in alternating order; medians. Peak memory is each process's peak RSS during `fit`.
+
+{markdown_table(header, rows)}
+
+{markdown_table(["ratio", "value", "goal", "met"], ratio_rows)}
+
+tokens/s per repeat: {per_repeat}; ours / anchor per repeat: {ratios}. All-reduce payload per step on
+one rank: fp32 {results.fp32_bytes_per_step:,.0f} B, fp16 {results.fp16_bytes_per_step:,.0f} B.
+"""
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.data_parallel", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small", choices=["tiny", "small"], help="model size (default: small)")
+    parser.add_argument("--repeats", type=int, default=BenchmarkConfig.repeats, help="runs per configuration")
+    parser.add_argument("--steps", type=int, default=BenchmarkConfig.steps, help="optimizer steps per run")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None, *, command: str | None = None) -> int:
+    """Run the benchmark, print its section and write it into ``benchmarks/RESULTS.md``.
+
+    Args:
+        argv: Command-line arguments; ``None`` reads ``sys.argv``.
+        command: The command to record in RESULTS.md; defaults to this module's command with ``argv``.
+
+    Returns:
+        0 once the results are written (whether or not they meet their goals: the table says so); a failed run
+        raises instead.
+    """
+    args = _parse_args(argv)
+    config = BenchmarkConfig(preset=args.preset, repeats=args.repeats, steps=args.steps)
+    config.warmup_steps = min(config.warmup_steps, config.steps - 1)
+    if command is None:
+        command = f"python -m benchmarks.data_parallel --preset {args.preset} --repeats {args.repeats}"
+        command += "" if args.steps == BenchmarkConfig.steps else f" --steps {args.steps}"
+    torch.set_num_threads(1)  # before forking: a forked child of a process whose OpenMP pool ran can hang
+    quiet_lightning()
+    results = measure(config)
+    section = render_markdown(results, command=command)
+    print("\n" + section)
+    update_section(NAME, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""The one place that imports private (``_``-prefixed) helpers of torch and Lightning.
+
+They are stable in practice but not public API; a version bump that moves them needs a change here only.
+"""
+
+from __future__ import annotations
+
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch.overrides.distributed import _sync_module_states as sync_module_states
+
+__all__ = ["optimizers_to_device", "sync_module_states"]

@@ -1,0 +1,169 @@
+"""Consolidated checkpoints: the stages' state dicts and optimizer states as one single-device state.
+
+The interchange format shared with the other strategies of this package is what single-device training saves:
+``state_dict`` with the model's own parameter names, and ``optimizer.state_dict()`` whose integer parameter ids
+follow the param_groups of the user's ``configure_optimizers`` on the *whole* model. A pipeline rank holds only its
+stage's parameters, so we record that whole-model layout (by parameter name) once before splitting and translate
+between it and each rank's local optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+
+__all__ = [
+    "OptimizerLayout",
+    "consolidate_optimizer_state",
+    "consolidate_state_dict",
+    "local_optimizer_state",
+    "optimizer_layout",
+    "optimizer_state_bytes",
+    "slice_optimizer_state",
+    "state_dict_bytes",
+]
+
+OptimizerLayout = list[list[str]]
+"""Parameter names of every param group of one optimizer, in the order of the whole model's optimizer."""
+
+
+def optimizer_layout(optimizer: Optimizer, names: Mapping[int, str]) -> OptimizerLayout:
+    """The names of ``optimizer``'s parameters per group (``names`` maps ``id(param)`` to its name)."""
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _gather_to_pipeline_root(obj: Any, dims: ParallelDims) -> list[Any] | None:
+    """``obj`` of every pipeline rank of this replica, on pipeline rank 0 (``None`` elsewhere)."""
+    if dims.pipeline_parallel_size == 1:
+        return [obj]
+    root = dims.pipeline_global_rank(0)
+    gathered: list[Any] | None = [None] * dims.pipeline_parallel_size if dims.pipeline_rank == 0 else None
+    dist.gather_object(obj, gathered, dst=root, group=dims.pipeline_group)
+    return gathered
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def consolidate_state_dict(
+    module: nn.Module, full_keys: Sequence[str], dims: ParallelDims
+) -> dict[str, Any] | None:
+    """The whole model's ``state_dict`` in its original key order, on pipeline rank 0 (a collective).
+
+    Keys not held by any layer (buffers of metrics, ...) exist on every rank; pipeline rank 0's copy is used.
+    """
+    local = _to_cpu(dict(module.state_dict()))
+    gathered = _gather_to_pipeline_root(local, dims)
+    if gathered is None:
+        return None
+    merged: dict[str, Any] = {}
+    for part in reversed(gathered):
+        merged.update(part)
+    merged.update(gathered[0])
+    missing = [key for key in full_keys if key not in merged]
+    assert not missing, f"no stage holds {missing}"
+    return {key: merged[key] for key in full_keys}
+
+
+def local_optimizer_state(optimizer: Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
+    """This rank's optimizer state keyed by parameter name, with its param groups' settings."""
+    state_dict = optimizer.state_dict()
+    index_to_name = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            index_to_name[index] = names[id(param)]
+            index += 1
+    return {
+        "state": {index_to_name[i]: _to_cpu(s) for i, s in state_dict["state"].items()},
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]],
+    }
+
+
+def consolidate_optimizer_state(optimizer: Optimizer, names: Mapping[int, str], layout: OptimizerLayout,
+                                dims: ParallelDims) -> dict[str, Any] | None:
+    """The single-device ``optimizer.state_dict()`` of the whole model, on pipeline rank 0 (a collective)."""
+    gathered = _gather_to_pipeline_root(local_optimizer_state(optimizer, names), dims)
+    if gathered is None:
+        return None
+    state_by_name: dict[str, Any] = {}
+    for part in gathered:
+        state_by_name.update(part["state"])
+    state: dict[int, Any] = {}
+    param_groups = []
+    index = 0
+    for group_index, group_names in enumerate(layout):
+        settings = copy.deepcopy(gathered[0]["groups"][group_index])
+        ids = []
+        for name in group_names:
+            if name in state_by_name:
+                state[index] = state_by_name[name]
+            ids.append(index)
+            index += 1
+        param_groups.append({**settings, "params": ids})
+    return {"state": state, "param_groups": param_groups}
+
+
+def slice_optimizer_state(
+    full_state: Mapping[str, Any], optimizer: Optimizer, names: Mapping[int, str], layout: OptimizerLayout
+) -> dict[str, Any]:
+    """This rank's part of a single-device optimizer state dict, as ``optimizer.load_state_dict`` expects it.
+
+    Raises:
+        ValueError: If the saved state's param groups do not match the model's optimizer layout.
+    """
+    saved_groups = full_state["param_groups"]
+    if [len(g["params"]) for g in saved_groups] != [len(g) for g in layout]:
+        raise ValueError(
+            "The checkpoint's optimizer has param groups of sizes"
+            f" {[len(g['params']) for g in saved_groups]}, but `configure_optimizers` builds"
+            f" {[len(g) for g in layout]}; the checkpoint belongs to a different model or optimizer set-up."
+        )
+    name_to_saved_id = {
+        name: saved_id
+        for group_names, group in zip(layout, saved_groups, strict=True)
+        for name, saved_id in zip(group_names, group["params"], strict=True)
+    }
+    state: dict[int, Any] = {}
+    param_groups = []
+    index = 0
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        ids = []
+        for param in group["params"]:
+            saved_id = name_to_saved_id[names[id(param)]]
+            if saved_id in full_state["state"]:
+                state[index] = full_state["state"][saved_id]
+            ids.append(index)
+            index += 1
+        param_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": param_groups}
+
+
+def state_dict_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters on this rank."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def optimizer_state_bytes(optimizer: Optimizer) -> int:
+    """Bytes of the tensors in ``optimizer``'s state on this rank."""
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, Tensor)
+    )
+
+

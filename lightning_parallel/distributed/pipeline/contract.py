@@ -1,0 +1,203 @@
+"""The user contract: run a LightningModule's own step with ``self(...)`` answered by the pipeline.
+
+Torch/Lightning-module level, no Trainer logic. Three things happen to a step:
+
+* :func:`capture_model_inputs` runs the step until it calls ``self(...)`` and returns those arguments (the first
+  stage's input); nothing after that call runs, and nothing is logged.
+* :func:`run_step_with_output` runs the step on one micro-batch with ``self(...)`` returning the pipeline's output
+  for it, recording what the step logs instead of logging it.
+* :func:`aggregate_logs` / :func:`replay_logs` turn the per-micro-batch records into one ``self.log`` call per name,
+  made identically on every rank of the pipeline (so every rank syncs, and callbacks decide the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+__all__ = [
+    "ContractError",
+    "LogRecord",
+    "aggregate_logs",
+    "capture_model_inputs",
+    "replay_logs",
+    "run_step_with_output",
+    "step_loss",
+]
+
+_CONTRACT = (
+    "Under PipelineParallelStrategy a step must call `self(...)` exactly once (the pipeline answers it with the"
+    " last stage's output for the micro-batch) and must not call the model's layers directly."
+)
+
+
+class ContractError(RuntimeError):
+    """A step broke the pipeline contract (called ``self(...)`` twice, never, or reached into submodules)."""
+
+
+class _InputsCaptured(Exception):  # noqa: N818 - control flow, never escapes
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.args, self.kwargs = args, kwargs
+
+
+@dataclass
+class LogRecord:
+    """One ``self.log`` call of a step (or the aggregate over micro-batches)."""
+
+    name: str
+    value: Any
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@contextmanager
+def _patched(module: nn.Module, forward: Callable[..., Any], log: Callable[..., None]) -> Iterator[None]:
+    # Instance attributes shadow the class's methods for the duration of the step: `self(x)` reaches
+    # `self.forward`, `self.log_dict` calls `self.log`.
+    module.__dict__["forward"] = forward
+    module.__dict__["log"] = log
+    try:
+        yield
+    finally:
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop("log", None)
+
+
+def capture_model_inputs(
+    module: nn.Module, step: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Run ``module.<step>(*args, **kwargs)`` up to its ``self(...)`` call and return that call's arguments.
+
+    Raises:
+        ContractError: If the step returns without calling ``self(...)``.
+    """
+
+    def forward(*fargs: Any, **fkwargs: Any) -> Any:
+        raise _InputsCaptured(fargs, fkwargs)
+
+    with _patched(module, forward, lambda *a, **k: None):
+        try:
+            getattr(module, step)(*args, **kwargs)
+        except _InputsCaptured as captured:
+            return captured.args, captured.kwargs
+    raise ContractError(f"`{step}` returned without calling `self(...)`. {_CONTRACT}")
+
+
+def run_step_with_output(
+    module: nn.Module, step: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> tuple[Any, list[LogRecord]]:
+    """Run ``module.<step>`` with ``self(...)`` returning ``output``; return the step's result and its log calls.
+
+    Raises:
+        ContractError: If the step calls ``self(...)`` twice or not at all.
+    """
+    calls = 0
+    records: list[LogRecord] = []
+
+    def forward(*fargs: Any, **fkwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise ContractError(f"`{step}` called `self(...)` a second time. {_CONTRACT}")
+        return output
+
+    def log(name: str, value: Any, *largs: Any, **lkwargs: Any) -> None:
+        records.append(LogRecord(name, value, largs, lkwargs))
+
+    with _patched(module, forward, log):
+        result = getattr(module, step)(*args, **kwargs)
+    if calls == 0:
+        raise ContractError(f"`{step}` did not call `self(...)`. {_CONTRACT}")
+    return result, records
+
+
+def step_loss(output: Any, step: str = "training_step") -> Tensor:
+    """The loss of a ``training_step`` result (a tensor or a dict with ``"loss"``)."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, Tensor):
+        raise ContractError(
+            f"`{step}` returned {type(output).__name__}; under PipelineParallelStrategy it must return the loss tensor"
+            " or a dict with a 'loss' tensor (returning None to skip a batch is not supported)."
+        )
+    return loss
+
+
+def _reduce_fx(record: LogRecord) -> Any:
+    return record.kwargs.get("reduce_fx", record.args[5] if len(record.args) > 5 else "mean")
+
+
+def aggregate_logs(per_microbatch: Sequence[Sequence[LogRecord]], weights: Sequence[float]) -> list[LogRecord]:
+    """One record per logged name: the weighted mean over micro-batches (``reduce_fx`` "sum"/"max"/"min" honoured).
+
+    With equal micro-batches and a mean-reduced quantity (a mean loss) this is exactly the value of the whole batch.
+    A logged ``Metric`` object is kept as is (its state was updated once per micro-batch).
+    """
+    order: list[str] = []
+    grouped: dict[str, list[tuple[LogRecord, float]]] = {}
+    for records, weight in zip(per_microbatch, weights, strict=True):
+        for record in records:
+            if record.name not in grouped:
+                order.append(record.name)
+                grouped[record.name] = []
+            grouped[record.name].append((record, weight))
+    result = []
+    for name in order:
+        entries = grouped[name]
+        last = entries[-1][0]
+        if isinstance(last.value, Metric):
+            result.append(last)
+            continue
+        values = [torch.as_tensor(r.value).detach().double() for r, _ in entries]
+        reduce_fx = _reduce_fx(last)
+        if reduce_fx in ("sum", torch.sum):
+            value = torch.stack(values).sum()
+        elif reduce_fx in ("max", torch.max):
+            value = torch.stack(values).max()
+        elif reduce_fx in ("min", torch.min):
+            value = torch.stack(values).min()
+        else:
+            w = torch.tensor([wt for _, wt in entries], dtype=torch.float64)
+            value = (torch.stack(values) * w).sum() / w.sum()
+        dtype = last.value.dtype if isinstance(last.value, Tensor) and last.value.is_floating_point() else None
+        result.append(LogRecord(name, value.to(dtype or torch.float32), last.args, last.kwargs))
+    return result
+
+
+def to_portable(records: Sequence[LogRecord], metric_names: dict[int, str]) -> list[tuple[Any, ...]]:
+    """Records as picklable tuples: tensors on CPU, ``Metric`` objects by their attribute path."""
+    portable = []
+    for record in records:
+        if isinstance(record.value, Metric):
+            cache = record.value._forward_cache
+            cache = cache.detach().cpu() if isinstance(cache, Tensor) else cache
+            portable.append(("metric", record.name, metric_names[id(record.value)], cache, record.args, record.kwargs))
+        else:
+            value = record.value.detach().cpu() if isinstance(record.value, Tensor) else record.value
+            portable.append(("value", record.name, value, None, record.args, record.kwargs))
+    return portable
+
+
+def replay_logs(module: Any, portable: Sequence[tuple[Any, ...]], *, device: torch.device, is_source: bool) -> None:
+    """Call ``module.log`` once per record, the same calls on every rank of the pipeline.
+
+    On ranks that did not run the step (``is_source=False``) a logged ``Metric`` keeps its empty state, so when
+    torchmetrics syncs at epoch end over all ranks it adds nothing but still takes part in the collective; its
+    step value (``_forward_cache``) is the one the last stage computed.
+    """
+    submodules = dict(module.named_modules())
+    for kind, name, value, cache, args, kwargs in portable:
+        if kind == "metric":
+            metric = submodules[value]
+            if not is_source:
+                metric._forward_cache = cache.to(device) if isinstance(cache, Tensor) else cache
+                metric._update_count = max(metric._update_count, 1)  # "took part": no compute-before-update warning
+            module.log(name, metric, *args, **kwargs)
+        else:
+            module.log(name, value.to(device) if isinstance(value, Tensor) else value, *args, **kwargs)

@@ -1,0 +1,303 @@
+"""Splitting a model given as ``pipeline_layers()`` into contiguous pipeline stages.
+
+Torch-only: usable without a Trainer. The model stays one ``nn.Module`` tree; a rank keeps the layers of its own
+stages and replaces the others by :class:`RemoteLayer` placeholders, so ``state_dict()`` keeps the model's original
+parameter names and ``parameters()`` (hence the optimizer) holds only the local stage's parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = [
+    "PartitionMethod",
+    "RemoteLayer",
+    "StageModule",
+    "StagePlan",
+    "balanced_boundaries",
+    "check_parameter_ownership",
+    "layer_compute_costs",
+    "layer_parameter_costs",
+    "layer_qualified_names",
+    "plan_stages",
+    "remove_remote_layers",
+    "resolve_pipeline_layers",
+]
+
+PartitionMethod = Literal["compute", "parameters"]
+
+_CONTRACT = (
+    "The pipeline contract: a step calls `self(...)` exactly once and computes its loss from the result; the"
+    " layers of `pipeline_layers()` run only inside the pipeline."
+)
+
+
+def resolve_pipeline_layers(module: nn.Module) -> list[nn.Module]:
+    """Call ``module.pipeline_layers()`` and check what it returns.
+
+    Raises:
+        TypeError: If the module has no ``pipeline_layers`` method or it returns something other than modules.
+        ValueError: If it returns no layers or the same layer twice.
+    """
+    method = getattr(module, "pipeline_layers", None)
+    if not callable(method):
+        raise TypeError(
+            f"`{type(module).__name__}` has no `pipeline_layers()` method, which PipelineParallelStrategy needs. Add"
+            " `def pipeline_layers(self) -> Sequence[nn.Module]` returning the model's layers in order, each layer's"
+            " output the next one's input, their composition equal to `forward`."
+        )
+    layers = list(method())
+    if not layers:
+        raise ValueError(f"`{type(module).__name__}.pipeline_layers()` returned no layers; return at least one.")
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(
+                f"`pipeline_layers()` item {index} is a `{type(layer).__name__}`, not an `nn.Module`; return modules."
+            )
+    if len({id(layer) for layer in layers}) != len(layers):
+        raise ValueError("`pipeline_layers()` returned the same module twice; every layer must appear once.")
+    return layers
+
+
+def layer_qualified_names(module: nn.Module, layers: Sequence[nn.Module]) -> list[list[str]]:
+    """The names under which each layer is registered in ``module`` (a layer may have aliases).
+
+    Raises:
+        ValueError: If a layer is not a submodule of ``module`` or is the module itself.
+    """
+    names: dict[int, list[str]] = {}
+    for name, submodule in module.named_modules(remove_duplicate=False):
+        if name:
+            names.setdefault(id(submodule), []).append(name)
+    result = []
+    for index, layer in enumerate(layers):
+        if id(layer) not in names:
+            raise ValueError(
+                f"`pipeline_layers()` item {index} (`{type(layer).__name__}`) is not a submodule of"
+                f" `{type(module).__name__}`; return the model's own layers (not copies)."
+            )
+        result.append(names[id(layer)])
+    return result
+
+
+def check_parameter_ownership(module: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
+    """Map every parameter of ``module`` to the layer that holds it; return each layer's parameter count.
+
+    Raises:
+        ValueError: If a parameter is shared by two layers (tied weights across stages) or belongs to no layer.
+    """
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for parameter in layer.parameters():
+            if owner.setdefault(id(parameter), index) != index:
+                raise ValueError(
+                    f"A parameter is shared by pipeline layers {owner[id(parameter)]} and {index} (tied weights)."
+                    " Pipeline stages cannot share parameters; untie them or put both uses in one layer."
+                )
+    for name, parameter in module.named_parameters():
+        if id(parameter) not in owner:
+            raise ValueError(
+                f"Parameter `{name}` belongs to none of the modules returned by `pipeline_layers()`. Every"
+                " parameter used by `forward` must live in exactly one pipeline layer."
+            )
+    return layer_parameter_costs(layers)
+
+
+def layer_parameter_costs(layers: Sequence[nn.Module]) -> list[int]:
+    """Number of parameters per layer."""
+    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return torch.empty_like(value, device="meta")
+    if isinstance(value, tuple | list):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+def _check_layer_output(index: int, layer: nn.Module, output: Any) -> tuple[Tensor, ...]:
+    if isinstance(output, Tensor):
+        return (output,)
+    if isinstance(output, tuple) and output and all(isinstance(o, Tensor) for o in output):
+        return output
+    kind = type(output).__name__
+    if isinstance(output, tuple):
+        kind = f"tuple of ({', '.join(type(o).__name__ for o in output)})"
+    raise TypeError(
+        f"Pipeline layer {index} (`{type(layer).__name__}`) returned a {kind}; pipeline layers must return a tensor"
+        " or a non-empty tuple of tensors (they are sent between ranks). Wrap the layer so that it does."
+    )
+
+
+def layer_compute_costs(
+    layers: Sequence[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> list[int]:
+    """Estimate each layer's compute by counting forward FLOPs on the ``meta`` device (no memory, deterministic).
+
+    Also checks that every layer returns a tensor or a tuple of tensors. The estimate adds each layer's output
+    size, so layers without matrix products (embeddings, norms) still count as the memory-bound work they are.
+    Every rank computes the same numbers, so no communication is needed to agree on a split.
+
+    Args:
+        layers: The pipeline layers, in order.
+        args, kwargs: Example inputs of the first layer (one micro-batch or a whole batch; only shapes matter).
+
+    Raises:
+        TypeError: If a layer returns something other than a tensor or a tuple of tensors.
+    """
+    costs = []
+    current_args, current_kwargs = _to_meta(tuple(args)), _to_meta(kwargs or {})
+    for index, layer in enumerate(layers):
+        meta_layer = copy.deepcopy(layer).to("meta")
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            output = meta_layer(*current_args, **current_kwargs)
+        outputs = _check_layer_output(index, layer, output)
+        costs.append(int(counter.get_total_flops()) + sum(o.numel() for o in outputs))
+        current_args, current_kwargs = outputs, {}
+    return costs
+
+
+def balanced_boundaries(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Cut ``costs`` into ``num_stages`` contiguous non-empty groups minimising the largest group's sum.
+
+    Returns the start index of each stage (``[0, ...]``). Ties go to the earliest cut, so every rank gets the same
+    answer from the same costs.
+
+    Raises:
+        ValueError: If there are fewer layers than stages.
+    """
+    n = len(costs)
+    if num_stages > n:
+        raise ValueError(
+            f"Cannot split {n} pipeline layers into {num_stages} stages: every stage needs at least one layer."
+            " Lower `pipeline_parallel_size` / `stages_per_rank`, or return finer layers from `pipeline_layers()`."
+        )
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + float(cost))
+    inf = float("inf")
+    # best[k][i]: the smallest possible maximum stage cost when the first i layers form k stages.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    starts = []
+    i = n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which layers form which stage, and which pipeline rank runs each stage."""
+
+    starts: tuple[int, ...]
+    """Index of the first layer of each stage."""
+    num_layers: int
+    """Total number of layers."""
+    pipeline_parallel_size: int
+    """Number of pipeline ranks; stage ``s`` runs on pipeline rank ``s % pipeline_parallel_size`` (loop order)."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.starts)
+
+    def layers_of(self, stage: int) -> range:
+        """Layer indices of ``stage``."""
+        stop = self.starts[stage + 1] if stage + 1 < self.num_stages else self.num_layers
+        return range(self.starts[stage], stop)
+
+    def stages_of(self, pipeline_rank: int) -> list[int]:
+        """Stages run by ``pipeline_rank``, in order."""
+        return list(range(pipeline_rank, self.num_stages, self.pipeline_parallel_size))
+
+    def stage_of_layer(self, layer: int) -> int:
+        return max(s for s, start in enumerate(self.starts) if start <= layer)
+
+
+def plan_stages(
+    costs: Sequence[float],
+    *,
+    num_stages: int,
+    pipeline_parallel_size: int,
+    boundaries: Sequence[int] | None = None,
+) -> StagePlan:
+    """Plan stages from per-layer costs, or from explicit ``boundaries`` (start layer of every stage but the first).
+
+    Raises:
+        ValueError: If there are more stages than layers or the boundaries are not increasing in ``(0, num_layers)``.
+    """
+    n = len(costs)
+    if boundaries is None:
+        starts = balanced_boundaries(costs, num_stages)
+    else:
+        starts = [0, *boundaries]
+        valid = all(a < b for a, b in zip(starts, [*starts[1:], n], strict=True))
+        if len(starts) != num_stages or not valid:
+            raise ValueError(
+                f"`partition={list(boundaries)!r}` must list the first layer of stages 1..{num_stages - 1}"
+                f" ({num_stages - 1} strictly increasing indices in 1..{n - 1}) for {num_stages} stages of {n} layers."
+            )
+    return StagePlan(starts=tuple(starts), num_layers=n, pipeline_parallel_size=pipeline_parallel_size)
+
+
+class RemoteLayer(nn.Module):
+    """Stands in for a layer that lives on another pipeline rank; calling it explains the contract."""
+
+    def __init__(self, name: str, stage: int) -> None:
+        super().__init__()
+        self.name = name
+        self.stage = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"`{self.name}` lives on pipeline stage {self.stage}, not on this rank, so it cannot be called here."
+            f" {_CONTRACT} Call `self(...)` in the step instead of reaching into submodules."
+        )
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, stage={self.stage}"
+
+
+def remove_remote_layers(
+    module: nn.Module, names: Sequence[Sequence[str]], plan: StagePlan, local_stages: Sequence[int]
+) -> None:
+    """Replace every layer outside ``local_stages`` by a :class:`RemoteLayer`, freeing its parameters here."""
+    local_layers = {layer for stage in local_stages for layer in plan.layers_of(stage)}
+    for index, layer_names in enumerate(names):
+        if index in local_layers:
+            continue
+        for name in layer_names:
+            module.set_submodule(name, RemoteLayer(name, plan.stage_of_layer(index)))
+
+
+class StageModule(nn.Module):
+    """The layers of one stage applied in order; the module a ``PipelineStage`` runs."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.layers[0](*args, **kwargs)
+        for layer in self.layers[1:]:
+            output = layer(*output) if isinstance(output, tuple) else layer(output)
+        return output
+

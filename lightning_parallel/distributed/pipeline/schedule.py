@@ -1,0 +1,199 @@
+"""Schedules and process groups of a pipeline: names, their constraints, and building torch's stages/schedules.
+
+Torch-only. We use ``torch.distributed.pipelining``'s ``PipelineStage`` and schedule classes as they are; this
+module only picks them, checks their constraints up front (so a bad configuration raises the same ``ValueError`` on
+every rank instead of hanging) and lays ranks out as ``data-parallel replica x pipeline rank``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+from lightning_parallel.distributed.pipeline.partition import StageModule, StagePlan
+
+__all__ = [
+    "MULTI_STAGE_SCHEDULES",
+    "SCHEDULES",
+    "ParallelDims",
+    "PipelineRuntime",
+    "build_runtime",
+    "resolve_schedule",
+    "validate_schedule_config",
+]
+
+SCHEDULES: dict[str, type] = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+}
+"""The schedules we support, by their torch names. All place stage ``s`` on pipeline rank ``s % p`` (loop order)."""
+
+MULTI_STAGE_SCHEDULES = frozenset({"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"})
+"""Schedules that run several (virtual) stages per rank (``stages_per_rank >= 1``)."""
+
+
+def resolve_schedule(name: str) -> str:
+    """The canonical spelling of a schedule name (case-insensitive).
+
+    Raises:
+        ValueError: For an unknown name, listing the valid ones.
+    """
+    by_lower = {key.lower(): key for key in SCHEDULES}
+    if not isinstance(name, str) or name.lower() not in by_lower:
+        raise ValueError(f"Unknown `schedule={name!r}`. Valid schedules (case-insensitive): {', '.join(SCHEDULES)}.")
+    return by_lower[name.lower()]
+
+
+def validate_schedule_config(
+    schedule: str, *, pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int
+) -> None:
+    """Check torch's constraints for ``schedule`` before anything runs.
+
+    Raises:
+        ValueError: With the bad values and the fix.
+    """
+    if schedule not in MULTI_STAGE_SCHEDULES and stages_per_rank != 1:
+        raise ValueError(
+            f"`schedule={schedule!r}` runs one stage per rank, but `stages_per_rank={stages_per_rank}`. Use"
+            f" `stages_per_rank=1` or a multi-stage schedule: {', '.join(sorted(MULTI_STAGE_SCHEDULES))}."
+        )
+    num_stages = pipeline_parallel_size * stages_per_rank
+    if schedule in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble") and num_microbatches < pipeline_parallel_size:
+        raise ValueError(
+            f"`schedule={schedule!r}` needs at least as many micro-batches as pipeline ranks, but"
+            f" `num_microbatches={num_microbatches}` < {pipeline_parallel_size} (1F1B warms up one micro-batch per"
+            f" stage). Use `num_microbatches >= {pipeline_parallel_size}` (more shrinks the bubble) or 'GPipe'."
+        )
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and num_microbatches % pipeline_parallel_size:
+        raise ValueError(
+            f"`schedule={schedule!r}` needs `num_microbatches` to be a multiple of the pipeline size"
+            f" {pipeline_parallel_size}, got {num_microbatches}."
+        )
+    del num_stages
+
+
+@dataclass
+class ParallelDims:
+    """Ranks laid out as ``data_parallel_size x pipeline_parallel_size``; pipeline ranks of a replica are adjacent.
+
+    ``global_rank = data_parallel_rank * pipeline_parallel_size + pipeline_rank``.
+    """
+
+    world_size: int
+    global_rank: int
+    pipeline_parallel_size: int
+    pipeline_group: Any = field(default=None, repr=False)
+    """Process group of this rank's pipeline (the ranks of one replica); ``None`` before :meth:`build_groups`."""
+    data_parallel_group: Any = field(default=None, repr=False)
+    """Process group of the replicas of this rank's stages; ``None`` before :meth:`build_groups`."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.pipeline_parallel_size
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.global_rank % self.pipeline_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.global_rank // self.pipeline_parallel_size
+
+    def pipeline_global_rank(self, pipeline_rank: int) -> int:
+        """Global rank of ``pipeline_rank`` in this rank's replica."""
+        return self.data_parallel_rank * self.pipeline_parallel_size + pipeline_rank
+
+    def build_groups(self) -> None:
+        """Create the process groups (a collective: every rank creates every group, in the same order)."""
+        p, d = self.pipeline_parallel_size, self.data_parallel_size
+        for replica in range(d):
+            group = dist.new_group([replica * p + i for i in range(p)])
+            if replica == self.data_parallel_rank:
+                self.pipeline_group = group
+        for stage_rank in range(p):
+            group = dist.new_group([replica * p + stage_rank for replica in range(d)])
+            if stage_rank == self.pipeline_rank:
+                self.data_parallel_group = group
+
+
+@dataclass
+class PipelineRuntime:
+    """torch's stages and schedule for one input shape and mode (training or forward-only)."""
+
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
+    stages: list[PipelineStage]
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    def last_stage_outputs(self) -> list[Any]:
+        """Output of every micro-batch of the last stage after a step (only on the rank that holds it)."""
+        (stage,) = [stage for stage in self.stages if stage.is_last]
+        return list(stage.output_chunks)
+
+    @property
+    def backward_initialized(self) -> bool:
+        """Whether torch finished its metadata inference (which calls the loss function once on a dummy output)."""
+        # torch's schedules keep this flag private; it is the only way to tell the inference call of `loss_fn`
+        # (on uninitialised activations) from the real per-micro-batch calls.
+        flag = getattr(self.schedule, "_stage_backward_initialized", None)
+        if flag is None:
+            flag = getattr(self.schedule, "_stages_backward_initialized", False)
+        return bool(flag)
+
+
+def build_runtime(
+    *,
+    schedule: str,
+    plan: StagePlan,
+    layers: Sequence[torch.nn.Module],
+    dims: ParallelDims,
+    num_microbatches: int,
+    device: torch.device,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+) -> PipelineRuntime:
+    """Wrap this rank's stages in ``PipelineStage`` objects and build the schedule.
+
+    ``loss_fn=None`` builds a forward-only schedule (evaluation): GPipe's forward phase for one stage per rank,
+    LoopedBFS's for several. Gradients are never scaled by torch (``scale_grads=False``): the caller's loss already
+    divides by the number of micro-batches and accumulation steps (torch's scaling would also rescale gradients
+    accumulated in earlier steps, pytorch/torchtitan#1733).
+    """
+    stages = [
+        PipelineStage(
+            StageModule([layers[i] for i in plan.layers_of(stage_index)]),
+            stage_index,
+            plan.num_stages,
+            device,
+            group=dims.pipeline_group,
+        )
+        for stage_index in plan.stages_of(dims.pipeline_rank)
+    ]
+    name = schedule if loss_fn is not None else ("LoopedBFS" if len(stages) > 1 else "GPipe")
+    schedule_class = SCHEDULES[name]
+    if name in MULTI_STAGE_SCHEDULES:
+        torch_schedule = schedule_class(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    else:
+        torch_schedule = schedule_class(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return PipelineRuntime(schedule=torch_schedule, stages=stages)

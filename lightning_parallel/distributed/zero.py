@@ -1,0 +1,301 @@
+"""ZeRO stages 1 and 2 on plain torch collectives: flat buckets, reduce-scatter during backward, sharded step.
+
+Layout (Megatron's distributed optimizer / DeepSpeed ZeRO):
+
+* Trainable parameters are grouped, in reverse registration order (roughly the order backward produces their
+  gradients, as DDP does), into buckets of at most ``bucket_cap_mb``. Each bucket owns one flat parameter buffer;
+  the module's parameters become views into it (``param.data = flat[a:b].view(shape)``), so the module, its
+  ``state_dict`` and the user's references keep working unchanged.
+* Each bucket is padded to a multiple of the world size and cut into equal contiguous shards; rank r owns shard r.
+* Backward: a post-accumulate-grad hook adds each parameter's gradient into its bucket's flat gradient buffer and
+  drops ``param.grad``. When a bucket is complete (and this micro-step synchronises) its average is
+  reduce-scattered asynchronously while backward goes on. Buckets are launched strictly in bucket order, so every
+  rank issues the same collectives in the same order even when parameters are unused on some ranks.
+* Step: the user's optimizer sees, per parameter group, 1-D views of the owned pieces of its parameters, with the
+  reduced gradient shard as ``.grad``. It updates the flat parameter buffer in place; then each bucket's shard is
+  all-gathered. Reduce-scatter + all-gather moves the same bytes as DDP's all-reduce.
+
+Stage 1 keeps the full flat gradient buffers (``Psi`` bytes) between steps; stage 2 frees each bucket's full buffer
+as soon as its reduce-scatter completes and keeps only the ``Psi / N`` shard. Optimizer state exists only for the
+owned views: ``K * Psi / N``. Neither stage ever holds a second full copy of gradients or optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["MemoryReport", "ShardView", "ShardedParameterBuckets"]
+
+
+@dataclass
+class _Segment:
+    """One parameter's place in a bucket."""
+
+    param: nn.Parameter
+    name: str
+    offset: int  # first element within the bucket
+    numel: int
+
+
+@dataclass
+class ShardView:
+    """The piece of one parameter that this rank owns: ``param.view(-1)[start:stop]``."""
+
+    name: str
+    param: nn.Parameter
+    start: int
+    stop: int
+    tensor: Tensor  # view into the bucket's flat parameters; what the optimizer steps
+    grad: Tensor  # view into the bucket's reduced gradient shard
+
+
+@dataclass
+class _Bucket:
+    segments: list[_Segment]
+    numel: int  # padded to a multiple of the world size
+    shard_numel: int
+    flat_params: Tensor
+    shard_grads: Tensor
+    full_grads: Tensor | None = None
+    ready: int = 0
+    launched: bool = False
+    work: dist.Work | None = None
+    views: list[ShardView] = field(default_factory=list)
+
+
+@dataclass
+class MemoryReport:
+    """Bytes this rank really holds, measured from its tensors' storages (each storage counted once)."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer_state": self.optimizer_state,
+            "total": self.total,
+        }
+
+
+def _storage_bytes(tensors: Iterator[Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class ShardedParameterBuckets:
+    """Flat bucketed parameters and gradients of ``module``, sharded across ``group``.
+
+    Args:
+        module: the model; its trainable parameters are moved into flat buffers in place.
+        stage: 1 (optimizer state sharded) or 2 (optimizer state and gradients sharded).
+        group: the data-parallel process group (``None``: the default group).
+        bucket_cap_mb: bucket size in MiB.
+    """
+
+    def __init__(
+        self, module: nn.Module, *, stage: int, group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 25.0
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"`stage={stage!r}` is invalid for ShardedParameterBuckets: use 1 or 2.")
+        self.stage = stage
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.sync_gradients = True
+        self._next_launch = 0
+        self._hooks: list = []
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.buckets = self._build_buckets(list(reversed(named)), bucket_cap_mb)
+        self._bucket_of: dict[nn.Parameter, tuple[_Bucket, _Segment]] = {
+            segment.param: (bucket, segment) for bucket in self.buckets for segment in bucket.segments
+        }
+        for param in self._bucket_of:
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+
+    # ------------------------------------------------------------------ layout
+    def _build_buckets(self, named: list[tuple[str, nn.Parameter]], bucket_cap_mb: float) -> list[_Bucket]:
+        groups: list[list[tuple[str, nn.Parameter]]] = []
+        current: list[tuple[str, nn.Parameter]] = []
+        current_bytes = 0
+        cap = bucket_cap_mb * 2**20
+        for name, param in named:
+            differs = current and (param.dtype != current[0][1].dtype or param.device != current[0][1].device)
+            if current and (differs or current_bytes + param.numel() * param.element_size() > cap):
+                groups.append(current)
+                current, current_bytes = [], 0
+            current.append((name, param))
+            current_bytes += param.numel() * param.element_size()
+        if current:
+            groups.append(current)
+        return [self._make_bucket(members) for members in groups]
+
+    def _make_bucket(self, members: list[tuple[str, nn.Parameter]]) -> _Bucket:
+        total = sum(param.numel() for _, param in members)
+        padded = -(-total // self.world_size) * self.world_size
+        reference = members[0][1]
+        flat = torch.zeros(padded, dtype=reference.dtype, device=reference.device)
+        segments, offset = [], 0
+        for name, param in members:
+            numel = param.numel()
+            flat[offset : offset + numel].copy_(param.detach().reshape(-1))
+            param.data = flat[offset : offset + numel].view_as(param)
+            segments.append(_Segment(param=param, name=name, offset=offset, numel=numel))
+            offset += numel
+        shard_numel = padded // self.world_size
+        bucket = _Bucket(
+            segments=segments,
+            numel=padded,
+            shard_numel=shard_numel,
+            flat_params=flat,
+            shard_grads=torch.zeros(shard_numel, dtype=flat.dtype, device=flat.device),
+        )
+        if self.stage == 1:
+            bucket.full_grads = torch.zeros_like(flat)
+        bucket.views = self._owned_views(bucket)
+        return bucket
+
+    def _owned_views(self, bucket: _Bucket) -> list[ShardView]:
+        shard_start = self.rank * bucket.shard_numel
+        shard_stop = shard_start + bucket.shard_numel
+        views = []
+        for segment in bucket.segments:
+            lo = max(segment.offset, shard_start)
+            hi = min(segment.offset + segment.numel, shard_stop)
+            if lo >= hi:
+                continue
+            views.append(
+                ShardView(
+                    name=segment.name,
+                    param=segment.param,
+                    start=lo - segment.offset,
+                    stop=hi - segment.offset,
+                    tensor=bucket.flat_params[lo:hi],
+                    grad=bucket.shard_grads[lo - shard_start : hi - shard_start],
+                )
+            )
+        return views
+
+    def views(self) -> list[ShardView]:
+        """Every piece of every parameter this rank owns, bucket by bucket."""
+        return [view for bucket in self.buckets for view in bucket.views]
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._bucket_of)
+
+    # ------------------------------------------------------------------ backward
+    def _on_gradient(self, param: nn.Parameter) -> None:
+        bucket, segment = self._bucket_of[param]
+        if bucket.full_grads is None:
+            bucket.full_grads = torch.zeros(bucket.numel, dtype=bucket.flat_params.dtype, device=param.device)
+        assert param.grad is not None
+        bucket.full_grads[segment.offset : segment.offset + segment.numel].add_(param.grad.reshape(-1))
+        param.grad = None
+        bucket.ready += 1
+        if self.sync_gradients and bucket.ready == len(bucket.segments):
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self, *, flush: bool = False) -> None:
+        """Launch buckets in index order while they are complete (all of them when ``flush``)."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if not flush and bucket.ready < len(bucket.segments):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.full_grads is None:  # no parameter of this bucket got a gradient on this rank
+            bucket.full_grads = torch.zeros(
+                bucket.numel, dtype=bucket.flat_params.dtype, device=bucket.flat_params.device
+            )
+        bucket.full_grads.div_(self.world_size)
+        bucket.work = dist.reduce_scatter_tensor(
+            bucket.shard_grads, bucket.full_grads, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
+        bucket.launched = True
+
+    def finish_gradient_sync(self) -> None:
+        """Launch what backward left (unused parameters), wait for every reduce-scatter, release full gradients."""
+        self._launch_ready_buckets(flush=True)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            bucket.ready = 0
+            bucket.launched = False
+            if self.stage == 2:
+                bucket.full_grads = None
+            elif bucket.full_grads is not None:
+                bucket.full_grads.zero_()
+        self._next_launch = 0
+        for view in self.views():
+            view.tensor.grad = view.grad
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def all_gather_parameters(self) -> None:
+        """Give every rank the updated full parameters after the sharded optimizer step."""
+        works = []
+        for bucket in self.buckets:
+            start = self.rank * bucket.shard_numel
+            shard = bucket.flat_params[start : start + bucket.shard_numel].clone()
+            works.append(
+                (dist.all_gather_into_tensor(bucket.flat_params, shard, group=self.group, async_op=True), shard)
+            )
+        for work, _ in works:
+            work.wait()
+
+    @torch.no_grad()
+    def global_grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """Norm of the full averaged gradient, from the reduced shards (each element is owned by one rank)."""
+        grads = [view.grad for view in self.views()]
+        device = self.buckets[0].flat_params.device if self.buckets else torch.device("cpu")
+        if norm_type == float("inf"):
+            local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
+            total = local.to(torch.float32).clone()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+            return total
+        local = sum((g.to(torch.float32).abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+        dist.all_reduce(local, group=self.group)
+        return local.pow(1.0 / norm_type)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` semantics over the sharded gradients."""
+        total_norm = self.global_grad_norm(norm_type)
+        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for view in self.views():
+            view.grad.mul_(coefficient.to(view.grad.dtype))
+        return total_norm
+
+    # ------------------------------------------------------------------ accounting
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        params = (p for p in self.parameters)
+        grads = (t for b in self.buckets for t in (b.shard_grads, b.full_grads) if t is not None)
+        states = ()
+        if optimizer is not None:
+            states = (v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0)
+        return MemoryReport(
+            parameters=_storage_bytes(params), gradients=_storage_bytes(grads), optimizer_state=_storage_bytes(states)
+        )
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

@@ -1,0 +1,161 @@
+"""ZeRO stage 3 through torch's FSDP2 (``fully_shard``), applied automatically per repeated block.
+
+FSDP2 is torch's maintained engine for parameter sharding (DTensor parameters sharded on dim 0, all-gathered per
+block for forward/backward, gradients reduce-scattered), so we only decide *where* to apply it, materialise
+meta-device models shard by shard, and convert state dicts to the plain (consolidated) layout.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.distributed.zero import MemoryReport
+
+__all__ = [
+    "apply_fully_shard",
+    "consolidated_model_state",
+    "consolidated_optimizer_state",
+    "find_repeated_blocks",
+    "load_consolidated_model_state",
+    "load_consolidated_optimizer_state",
+    "materialize_meta_module",
+    "memory_report",
+]
+
+
+def find_repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    """Modules of every ``ModuleList``/``Sequential`` holding >= 2 children of one class (transformer blocks, ...)."""
+    blocks: list[nn.Module] = []
+    taken: set[int] = set()
+    for container in module.modules():
+        if id(container) in taken or not isinstance(container, nn.ModuleList | nn.Sequential):
+            continue
+        children = list(container.children())
+        if len(children) >= 2 and len({type(child) for child in children}) == 1:
+            if any(p.requires_grad for child in children for p in child.parameters()):
+                blocks.extend(children)
+                taken.update(id(m) for child in children for m in child.modules())
+    return blocks
+
+
+def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
+    """Shard each repeated block, then each top-level child holding the remaining parameters; return the units.
+
+    The LightningModule itself is sharded only if it holds parameters directly: FSDP2 gathers a unit's parameters
+    in the unit's ``forward`` hook, and Lightning calls ``training_step``, not ``forward``.
+    """
+    units = find_repeated_blocks(module)
+    for block in units:
+        fully_shard(block, mesh=mesh)
+    for child in module.children():
+        if any(True for _ in child.parameters()) and child not in units:
+            fully_shard(child, mesh=mesh)
+            units.append(child)
+    if any(True for _ in module.parameters(recurse=False)):
+        fully_shard(module, mesh=mesh)
+        units.append(module)
+    return units
+
+
+def materialize_meta_module(module: nn.Module, device: torch.device) -> bool:
+    """Allocate only local shards of a meta-device module and initialise them with each submodule's
+    ``reset_parameters()``. Returns whether anything was on the meta device."""
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    if not any(t.is_meta for t in tensors):
+        return False
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for submodule in module.modules():
+            has_own = any(True for _ in itertools.chain(submodule.parameters(False), submodule.buffers(False)))
+            reset = getattr(submodule, "reset_parameters", None)
+            if has_own and callable(reset):
+                reset()
+    return True
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _storage_bytes(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = _local(tensor).untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> MemoryReport:
+    params = [p for p in module.parameters()]
+    grads = [p.grad for p in params if p.grad is not None]
+    states = []
+    if optimizer is not None:
+        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0]
+    return MemoryReport(
+        parameters=_storage_bytes(params), gradients=_storage_bytes(grads), optimizer_state=_storage_bytes(states)
+    )
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def consolidated_model_state(module: nn.Module) -> dict[str, Any]:
+    """Collective. The full state dict under the model's own names on rank 0 (empty elsewhere)."""
+    return get_model_state_dict(module, options=_FULL)
+
+
+def load_consolidated_model_state(module: nn.Module, state_dict: dict[str, Any], *, strict: bool = True) -> None:
+    """Collective. Every rank passes the full state dict; each keeps its shards."""
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(module, state_dict, options=options)
+
+
+def _names_by_index(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    name_of = {param: name for name, param in module.named_parameters()}
+    return [name_of[param] for group in optimizer.param_groups for param in group["params"]]
+
+
+def consolidated_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective. The plain ``optimizer.state_dict()`` layout (integer keys in param-group order) on rank 0."""
+    by_name = get_optimizer_state_dict(module, optimizer, options=_FULL)
+    if dist.get_rank() != 0:
+        return {}
+    names = _names_by_index(module, optimizer)
+    index_of = {name: index for index, name in enumerate(names)}
+    state = {index_of[name]: value for name, value in by_name["state"].items()}
+    groups = []
+    for group in by_name["param_groups"]:
+        saved = {key: value for key, value in group.items() if key != "params"}
+        saved["params"] = [index_of[name] for name in group["params"]]
+        groups.append(saved)
+    return {"state": state, "param_groups": groups}
+
+
+def load_consolidated_optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> None:
+    """Collective. Every rank passes the plain (integer-keyed) state dict; each keeps its shards."""
+    names = _names_by_index(module, optimizer)
+    state = {names[int(index)]: value for index, value in state_dict["state"].items()}
+    groups = []
+    for group in state_dict["param_groups"]:
+        saved = {key: value for key, value in group.items() if key != "params"}
+        saved["params"] = [names[int(index)] for index in group["params"]]
+        groups.append(saved)
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups}, options=options)

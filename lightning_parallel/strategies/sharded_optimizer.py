@@ -1,0 +1,317 @@
+"""ShardedOptimizerStrategy: ZeRO stages 1, 2 and 3 as a Lightning strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel._compat import optimizers_to_device, sync_module_states
+from lightning_parallel.distributed import zero3
+from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
+from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable
+from lightning_parallel.strategies.launch import (
+    StartMethod,
+    to_timeout,
+    validate_launch_environment,
+    validate_start_method,
+)
+
+__all__ = ["ShardedOptimizerStrategy"]
+
+CheckpointFormat = Literal["consolidated", "sharded"]
+
+
+class ShardedOptimizerStrategy(DDPStrategy):
+    """ZeRO data parallelism: shard optimizer state (stage 1), gradients (stage 2) or parameters too (stage 3).
+
+    Every rank trains on its own slice of the global batch as in data parallel, with the same communication volume
+    (reduce-scatter + all-gather = all-reduce), but holds only ``1/N`` of the sharded states. Memory per rank with
+    ``Psi`` parameter bytes, ``K`` optimizer bytes per parameter byte and ``N`` ranks (ZeRO paper, fp32):
+    stage 1 ``2*Psi + K*Psi/N``, stage 2 ``Psi + (1 + K)*Psi/N``, stage 3 ``(2 + K)*Psi/N``.
+
+    Stages 1-2 are our own implementation (flat buckets reduce-scattered as backward produces them, the user's
+    optimizer stepping only its shard, parameters all-gathered after the step). Stage 3 applies torch's FSDP2
+    ``fully_shard`` per repeated block of the model automatically; create the model under
+    ``trainer.init_module(empty_init=True)`` (or in ``configure_model``) so no rank ever materialises all of it.
+
+    Works with any ``torch.optim`` optimizer whose update is element-wise (AdamW, Adam, SGD, RMSprop, Adagrad, ...);
+    one that needs a parameter's whole shape (LBFGS, Adafactor, SparseAdam, Muon) is refused at stages 1-2.
+
+    Args:
+        stage: 1, 2 or 3.
+        start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
+        timeout: seconds (or ``timedelta``) a collective may wait before the job fails.
+        process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
+        bucket_cap_mb: size of the flat gradient buckets of stages 1-2, in MiB.
+        checkpoint_format: ``"consolidated"`` writes one Lightning ``.ckpt`` whose model and optimizer state have the
+            plain single-device layout (rank 0 gathers); ``"sharded"`` writes a directory in parallel from all ranks
+            with ``torch.distributed.checkpoint``. Both load at any world size and under the other strategies.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
+    """
+
+    strategy_name = "sharded_optimizer"
+
+    def __init__(
+        self,
+        stage: Literal[1, 2, 3] = 2,
+        *,
+        start_method: StartMethod = "popen",
+        timeout: timedelta | float = default_pg_timeout,
+        process_group_backend: str | None = None,
+        bucket_cap_mb: float = 25.0,
+        checkpoint_format: CheckpointFormat = "consolidated",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise ValueError(
+                f"`stage={stage!r}` is invalid. Valid options: 1 (optimizer state sharded), 2 (+ gradients),"
+                " 3 (+ parameters)."
+            )
+        validate_start_method(start_method)
+        if checkpoint_format not in ("consolidated", "sharded"):
+            raise ValueError(
+                f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
+            )
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=to_timeout(timeout),
+            start_method=start_method,
+        )
+        self.stage = stage
+        self.bucket_cap_mb = bucket_cap_mb
+        self.checkpoint_format = checkpoint_format
+        self._buckets: ShardedParameterBuckets | None = None
+        self._sharded_optimizer: ShardedOptimizer | None = None
+        self._fsdp_units: list[nn.Module] = []
+        self._memory_logged = False
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def is_sharding(self) -> bool:
+        """Whether states are sharded (world size > 1); at world size 1 training is plain single-device."""
+        return self.world_size > 1
+
+    @override
+    def setup_environment(self) -> None:
+        assert self.cluster_environment is not None
+        validate_launch_environment(
+            self.cluster_environment,
+            num_processes=self.num_processes,
+            num_nodes=self.num_nodes,
+            local_rank=self.cluster_environment.local_rank(),
+        )
+        super().setup_environment()
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Stage 3 models may live on the meta device until setup shards them; load into the sharded model.
+        return True
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        device = torch.device("meta") if (empty_init and self.stage == 3) else self.root_device
+        context = device if device.type == "meta" else nullcontext()
+        with context, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._buckets, self._sharded_optimizer, self._fsdp_units = None, None, []
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        if self.stage == 3 and self.is_sharding:
+            self._setup_stage3()
+        else:
+            self.model_to_device()
+            sync_module_states(self.model)
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._validate_optimizers()
+            if self.stage in (1, 2) and self.is_sharding:
+                self._setup_stage12()
+        self.setup_precision_plugin()
+        if fitting:
+            optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_stage3(self) -> None:
+        mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        self._fsdp_units = zero3.apply_fully_shard(self.lightning_module, mesh)
+        if not zero3.materialize_meta_module(self.lightning_module, self.root_device):
+            self.model_to_device()
+
+    def _setup_stage12(self) -> None:
+        self._buckets = ShardedParameterBuckets(
+            self.lightning_module, stage=self.stage, bucket_cap_mb=self.bucket_cap_mb
+        )
+        self._sharded_optimizer = ShardedOptimizer(_unwrap(self.optimizers[0]), self._buckets)
+        # Lightning clips through the precision plugin; make it use the norm over all shards.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _validate_optimizers(self) -> None:
+        if len(self.optimizers) > 1:
+            raise ValueError(
+                f"ShardedOptimizerStrategy supports one optimizer, `configure_optimizers` returned"
+                f" {len(self.optimizers)}. Put the parameters in param groups of a single optimizer."
+            )
+        if self.optimizers and self.stage in (1, 2) and self.is_sharding:
+            check_shardable(_unwrap(self.optimizers[0]))
+
+    @override
+    def configure_ddp(self) -> None:
+        pass  # no DDP wrapper: gradients are synchronised by our buckets (stages 1-2) or FSDP2 (stage 3)
+
+    # ------------------------------------------------------------------ training
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient communication on the non-final micro-batches of gradient accumulation."""
+        if self._buckets is not None:
+            self._buckets.sync_gradients = False
+        for unit in self._fsdp_units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield None
+        finally:
+            if self._buckets is not None:
+                self._buckets.sync_gradients = True
+            for unit in self._fsdp_units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self._buckets is None:
+            return
+        if self._buckets.sync_gradients:
+            self._buckets.finish_gradient_sync()
+        else:
+            for bucket in self._buckets.buckets:
+                bucket.ready = 0
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._buckets is not None:
+            self._buckets.all_gather_parameters()
+        if not self._memory_logged:
+            self._memory_logged = True
+            report = self.memory_report()
+            rank_zero_info(f"ShardedOptimizerStrategy(stage={self.stage}) bytes held by rank 0: {report.as_dict()}")
+        return output
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        assert self._buckets is not None
+        self._buckets.clip_grad_norm_(float(clip_val))
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of parameters, gradients and optimizer state this rank really holds (measured from its tensors)."""
+        optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
+        if self._buckets is not None:
+            return self._buckets.memory_report(optimizer)
+        return zero3.memory_report(self.lightning_module, optimizer)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._fsdp_units:
+            return zero3.consolidated_model_state(self.lightning_module)
+        # Parameters are views into flat buckets: clone so the checkpoint holds plain, independent tensors.
+        return {name: tensor.clone() for name, tensor in self.lightning_module.state_dict().items()}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._fsdp_units:
+            zero3.load_consolidated_model_state(self.lightning_module, dict(checkpoint["state_dict"]), strict=strict)
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        optimizer = _unwrap(optimizer)
+        if self._sharded_optimizer is not None:
+            return self._sharded_optimizer.consolidated_state_dict()
+        if self._fsdp_units:
+            return zero3.consolidated_optimizer_state(self.lightning_module, optimizer)
+        return optimizer.state_dict()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"The checkpoint holds {len(states)} optimizer state(s), this run has {len(self.optimizers)}."
+            )
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            optimizer = _unwrap(optimizer)
+            if self._sharded_optimizer is not None:
+                self._sharded_optimizer.load_consolidated_state_dict(state)
+            elif self._fsdp_units:
+                zero3.load_consolidated_optimizer_state(self.lightning_module, optimizer, state)
+            else:
+                optimizer.load_state_dict(state)
+        optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        # Keep the buckets (for `memory_report()` after fit) but stop hooking the module's gradients.
+        if self._buckets is not None:
+            self._buckets.remove_hooks()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        entries = [
+            ("zero1", 1, "popen"),
+            ("zero2", 2, "popen"),
+            ("zero3", 3, "popen"),
+            ("sharded_optimizer", 2, "popen"),
+            ("zero1_notebook", 1, "fork"),
+            ("zero2_notebook", 2, "fork"),
+            ("zero3_notebook", 3, "fork"),
+        ]
+        for name, stage, start_method in entries:
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"lightning_parallel ShardedOptimizerStrategy stage {stage}, start_method={start_method!r}",
+                override=True,
+                stage=stage,
+                start_method=start_method,
+            )
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

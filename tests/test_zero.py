@@ -1,0 +1,157 @@
+"""ShardedOptimizerStrategy (ZeRO 1/2/3) in real Trainers on forked CPU ranks: equivalence, memory, bad input."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+from distributed_harness import DistributedTestError, run_distributed
+from training_helpers import SEQ_LEN, assert_weights_close, fit_tiny, make_module, make_trainer
+
+from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel.demos import RandomTokenDataset
+
+GLOBAL_BATCH = 8
+STEPS = 3
+# (optimizer, accumulate_grad_batches, gradient_clip_val); SGD has momentum 0.9, AdamW two param groups.
+CONFIGS = {"adamw-acc2-clip": ("adamw", 2, 0.5), "sgd-acc2-clip": ("sgd", 2, 0.5)}
+TOLERANCE = {"sgd": {"rtol": 1e-5, "atol": 1e-6}, "adamw": {"rtol": 1e-4, "atol": 1e-5}}
+
+
+@cache
+def _reference(config: str) -> dict:
+    optimizer, accumulate, clip = CONFIGS[config]
+    return fit_tiny(
+        "auto",
+        devices=1,
+        per_device_batch=GLOBAL_BATCH,
+        max_steps=STEPS,
+        accumulate=accumulate,
+        optimizer=optimizer,
+        gradient_clip_val=clip,
+    )
+
+
+def _fit_sharded(rank: int, world_size: int, strategy_name: str, stage: int, config: str) -> dict:
+    optimizer, accumulate, clip = CONFIGS[config]
+    if strategy_name == "data_parallel":
+        strategy = DataParallelStrategy()
+    else:
+        # Small buckets: several buckets, parameters split across bucket and shard boundaries.
+        strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.05)
+    return fit_tiny(
+        strategy,
+        devices=world_size,
+        per_device_batch=GLOBAL_BATCH // world_size,
+        max_steps=STEPS,
+        accumulate=accumulate,
+        optimizer=optimizer,
+        gradient_clip_val=clip,
+    )
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize(
+    ("strategy_name", "stage", "world_size"),
+    [("zero", 1, 2), ("zero", 2, 2), ("zero", 3, 2), ("zero", 2, 4), ("zero", 3, 4), ("data_parallel", 0, 2)],
+    ids=["zero1-ws2", "zero2-ws2", "zero3-ws2", "zero2-ws4", "zero3-ws4", "data_parallel-ws2"],
+)
+def test_sharded_training_matches_single_device_on_the_same_global_batch(strategy_name, stage, world_size, config):
+    results = run_distributed(
+        _fit_sharded, world_size, args=(strategy_name, stage, config), init_process_group=False, timeout=180
+    )
+    optimizer = CONFIGS[config][0]
+    assert_weights_close(results[0], _reference(config), **TOLERANCE[optimizer])
+
+
+def test_clipping_is_active_in_the_equivalence_configs():
+    """Guards the test above: with clipping off the reference moves differently, so clipping is really tested."""
+    unclipped = fit_tiny("auto", devices=1, per_device_batch=GLOBAL_BATCH, max_steps=STEPS, accumulate=2)
+    head = "model.head.weight"
+    assert not torch.allclose(unclipped[head], _reference("adamw-acc2-clip")[head], rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ memory
+def _memory(rank: int, world_size: int, stage: int) -> dict:
+    strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.05)
+    fit_tiny(strategy, devices=world_size, per_device_batch=2, max_steps=1, optimizer="adamw")
+    report = strategy.memory_report().as_dict()
+    report["num_buckets"] = len(strategy._buckets.buckets) if strategy._buckets is not None else 0
+    return report
+
+
+def _unsharded_parameter_bytes() -> int:
+    return sum(p.numel() * p.element_size() for p in make_module().parameters())
+
+
+@pytest.mark.parametrize(("stage", "world_size"), [(1, 2), (2, 2), (2, 4), (3, 2)])
+def test_bytes_held_per_rank_are_the_unsharded_bytes_divided_by_world_size(stage, world_size):
+    reports = run_distributed(_memory, world_size, args=(stage,), init_process_group=False, timeout=120)
+    psi = _unsharded_parameter_bytes()
+    element = 4
+    for report in reports:
+        # Padding: each bucket is padded to a multiple of the world size (< world_size elements per bucket);
+        # FSDP2 pads each parameter's dim 0 to a multiple of the world size (bounded below by 2 rows per rank).
+        padding = report["num_buckets"] * world_size * element if stage < 3 else psi // 8
+        # AdamW keeps exp_avg and exp_avg_sq: 2 * Psi unsharded.
+        assert 2 * psi / world_size - 2 * padding <= report["optimizer_state"] <= 2 * psi / world_size + 2 * padding
+        if stage == 1:
+            assert psi + psi / world_size <= report["gradients"] <= psi + psi / world_size + 2 * padding
+        else:
+            assert psi / world_size - padding <= report["gradients"] <= psi / world_size + padding
+        if stage == 3:
+            assert psi / world_size - padding <= report["parameters"] <= psi / world_size + padding
+        else:
+            assert psi <= report["parameters"] <= psi + padding
+    if stage < 3:
+        # Each element's optimizer state lives on exactly one rank.
+        assert sum(report["optimizer_state"] for report in reports) == 2 * psi
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stage": 4}, "`stage=4` is invalid. Valid options: 1"),
+        ({"stage": 0}, "`stage=0` is invalid"),
+        ({"checkpoint_format": "zip"}, "`checkpoint_format='zip'` is invalid"),
+        ({"start_method": "thread"}, "Unknown `start_method='thread'`"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        ShardedOptimizerStrategy(**kwargs)
+    assert message in str(error.value)
+
+
+def _fit_with_optimizer(rank: int, world_size: int, kind: str) -> None:
+    module = make_module()
+    if kind == "lbfgs":
+        module.configure_optimizers = lambda: torch.optim.LBFGS(module.parameters())
+    else:
+        params = list(module.parameters())
+        module.configure_optimizers = lambda: [torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[2:], lr=0.1)]
+        module.automatic_optimization = False
+    loader = torch.utils.data.DataLoader(RandomTokenDataset(8, SEQ_LEN), batch_size=2)
+    trainer = make_trainer(ShardedOptimizerStrategy(stage=2, timeout=30), devices=world_size, max_steps=1)
+    try:
+        trainer.fit(module, train_dataloaders=loader)
+    except (TypeError, ValueError) as error:
+        raise RuntimeError(f"rank {rank} refused: {type(error).__name__}: {error}") from error
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("lbfgs", "TypeError: ShardedOptimizerStrategy cannot shard `LBFGS`"),
+        ("two", "ValueError: ShardedOptimizerStrategy supports one optimizer"),
+    ],
+)
+def test_unshardable_optimizers_are_refused_on_every_rank(kind, message):
+    with pytest.raises(DistributedTestError) as error:
+        run_distributed(_fit_with_optimizer, args=(kind,), init_process_group=False, timeout=60)
+    text = str(error.value)
+    assert "did not finish" not in text
+    for rank in (0, 1):
+        assert f"rank {rank} refused: {message}" in text, text[-3000:]
