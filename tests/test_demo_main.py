@@ -60,7 +60,8 @@ def test_benchmark_measures_ratios_and_fp16_halves_bytes() -> None:
     results = bench.measure(config)
     assert set(results.runs) == set(bench.CONFIGS)
     assert all(len(runs) == 1 for runs in results.runs.values())
-    assert math.isfinite(results.throughput_ratio) and results.throughput_ratio > 0
+    for ratio in (results.throughput_ratio, results.median_step_ratio):
+        assert math.isfinite(ratio) and ratio > 0
     assert results.fp32_bytes_per_step > 0
     assert results.fp16_bytes_per_step * 2 == results.fp32_bytes_per_step
     assert results.bytes_ratio == 0.5

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ _FIELDS = (
     "tokens",
     "samples",
     "elapsed_s",
+    "median_step_s",
     "measured_batches",
     "optimizer_steps",
     "peak_mem",
@@ -64,6 +66,9 @@ class RunSummary(TypedDict):
     """Samples per second summed over ranks in the measurement window (NaN if it was empty)."""
     tokens_per_s: float
     """Input tokens per second summed over ranks in the measurement window (NaN if it was empty)."""
+    tokens_per_s_median_step: float
+    """Input tokens per step summed over ranks, divided by the slowest rank's median step time: robust to steps
+    slowed down by other work on the machine (NaN if the window was empty)."""
     peak_mem: list[float]
     """Peak memory in bytes of each rank, indexed by global rank (process RSS on CPU, allocated memory on CUDA)."""
     comm_bytes_per_step: float | None
@@ -123,10 +128,12 @@ class RunStats(Callback):
     The first ``warmup_steps`` training batches are not measured (allocator warm-up, DDP's bucket rebuild, lazy
     initialisation). Throughput is the wall time from ``on_train_batch_start`` of the first measured batch to
     ``on_train_batch_end`` of the last one; samples are ``inputs.size(0)`` and tokens ``inputs.numel()`` of each batch,
-    summed over ranks (every rank trains on its own batch) and divided by the slowest rank's time. Peak memory is
-    measured from ``setup`` on: the process's peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA. If the
-    strategy has a ``communication_stats`` attribute (:class:`~lightning_parallel.DataParallelStrategy`), it is reset
-    when measurement starts and its all-reduce bytes are reported per optimizer step.
+    summed over ranks (every rank trains on its own batch) and divided by the slowest rank's time. A second, robust
+    figure divides the tokens of one step by the slowest rank's median step time (a step being the time between
+    consecutive ``on_train_batch_end`` calls, data loading included). Peak memory is measured from ``setup`` on: the
+    process's peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA. If the strategy has a
+    ``communication_stats`` attribute (:class:`~lightning_parallel.DataParallelStrategy`), it is reset when measurement
+    starts and its all-reduce bytes are reported per optimizer step.
 
     At ``on_train_end`` every rank's numbers are all-gathered and written, on every rank, into
     ``trainer.callback_metrics`` as float64 tensors under ``stats/...`` keys (``stats/tokens_per_s``,
@@ -147,6 +154,7 @@ class RunStats(Callback):
         self._batches_seen = 0
         self._start_time: float | None = None
         self._end_time: float | None = None
+        self._step_times: list[float] = []
         self._start_global_step = 0
         self._tokens = 0
         self._samples = 0
@@ -181,7 +189,9 @@ class RunStats(Callback):
         if self._start_time is None:
             return
         _synchronize(trainer.strategy.root_device)
-        self._end_time = time.perf_counter()
+        now = time.perf_counter()
+        self._step_times.append(now - (self._end_time if self._end_time is not None else self._start_time))
+        self._end_time = now
         inputs = _batch_inputs(batch)
         if inputs is not None:
             self._tokens += inputs.numel()
@@ -210,6 +220,7 @@ class RunStats(Callback):
             "tokens": self._tokens,
             "samples": self._samples,
             "elapsed_s": elapsed,
+            "median_step_s": statistics.median(self._step_times) if self._step_times else 0.0,
             "measured_batches": self._measured_batches,
             "optimizer_steps": optimizer_steps,
             "peak_mem": peak_memory_bytes(trainer.strategy.root_device),
@@ -251,6 +262,13 @@ def _all_gather(trainer: pl.Trainer, local: Tensor) -> Tensor:
     raise RuntimeError(f"RunStats cannot gather from {trainer.world_size} ranks: no collective is available.")
 
 
+def _median_step_throughput(col: dict[str, Tensor]) -> float:
+    """Tokens per second from the median step time of the slowest rank: unlike the window's wall time, it ignores a
+    few steps slowed down by other work on the machine."""
+    tokens_per_step = float((col["tokens"] / col["measured_batches"]).sum())  # summed over ranks
+    return tokens_per_step / float(col["median_step_s"].max())
+
+
 def _metrics_from_gathered(gathered: Tensor, *, has_comm_stats: bool) -> dict[str, float]:
     """Turn the ``(world_size, num_fields)`` table of per-rank values into the reported metrics."""
     col = {name: gathered[:, i] for i, name in enumerate(_FIELDS)}
@@ -265,6 +283,7 @@ def _metrics_from_gathered(gathered: Tensor, *, has_comm_stats: bool) -> dict[st
         "samples_per_s": float(col["samples"].sum()) / elapsed if has_window else math.nan,
         "tokens_per_s": float(col["tokens"].sum()) / elapsed if has_window else math.nan,
         "tokens_per_s_per_rank": float(col["tokens"].sum()) / elapsed / world_size if has_window else math.nan,
+        "tokens_per_s_median_step": _median_step_throughput(col) if has_window else math.nan,
     }
     for rank in range(world_size):
         metrics[f"peak_mem_rank{rank}"] = float(col["peak_mem"][rank])
@@ -300,6 +319,7 @@ def summarize(trainer: pl.Trainer) -> RunSummary:
         final_loss=float(metrics["final_loss"]),
         samples_per_s=float(metrics["samples_per_s"]),
         tokens_per_s=float(metrics["tokens_per_s"]),
+        tokens_per_s_median_step=float(metrics["tokens_per_s_median_step"]),
         peak_mem=[float(metrics[f"peak_mem_rank{rank}"]) for rank in range(world_size)],
         comm_bytes_per_step=None if comm is None else float(comm),
     )
