@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.distributed.checkpoint import FlatPiece, even_split
 from lightning_parallel.distributed.zero import MemoryReport
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "load_consolidated_optimizer_state",
     "materialize_meta_module",
     "memory_report",
+    "sharded_pieces",
 ]
 
 
@@ -159,3 +161,25 @@ def load_consolidated_optimizer_state(
         groups.append(saved)
     options = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups}, options=options)
+
+
+def sharded_pieces(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[FlatPiece]:
+    """This rank's rows of every parameter and optimizer state, as flat pieces (FSDP2 shards dim 0 like
+    ``torch.chunk``, so rank r's rows are one contiguous range of the flattened tensor)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    pieces = []
+    for name, param in module.named_parameters():
+        local = _local(param.detach())
+        if param.dim() == 0 or local.numel() == 0:
+            if param.dim() == 0 and rank == 0:
+                pieces.append(FlatPiece("param", name, 0, 1, local.reshape(1)))
+            continue
+        row_numel = param.numel() // param.shape[0]
+        start = even_split(param.shape[0], rank, world_size)[0] * row_numel
+        stop = start + local.numel()
+        pieces.append(FlatPiece("param", name, start, stop, local.reshape(-1)))
+        state = optimizer.state.get(param, {}) if optimizer is not None else {}
+        for key, value in state.items():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                pieces.append(FlatPiece(key, name, start, stop, _local(value).reshape(-1)))
+    return pieces

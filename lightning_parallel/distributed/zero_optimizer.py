@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_parallel.distributed.checkpoint import FlatPiece
 from lightning_parallel.distributed.zero import ShardedParameterBuckets, ShardView
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "check_shardable"]
@@ -107,6 +108,20 @@ class ShardedOptimizer:
             offset += len(params)
             groups.append(saved)
         return {"state": dict(state), "param_groups": groups}
+
+    def sharded_pieces(self) -> list[FlatPiece]:
+        """This rank's pieces of parameters and per-element optimizer state, for a sharded checkpoint."""
+        pieces = []
+        for view in self.buckets.views():
+            pieces.append(FlatPiece("param", view.name, view.start, view.stop, view.tensor))
+            for key, value in self.optimizer.state.get(view.tensor, {}).items():
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    pieces.append(FlatPiece(key, view.name, view.start, view.stop, value))
+        return pieces
+
+    def scalar_states(self) -> dict[str, Tensor]:
+        """Collective. 0-dim optimizer state (e.g. Adam's ``step``), the same for every parameter."""
+        return self._state_keys_and_scalars()[1]
 
     def _state_keys_and_scalars(self) -> tuple[list[str], dict[str, Tensor]]:
         """Per-element state keys and 0-dim state values, agreed across ranks (ranks may own no piece)."""

@@ -28,6 +28,7 @@ from lightning_parallel.distributed.compression import (
     validate_compression,
 )
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
+from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format
 from lightning_parallel.strategies.launch import (
     StartMethod,
     to_timeout,
@@ -207,6 +208,11 @@ class DataParallelStrategy(DDPStrategy):
         if not is_padding:
             return output
         return _zero_loss_weight(output)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a consolidated ``.ckpt`` or a sharded directory written by ``ShardedOptimizerStrategy``."""
+        return load_checkpoint_any_format(self, checkpoint_path, weights_only)
 
     @override
     def teardown(self) -> None:

@@ -23,8 +23,10 @@ from typing_extensions import override
 
 from lightning_parallel._compat import optimizers_to_device, sync_module_states
 from lightning_parallel.distributed import zero3
+from lightning_parallel.distributed.checkpoint import replicated_pieces
 from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable
+from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, save_sharded, scalar_states_of
 from lightning_parallel.strategies.launch import (
     StartMethod,
     to_timeout,
@@ -243,8 +245,14 @@ class ShardedOptimizerStrategy(DDPStrategy):
         return zero3.memory_report(self.lightning_module, optimizer)
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def _writes_sharded(self) -> bool:
+        return self.checkpoint_format == "sharded"
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._writes_sharded:
+            return {}  # written piece by piece in `save_checkpoint`, without a gather
         if self._fsdp_units:
             return zero3.consolidated_model_state(self.lightning_module)
         # Parameters are views into flat buckets: clone so the checkpoint holds plain, independent tensors.
@@ -260,6 +268,8 @@ class ShardedOptimizerStrategy(DDPStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
+        if self._writes_sharded:
+            return {}
         if self._sharded_optimizer is not None:
             return self._sharded_optimizer.consolidated_state_dict()
         if self._fsdp_units:
@@ -282,6 +292,32 @@ class ShardedOptimizerStrategy(DDPStrategy):
             else:
                 optimizer.load_state_dict(state)
         optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not self._writes_sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
+        module = self.lightning_module
+        if self._sharded_optimizer is not None:
+            pieces = self._sharded_optimizer.sharded_pieces()
+            group_params = self._sharded_optimizer.group_params
+            scalars = self._sharded_optimizer.scalar_states()
+        else:
+            if self._fsdp_units:
+                pieces = zero3.sharded_pieces(module, optimizer)
+            else:
+                pieces = replicated_pieces(module, optimizer, rank=self.global_rank, world_size=self.world_size)
+            group_params = [list(group["params"]) for group in optimizer.param_groups] if optimizer else None
+            scalars = scalar_states_of(optimizer)
+        save_sharded(
+            self, checkpoint, filepath, pieces=pieces, optimizer=optimizer, group_params=group_params, scalars=scalars
+        )
+        return None
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return load_checkpoint_any_format(self, checkpoint_path, weights_only)
 
     @override
     def teardown(self) -> None:

@@ -1,0 +1,239 @@
+"""Sharded checkpoints that load at any world size and under any of our strategies.
+
+Layout of a sharded checkpoint directory (written in parallel by all ranks with ``torch.distributed.checkpoint``,
+no gather to rank 0):
+
+* one DCP entry per *piece*: ``"{key}/{parameter name}/{start}_{stop}"`` holds elements ``[start, stop)`` of the
+  flattened parameter (``key`` is ``"param"`` for the values, or an optimizer state key such as ``"exp_avg"``);
+  each rank writes the pieces it owns (ZeRO-1/2: its bucket shard; ZeRO-3: its rows; data parallel: an even
+  split of every parameter, so the writes are parallel there too);
+* ``"buffer/{name}"``: module buffers, written by rank 0;
+* ``meta.pt``: everything else, written by rank 0: Lightning's training state (epoch, loops, callbacks,
+  schedulers, ...), parameter shapes, the optimizer's param groups with parameter *names*, and 0-dim state
+  (Adam's ``step``).
+
+Flat element ranges do not depend on the world size or the stage, so a reader can reassemble any range. The
+directory is written under a temporary name and renamed into place, so an interrupted save never replaces the
+previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
+__all__ = [
+    "META_FILE",
+    "FlatPiece",
+    "build_meta",
+    "even_split",
+    "is_sharded_checkpoint",
+    "param_groups_by_name",
+    "read_sharded_checkpoint",
+    "replicated_pieces",
+    "save_sharded_checkpoint",
+    "sharded_to_consolidated",
+]
+
+META_FILE = "meta.pt"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class FlatPiece:
+    """Elements ``[start, stop)`` of the flattened parameter ``name`` for ``key`` (``"param"`` or a state key)."""
+
+    key: str
+    name: str
+    start: int
+    stop: int
+    tensor: Tensor
+
+    @property
+    def entry(self) -> str:
+        return f"{self.key}/{self.name}/{self.start}_{self.stop}"
+
+
+def even_split(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous part of ``numel`` elements, as ``torch.chunk`` would cut it."""
+    chunk = -(-numel // world_size)
+    start = min(rank * chunk, numel)
+    return start, min(start + chunk, numel)
+
+
+def replicated_pieces(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, rank: int, world_size: int
+) -> list[FlatPiece]:
+    """Pieces of a module whose parameters and optimizer state every rank holds whole (data parallel, one device):
+    each rank writes an even ``1/world_size`` of every tensor, so the writes are parallel and nothing is doubled."""
+    pieces = []
+    for name, param in module.named_parameters():
+        start, stop = even_split(param.numel(), rank, world_size)
+        if start == stop:
+            continue
+        pieces.append(FlatPiece("param", name, start, stop, param.detach().reshape(-1)[start:stop]))
+        state = optimizer.state.get(param, {}) if optimizer is not None else {}
+        for key, value in state.items():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                pieces.append(FlatPiece(key, name, start, stop, value.reshape(-1)[start:stop]))
+    return pieces
+
+
+def build_meta(
+    module: torch.nn.Module,
+    *,
+    lightning_checkpoint: dict[str, Any],
+    param_groups: list[dict[str, Any]] | None,
+    scalars: dict[str, dict[str, Any]],
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``meta.pt`` content and the buffers to write. ``param_groups`` name their parameters (not indices)."""
+    param_names = {name for name, _ in module.named_parameters()}
+    state_dict = module.state_dict()
+    buffers = {name: tensor for name, tensor in state_dict.items() if name not in param_names}
+    meta = {
+        "lightning": lightning_checkpoint,
+        "shapes": {name: tuple(param.shape) for name, param in module.named_parameters()},
+        "state_dict_order": list(state_dict),
+        "param_groups": param_groups,
+        "scalars": scalars,
+    }
+    return meta, buffers
+
+
+def param_groups_by_name(module: torch.nn.Module, groups: list[list[Any]], hyperparameters: list[dict]) -> list[dict]:
+    """Param groups with parameter names instead of tensors (world-size independent)."""
+    name_of = {param: name for name, param in module.named_parameters()}
+    named = []
+    for params, group in zip(groups, hyperparameters, strict=True):
+        saved = {key: value for key, value in group.items() if key != "params"}
+        saved["params"] = [name_of[param] for param in params]
+        named.append(saved)
+    return named
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def save_sharded_checkpoint(
+    path: str | Path, pieces: Iterable[FlatPiece], *, buffers: dict[str, Tensor], meta: dict[str, Any]
+) -> None:
+    """Collective when distributed. Every rank passes its own pieces; ``buffers``/``meta`` are used on rank 0."""
+    path = Path(path)
+    rank = dist.get_rank() if _is_distributed() else 0
+    staging = path.with_name(path.name + ".partial")
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    if _is_distributed():
+        dist.barrier()
+    entries: dict[str, Tensor] = {piece.entry: piece.tensor.detach().contiguous().cpu() for piece in pieces}
+    if rank == 0:
+        entries.update({f"buffer/{name}": tensor.detach().cpu() for name, tensor in buffers.items()})
+    dcp.save(entries, checkpoint_id=staging)
+    if rank == 0:
+        torch.save({**meta, "format_version": FORMAT_VERSION}, staging / META_FILE)
+        previous = path.with_name(path.name + ".previous")
+        if path.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+            path.rename(previous)  # replaced only once the new one is complete
+        staging.rename(path)
+        shutil.rmtree(previous, ignore_errors=True)
+    if _is_distributed():
+        dist.barrier()
+
+
+def read_sharded_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[tuple[str, str], Tensor]]:
+    """Collective when distributed. Load ``meta.pt`` and every piece, reassembled per ``(key, name)`` (flat)."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a sharded checkpoint directory (no {META_FILE} or .metadata).")
+    meta = torch.load(path / META_FILE, weights_only=False)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    entries = {
+        key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if hasattr(item, "size")
+    }
+    dcp.load(entries, checkpoint_id=path)
+    flat: dict[tuple[str, str], list[tuple[int, int, Tensor]]] = defaultdict(list)
+    buffers = {}
+    for entry, tensor in entries.items():
+        if entry.startswith("buffer/"):
+            buffers[entry.removeprefix("buffer/")] = tensor
+            continue
+        key, rest = entry.split("/", 1)
+        name, span = rest.rsplit("/", 1)
+        start, stop = (int(x) for x in span.split("_"))
+        flat[(key, name)].append((start, stop, tensor))
+    assembled = {}
+    for (key, name), parts in flat.items():
+        numel = _numel(meta["shapes"][name])
+        full = torch.empty(numel, dtype=parts[0][2].dtype)
+        covered = 0
+        for start, stop, tensor in sorted(parts, key=lambda part: part[0]):
+            full[start:stop] = tensor
+            covered += stop - start
+        if covered != numel:
+            raise ValueError(f"Sharded checkpoint {path} is incomplete: `{key}` of `{name}` covers {covered}/{numel}.")
+        assembled[(key, name)] = full
+    meta["buffers"] = buffers
+    return meta, assembled
+
+
+def _numel(shape: Iterable[int]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
+
+
+def sharded_to_consolidated(path: str | Path) -> dict[str, Any]:
+    """Collective when distributed. A sharded checkpoint as the plain Lightning checkpoint dict (consolidated)."""
+    meta, flat = read_sharded_checkpoint(path)
+    shapes = meta["shapes"]
+    state_dict = {name: flat[("param", name)].view(shapes[name]) for name in shapes}
+    state_dict.update(meta["buffers"])
+    checkpoint = dict(meta["lightning"])
+    checkpoint["state_dict"] = dict(
+        sorted(state_dict.items(), key=lambda item: meta["state_dict_order"].index(item[0]))
+    )
+    if meta.get("param_groups") is not None:
+        checkpoint["optimizer_states"] = [_consolidated_optimizer(meta, flat)]
+    return checkpoint
+
+
+def _consolidated_optimizer(meta: dict[str, Any], flat: dict[tuple[str, str], Tensor]) -> dict[str, Any]:
+    shapes = meta["shapes"]
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group in meta["param_groups"]:
+        saved = {key: value for key, value in group.items() if key != "params"}
+        saved["params"] = []
+        for name in group["params"]:
+            entry = {key: tensor.view(shapes[name]) for (key, other), tensor in flat.items() if other == name}
+            entry.pop("param", None)
+            if entry:
+                # A private copy per parameter: optimizers increment `step` in place.
+                scalars = meta["scalars"].get(name, {})
+                entry.update({k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()})
+                state[index] = entry
+            saved["params"].append(index)
+            index += 1
+        groups.append(saved)
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,68 @@
+"""Checkpoint plumbing shared by our strategies: write the sharded format, read either format.
+
+A strategy supplies its pieces (what this rank owns); everything about files lives in
+``lightning_parallel.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from torch import Tensor, nn
+
+from lightning_parallel.distributed.checkpoint import (
+    FlatPiece,
+    build_meta,
+    is_sharded_checkpoint,
+    param_groups_by_name,
+    save_sharded_checkpoint,
+    sharded_to_consolidated,
+)
+
+__all__ = ["load_checkpoint_any_format", "save_sharded", "scalar_states_of"]
+
+
+def scalar_states_of(optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """0-dim optimizer state (Adam's ``step``) of the first parameter that has state."""
+    if optimizer is None:
+        return {}
+    for state in optimizer.state.values():
+        return {key: value for key, value in state.items() if not (isinstance(value, Tensor) and value.dim() > 0)}
+    return {}
+
+
+def save_sharded(
+    strategy: Any,
+    checkpoint: dict[str, Any],
+    filepath: _PATH,
+    *,
+    pieces: list[FlatPiece],
+    optimizer: torch.optim.Optimizer | None,
+    group_params: list[list[nn.Parameter]] | None,
+    scalars: dict[str, Any],
+) -> None:
+    """Collective. Write ``checkpoint`` (Lightning's dict, minus weights and optimizer state) as a sharded directory.
+
+    ``group_params`` are the optimizer's parameter lists in the single-device layout (before any sharding).
+    """
+    checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    module = strategy.lightning_module
+    path = Path(strategy.broadcast(str(filepath)))
+    groups = None
+    if optimizer is not None and group_params is not None:
+        groups = param_groups_by_name(module, group_params, optimizer.param_groups)
+    names = [name for name, _ in module.named_parameters()]
+    meta, buffers = build_meta(
+        module, lightning_checkpoint=checkpoint, param_groups=groups, scalars=dict.fromkeys(names, scalars)
+    )
+    save_sharded_checkpoint(path, pieces, buffers=buffers, meta=meta)
+
+
+def load_checkpoint_any_format(strategy: Any, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+    """Lightning's checkpoint dict from a consolidated file or a sharded directory (reassembled, every rank)."""
+    if is_sharded_checkpoint(checkpoint_path):
+        return sharded_to_consolidated(checkpoint_path)
+    return strategy.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)

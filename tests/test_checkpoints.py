@@ -1,0 +1,165 @@
+"""Checkpoints move between strategies and world sizes and continue exactly as an uninterrupted run.
+
+Each case trains 2 optimizer steps under strategy A at world size a, saves, then resumes under strategy B at world
+size b for 2 more steps. Weights *and* optimizer state (AdamW's exp_avg, exp_avg_sq, step) must equal 4
+uninterrupted single-device steps.
+
+Every step uses the same global batch of 8 samples (rank r of N takes samples ``[r*8/N, (r+1)*8/N)``), so the
+trajectory depends only on the restored state and the step count, not on how Lightning replays a partly
+consumed epoch's data order after a resume (which is Lightning's behaviour, the same for every strategy).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_harness import DistributedTestError, run_distributed
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Subset
+from training_helpers import SEQ_LEN, assert_weights_close, make_module, make_trainer
+
+from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
+
+GLOBAL_BATCH = 8
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # AdamW (see test_data_parallel.TOLERANCE)
+
+
+def _strategy(spec: str, checkpoint_format: str):
+    if spec == "single":
+        return "auto"
+    if spec == "data_parallel":
+        return DataParallelStrategy()
+    return ShardedOptimizerStrategy(stage=int(spec[-1]), bucket_cap_mb=0.02, checkpoint_format=checkpoint_format)
+
+
+def _loader(world_size: int, rank: int) -> DataLoader:
+    per_rank = GLOBAL_BATCH // world_size
+    dataset = Subset(RandomTokenDataset(GLOBAL_BATCH, SEQ_LEN, seed=7), range(rank * per_rank, (rank + 1) * per_rank))
+    return DataLoader(dataset, batch_size=per_rank, shuffle=False)
+
+
+def _trainer(strategy, world_size: int, max_steps: int, **kwargs):
+    return make_trainer(strategy, devices=world_size, max_steps=max_steps, use_distributed_sampler=False, **kwargs)
+
+
+def _run(rank: int, world_size: int, spec: str, checkpoint_format: str, path: str, resume: bool) -> dict | None:
+    module = make_module("adamw")
+    strategy = _strategy(spec, checkpoint_format)
+    if resume:
+        trainer = _trainer(strategy, world_size, max_steps=4)
+        trainer.fit(module, train_dataloaders=_loader(world_size, rank), ckpt_path=path)
+    else:
+        # Saved by ModelCheckpoint, as users do (it writes at the end of each epoch: 1 step here).
+        saver = ModelCheckpoint(dirpath=Path(path).parent, filename=Path(path).stem, enable_version_counter=False)
+        trainer = _trainer(strategy, world_size, max_steps=2, callbacks=[saver], enable_checkpointing=True)
+        trainer.fit(module, train_dataloaders=_loader(world_size, rank))
+        return None
+    assert trainer.global_step == 4
+    if isinstance(trainer.strategy, ShardedOptimizerStrategy):
+        trainer.strategy.checkpoint_format = "consolidated"  # read back the plain layout to compare
+    weights = trainer.strategy.lightning_module_state_dict()
+    optimizer_state = trainer.strategy.optimizer_state(trainer.optimizers[0])
+    return {"weights": weights, "optimizer": optimizer_state}
+
+
+@cache
+def _uninterrupted() -> dict:
+    (result,) = run_distributed(_run_uninterrupted, world_size=1, init_process_group=False, timeout=60)
+    return result
+
+
+def _run_uninterrupted(rank: int, world_size: int) -> dict:
+    module = make_module("adamw")
+    trainer = _trainer("auto", 1, max_steps=4)
+    trainer.fit(module, train_dataloaders=_loader(1, 0))
+    return {"weights": module.state_dict(), "optimizer": trainer.optimizers[0].state_dict()}
+
+
+def _assert_same_training_state(result: dict, expected: dict) -> None:
+    assert_weights_close(result["weights"], expected["weights"], **TOLERANCE)
+    state, reference = result["optimizer"]["state"], expected["optimizer"]["state"]
+    assert sorted(state) == sorted(reference)
+    for index in reference:
+        assert state[index].keys() == reference[index].keys()
+        for key, value in reference[index].items():
+            torch.testing.assert_close(state[index][key], value, **TOLERANCE)
+    assert _hyperparameters(result["optimizer"]) == _hyperparameters(expected["optimizer"])
+
+
+def _hyperparameters(optimizer_state: dict) -> list[dict]:
+    """Param-group settings with tuples as lists (FSDP2's state-dict round trip turns `betas` into a list)."""
+    return [
+        {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
+        for group in optimizer_state["param_groups"]
+    ]
+
+
+CASES = [
+    # (format, save strategy, save world size, resume strategy, resume world size)
+    ("consolidated", "zero2", 2, "single", 1),
+    ("consolidated", "single", 1, "zero1", 2),
+    ("consolidated", "zero2", 2, "zero3", 4),
+    ("consolidated", "zero3", 4, "zero2", 2),
+    ("consolidated", "zero1", 2, "data_parallel", 2),
+    ("consolidated", "data_parallel", 2, "zero3", 2),
+    ("sharded", "zero2", 2, "zero2", 4),
+    ("sharded", "zero2", 4, "zero1", 2),
+    ("sharded", "zero3", 2, "zero3", 4),
+    ("sharded", "zero3", 4, "zero2", 2),
+    ("sharded", "zero1", 2, "data_parallel", 2),
+    ("sharded", "zero2", 1, "zero3", 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_format", "save_spec", "save_size", "resume_spec", "resume_size"),
+    CASES,
+    ids=[f"{c[0]}-{c[1]}x{c[2]}-to-{c[3]}x{c[4]}" for c in CASES],
+)
+def test_checkpoint_resumes_under_another_strategy_and_world_size_exactly(
+    tmp_path, checkpoint_format, save_spec, save_size, resume_spec, resume_size
+):
+    path = str(tmp_path / "run.ckpt")
+    run_distributed(
+        _run, save_size, args=(save_spec, checkpoint_format, path, False), init_process_group=False, timeout=120
+    )
+    assert Path(path).is_dir() == (checkpoint_format == "sharded" and save_spec.startswith("zero"))
+    results = run_distributed(
+        _run, resume_size, args=(resume_spec, "consolidated", path, True), init_process_group=False, timeout=120
+    )
+    _assert_same_training_state(results[0], _uninterrupted())
+
+
+def test_consolidated_zero_checkpoint_loads_with_plain_lightning_load_from_checkpoint(tmp_path):
+    path = str(tmp_path / "zero3.ckpt")
+    run_distributed(_run, 2, args=("zero3", "consolidated", path, False), init_process_group=False, timeout=120)
+    loaded = GPTLightningModule.load_from_checkpoint(path, map_location="cpu")
+    saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    assert_weights_close(loaded.state_dict(), saved, rtol=0, atol=0)
+    untrained = make_module("adamw").state_dict()
+    assert not torch.equal(saved["model.head.weight"], untrained["model.head.weight"])
+
+
+def _resume_into_other_model(rank: int, world_size: int, path: str) -> None:
+    module = GPTLightningModule("tiny", block_size=SEQ_LEN, n_embd=32, bias=False)
+    trainer = _trainer(ShardedOptimizerStrategy(stage=2, timeout=30), world_size, max_steps=4)
+    try:
+        trainer.fit(module, train_dataloaders=_loader(world_size, rank), ckpt_path=path)
+    except (RuntimeError, ValueError) as error:
+        raise RuntimeError(f"rank {rank} refused: {type(error).__name__}") from error
+
+
+@pytest.mark.parametrize("checkpoint_format", ["consolidated", "sharded"])
+def test_checkpoint_of_a_different_model_is_refused_on_every_rank(tmp_path, checkpoint_format):
+    path = str(tmp_path / "run.ckpt")
+    run_distributed(_run, 2, args=("zero2", checkpoint_format, path, False), init_process_group=False, timeout=120)
+    with pytest.raises(DistributedTestError) as error:
+        run_distributed(_resume_into_other_model, 2, args=(path,), init_process_group=False, timeout=60)
+    text = str(error.value)
+    assert "did not finish" not in text
+    assert "rank 0 refused" in text and "rank 1 refused" in text
+    assert "size mismatch" in text
