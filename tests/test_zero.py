@@ -10,7 +10,7 @@ from distributed_harness import DistributedTestError, run_distributed
 from training_helpers import SEQ_LEN, assert_weights_close, fit_tiny, make_module, make_trainer
 
 from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
-from lightning_parallel.demos import RandomTokenDataset
+from lightning_parallel.demos import GPTLightningModule, RandomTokenDataModule, RandomTokenDataset
 
 GLOBAL_BATCH = 8
 STEPS = 3
@@ -155,3 +155,54 @@ def test_unshardable_optimizers_are_refused_on_every_rank(kind, message):
     assert "did not finish" not in text
     for rank in (0, 1):
         assert f"rank {rank} refused: {message}" in text, text[-3000:]
+
+
+# ------------------------------------------------------------------ stage 3 never materialises the full model
+def _fit_meta_initialised(rank: int, world_size: int) -> dict:
+    strategy = ShardedOptimizerStrategy(stage=3)
+    trainer = make_trainer(strategy, devices=world_size, max_steps=2, limit_val_batches=2, val_check_interval=2)
+    with trainer.init_module(empty_init=True):
+        module = GPTLightningModule("tiny", block_size=SEQ_LEN)
+    on_meta = all(p.is_meta for p in module.parameters())
+    data = RandomTokenDataModule(num_samples=32, seq_len=SEQ_LEN, batch_size=2)
+    trainer.fit(module, datamodule=data)
+    local_numel = sum(p.to_local().numel() for p in module.parameters())
+    return {
+        "on_meta_before_fit": on_meta,
+        "local_numel": local_numel,
+        "full_numel": sum(p.numel() for p in module.parameters()),
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "val_perplexity": float(trainer.callback_metrics["val_perplexity"]),
+    }
+
+
+def test_stage3_with_empty_init_never_holds_the_full_model_and_trains():
+    results = run_distributed(_fit_meta_initialised, 2, init_process_group=False, timeout=120)
+    for result in results:
+        assert result["on_meta_before_fit"]
+        # Each rank holds its half (FSDP2 pads dim 0 by at most one row per parameter).
+        assert result["local_numel"] <= result["full_numel"] / 2 + 64 * 20
+        # GPT-2 init through the children-first `reset_parameters()` pass gives a sane initial loss (ln 256 = 5.5),
+        # and torchmetrics states created on the meta device were reset (a garbage state gives nan/inf).
+        assert 4.5 < result["val_loss"] < 6.5
+        assert 50 < result["val_perplexity"] < 700
+
+
+def _fit_bf16(rank: int, world_size: int, stage: int) -> dict:
+    strategy = ShardedOptimizerStrategy(stage=stage) if stage else "auto"
+    return fit_tiny(
+        strategy,
+        devices=world_size,
+        per_device_batch=GLOBAL_BATCH // world_size,
+        max_steps=STEPS,
+        optimizer="sgd",
+        precision="bf16-mixed",
+    )
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_mixed_precision_matches_single_device_bf16(stage):
+    (reference,) = run_distributed(_fit_bf16, 1, args=(0,), init_process_group=False, timeout=120)
+    results = run_distributed(_fit_bf16, 2, args=(stage,), init_process_group=False, timeout=120)
+    # bf16 autocast: the reduction order of the averaged gradient is the only difference.
+    assert_weights_close(results[0], reference, rtol=1e-2, atol=1e-3)

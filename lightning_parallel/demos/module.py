@@ -74,10 +74,13 @@ class GPTLightningModule(LightningModule):
         self.config = GPTConfig.from_preset(preset, **{k: v for k, v in overrides.items() if v is not None})
         self.model = GPT(self.config)
         vocab_size = self.config.vocab_size
-        self.val_perplexity = Perplexity()
-        self.val_accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro")
-        self.test_perplexity = Perplexity()
-        self.test_accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro")
+        # Metrics are built on the CPU even inside `trainer.init_module(empty_init=True)` (meta device): their
+        # default states must hold real values. Lightning moves them to the training device with the module.
+        with torch.device("cpu"):
+            self.val_perplexity = Perplexity()
+            self.val_accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro")
+            self.test_perplexity = Perplexity()
+            self.test_accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro")
 
     @override
     def forward(self, idx: Tensor) -> Tensor:

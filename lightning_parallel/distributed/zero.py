@@ -229,6 +229,17 @@ class ShardedParameterBuckets:
             bucket.shard_grads, bucket.full_grads, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
         bucket.launched = True
+        if self.stage == 2:
+            self._release_finished_buckets()
+
+    def _release_finished_buckets(self) -> None:
+        """Stage 2: drop the full gradient buffer of every bucket whose reduce-scatter already finished, so the
+        full-size buffers alive during backward are only those still in flight."""
+        for bucket in self.buckets:
+            if bucket.work is not None and bucket.work.is_completed():
+                bucket.work.wait()
+                bucket.work = None
+                bucket.full_grads = None
 
     def finish_gradient_sync(self) -> None:
         """Launch what backward left (unused parameters), wait for every reduce-scatter, release full gradients."""

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torchmetrics import Metric
 
 from lightning_parallel.distributed.checkpoint import FlatPiece, even_split
 from lightning_parallel.distributed.zero import MemoryReport
@@ -75,19 +76,39 @@ def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
 
 
 def materialize_meta_module(module: nn.Module, device: torch.device) -> bool:
-    """Allocate only local shards of a meta-device module and initialise them with each submodule's
-    ``reset_parameters()``. Returns whether anything was on the meta device."""
-    tensors = itertools.chain(module.parameters(), module.buffers())
-    if not any(t.is_meta for t in tensors):
+    """Allocate only the local shards of a meta-device module and initialise them by calling every module's
+    ``reset_parameters()``, children before parents, so a model-level initialisation (e.g. GPT-2's scaled
+    residual init) has the last word over the layers' defaults. Returns whether anything was on the meta device.
+
+    Only modules that own meta tensors are emptied (``to_empty(recurse=False)``): calling it on the root would also
+    overwrite torchmetrics states with uninitialised memory.
+    """
+    found = False
+    for submodule in module.modules():
+        if isinstance(submodule, Metric) and any(_metric_tensors_on_meta(submodule)):
+            raise RuntimeError(
+                f"The torchmetrics metric `{type(submodule).__name__}` was created on the meta device, so its default"
+                " state values are lost. Create metrics outside `trainer.init_module(empty_init=True)`, e.g. under"
+                " `with torch.device('cpu'):` in `__init__`, or in `setup()`."
+            )
+        own = itertools.chain(submodule.parameters(recurse=False), submodule.buffers(recurse=False))
+        if any(t.is_meta for t in own):
+            submodule.to_empty(device=device, recurse=False)
+            found = True
+    if not found:
         return False
-    module.to_empty(device=device)
     with torch.no_grad():
-        for submodule in module.modules():
-            has_own = any(True for _ in itertools.chain(submodule.parameters(False), submodule.buffers(False)))
+        for submodule in reversed(list(module.modules())):
             reset = getattr(submodule, "reset_parameters", None)
-            if has_own and callable(reset):
+            if callable(reset) and not isinstance(submodule, Metric):
                 reset()
     return True
+
+
+def _metric_tensors_on_meta(metric: Metric) -> Any:
+    for default in metric._defaults.values():
+        if isinstance(default, Tensor):
+            yield default.is_meta
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -165,14 +165,25 @@ class ShardedOptimizerStrategy(DDPStrategy):
             if self.stage in (1, 2) and self.is_sharding:
                 self._setup_stage12()
         self.setup_precision_plugin()
+        self._use_sharded_grad_scaler()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def _use_sharded_grad_scaler(self) -> None:
+        """`16-mixed`: each rank sees only its shard's gradients, so the inf/nan check that decides whether to skip
+        the step must be all-reduced, or ranks would diverge. Torch's ShardedGradScaler does exactly that."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or not self.is_sharding:
+            return
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        self.precision_plugin.scaler = ShardedGradScaler(device=self.root_device.type)
 
     def _setup_stage3(self) -> None:
         mesh = init_device_mesh(self.root_device.type, (self.world_size,))
         self._fsdp_units = zero3.apply_fully_shard(self.lightning_module, mesh)
-        if not zero3.materialize_meta_module(self.lightning_module, self.root_device):
-            self.model_to_device()
+        zero3.materialize_meta_module(self.lightning_module, self.root_device)
+        self.model_to_device()
 
     def _setup_stage12(self) -> None:
         self._buckets = ShardedParameterBuckets(
