@@ -163,3 +163,19 @@ def test_checkpoint_of_a_different_model_is_refused_on_every_rank(tmp_path, chec
     assert "did not finish" not in text
     assert "rank 0 refused" in text and "rank 1 refused" in text
     assert "size mismatch" in text
+
+
+def test_sharded_checkpoint_converts_to_a_file_plain_lightning_loads(tmp_path):
+    from lightning_parallel.distributed.checkpoint import consolidate_checkpoint
+
+    sharded = str(tmp_path / "sharded.ckpt")
+    consolidated = str(tmp_path / "consolidated.ckpt")
+    run_distributed(_run, 2, args=("zero3", "sharded", sharded, False), init_process_group=False, timeout=120)
+    run_distributed(_run, 2, args=("zero3", "consolidated", consolidated, False), init_process_group=False, timeout=120)
+    converted = consolidate_checkpoint(sharded, tmp_path / "converted.ckpt")
+    loaded = GPTLightningModule.load_from_checkpoint(converted, map_location="cpu")
+    expected = torch.load(consolidated, map_location="cpu", weights_only=False)
+    assert_weights_close(loaded.state_dict(), expected["state_dict"], rtol=0, atol=0)
+    plain = torch.load(converted, map_location="cpu", weights_only=False)
+    assert plain["global_step"] == expected["global_step"] == 2
+    assert _hyperparameters(plain["optimizer_states"][0]) == _hyperparameters(expected["optimizer_states"][0])

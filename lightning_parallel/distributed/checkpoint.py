@@ -35,6 +35,7 @@ __all__ = [
     "META_FILE",
     "FlatPiece",
     "build_meta",
+    "consolidate_checkpoint",
     "even_split",
     "is_sharded_checkpoint",
     "param_groups_by_name",
@@ -237,3 +238,16 @@ def _consolidated_optimizer(meta: dict[str, Any], flat: dict[tuple[str, str], Te
             index += 1
         groups.append(saved)
     return {"state": state, "param_groups": groups}
+
+
+def consolidate_checkpoint(sharded_path: str | Path, output_file: str | Path) -> Path:
+    """Convert a sharded checkpoint directory into one consolidated Lightning ``.ckpt`` (single process, no GPU).
+
+    The result loads with ``LightningModule.load_from_checkpoint`` and plain single-device Lightning.
+    """
+    checkpoint = sharded_to_consolidated(sharded_path)
+    output_file = Path(output_file)
+    partial = output_file.with_name(output_file.name + ".partial")
+    torch.save(checkpoint, partial)
+    partial.replace(output_file)
+    return output_file
