@@ -206,3 +206,57 @@ def test_bf16_mixed_precision_matches_single_device_bf16(stage):
     results = run_distributed(_fit_bf16, 2, args=(stage,), init_process_group=False, timeout=120)
     # bf16 autocast: the reduction order of the averaged gradient is the only difference.
     assert_weights_close(results[0], reference, rtol=1e-2, atol=1e-3)
+
+
+# ------------------------------------------------------------------ schedulers, evaluation
+def _with_scheduler(module):
+    def configure_optimizers():
+        optimizer = type(module).configure_optimizers(module)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    module.configure_optimizers = configure_optimizers
+    return module
+
+
+def _fit_scheduled(rank: int, world_size: int, stage: int) -> dict:
+    import training_helpers
+
+    original = training_helpers.make_module
+    training_helpers.make_module = lambda optimizer="adamw", learning_rate=None: _with_scheduler(
+        original(optimizer, learning_rate)
+    )
+    strategy = ShardedOptimizerStrategy(stage=stage) if stage else "auto"
+    return fit_tiny(strategy, devices=world_size, per_device_batch=GLOBAL_BATCH // world_size, max_steps=STEPS)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lr_scheduler_steps_the_sharded_param_groups(stage):
+    (reference,) = run_distributed(_fit_scheduled, 1, args=(0,), init_process_group=False, timeout=120)
+    unscheduled = _fit_sharded_reference_without_scheduler()
+    results = run_distributed(_fit_scheduled, 2, args=(stage,), init_process_group=False, timeout=120)
+    assert_weights_close(results[0], reference, **TOLERANCE["adamw"])
+    assert not torch.allclose(reference["model.head.weight"], unscheduled["model.head.weight"], rtol=1e-4, atol=1e-5)
+
+
+def _fit_sharded_reference_without_scheduler() -> dict:
+    return fit_tiny("auto", devices=1, per_device_batch=GLOBAL_BATCH, max_steps=STEPS)
+
+
+def _validate(rank: int, world_size: int, stage: int) -> dict:
+    module = make_module()
+    data = RandomTokenDataModule(num_samples=32, seq_len=SEQ_LEN, batch_size=16 // world_size)
+    strategy = ShardedOptimizerStrategy(stage=stage) if stage else "auto"
+    trainer = make_trainer(strategy, devices=world_size, max_steps=1, limit_val_batches=None)
+    (metrics,) = trainer.validate(module, datamodule=data, verbose=False)
+    (test_metrics,) = trainer.test(module, datamodule=data, verbose=False)
+    return {**metrics, **test_metrics}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_validate_and_test_give_the_single_device_metrics(stage):
+    (reference,) = run_distributed(_validate, 1, args=(0,), init_process_group=False, timeout=120)
+    results = run_distributed(_validate, 2, args=(stage,), init_process_group=False, timeout=120)
+    assert set(reference) >= {"val_loss", "val_perplexity", "val_accuracy", "test_loss"}
+    for key, value in reference.items():
+        assert results[0][key] == pytest.approx(value, rel=1e-5), key

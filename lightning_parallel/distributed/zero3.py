@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
@@ -60,18 +60,16 @@ def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     """Shard each repeated block, then each top-level child holding the remaining parameters; return the units.
 
     The LightningModule itself is sharded only if it holds parameters directly: FSDP2 gathers a unit's parameters
-    in the unit's ``forward`` hook, and Lightning calls ``training_step``, not ``forward``.
+    in the unit's ``forward`` hook, and Lightning calls ``training_step``, not ``forward``. Idempotent: units that
+    are already sharded (a second ``fit``/``validate`` of the same module) are kept as they are.
     """
     units = find_repeated_blocks(module)
-    for block in units:
-        fully_shard(block, mesh=mesh)
-    for child in module.children():
-        if any(True for _ in child.parameters()) and child not in units:
-            fully_shard(child, mesh=mesh)
-            units.append(child)
+    units += [child for child in module.children() if any(True for _ in child.parameters()) and child not in units]
     if any(True for _ in module.parameters(recurse=False)):
-        fully_shard(module, mesh=mesh)
         units.append(module)
+    for unit in units:
+        if not isinstance(unit, FSDPModule):  # already sharded by an earlier fit/validate/test of this module
+            fully_shard(unit, mesh=mesh)
     return units
 
 
