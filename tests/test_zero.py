@@ -7,7 +7,7 @@ from functools import cache
 import pytest
 import torch
 from distributed_harness import DistributedTestError, run_distributed
-from training_helpers import SEQ_LEN, assert_weights_close, fit_tiny, make_module, make_trainer
+from training_helpers import SEQ_LEN, _loader_for, assert_weights_close, fit_tiny, make_module, make_trainer
 
 from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataModule, RandomTokenDataset
@@ -260,3 +260,41 @@ def test_validate_and_test_give_the_single_device_metrics(stage):
     assert set(reference) >= {"val_loss", "val_perplexity", "val_accuracy", "test_loss"}
     for key, value in reference.items():
         assert results[0][key] == pytest.approx(value, rel=1e-5), key
+
+
+# ------------------------------------------------------------------ manual optimization
+class _ManualAccumulation(GPTLightningModule):
+    """Two synchronised backwards per optimizer step (manual accumulation), clipping through Lightning."""
+
+    def __init__(self) -> None:
+        super().__init__("tiny", block_size=SEQ_LEN, bias=False, optimizer="adamw", learning_rate=1e-3)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        inputs, targets = batch
+        half = inputs.shape[0] // 2
+        for part in (slice(0, half), slice(half, None)):
+            self.manual_backward(self.loss_fn(self(inputs[part]), targets[part]) / 2)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _fit_manual(rank: int, world_size: int, stage: int) -> dict:
+    import lightning.pytorch as pl
+
+    pl.seed_everything(1234, verbose=False)
+    module = _ManualAccumulation()
+    strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.05) if stage else "auto"
+    trainer = make_trainer(strategy, devices=world_size, max_steps=STEPS)
+    trainer.fit(module, train_dataloaders=_loader_for(world_size, GLOBAL_BATCH // world_size))
+    state = module.state_dict() if world_size == 1 else trainer.strategy.lightning_module_state_dict()
+    return {name: tensor.detach().clone() for name, tensor in state.items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_manual_optimization_accumulating_over_synchronised_backwards(stage):
+    (reference,) = run_distributed(_fit_manual, 1, args=(0,), init_process_group=False, timeout=120)
+    results = run_distributed(_fit_manual, 2, args=(stage,), init_process_group=False, timeout=120)
+    assert_weights_close(results[0], reference, **TOLERANCE["adamw"])

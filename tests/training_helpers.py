@@ -58,12 +58,7 @@ def fit_tiny(
     batch k of the single-device run (batch ``N * b``) holds exactly the samples of step k on the N ranks.
     """
     module = make_module(optimizer)
-    dataset = RandomTokenDataset(96, SEQ_LEN, seed=7)
-    if devices == 1:
-        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
-        loader = DataLoader(dataset, batch_size=per_device_batch, sampler=sampler)
-    else:
-        loader = DataLoader(dataset, batch_size=per_device_batch, shuffle=False)
+    loader = _loader_for(devices, per_device_batch)
     trainer = make_trainer(strategy, devices=devices, max_steps=max_steps, accumulate=accumulate, **trainer_kwargs)
     trainer.fit(module, train_dataloaders=loader)
     # Lightning's fork/spawn launchers bring weights back to the parent but not the loop counters.
@@ -74,6 +69,15 @@ def fit_tiny(
     if state is None:
         state = trainer.strategy.lightning_module_state_dict()
     return {name: tensor.detach().clone() for name, tensor in state.items()}
+
+
+def _loader_for(devices: int, per_device_batch: int) -> DataLoader:
+    """96 seeded samples; at one device the permutation Lightning's DistributedSampler uses, made explicit."""
+    dataset = RandomTokenDataset(96, SEQ_LEN, seed=7)
+    if devices == 1:
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+        return DataLoader(dataset, batch_size=per_device_batch, sampler=sampler)
+    return DataLoader(dataset, batch_size=per_device_batch, shuffle=False)
 
 
 def assert_weights_close(actual: dict, expected: dict, *, rtol: float, atol: float) -> None:

@@ -62,6 +62,7 @@ class _Bucket:
     flat_params: Tensor
     shard_grads: Tensor
     full_grads: Tensor | None = None
+    pending_shard: Tensor | None = None  # reduce-scatter output to add to `shard_grads` (accumulating syncs)
     ready: int = 0
     launched: bool = False
     work: dist.Work | None = None
@@ -225,8 +226,13 @@ class ShardedParameterBuckets:
                 bucket.numel, dtype=bucket.flat_params.dtype, device=bucket.flat_params.device
             )
         bucket.full_grads.div_(self.world_size)
+        # torch's `.grad` semantics: a sync after the optimizer's `zero_grad()` starts from zero, a sync without it
+        # (manual optimization accumulating over several synchronised backwards) adds to the previous gradients.
+        cleared = all(view.tensor.grad is None for view in bucket.views) or not bucket.shard_grads.any()
+        output = bucket.shard_grads if cleared else torch.empty_like(bucket.shard_grads)
+        bucket.pending_shard = None if cleared else output
         bucket.work = dist.reduce_scatter_tensor(
-            bucket.shard_grads, bucket.full_grads, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            output, bucket.full_grads, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
         bucket.launched = True
         if self.stage == 2:
@@ -236,7 +242,7 @@ class ShardedParameterBuckets:
         """Stage 2: drop the full gradient buffer of every bucket whose reduce-scatter already finished, so the
         full-size buffers alive during backward are only those still in flight."""
         for bucket in self.buckets:
-            if bucket.work is not None and bucket.work.is_completed():
+            if bucket.work is not None and bucket.pending_shard is None and bucket.work.is_completed():
                 bucket.work.wait()
                 bucket.work = None
                 bucket.full_grads = None
@@ -248,6 +254,9 @@ class ShardedParameterBuckets:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
+            if bucket.pending_shard is not None:
+                bucket.shard_grads.add_(bucket.pending_shard)
+                bucket.pending_shard = None
             bucket.ready = 0
             bucket.launched = False
             if self.stage == 2:
