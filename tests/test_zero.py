@@ -298,3 +298,28 @@ def test_manual_optimization_accumulating_over_synchronised_backwards(stage):
     (reference,) = run_distributed(_fit_manual, 1, args=(0,), init_process_group=False, timeout=120)
     results = run_distributed(_fit_manual, 2, args=(stage,), init_process_group=False, timeout=120)
     assert_weights_close(results[0], reference, **TOLERANCE["adamw"])
+
+
+def _fit_with_frozen_embedding(rank: int, world_size: int, stage: int) -> dict:
+    import training_helpers
+
+    original = training_helpers.make_module
+
+    def frozen(optimizer="sgd", learning_rate=None):
+        module = original(optimizer, learning_rate)
+        module.model.embedding.requires_grad_(False)  # still listed in configure_optimizers' param groups
+        return module
+
+    training_helpers.make_module = frozen
+    strategy = ShardedOptimizerStrategy(stage=stage) if stage else "auto"
+    return fit_tiny(strategy, devices=world_size, per_device_batch=GLOBAL_BATCH // world_size, optimizer="sgd")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_frozen_parameters_in_the_optimizer_stay_frozen(stage):
+    (reference,) = run_distributed(_fit_with_frozen_embedding, 1, args=(0,), init_process_group=False, timeout=120)
+    results = run_distributed(_fit_with_frozen_embedding, 2, args=(stage,), init_process_group=False, timeout=120)
+    assert_weights_close(results[0], reference, **TOLERANCE["sgd"])
+    untrained = make_module("sgd").state_dict()
+    for name in ("model.embedding.token.weight", "model.embedding.position.weight"):
+        torch.testing.assert_close(results[0][name], untrained[name], rtol=0, atol=0)

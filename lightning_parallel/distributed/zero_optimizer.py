@@ -62,14 +62,7 @@ class ShardedOptimizer:
         self.optimizer = optimizer
         self.buckets = buckets
         self.group_params: list[list[nn.Parameter]] = [list(group["params"]) for group in optimizer.param_groups]
-        bucketed = set(buckets.parameters)
-        for params in self.group_params:
-            frozen = [p for p in params if p not in bucketed]
-            if frozen:
-                raise ValueError(
-                    f"{len(frozen)} parameter(s) in the optimizer do not require gradients (shape"
-                    f" {tuple(frozen[0].shape)}, ...). Leave frozen parameters out of `configure_optimizers`."
-                )
+        # Frozen parameters (requires_grad=False) are not bucketed and get no view: like torch, they never step.
         views_of: dict[nn.Parameter, list[ShardView]] = defaultdict(list)
         for view in buckets.views():
             views_of[view.param].append(view)
