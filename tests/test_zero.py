@@ -323,3 +323,34 @@ def test_frozen_parameters_in_the_optimizer_stay_frozen(stage):
     untrained = make_module("sgd").state_dict()
     for name in ("model.embedding.token.weight", "model.embedding.position.weight"):
         torch.testing.assert_close(results[0][name], untrained[name], rtol=0, atol=0)
+
+
+class _BatchNormModule(GPTLightningModule):
+    """The tiny GPT with a BatchNorm over the embedding: buffers that each rank updates with its own batches."""
+
+    def __init__(self) -> None:
+        super().__init__("tiny", block_size=SEQ_LEN, bias=False)
+        self.norm_in = torch.nn.BatchNorm1d(SEQ_LEN)
+
+    def forward(self, idx):
+        return super().forward(idx) + self.norm_in(idx.float()).unsqueeze(-1)
+
+
+def _buffers_after_validate(rank: int, world_size: int, stage: int) -> dict:
+    import lightning.pytorch as pl
+
+    pl.seed_everything(1234, verbose=False)
+    module = _BatchNormModule()
+    strategy = ShardedOptimizerStrategy(stage=stage)
+    data = RandomTokenDataModule(num_samples=32, seq_len=SEQ_LEN, batch_size=4, shuffle=True)
+    trainer = make_trainer(strategy, devices=world_size, max_steps=2, limit_val_batches=None)
+    trainer.fit(module, datamodule=data)
+    trainer.validate(module, datamodule=data, verbose=False)
+    return {"running_mean": module.norm_in.running_mean.clone(), "batches": module.norm_in.num_batches_tracked}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_rank_evaluates_with_rank_zero_buffers(stage):
+    rank0, rank1 = run_distributed(_buffers_after_validate, 2, args=(stage,), init_process_group=False, timeout=120)
+    assert rank0["batches"] == 2
+    torch.testing.assert_close(rank1["running_mean"], rank0["running_mean"], rtol=0, atol=0)

@@ -210,6 +210,16 @@ class DataParallelStrategy(DDPStrategy):
         return _zero_loss_weight(output)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        if "Expected to have finished reduction in the prior iteration" in str(exception):
+            exception.args = (
+                "Your LightningModule has parameters that got no gradient from the loss returned by training_step."
+                " If that is intentional, pass `DataParallelStrategy(find_unused_parameters=True)` (slower), or leave"
+                " those parameters out of the model; ShardedOptimizerStrategy handles unused parameters as is."
+                f"\n\nOriginal error: {exception}",
+            )
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a consolidated ``.ckpt`` or a sharded directory written by ``ShardedOptimizerStrategy``."""
         return load_checkpoint_any_format(self, checkpoint_path, weights_only)

@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.accelerators import Accelerator
@@ -254,6 +255,26 @@ class ShardedOptimizerStrategy(DDPStrategy):
         if self._buckets is not None:
             return self._buckets.memory_report(optimizer)
         return zero3.memory_report(self.lightning_module, optimizer)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._broadcast_buffers()
+
+    @override
+    def on_test_start(self) -> None:
+        self._broadcast_buffers()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._broadcast_buffers()
+
+    def _broadcast_buffers(self) -> None:
+        """Evaluate with rank 0's buffers (e.g. BatchNorm running statistics) on every rank, as DDP does: each rank
+        updates its own copy while training, and rank 0's is the one a checkpoint keeps."""
+        if self.is_sharding and self.lightning_module is not None:
+            for buffer in self.lightning_module.buffers():
+                if not buffer.is_meta:
+                    dist.broadcast(buffer, src=0)
 
     # ------------------------------------------------------------------ checkpoints
     @property
