@@ -34,6 +34,7 @@ from torch import Tensor
 __all__ = [
     "META_FILE",
     "FlatPiece",
+    "ShardedCheckpointReader",
     "build_meta",
     "consolidate_checkpoint",
     "even_split",
@@ -251,3 +252,66 @@ def consolidate_checkpoint(sharded_path: str | Path, output_file: str | Path) ->
     torch.save(checkpoint, partial)
     partial.replace(output_file)
     return output_file
+
+
+class ShardedCheckpointReader:
+    """Reads element ranges of a sharded checkpoint, loading only the pieces that overlap them.
+
+    A rank asks for exactly what it will hold (its bucket shard, its rows), so resuming never materialises the
+    full state on a rank that does not hold it. :meth:`read` is collective when distributed: every rank calls it
+    the same number of times, with its own (possibly empty) requests.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not is_sharded_checkpoint(self.path):
+            raise FileNotFoundError(f"{self.path} is not a sharded checkpoint directory (no {META_FILE} or .metadata).")
+        self.meta = torch.load(self.path / META_FILE, weights_only=False)
+        metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
+        self._pieces: dict[tuple[str, str], list[tuple[int, int, str, torch.dtype]]] = defaultdict(list)
+        self.buffer_entries: dict[str, Any] = {}
+        self.bytes_read = 0  # what this rank loaded so far: the test of "only the ranges it holds"
+        for entry, item in metadata.state_dict_metadata.items():
+            if not hasattr(item, "size"):
+                continue
+            if entry.startswith("buffer/"):
+                self.buffer_entries[entry] = item
+                continue
+            key, rest = entry.split("/", 1)
+            name, span = rest.rsplit("/", 1)
+            start, stop = (int(x) for x in span.split("_"))
+            self._pieces[(key, name)].append((start, stop, entry, item.properties.dtype))
+
+    def keys_of(self, name: str) -> list[str]:
+        """State keys saved for parameter ``name`` (``"param"`` and optimizer keys)."""
+        return sorted(key for key, other in self._pieces if other == name)
+
+    def read(self, requests: Iterable[tuple[str, str, int, int]], *, with_buffers: bool = False) -> dict[Any, Tensor]:
+        """Tensors for ``(key, name, start, stop)`` requests (flat), plus ``"buffer/<name>"`` entries if asked."""
+        requests = list(requests)
+        entries: dict[str, Tensor] = {}
+        plan = []
+        for key, name, start, stop in requests:
+            overlapping = [p for p in self._pieces.get((key, name), []) if p[0] < stop and p[1] > start]
+            if sum(min(stop, p[1]) - max(start, p[0]) for p in overlapping) != stop - start:
+                raise ValueError(
+                    f"Sharded checkpoint {self.path} lacks elements [{start}, {stop}) of `{key}` of `{name}`."
+                )
+            for piece_start, piece_stop, entry, dtype in overlapping:
+                entries.setdefault(entry, torch.empty(piece_stop - piece_start, dtype=dtype))
+            plan.append(((key, name, start, stop), overlapping))
+        if with_buffers:
+            for entry, item in self.buffer_entries.items():
+                entries[entry] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        dcp.load(entries, checkpoint_id=self.path)
+        self.bytes_read += sum(tensor.numel() * tensor.element_size() for tensor in entries.values())
+        result: dict[Any, Tensor] = {}
+        for (key, name, start, stop), overlapping in plan:
+            out = torch.empty(stop - start, dtype=overlapping[0][3] if overlapping else torch.float32)
+            for piece_start, piece_stop, entry, _ in overlapping:
+                lo, hi = max(start, piece_start), min(stop, piece_stop)
+                out[lo - start : hi - start] = entries[entry][lo - piece_start : hi - piece_start]
+            result[(key, name, start, stop)] = out
+        if with_buffers:
+            result.update({entry: entries[entry] for entry in self.buffer_entries})
+        return result

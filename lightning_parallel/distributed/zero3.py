@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
-from lightning_parallel.distributed.checkpoint import FlatPiece, even_split
+from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, even_split
 from lightning_parallel.distributed.zero import MemoryReport
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "find_repeated_blocks",
     "load_consolidated_model_state",
     "load_consolidated_optimizer_state",
+    "load_from_reader",
     "materialize_meta_module",
     "memory_report",
     "sharded_pieces",
@@ -202,3 +203,76 @@ def sharded_pieces(module: nn.Module, optimizer: torch.optim.Optimizer | None) -
             if isinstance(value, Tensor) and value.dim() > 0:
                 pieces.append(FlatPiece(key, name, start, stop, _local(value).reshape(-1)))
     return pieces
+
+
+def _local_range(param: Tensor, rank: int, world_size: int) -> tuple[int, int]:
+    local = _local(param)
+    if param.dim() == 0:
+        return (0, 1) if rank == 0 else (0, 0)
+    row_numel = param.numel() // param.shape[0] if param.shape[0] else 0
+    start = even_split(param.shape[0], rank, world_size)[0] * row_numel
+    return start, start + local.numel()
+
+
+@torch.no_grad()
+def load_from_reader(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, reader: ShardedCheckpointReader, *, strict: bool = True
+) -> None:
+    """Collective. Load this rank's rows of parameters (``optimizer=None``) or of the optimizer state straight
+    from a sharded checkpoint, never the whole tensors."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    named = dict(module.named_parameters())
+    ranges = {name: _local_range(param, rank, world_size) for name, param in named.items()}
+    if optimizer is None:
+        _load_parameters(module, named, ranges, reader, strict=strict)
+    else:
+        _load_optimizer_state(optimizer, named, ranges, reader)
+
+
+def _load_parameters(
+    module: nn.Module, named: dict[str, Tensor], ranges: dict, reader: ShardedCheckpointReader, *, strict: bool
+) -> None:
+    shapes = reader.meta["shapes"]
+    if strict and {n: tuple(p.shape) for n, p in named.items()} != {n: tuple(s) for n, s in shapes.items()}:
+        raise ValueError(
+            f"The sharded checkpoint {reader.path} holds parameters of other names or shapes than this model"
+            " (it comes from a different model)."
+        )
+    requests = [
+        ("param", name, *ranges[name]) for name in named if name in shapes and ranges[name][1] > ranges[name][0]
+    ]
+    values = reader.read(requests, with_buffers=True)
+    for name, param in named.items():
+        key = ("param", name, *ranges[name])
+        if key in values:
+            _local(param).view(-1).copy_(values[key])
+    buffers = dict(module.named_buffers())
+    for entry, tensor in values.items():
+        if isinstance(entry, str) and entry.removeprefix("buffer/") in buffers:
+            buffers[entry.removeprefix("buffer/")].copy_(tensor)
+
+
+def _load_optimizer_state(
+    optimizer: torch.optim.Optimizer, named: dict[str, Tensor], ranges: dict, reader: ShardedCheckpointReader
+) -> None:
+    name_of = {param: name for name, param in named.items()}
+    for group, saved in zip(optimizer.param_groups, reader.meta["param_groups"], strict=True):
+        group.update({key: value for key, value in saved.items() if key != "params"})
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    requests = [(key, name_of[p], *ranges[name_of[p]]) for p in params for key in reader.keys_of(name_of[p])]
+    values = reader.read([r for r in requests if r[0] != "param" and r[3] > r[2]])
+    optimizer.state.clear()
+    for param in params:
+        name = name_of[param]
+        state = {}
+        for key in (k for k in reader.keys_of(name) if k != "param"):
+            local = torch.zeros_like(_local(param))
+            if (key, name, *ranges[name]) in values:
+                local.view(-1).copy_(values[(key, name, *ranges[name])])
+            state[key] = DTensor.from_local(
+                local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+        if state:
+            scalars = reader.meta["scalars"].get(name, {})
+            state.update({k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()})
+            optimizer.state[param] = state

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_parallel.distributed.checkpoint import FlatPiece
+from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader
 from lightning_parallel.distributed.zero import ShardedParameterBuckets, ShardView
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "check_shardable"]
@@ -161,6 +161,45 @@ class ShardedOptimizer:
                 continue
             for view in self.views_of[param]:
                 self.optimizer.state[view.tensor] = {key: _slice_state(value, view) for key, value in entry.items()}
+
+
+def load_from_reader(sharded: ShardedOptimizer, reader: ShardedCheckpointReader, module: nn.Module) -> None:
+    """Collective. Load this rank's slices of optimizer state straight from a sharded checkpoint (no full state)."""
+    name_of = {param: name for name, param in module.named_parameters()}
+    check_matching_groups(reader.meta.get("param_groups"), [[name_of[p] for p in ps] for ps in sharded.group_params])
+    for group, saved in zip(sharded.optimizer.param_groups, reader.meta["param_groups"], strict=True):
+        group.update({key: value for key, value in saved.items() if key != "params"})
+    views = sharded.buckets.views()
+    requests = [
+        (key, view.name, view.start, view.stop) for view in views for key in reader.keys_of(view.name) if key != "param"
+    ]
+    values = reader.read(requests)
+    sharded.optimizer.state.clear()
+    for view in views:
+        state = {
+            key: values[(key, view.name, view.start, view.stop)].to(view.tensor.device, view.tensor.dtype)
+            for key in reader.keys_of(view.name)
+            if key != "param"
+        }
+        if state:
+            scalars = reader.meta["scalars"].get(view.name, {})
+            state.update({k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()})
+            sharded.optimizer.state[view.tensor] = state
+
+
+def check_matching_groups(saved_groups: list[dict] | None, group_names: list[list[str]]) -> None:
+    """Raise ``ValueError`` when a checkpoint's param groups do not name these parameters (another model)."""
+    saved = [list(group["params"]) for group in saved_groups or []]
+    if saved != group_names:
+        raise ValueError(
+            f"The checkpoint's optimizer param groups hold parameters {[len(g) for g in saved]} ({_first(saved)}...),"
+            f" this model's {[len(g) for g in group_names]} ({_first(group_names)}...): the checkpoint comes from a"
+            " different model or `configure_optimizers`."
+        )
+
+
+def _first(groups: list[list[str]]) -> str:
+    return next((group[0] for group in groups if group), "none")
 
 
 def _bucket_offset(bucket: Any, view: ShardView) -> int:

@@ -24,9 +24,9 @@ from typing_extensions import override
 
 from lightning_parallel._compat import optimizers_to_device, sync_module_states
 from lightning_parallel.distributed import zero3
-from lightning_parallel.distributed.checkpoint import replicated_pieces
+from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint, replicated_pieces
 from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
-from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable
+from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, save_sharded, scalar_states_of
 from lightning_parallel.strategies.launch import (
     StartMethod,
@@ -292,6 +292,13 @@ class ShardedOptimizerStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        reader = checkpoint["state_dict"]
+        if isinstance(reader, ShardedCheckpointReader):
+            if self._fsdp_units:
+                zero3.load_from_reader(self.lightning_module, None, reader, strict=strict)
+            else:
+                self.lightning_module.load_state_dict(_full_state_from_reader(reader), strict=strict)
+            return
         if self._fsdp_units:
             zero3.load_consolidated_model_state(self.lightning_module, dict(checkpoint["state_dict"]), strict=strict)
             return
@@ -317,7 +324,12 @@ class ShardedOptimizerStrategy(DDPStrategy):
             )
         for optimizer, state in zip(self.optimizers, states, strict=True):
             optimizer = _unwrap(optimizer)
-            if self._sharded_optimizer is not None:
+            if isinstance(state, ShardedCheckpointReader):
+                if self._sharded_optimizer is not None:
+                    load_from_reader(self._sharded_optimizer, state, self.lightning_module)
+                else:
+                    zero3.load_from_reader(self.lightning_module, optimizer, state, strict=False)
+            elif self._sharded_optimizer is not None:
                 self._sharded_optimizer.load_consolidated_state_dict(state)
             elif self._fsdp_units:
                 zero3.load_consolidated_optimizer_state(self.lightning_module, optimizer, state)
@@ -349,6 +361,14 @@ class ShardedOptimizerStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded directory is read lazily: each rank later loads only the ranges it holds."""
+        if self.is_sharding and is_sharded_checkpoint(checkpoint_path):
+            reader = ShardedCheckpointReader(checkpoint_path)
+            checkpoint = dict(reader.meta["lightning"])
+            checkpoint["state_dict"] = reader
+            if reader.meta.get("param_groups") is not None:
+                checkpoint["optimizer_states"] = [reader]
+            return checkpoint
         return load_checkpoint_any_format(self, checkpoint_path, weights_only)
 
     @override
@@ -379,6 +399,22 @@ class ShardedOptimizerStrategy(DDPStrategy):
                 stage=stage,
                 start_method=start_method,
             )
+
+
+def _full_state_from_reader(reader: ShardedCheckpointReader) -> dict[str, torch.Tensor]:
+    """Collective. Whole parameters and buffers (stages 1-2 hold every parameter whole anyway)."""
+    shapes = reader.meta["shapes"]
+    values = reader.read([("param", name, 0, _numel(shape)) for name, shape in shapes.items()], with_buffers=True)
+    state = {name: values[("param", name, 0, _numel(shape))].view(shape) for name, shape in shapes.items()}
+    state.update({entry.removeprefix("buffer/"): t for entry, t in values.items() if isinstance(entry, str)})
+    return state
+
+
+def _numel(shape: Any) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
 
 
 def _unwrap(optimizer: Any) -> Optimizer:
