@@ -142,7 +142,17 @@ def consolidated_model_state(module: nn.Module) -> dict[str, Any]:
 
 
 def load_consolidated_model_state(module: nn.Module, state_dict: dict[str, Any], *, strict: bool = True) -> None:
-    """Collective. Every rank passes the full state dict; each keeps its shards."""
+    """Collective. Every rank passes the full state dict; each keeps its shards. A state dict of another model is
+    refused with a ``ValueError`` on every rank before any collective."""
+    if strict:
+        expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+        given = {name: tuple(t.shape) for name, t in state_dict.items() if isinstance(t, Tensor)}
+        if expected != given:
+            differing = sorted(set(expected.items()) ^ set(given.items()))[:3]
+            raise ValueError(
+                f"The checkpoint does not match this model (differing entries, e.g. {differing}): it was saved from a"
+                " different model or configuration."
+            )
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(module, state_dict, options=options)
 

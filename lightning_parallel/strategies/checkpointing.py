@@ -22,7 +22,7 @@ from lightning_parallel.distributed.checkpoint import (
     sharded_to_consolidated,
 )
 
-__all__ = ["load_checkpoint_any_format", "save_sharded", "scalar_states_of"]
+__all__ = ["load_checkpoint_any_format", "load_module_state", "save_sharded", "scalar_states_of"]
 
 
 def scalar_states_of(optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -66,3 +66,21 @@ def load_checkpoint_any_format(strategy: Any, checkpoint_path: _PATH, weights_on
     if is_sharded_checkpoint(checkpoint_path):
         return sharded_to_consolidated(checkpoint_path)
     return strategy.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+
+def load_module_state(module: nn.Module, state_dict: Any, *, strict: bool) -> None:
+    """``module.load_state_dict`` with torch's shape/key mismatch turned into a ``ValueError`` that says what happened.
+
+    Every rank loads the same file, so every rank raises the same error (nothing hangs, nothing is trained).
+    """
+    try:
+        module.load_state_dict(state_dict, strict=strict)
+    except RuntimeError as error:
+        text = str(error)
+        if "size mismatch" not in text and "Missing key" not in text and "Unexpected key" not in text:
+            raise
+        details = "; ".join(line.strip() for line in text.splitlines()[1:4])
+        raise ValueError(
+            f"The checkpoint does not match this model ({details} ...): it was saved from a different model or"
+            " configuration. Load a checkpoint of this model, or pass `strict=False` only if you mean a partial load."
+        ) from error

@@ -28,7 +28,7 @@ from lightning_parallel.distributed.compression import (
     validate_compression,
 )
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
-from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format
+from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, load_module_state
 from lightning_parallel.strategies.launch import (
     StartMethod,
     to_timeout,
@@ -218,6 +218,10 @@ class DataParallelStrategy(DDPStrategy):
                 " those parameters out of the model; ShardedOptimizerStrategy handles unused parameters as is."
                 f"\n\nOriginal error: {exception}",
             )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        load_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

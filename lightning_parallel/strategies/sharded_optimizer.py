@@ -27,7 +27,12 @@ from lightning_parallel.distributed import zero3
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint, replicated_pieces
 from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
-from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, save_sharded, scalar_states_of
+from lightning_parallel.strategies.checkpointing import (
+    load_checkpoint_any_format,
+    load_module_state,
+    save_sharded,
+    scalar_states_of,
+)
 from lightning_parallel.strategies.launch import (
     StartMethod,
     to_timeout,
@@ -297,12 +302,12 @@ class ShardedOptimizerStrategy(DDPStrategy):
             if self._fsdp_units:
                 zero3.load_from_reader(self.lightning_module, None, reader, strict=strict)
             else:
-                self.lightning_module.load_state_dict(_full_state_from_reader(reader), strict=strict)
+                load_module_state(self.lightning_module, _full_state_from_reader(reader), strict=strict)
             return
         if self._fsdp_units:
             zero3.load_consolidated_model_state(self.lightning_module, dict(checkpoint["state_dict"]), strict=strict)
             return
-        super().load_model_state_dict(checkpoint, strict=strict)
+        load_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
