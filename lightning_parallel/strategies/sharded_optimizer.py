@@ -246,9 +246,22 @@ class ShardedOptimizerStrategy(DDPStrategy):
             self._buckets.all_gather_parameters()
         if not self._memory_logged:
             self._memory_logged = True
-            report = self.memory_report()
-            rank_zero_info(f"ShardedOptimizerStrategy(stage={self.stage}) bytes held by rank 0: {report.as_dict()}")
+            self._log_memory_reports()
         return output
+
+    def _log_memory_reports(self) -> None:
+        """Once, after the first step (optimizer state exists from then on): the bytes every rank holds."""
+        report = self.memory_report().as_dict()
+        reports = [report]
+        if self.is_sharding:
+            reports = [None] * self.world_size
+            dist.all_gather_object(reports, report)
+        lines = [f"ShardedOptimizerStrategy(stage={self.stage}) bytes held per rank (MiB):"]
+        lines += [
+            f"  rank {rank}: " + ", ".join(f"{key} {value / 2**20:.2f}" for key, value in entry.items())
+            for rank, entry in enumerate(reports)
+        ]
+        rank_zero_info("\n".join(lines))
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         assert self._buckets is not None
