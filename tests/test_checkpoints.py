@@ -205,3 +205,56 @@ def test_resuming_a_sharded_checkpoint_reads_only_the_ranges_a_rank_holds(tmp_pa
     for result in results:
         # Each rank asked for a quarter of every tensor; it may load a few whole pieces that straddle its range.
         assert result["total"] / 4 <= result["bytes_read"] <= result["total"] / 2
+
+
+# ------------------------------------------------------------------ damaged and tampered files
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.makedirs, (self.marker,))
+
+
+def _resume_from(rank: int, world_size: int, path: str, spec: str) -> None:
+    trainer = _trainer(_strategy(spec, "consolidated"), world_size, max_steps=4)
+    try:
+        trainer.fit(make_module("adamw"), train_dataloaders=_loader(world_size, rank), ckpt_path=path)
+    except ValueError as error:
+        raise RuntimeError(f"rank {rank} refused: {type(error).__name__}: {error}") from error
+
+
+def _damage(path: Path, how: str, tmp_path: Path) -> None:
+    if how == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "code":
+        torch.save({"state_dict": {}, "payload": _RunsCodeWhenUnpickled(str(tmp_path / "pwned"))}, path)
+    elif how == "missing-shard":
+        next(path.glob("*.distcp")).unlink()
+
+
+@pytest.mark.parametrize(
+    ("how", "checkpoint_format", "resume_spec"),
+    [
+        ("truncated", "consolidated", "zero2"),
+        ("code", "consolidated", "data_parallel"),
+        ("missing-shard", "sharded", "zero3"),
+        ("missing-shard", "sharded", "data_parallel"),
+    ],
+)
+def test_damaged_or_tampered_checkpoints_are_refused_clearly_on_every_rank(
+    tmp_path, how, checkpoint_format, resume_spec
+):
+    path = tmp_path / "run.ckpt"
+    run_distributed(_run, 2, args=("zero2", checkpoint_format, str(path), False), init_process_group=False, timeout=60)
+    _damage(path, how, tmp_path)
+    with pytest.raises(DistributedTestError) as error:
+        run_distributed(_resume_from, 2, args=(str(path), resume_spec), init_process_group=False, timeout=60)
+    text = str(error.value)
+    assert "did not finish" not in text
+    for rank in (0, 1):
+        assert f"rank {rank} refused: DamagedCheckpointError: Cannot " in text, text[-2000:]
+    assert not (tmp_path / "pwned").exists(), "code from the checkpoint ran"

@@ -29,10 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import Tensor
 
 __all__ = [
     "META_FILE",
+    "DamagedCheckpointError",
     "FlatPiece",
     "ShardedCheckpointReader",
     "build_meta",
@@ -42,6 +44,7 @@ __all__ = [
     "param_groups_by_name",
     "read_sharded_checkpoint",
     "replicated_pieces",
+    "safe_load",
     "save_sharded_checkpoint",
     "sharded_to_consolidated",
 ]
@@ -63,6 +66,24 @@ class FlatPiece:
     @property
     def entry(self) -> str:
         return f"{self.key}/{self.name}/{self.start}_{self.stop}"
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file is truncated, tampered with, or not a checkpoint at all."""
+
+
+def safe_load(path: str | Path) -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain containers only, never code from the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # torch raises RuntimeError, UnpicklingError, EOFError, ... for damaged files
+        raise DamagedCheckpointError(
+            f"Cannot load checkpoint {path}: it is truncated, was modified, or is not a checkpoint"
+            f" ({type(error).__name__}: {str(error).splitlines()[0][:200]}). Nothing was loaded; resume from an"
+            " earlier checkpoint."
+        ) from error
 
 
 def even_split(numel: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -164,14 +185,14 @@ def read_sharded_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[tupl
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a sharded checkpoint directory (no {META_FILE} or .metadata).")
-    meta = torch.load(path / META_FILE, weights_only=False)
+    meta = safe_load(path / META_FILE)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     entries = {
         key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
         for key, item in metadata.state_dict_metadata.items()
         if hasattr(item, "size")
     }
-    dcp.load(entries, checkpoint_id=path)
+    _dcp_load(entries, path)
     flat: dict[tuple[str, str], list[tuple[int, int, Tensor]]] = defaultdict(list)
     buffers = {}
     for entry, tensor in entries.items():
@@ -195,6 +216,16 @@ def read_sharded_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[tupl
         assembled[(key, name)] = full
     meta["buffers"] = buffers
     return meta, assembled
+
+
+def _dcp_load(entries: dict[str, Tensor], path: Path) -> None:
+    try:
+        dcp.load(entries, checkpoint_id=path)
+    except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+        raise DamagedCheckpointError(
+            f"Cannot read sharded checkpoint {path}: a data file is missing or damaged ({type(error).__name__})."
+            " Nothing was loaded; resume from an earlier checkpoint."
+        ) from error
 
 
 def _numel(shape: Iterable[int]) -> int:
@@ -266,7 +297,7 @@ class ShardedCheckpointReader:
         self.path = Path(path)
         if not is_sharded_checkpoint(self.path):
             raise FileNotFoundError(f"{self.path} is not a sharded checkpoint directory (no {META_FILE} or .metadata).")
-        self.meta = torch.load(self.path / META_FILE, weights_only=False)
+        self.meta = safe_load(self.path / META_FILE)
         metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
         self._pieces: dict[tuple[str, str], list[tuple[int, int, str, torch.dtype]]] = defaultdict(list)
         self.buffer_entries: dict[str, Any] = {}
@@ -303,7 +334,7 @@ class ShardedCheckpointReader:
         if with_buffers:
             for entry, item in self.buffer_entries.items():
                 entries[entry] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
-        dcp.load(entries, checkpoint_id=self.path)
+        _dcp_load(entries, self.path)
         self.bytes_read += sum(tensor.numel() * tensor.element_size() for tensor in entries.values())
         result: dict[Any, Tensor] = {}
         for (key, name, start, stop), overlapping in plan:

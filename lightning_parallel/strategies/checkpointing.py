@@ -14,6 +14,7 @@ from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.checkpoint import (
+    DamagedCheckpointError,
     FlatPiece,
     build_meta,
     is_sharded_checkpoint,
@@ -65,7 +66,20 @@ def load_checkpoint_any_format(strategy: Any, checkpoint_path: _PATH, weights_on
     """Lightning's checkpoint dict from a consolidated file or a sharded directory (reassembled, every rank)."""
     if is_sharded_checkpoint(checkpoint_path):
         return sharded_to_consolidated(checkpoint_path)
-    return strategy.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+    if weights_only is None:
+        weights_only = True  # never run code from a checkpoint unless the caller asks for it explicitly
+    try:
+        return strategy.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+    except FileNotFoundError:
+        raise
+    except Exception as error:
+        if not Path(checkpoint_path).is_file():
+            raise
+        raise DamagedCheckpointError(
+            f"Cannot load checkpoint {checkpoint_path}: it is truncated, was modified, or is not a checkpoint"
+            f" ({type(error).__name__}: {str(error).splitlines()[0][:200]}). With `weights_only=True` (the default"
+            " here) a checkpoint may hold only tensors and plain containers. Nothing was loaded."
+        ) from error
 
 
 def load_module_state(module: nn.Module, state_dict: Any, *, strict: bool) -> None:
