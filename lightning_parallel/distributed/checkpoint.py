@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = [
     "META_FILE",
