@@ -29,6 +29,7 @@ from lightning_parallel.distributed.compression import (
 )
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, load_module_state
+from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure, record_peers
 from lightning_parallel.strategies.launch import (
     StartMethod,
     to_timeout,
@@ -148,6 +149,7 @@ class DataParallelStrategy(DDPStrategy):
             local_rank=self.cluster_environment.local_rank(),
         )
         super().setup_environment()
+        self._peers: PeerTable | None = record_peers()
 
     @override
     def configure_ddp(self) -> None:
@@ -211,6 +213,7 @@ class DataParallelStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        explain_peer_failure(exception, getattr(self, "_peers", None), self.global_rank)
         if "Expected to have finished reduction in the prior iteration" in str(exception):
             exception.args = (
                 "Your LightningModule has parameters that got no gradient from the loss returned by training_step."

@@ -33,6 +33,7 @@ from lightning_parallel.strategies.checkpointing import (
     save_sharded,
     scalar_states_of,
 )
+from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure, record_peers
 from lightning_parallel.strategies.launch import (
     StartMethod,
     to_timeout,
@@ -136,6 +137,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
             local_rank=self.cluster_environment.local_rank(),
         )
         super().setup_environment()
+        self._peers: PeerTable | None = record_peers()
 
     @property
     @override
@@ -273,6 +275,10 @@ class ShardedOptimizerStrategy(DDPStrategy):
         if self._buckets is not None:
             return self._buckets.memory_report(optimizer)
         return zero3.memory_report(self.lightning_module, optimizer)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        explain_peer_failure(exception, getattr(self, "_peers", None), self.global_rank)
 
     @override
     def on_validation_start(self) -> None:
