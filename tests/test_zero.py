@@ -354,3 +354,30 @@ def test_every_rank_evaluates_with_rank_zero_buffers(stage):
     rank0, rank1 = run_distributed(_buffers_after_validate, 2, args=(stage,), init_process_group=False, timeout=120)
     assert rank0["batches"] == 2
     torch.testing.assert_close(rank1["running_mean"], rank0["running_mean"], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ Lightning's fork launcher, world size 1
+def _fit_with_registry_name(rank: int, world_size: int, name: str) -> dict:
+    return fit_tiny(name, devices=2, per_device_batch=GLOBAL_BATCH // 2, max_steps=STEPS, optimizer="sgd")
+
+
+@pytest.mark.parametrize("name", ["zero2_notebook", "zero3_notebook"])
+def test_fork_launcher_brings_the_whole_trained_model_back_to_the_parent(name):
+    reference = fit_tiny("auto", devices=1, per_device_batch=GLOBAL_BATCH, max_steps=STEPS, optimizer="sgd")
+    (weights,) = run_distributed(
+        _fit_with_registry_name, 1, args=(name,), init_process_group=False, launcher_env=False, timeout=120
+    )
+    assert_weights_close(weights, reference, **TOLERANCE["sgd"])
+
+
+def _empty_init_at_world_size_one(rank: int, world_size: int) -> float:
+    trainer = make_trainer(ShardedOptimizerStrategy(stage=3), devices=1, max_steps=2)
+    with trainer.init_module(empty_init=True):
+        module = GPTLightningModule("tiny", block_size=SEQ_LEN)
+    trainer.fit(module, datamodule=RandomTokenDataModule(num_samples=16, seq_len=SEQ_LEN, batch_size=4))
+    return float(trainer.callback_metrics["train_loss"])
+
+
+def test_stage3_empty_init_works_at_world_size_one():
+    (loss,) = run_distributed(_empty_init_at_world_size_one, 1, init_process_group=False, timeout=60)
+    assert 4.5 < loss < 6.5

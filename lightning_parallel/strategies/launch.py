@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
-__all__ = ["START_METHODS", "StartMethod", "to_timeout", "validate_launch_environment", "validate_start_method"]
+from lightning_parallel._compat import MultiProcessingLauncher
+
+__all__ = [
+    "START_METHODS",
+    "ConsolidatingLauncher",
+    "StartMethod",
+    "to_timeout",
+    "validate_launch_environment",
+    "validate_start_method",
+]
 
 StartMethod = Literal["popen", "spawn", "fork"]
 START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork")
@@ -70,3 +79,19 @@ def validate_launch_environment(
             f" local ranks must be below `devices`. Set `devices` to the number of processes per node"
             f" ({local_rank + 1} or more)."
         )
+
+
+class ConsolidatingLauncher(MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, but the weights sent back to the parent process are the whole model.
+
+    Lightning's own launcher sends rank 0's ``module.state_dict()``, which under sharding is only rank 0's shard.
+    The strategy's ``consolidated_state_dict()`` (a collective: every rank takes part) gives the full, plain
+    state dict on rank 0, which the parent then loads into the user's module as with any other strategy.
+    """
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        state_dict = trainer.strategy.consolidated_state_dict()
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is not None and output.weights_path is not None:
+            trainer.strategy.checkpoint_io.save_checkpoint(state_dict, output.weights_path)
+        return output

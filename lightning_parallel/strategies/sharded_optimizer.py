@@ -35,6 +35,7 @@ from lightning_parallel.strategies.checkpointing import (
 )
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure, record_peers
 from lightning_parallel.strategies.launch import (
+    ConsolidatingLauncher,
     StartMethod,
     to_timeout,
     validate_launch_environment,
@@ -139,6 +140,12 @@ class ShardedOptimizerStrategy(DDPStrategy):
         super().setup_environment()
         self._peers: PeerTable | None = record_peers()
 
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method != "popen":
+            self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -165,6 +172,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
         if self.stage == 3 and self.is_sharding:
             self._setup_stage3()
         else:
+            zero3.materialize_meta_module(self.lightning_module, self.root_device)  # empty_init at world size 1
             self.model_to_device()
             sync_module_states(self.model)
         if fitting:
@@ -309,6 +317,10 @@ class ShardedOptimizerStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._writes_sharded:
             return {}  # written piece by piece in `save_checkpoint`, without a gather
+        return self.consolidated_state_dict()
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """Collective. The whole model's plain state dict under its own names (complete on rank 0)."""
         if self._fsdp_units:
             return zero3.consolidated_model_state(self.lightning_module)
         # Parameters are views into flat buckets: clone so the checkpoint holds plain, independent tensors.
