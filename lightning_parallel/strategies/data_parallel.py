@@ -36,6 +36,7 @@ from lightning_parallel.strategies.launch import (
     validate_launch_environment,
     validate_start_method,
 )
+from lightning_parallel.strategies.nonfinite import NonFiniteLoss, drop_gradients, should_skip_step, validate_nonfinite
 
 __all__ = ["DataParallelStrategy"]
 
@@ -75,6 +76,8 @@ class DataParallelStrategy(DDPStrategy):
             custom samplers); ``True`` always; ``False`` never. A rank that ran out replays its last batch with
             a zero loss weight, so its gradient is zero and the average still divides by the world size (torch
             ``Join``'s semantics), while every rank keeps taking the same steps.
+        nonfinite_loss: what every rank does when the loss is NaN/inf on any rank: ``"skip"`` the step (default),
+            ``"stop"`` (raise ``FloatingPointError``) or ``"ignore"`` (no check: plain DDP averages the NaN in).
         track_communication: count the bytes of uncompressed all-reduces too (adds a Python hook per bucket);
             compressed runs always count. Read them from :attr:`communication_stats`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer
@@ -97,6 +100,7 @@ class DataParallelStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         uneven_inputs: Literal["auto"] | bool = "auto",
+        nonfinite_loss: NonFiniteLoss = "skip",
         track_communication: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -105,6 +109,7 @@ class DataParallelStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         validate_start_method(start_method)
+        validate_nonfinite(nonfinite_loss)
         validate_compression(gradient_compression, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter)
         if uneven_inputs not in _UNEVEN_CHOICES or not isinstance(uneven_inputs, str | bool):
             raise ValueError(f"`uneven_inputs={uneven_inputs!r}` is invalid. Valid options: 'auto', True, False.")
@@ -128,6 +133,7 @@ class DataParallelStrategy(DDPStrategy):
         self.powersgd_rank = powersgd_rank
         self.powersgd_start_iter = powersgd_start_iter
         self.uneven_inputs = uneven_inputs
+        self.nonfinite_loss = nonfinite_loss
         self.track_communication = track_communication
         self.communication_stats = CommunicationStats()
         self._lockstep_batches: LockstepBatches | None = None
@@ -207,9 +213,22 @@ class DataParallelStrategy(DDPStrategy):
         is_padding = self._lockstep_batches is not None and self._lockstep_batches.pop_is_padding()
         self._current_step_is_padding = is_padding
         output = super().training_step(*args, **kwargs)
-        if not is_padding:
-            return output
-        return _zero_loss_weight(output)
+        if is_padding:
+            output = _zero_loss_weight(output)
+        step = self.lightning_module.trainer.global_step
+        self._skip_step = should_skip_step(
+            output, policy=self.nonfinite_loss, device=self.root_device, step=step, world_size=self.world_size
+        )
+        return output
+
+    _skip_step = False
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._skip_step:  # every rank decided the same: drop the (non-finite) averaged gradients
+            drop_gradients(self.lightning_module.parameters())
+            self._skip_step = False
 
     @override
     def on_exception(self, exception: BaseException) -> None:

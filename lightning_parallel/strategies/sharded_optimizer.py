@@ -41,6 +41,7 @@ from lightning_parallel.strategies.launch import (
     validate_launch_environment,
     validate_start_method,
 )
+from lightning_parallel.strategies.nonfinite import NonFiniteLoss, drop_gradients, should_skip_step, validate_nonfinite
 
 __all__ = ["ShardedOptimizerStrategy"]
 
@@ -72,6 +73,8 @@ class ShardedOptimizerStrategy(DDPStrategy):
         checkpoint_format: ``"consolidated"`` writes one Lightning ``.ckpt`` whose model and optimizer state have the
             plain single-device layout (rank 0 gathers); ``"sharded"`` writes a directory in parallel from all ranks
             with ``torch.distributed.checkpoint``. Both load at any world size and under the other strategies.
+        nonfinite_loss: what every rank does when the loss is NaN/inf on any rank: ``"skip"`` the step (default),
+            ``"stop"`` (raise ``FloatingPointError``) or ``"ignore"`` (no check).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
     """
 
@@ -86,6 +89,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         bucket_cap_mb: float = 25.0,
         checkpoint_format: CheckpointFormat = "consolidated",
+        nonfinite_loss: NonFiniteLoss = "skip",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -98,6 +102,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
                 " 3 (+ parameters)."
             )
         validate_start_method(start_method)
+        validate_nonfinite(nonfinite_loss)
         if checkpoint_format not in ("consolidated", "sharded"):
             raise ValueError(
                 f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
@@ -117,6 +122,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
         self.stage = stage
         self.bucket_cap_mb = bucket_cap_mb
         self.checkpoint_format = checkpoint_format
+        self.nonfinite_loss = nonfinite_loss
         self._buckets: ShardedParameterBuckets | None = None
         self._sharded_optimizer: ShardedOptimizer | None = None
         self._fsdp_units: list[nn.Module] = []
@@ -240,14 +246,29 @@ class ShardedOptimizerStrategy(DDPStrategy):
                 unit.set_requires_gradient_sync(True, recurse=False)
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        step = self.lightning_module.trainer.global_step
+        self._skip_step = should_skip_step(
+            output, policy=self.nonfinite_loss, device=self.root_device, step=step, world_size=self.world_size
+        )
+        return output
+
+    _skip_step = False
+
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._buckets is None:
-            return
-        if self._buckets.sync_gradients:
-            self._buckets.finish_gradient_sync()
-        else:
-            for bucket in self._buckets.buckets:
-                bucket.ready = 0
+        if self._buckets is not None:
+            if self._buckets.sync_gradients:
+                self._buckets.finish_gradient_sync()
+            else:
+                for bucket in self._buckets.buckets:
+                    bucket.ready = 0
+        if self._skip_step:  # every rank decided the same: drop the (non-finite) gradients before the step
+            drop_gradients(self.lightning_module.parameters())
+            if self._buckets is not None:
+                drop_gradients(view.tensor for view in self._buckets.views())
+            self._skip_step = False
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
