@@ -32,6 +32,7 @@ from lightning_parallel.strategies.checkpointing import load_checkpoint_any_form
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure, record_peers
 from lightning_parallel.strategies.launch import (
     StartMethod,
+    init_process_group_after_restart,
     to_timeout,
     validate_launch_environment,
     validate_start_method,
@@ -154,6 +155,7 @@ class DataParallelStrategy(DDPStrategy):
             num_nodes=self.num_nodes,
             local_rank=self.cluster_environment.local_rank(),
         )
+        init_process_group_after_restart(self, self._get_process_group_backend())
         super().setup_environment()
         self._peers: PeerTable | None = record_peers()
 

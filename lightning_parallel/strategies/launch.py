@@ -12,6 +12,7 @@ import os
 from datetime import timedelta
 from typing import Any, Literal
 
+import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
 from lightning_parallel._compat import MultiProcessingLauncher
@@ -20,6 +21,7 @@ __all__ = [
     "START_METHODS",
     "ConsolidatingLauncher",
     "StartMethod",
+    "init_process_group_after_restart",
     "to_timeout",
     "validate_launch_environment",
     "validate_start_method",
@@ -95,3 +97,28 @@ class ConsolidatingLauncher(MultiProcessingLauncher):
         if output is not None and output.weights_path is not None:
             trainer.strategy.checkpoint_io.save_checkpoint(state_dict, output.weights_path)
         return output
+
+
+def init_process_group_after_restart(strategy: Any, backend: str) -> None:
+    """Under torchrun after a restart, join the process group through a store prefix of this attempt.
+
+    torch 2.13's restarted workers connect to the agent's store, which still holds the previous attempt's gloo
+    addresses under the same keys; a worker that reads a stale one fails with "connectFullMesh ... Connection
+    refused". Lightning then finds the group initialised and skips its own set-up. Nothing changes on a first start.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    strategy.set_world_ranks()
+    environment = strategy.cluster_environment
+    timeout = strategy._timeout
+    store = dist.TCPStore(
+        environment.main_address, environment.main_port, strategy.world_size, is_master=False, timeout=timeout
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"lightning_parallel/restart_{restart}", store),
+        rank=strategy.global_rank,
+        world_size=strategy.world_size,
+        timeout=timeout,
+    )

@@ -37,6 +37,7 @@ from lightning_parallel.strategies.failures import PeerTable, explain_peer_failu
 from lightning_parallel.strategies.launch import (
     ConsolidatingLauncher,
     StartMethod,
+    init_process_group_after_restart,
     to_timeout,
     validate_launch_environment,
     validate_start_method,
@@ -143,6 +144,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
             num_nodes=self.num_nodes,
             local_rank=self.cluster_environment.local_rank(),
         )
+        init_process_group_after_restart(self, self._get_process_group_backend())
         super().setup_environment()
         self._peers: PeerTable | None = record_peers()
 

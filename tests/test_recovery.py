@@ -1,0 +1,48 @@
+"""Kill a rank under torchrun --max-restarts=1: the job restarts, resumes from the last checkpoint by itself, and
+ends with the weights of an uninterrupted run; a few hundred steps with periodic checkpoints leak nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_harness import find_free_port
+from training_helpers import assert_weights_close
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "examples" / "fault_tolerant.py")
+STEPS, EVERY, KILL_AT = 200, 20, 130
+
+
+def _torchrun(directory: Path, strategy: str, *, kill: bool) -> dict:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_port()}",
+        SCRIPT, "--strategy", strategy, "--dir", str(directory), "--max-steps", str(STEPS), "--every", str(EVERY),
+    ]  # fmt: skip
+    if kill:
+        command += ["--kill-rank", "1", "--kill-at-step", str(KILL_AT)]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert f"finished at step {STEPS}" in output, output[-3000:]
+    if kill:
+        assert "Restored all states from the checkpoint" in output, output[-3000:]
+    return torch.load(directory / "final.pt", weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["data_parallel", "zero2", "zero3"])
+def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(tmp_path, strategy):
+    uninterrupted = _torchrun(tmp_path / "uninterrupted", strategy, kill=False)
+    recovered = _torchrun(tmp_path / "recovered", strategy, kill=True)
+    assert_weights_close(recovered["weights"], uninterrupted["weights"], rtol=1e-6, atol=1e-7)
+    for run in (uninterrupted, recovered):
+        resources = run["resources"]
+        assert resources["end"] == resources["after_first_save"], resources  # (fds, threads, child processes)
