@@ -44,6 +44,7 @@ __all__ = [
     "param_groups_by_name",
     "read_sharded_checkpoint",
     "replicated_pieces",
+    "resolve_sharded_path",
     "safe_load",
     "save_sharded_checkpoint",
     "sharded_to_consolidated",
@@ -144,8 +145,17 @@ def param_groups_by_name(module: torch.nn.Module, groups: list[list[Any]], hyper
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    path = Path(path)
+    path = resolve_sharded_path(path)
     return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def resolve_sharded_path(path: str | Path) -> Path:
+    """``path``, or the previous checkpoint a save was replacing when it was killed between its two renames."""
+    path = Path(path)
+    previous = path.with_name(path.name + ".previous")
+    if not path.exists() and (previous / META_FILE).is_file():
+        return previous
+    return path
 
 
 def _is_distributed() -> bool:
@@ -182,7 +192,7 @@ def save_sharded_checkpoint(
 
 def read_sharded_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[tuple[str, str], Tensor]]:
     """Collective when distributed. Load ``meta.pt`` and every piece, reassembled per ``(key, name)`` (flat)."""
-    path = Path(path)
+    path = resolve_sharded_path(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a sharded checkpoint directory (no {META_FILE} or .metadata).")
     meta = safe_load(path / META_FILE)
@@ -294,7 +304,7 @@ class ShardedCheckpointReader:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = resolve_sharded_path(path)
         if not is_sharded_checkpoint(self.path):
             raise FileNotFoundError(f"{self.path} is not a sharded checkpoint directory (no {META_FILE} or .metadata).")
         self.meta = safe_load(self.path / META_FILE)
