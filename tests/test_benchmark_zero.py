@@ -45,7 +45,8 @@ def test_stages_1_and_2_communicate_what_ddp_does(results: bench.ZeroResults) ->
     for name in ("zero1", "zero2"):
         # Reduce-scatter + all-gather of the (padded) buckets = DDP's all-reduce.
         assert results.comm(name) == pytest.approx(ddp, rel=1e-3), name
-        assert results.comm(name, "all_reduce_bytes") == 0, name
+        # The only all-reduce is the one-integer non-finite-loss check (`nonfinite_loss="skip"`): 8 bytes a step.
+        assert results.comm(name, "all_reduce_bytes") <= 8, name
     # ZeroRedundancyOptimizer broadcasts the updated parameters on top of DDP's all-reduce.
     assert results.comm(bench.ZERO_REDUNDANCY) > ddp
 
