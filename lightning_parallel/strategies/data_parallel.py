@@ -29,12 +29,11 @@ from lightning_parallel.distributed.compression import (
 )
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, load_module_state
-from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure, record_peers
+from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
 from lightning_parallel.strategies.launch import (
     StartMethod,
-    init_process_group_after_restart,
+    set_up_distributed_environment,
     to_timeout,
-    validate_launch_environment,
     validate_start_method,
 )
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss, drop_gradients, should_skip_step, validate_nonfinite
@@ -148,16 +147,7 @@ class DataParallelStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        assert self.cluster_environment is not None
-        validate_launch_environment(
-            self.cluster_environment,
-            num_processes=self.num_processes,
-            num_nodes=self.num_nodes,
-            local_rank=self.cluster_environment.local_rank(),
-        )
-        init_process_group_after_restart(self, self._get_process_group_backend())
-        super().setup_environment()
-        self._peers: PeerTable | None = record_peers()
+        self._peers: PeerTable | None = set_up_distributed_environment(self, super().setup_environment)
 
     @override
     def configure_ddp(self) -> None:

@@ -9,6 +9,7 @@ verdict before the first collective: a bad configuration raises on all ranks ins
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -16,12 +17,14 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
 from lightning_parallel._compat import MultiProcessingLauncher
+from lightning_parallel.strategies.failures import record_peers
 
 __all__ = [
     "START_METHODS",
     "ConsolidatingLauncher",
     "StartMethod",
     "init_process_group_after_restart",
+    "set_up_distributed_environment",
     "to_timeout",
     "validate_launch_environment",
     "validate_start_method",
@@ -122,3 +125,20 @@ def init_process_group_after_restart(strategy: Any, backend: str) -> None:
         world_size=strategy.world_size,
         timeout=timeout,
     )
+
+
+def set_up_distributed_environment(strategy: Any, join_process_group: Callable[[], None]) -> Any:
+    """Every strategy's ``setup_environment``: check the launch, join the group, record where the peers run.
+
+    ``join_process_group`` is the strategy's parent ``setup_environment`` (Lightning's, which creates the group).
+    Returns the :class:`~lightning_parallel.strategies.failures.PeerTable` used to name a dead rank later.
+    """
+    validate_launch_environment(
+        strategy.cluster_environment,
+        num_processes=strategy.num_processes,
+        num_nodes=strategy.num_nodes,
+        local_rank=strategy.cluster_environment.local_rank(),
+    )
+    init_process_group_after_restart(strategy, strategy._get_process_group_backend())
+    join_process_group()
+    return record_peers()

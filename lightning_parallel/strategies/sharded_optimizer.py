@@ -33,13 +33,12 @@ from lightning_parallel.strategies.checkpointing import (
     save_sharded,
     scalar_states_of,
 )
-from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure, record_peers
+from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
 from lightning_parallel.strategies.launch import (
     ConsolidatingLauncher,
     StartMethod,
-    init_process_group_after_restart,
+    set_up_distributed_environment,
     to_timeout,
-    validate_launch_environment,
     validate_start_method,
 )
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss, drop_gradients, should_skip_step, validate_nonfinite
@@ -137,16 +136,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        assert self.cluster_environment is not None
-        validate_launch_environment(
-            self.cluster_environment,
-            num_processes=self.num_processes,
-            num_nodes=self.num_nodes,
-            local_rank=self.cluster_environment.local_rank(),
-        )
-        init_process_group_after_restart(self, self._get_process_group_backend())
-        super().setup_environment()
-        self._peers: PeerTable | None = record_peers()
+        self._peers: PeerTable | None = set_up_distributed_environment(self, super().setup_environment)
 
     @override
     def _configure_launcher(self) -> None:
