@@ -205,8 +205,14 @@ class ShardedParameterBuckets:
         if bucket.full_grads is None:
             bucket.full_grads = torch.zeros(bucket.numel, dtype=bucket.flat_params.dtype, device=param.device)
         assert param.grad is not None
-        bucket.full_grads[segment.offset : segment.offset + segment.numel].add_(param.grad.reshape(-1))
-        param.grad = None
+        target = bucket.full_grads[segment.offset : segment.offset + segment.numel]
+        if self.stage == 1 and param.grad.data_ptr() == target.data_ptr():
+            pass  # stage 1: `.grad` is a view into the persistent bucket and autograd accumulated in place
+        else:
+            target.add_(param.grad.reshape(-1))
+            # Stage 1 points `.grad` at its slot in the persistent bucket (no allocation or copy from the next
+            # step on, like DDP's gradient_as_bucket_view); stage 2 frees it, keeping only the bucket until sync.
+            param.grad = target.view_as(param) if self.stage == 1 else None
         bucket.ready += 1
         if self.sync_gradients and bucket.ready == len(bucket.segments):
             self._launch_ready_buckets()
