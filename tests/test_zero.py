@@ -381,3 +381,41 @@ def _empty_init_at_world_size_one(rank: int, world_size: int) -> float:
 def test_stage3_empty_init_works_at_world_size_one():
     (loss,) = run_distributed(_empty_init_at_world_size_one, 1, init_process_group=False, timeout=60)
     assert 4.5 < loss < 6.5
+
+
+# ------------------------------------------------------------------ tied weights
+class _TiedEmbeddingModule(GPTLightningModule):
+    """The tiny GPT with its LM head tied to the token embedding (one tensor under two names)."""
+
+    def __init__(self) -> None:
+        super().__init__("tiny", block_size=SEQ_LEN, bias=False, optimizer="sgd", learning_rate=0.1)
+        self.model.head.weight = self.model.embedding.token.weight
+
+
+def _fit_tied(rank: int, world_size: int, stage: int, path: str) -> dict:
+    import lightning.pytorch as pl
+
+    pl.seed_everything(1234, verbose=False)
+    module = _TiedEmbeddingModule()
+    strategy = ShardedOptimizerStrategy(stage=stage, checkpoint_format="sharded") if stage else "auto"
+    trainer = make_trainer(strategy, devices=world_size, max_steps=STEPS)
+    trainer.fit(module, train_dataloaders=_loader_for(world_size, GLOBAL_BATCH // world_size))
+    if stage:
+        trainer.save_checkpoint(path)
+        trainer.strategy.checkpoint_format = "consolidated"
+    state = module.state_dict() if world_size == 1 else trainer.strategy.lightning_module_state_dict()
+    return {name: tensor.detach().clone() for name, tensor in state.items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_tied_weights_stay_tied_and_train_like_single_device(tmp_path, stage):
+    from lightning_parallel.distributed.checkpoint import sharded_to_consolidated
+
+    (reference,) = run_distributed(_fit_tied, 1, args=(0, ""), init_process_group=False, timeout=120)
+    path = str(tmp_path / "tied.ckpt")
+    results = run_distributed(_fit_tied, 2, args=(stage, path), init_process_group=False, timeout=120)
+    assert_weights_close(results[0], reference, **TOLERANCE["sgd"])
+    head, token = "model.head.weight", "model.embedding.token.weight"
+    torch.testing.assert_close(results[0][head], results[0][token], rtol=0, atol=0)
+    saved = sharded_to_consolidated(path)["state_dict"]
+    assert_weights_close(saved, reference, **TOLERANCE["sgd"])

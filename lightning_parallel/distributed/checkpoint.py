@@ -37,6 +37,7 @@ __all__ = [
     "DamagedCheckpointError",
     "FlatPiece",
     "ShardedCheckpointReader",
+    "add_aliases",
     "build_meta",
     "consolidate_checkpoint",
     "even_split",
@@ -119,18 +120,38 @@ def build_meta(
     param_groups: list[dict[str, Any]] | None,
     scalars: dict[str, dict[str, Any]],
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """``meta.pt`` content and the buffers to write. ``param_groups`` name their parameters (not indices)."""
-    param_names = {name for name, _ in module.named_parameters()}
+    """``meta.pt`` content and the buffers to write. ``param_groups`` name their parameters (not indices).
+
+    A tied parameter (one tensor under several names, e.g. an embedding reused as the LM head) is written once
+    under its first name; ``aliases`` maps its other names to it, so loading restores every name.
+    """
+    canonical = {id(param): name for name, param in module.named_parameters()}
+    aliases = {
+        name: canonical[id(param)]
+        for name, param in module.named_parameters(remove_duplicate=False)
+        if canonical[id(param)] != name
+    }
     state_dict = module.state_dict()
-    buffers = {name: tensor for name, tensor in state_dict.items() if name not in param_names}
+    buffers = {
+        name: tensor for name, tensor in state_dict.items() if name not in aliases and name not in canonical.values()
+    }
     meta = {
         "lightning": lightning_checkpoint,
         "shapes": {name: tuple(param.shape) for name, param in module.named_parameters()},
+        "aliases": aliases,
         "state_dict_order": list(state_dict),
         "param_groups": param_groups,
         "scalars": scalars,
     }
     return meta, buffers
+
+
+def add_aliases(state_dict: dict[str, Tensor], meta: dict[str, Any]) -> dict[str, Tensor]:
+    """Restore the other names of tied parameters (see :func:`build_meta`), in the saved order."""
+    for alias, name in meta.get("aliases", {}).items():
+        state_dict[alias] = state_dict[name]
+    order = meta["state_dict_order"]
+    return dict(sorted(state_dict.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order)))
 
 
 def param_groups_by_name(module: torch.nn.Module, groups: list[list[Any]], hyperparameters: list[dict]) -> list[dict]:
@@ -252,9 +273,7 @@ def sharded_to_consolidated(path: str | Path) -> dict[str, Any]:
     state_dict = {name: flat[("param", name)].view(shapes[name]) for name in shapes}
     state_dict.update(meta["buffers"])
     checkpoint = dict(meta["lightning"])
-    checkpoint["state_dict"] = dict(
-        sorted(state_dict.items(), key=lambda item: meta["state_dict_order"].index(item[0]))
-    )
+    checkpoint["state_dict"] = add_aliases(state_dict, meta)
     if meta.get("param_groups") is not None:
         checkpoint["optimizer_states"] = [_consolidated_optimizer(meta, flat)]
     return checkpoint

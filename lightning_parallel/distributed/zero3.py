@@ -60,18 +60,30 @@ def find_repeated_blocks(module: nn.Module) -> list[nn.Module]:
 def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     """Shard each repeated block, then each top-level child holding the remaining parameters; return the units.
 
-    The LightningModule itself is sharded only if it holds parameters directly: FSDP2 gathers a unit's parameters
-    in the unit's ``forward`` hook, and Lightning calls ``training_step``, not ``forward``. Idempotent: units that
-    are already sharded (a second ``fit``/``validate`` of the same module) are kept as they are.
+    A unit that holds only some of the names of a tied parameter (e.g. an embedding whose weight is also the LM
+    head's) is not sharded on its own: sharding it would untie the weights. Whatever no unit covers (tied weights,
+    parameters of the LightningModule itself) is sharded with the LightningModule as the root unit; FSDP2 gathers a
+    unit's parameters in its ``forward`` hook, which fires when ``training_step`` calls ``self(...)``. Idempotent:
+    units that are already sharded (a second ``fit``/``validate`` of the same module) are kept as they are.
     """
     units = find_repeated_blocks(module)
     units += [child for child in module.children() if any(True for _ in child.parameters()) and child not in units]
-    if any(True for _ in module.parameters(recurse=False)):
+    units = [unit for unit in units if not _splits_a_tie(module, unit)]
+    covered = {id(p) for unit in units for p in unit.parameters()}
+    if any(id(p) not in covered for p in module.parameters()):
         units.append(module)
     for unit in units:
-        if not isinstance(unit, FSDPModule):  # already sharded by an earlier fit/validate/test of this module
+        if not isinstance(unit, FSDPModule):
             fully_shard(unit, mesh=mesh)
     return units
+
+
+def _splits_a_tie(root: nn.Module, unit: nn.Module) -> bool:
+    prefix = next(name for name, m in root.named_modules() if m is unit) + "."
+    names_of: dict[int, list[str]] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    return any(0 < sum(n.startswith(prefix) for n in names) < len(names) for names in names_of.values())
 
 
 def materialize_meta_module(module: nn.Module, device: torch.device) -> bool:

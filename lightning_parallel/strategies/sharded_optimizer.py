@@ -24,7 +24,12 @@ from typing_extensions import override
 
 from lightning_parallel._compat import optimizers_to_device, sync_module_states
 from lightning_parallel.distributed import zero3
-from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint, replicated_pieces
+from lightning_parallel.distributed.checkpoint import (
+    ShardedCheckpointReader,
+    add_aliases,
+    is_sharded_checkpoint,
+    replicated_pieces,
+)
 from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
 from lightning_parallel.strategies.checkpointing import (
@@ -456,7 +461,7 @@ def _full_state_from_reader(reader: ShardedCheckpointReader) -> dict[str, torch.
     values = reader.read([("param", name, 0, _numel(shape)) for name, shape in shapes.items()], with_buffers=True)
     state = {name: values[("param", name, 0, _numel(shape))].view(shape) for name, shape in shapes.items()}
     state.update({entry.removeprefix("buffer/"): t for entry, t in values.items() if isinstance(entry, str)})
-    return state
+    return add_aliases(state, reader.meta)
 
 
 def _numel(shape: Any) -> int:
