@@ -14,11 +14,11 @@ import traceback
 from collections.abc import Sequence
 from types import ModuleType
 
-from benchmarks import data_parallel
+from benchmarks import data_parallel, pipeline, zero
 
 __all__ = ["BENCHMARKS", "main"]
 
-BENCHMARKS: tuple[ModuleType, ...] = (data_parallel,)
+BENCHMARKS: tuple[ModuleType, ...] = (data_parallel, pipeline, zero)
 """The benchmark modules, in the order they run."""
 
 

@@ -4,9 +4,14 @@ Importing this package registers its strategy names with Lightning, so ``Trainer
 works after ``import lightning_parallel``.
 """
 
-from lightning_parallel.strategies import DataParallelStrategy, ShardedOptimizerStrategy, register_all
+from lightning_parallel.strategies import (
+    DataParallelStrategy,
+    PipelineParallelStrategy,
+    ShardedOptimizerStrategy,
+    register_all,
+)
 
-__all__ = ["DataParallelStrategy", "ShardedOptimizerStrategy", "__version__"]
+__all__ = ["DataParallelStrategy", "PipelineParallelStrategy", "ShardedOptimizerStrategy", "__version__"]
 __version__ = "0.1.0"
 
 register_all()

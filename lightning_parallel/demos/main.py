@@ -31,7 +31,7 @@ from lightning_parallel.demos.data import TextDataModule
 from lightning_parallel.demos.gpt import PRESETS
 from lightning_parallel.demos.module import GPTLightningModule
 from lightning_parallel.demos.stats import RunStats, RunSummary, summarize
-from lightning_parallel.strategies import DataParallelStrategy
+from lightning_parallel.strategies import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 
 __all__ = [
     "STRATEGY_ROWS",
@@ -73,6 +73,15 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
         "data_parallel + fp16 compression",
         lambda: DataParallelStrategy(start_method="fork", gradient_compression="fp16"),
     ),
+    StrategyRow(
+        "pipeline",
+        "pipeline 1F1B (tokens/s: every stage counts the batch)",
+        # Every rank of a pipeline sees the same batch, and RunStats sums tokens over ranks: divide by the stages.
+        lambda: PipelineParallelStrategy(start_method="fork", schedule="1F1B", num_microbatches=4),
+    ),
+    StrategyRow("zero1", "zero1 (optimizer state sharded)", lambda: ShardedOptimizerStrategy(1, start_method="fork")),
+    StrategyRow("zero2", "zero2 (+ gradients sharded)", lambda: ShardedOptimizerStrategy(2, start_method="fork")),
+    StrategyRow("zero3", "zero3 (+ parameters sharded)", lambda: ShardedOptimizerStrategy(3, start_method="fork")),
 )
 """The strategies the demo compares, in table order. Later strategies add a row here."""
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_parallel.strategies.data_parallel import DataParallelStrategy
+from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.strategies.sharded_optimizer import ShardedOptimizerStrategy
 
 __all__ = ["STRATEGY_CLASSES", "register_all", "registered_names"]
 
-STRATEGY_CLASSES = (DataParallelStrategy, ShardedOptimizerStrategy)
+STRATEGY_CLASSES = (DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy)
 
 
 def register_all() -> None:

@@ -22,6 +22,7 @@ from lightning_parallel.distributed.pipeline.partition import (
     balanced_boundaries,
     layer_compute_costs,
     layer_parameter_costs,
+    plan_for_example,
     plan_stages,
     resolve_pipeline_layers,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "layer_parameter_costs",
     "optimizer_layout",
     "optimizer_state_bytes",
+    "plan_for_example",
     "plan_stages",
     "resolve_pipeline_layers",
     "resolve_schedule",

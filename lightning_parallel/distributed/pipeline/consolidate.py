@@ -13,7 +13,6 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -22,11 +21,14 @@ from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 
 __all__ = [
     "OptimizerLayout",
+    "consolidate_buffers",
     "consolidate_optimizer_state",
     "consolidate_state_dict",
+    "load_local_state",
     "local_optimizer_state",
     "optimizer_layout",
     "optimizer_state_bytes",
+    "sharded_meta",
     "slice_optimizer_state",
     "state_dict_bytes",
 ]
@@ -58,9 +60,7 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def consolidate_state_dict(
-    module: nn.Module, full_keys: Sequence[str], dims: ParallelDims
-) -> dict[str, Any] | None:
+def consolidate_state_dict(module: nn.Module, full_keys: Sequence[str], dims: ParallelDims) -> dict[str, Any] | None:
     """The whole model's ``state_dict`` in its original key order, on pipeline rank 0 (a collective).
 
     Keys not held by any layer (buffers of metrics, ...) exist on every rank; pipeline rank 0's copy is used.
@@ -93,8 +93,9 @@ def local_optimizer_state(optimizer: Optimizer, names: Mapping[int, str]) -> dic
     }
 
 
-def consolidate_optimizer_state(optimizer: Optimizer, names: Mapping[int, str], layout: OptimizerLayout,
-                                dims: ParallelDims) -> dict[str, Any] | None:
+def consolidate_optimizer_state(
+    optimizer: Optimizer, names: Mapping[int, str], layout: OptimizerLayout, dims: ParallelDims
+) -> dict[str, Any] | None:
     """The single-device ``optimizer.state_dict()`` of the whole model, on pipeline rank 0 (a collective)."""
     gathered = _gather_to_pipeline_root(local_optimizer_state(optimizer, names), dims)
     if gathered is None:
@@ -167,3 +168,55 @@ def optimizer_state_bytes(optimizer: Optimizer) -> int:
     )
 
 
+def consolidate_buffers(module: nn.Module, dims: ParallelDims) -> dict[str, Any] | None:
+    """Every state entry that is not a parameter (buffers of all stages, metric states), on pipeline rank 0."""
+    parameters = {name for name, _ in module.named_parameters()}
+    local = {k: v for k, v in _to_cpu(dict(module.state_dict())).items() if k not in parameters}
+    gathered = _gather_to_pipeline_root(local, dims)
+    if gathered is None:
+        return None
+    merged: dict[str, Any] = {}
+    for part in reversed(gathered):
+        merged.update(part)
+    return merged
+
+
+def load_local_state(module: nn.Module, saved: Mapping[str, Any], full_keys: Sequence[str], *, strict: bool) -> None:
+    """Load this rank's entries of a whole-model ``state_dict`` into its (split) ``module``.
+
+    Raises:
+        RuntimeError: With ``strict``, if a local entry is missing or the checkpoint has entries the model lacks.
+    """
+    local_keys = list(module.state_dict().keys())
+    missing = [k for k in local_keys if k not in saved]
+    unexpected = [k for k in saved if k not in set(full_keys)]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"The checkpoint does not match the model: missing {missing}, unexpected {unexpected}.")
+    module.load_state_dict({k: saved[k] for k in local_keys if k in saved}, strict=False)
+
+
+def sharded_meta(
+    checkpoint: Mapping[str, Any],
+    optimizer: Optimizer | None,
+    *,
+    layout: OptimizerLayout | None,
+    shapes: Mapping[str, tuple[int, ...]],
+    state_keys: Sequence[str],
+    scalars: Mapping[str, Any],
+) -> dict[str, Any]:
+    """``meta.pt`` of the package's sharded format (``lightning_parallel.distributed.checkpoint``) for the whole model.
+
+    A pipeline rank's module holds one stage, so shapes, key order and param groups come from what was recorded on
+    the whole model before splitting; param groups name their parameters (any layout can read them).
+    """
+    groups = None
+    if optimizer is not None and layout is not None:
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        groups = [{**s, "params": list(names)} for s, names in zip(settings, layout, strict=True)]
+    return {
+        "lightning": {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
+        "shapes": dict(shapes),
+        "state_dict_order": list(state_keys),
+        "param_groups": groups,
+        "scalars": {name: dict(scalars) for name in shapes},
+    }

@@ -41,7 +41,7 @@ class ContractError(RuntimeError):
     """A step broke the pipeline contract (called ``self(...)`` twice, never, or reached into submodules)."""
 
 
-class _InputsCaptured(Exception):  # noqa: N818 - control flow, never escapes
+class _InputsCaptured(Exception):
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         super().__init__()
         self.args, self.kwargs = args, kwargs
@@ -154,7 +154,7 @@ def aggregate_logs(per_microbatch: Sequence[Sequence[LogRecord]], weights: Seque
         if isinstance(last.value, Metric):
             result.append(last)
             continue
-        values = [torch.as_tensor(r.value).detach().double() for r, _ in entries]
+        values = [torch.as_tensor(r.value).detach().double().cpu() for r, _ in entries]
         reduce_fx = _reduce_fx(last)
         if reduce_fx in ("sum", torch.sum):
             value = torch.stack(values).sum()

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["batch_size_of", "pad_batch", "split_batch"]
+__all__ = ["DivisibleBatches", "batch_size_of", "pad_batch", "slice_batch", "split_batch"]
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -61,3 +61,61 @@ def pad_batch(value: Any, size: int) -> Any:
     if isinstance(value, Mapping):
         return {k: pad_batch(v, size) for k, v in value.items()}
     return value
+
+
+def slice_batch(value: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` (dim 0) of every tensor of ``value``; other values unchanged."""
+    if isinstance(value, Tensor) and value.dim() > 0:
+        return value[start:stop]
+    if isinstance(value, tuple | list):
+        parts = [slice_batch(v, start, stop) for v in value]
+        return type(value)(*parts) if hasattr(value, "_fields") else type(value)(parts)
+    if isinstance(value, Mapping):
+        return {k: slice_batch(v, start, stop) for k, v in value.items()}
+    return value
+
+
+class DivisibleBatches:
+    """A training loader that leaves out batches whose size is not a multiple of ``num_microbatches``.
+
+    Only a loader's last batch can be smaller; a pipeline cannot split it into equal micro-batches, and torch's
+    stages need equal ones. ``__len__`` subtracts it when the loader's sampler and batch size tell in advance, so
+    Lightning's epoch length and ``global_step`` count only the batches that train. Attributes (``sampler``,
+    ``batch_size``, ...) are the wrapped loader's, so Lightning still sets the sampler's epoch.
+
+    Args:
+        loader: The training loader (after Lightning inserted its distributed sampler).
+        num_microbatches: Micro-batches per batch.
+        on_skip: Called with the size of every left-out batch (a warning).
+    """
+
+    def __init__(self, loader: Any, num_microbatches: int, on_skip: Callable[[int], None]) -> None:
+        self.loader = loader
+        self.num_microbatches = num_microbatches
+        self.on_skip = on_skip
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            size = batch_size_of(batch)
+            if size is not None and size % self.num_microbatches:
+                self.on_skip(size)
+                continue
+            yield batch
+
+    @property
+    def known_partial_batch(self) -> int | None:
+        """Size of the last batch if the loader's sampler and batch size show it will be left out, else ``None``."""
+        batch_size = getattr(self.loader, "batch_size", None)
+        sampler = getattr(self.loader, "sampler", None)
+        if not batch_size or getattr(self.loader, "drop_last", False) or not hasattr(sampler, "__len__"):
+            return None
+        tail = len(sampler) % batch_size
+        return tail if tail % self.num_microbatches else None
+
+    def __len__(self) -> int:
+        return len(self.loader) - (1 if self.known_partial_batch is not None else 0)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)

@@ -8,6 +8,7 @@ parameter names and ``parameters()`` (hence the optimizer) holds only the local 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,12 +27,14 @@ __all__ = [
     "layer_compute_costs",
     "layer_parameter_costs",
     "layer_qualified_names",
+    "measure_layer_times",
+    "plan_for_example",
     "plan_stages",
     "remove_remote_layers",
     "resolve_pipeline_layers",
 ]
 
-PartitionMethod = Literal["compute", "parameters"]
+PartitionMethod = Literal["compute", "measured", "parameters"]
 
 _CONTRACT = (
     "The pipeline contract: a step calls `self(...)` exactly once and computes its loss from the result; the"
@@ -167,6 +170,71 @@ def layer_compute_costs(
     return costs
 
 
+def _on(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        value = value.detach().to(device)
+        return value.requires_grad_() if value.is_floating_point() else value
+    if isinstance(value, tuple | list):
+        return type(value)(_on(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _on(v, device) for k, v in value.items()}
+    return value
+
+
+def measure_layer_times(
+    layers: Sequence[nn.Module],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    device: torch.device,
+    repeats: int = 3,
+) -> list[float]:
+    """Wall time of each layer's forward and backward on ``device`` for the example inputs, in seconds.
+
+    Each layer is timed on a copy (one at a time), so the real layers' gradients, buffers (batch-norm statistics)
+    and the RNG streams stay untouched; the next layer gets the previous one's output. Ranks measure different
+    times, so measure on one rank and share the result.
+    """
+    times = []
+    current_args, current_kwargs = tuple(args), dict(kwargs or {})
+    # Saved and restored by hand: `torch.random.fork_rng` asks for the current accelerator, which initialises CUDA
+    # even for a CPU measurement (and a process that did so can no longer fork CUDA-using children).
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        for index, layer in enumerate(layers):
+            probe = copy.deepcopy(layer).to(device)
+            inputs, kw = _on(current_args, device), _on(current_kwargs, device)
+            _forward_backward(index, probe, inputs, kw)  # warm-up: allocator, kernels, lazy initialisation
+            _synchronize(device)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                outputs = _forward_backward(index, probe, inputs, kw)
+            _synchronize(device)
+            times.append((time.perf_counter() - start) / repeats)
+            current_args, current_kwargs = tuple(o.detach() for o in outputs), {}
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
+    return times
+
+
+def _forward_backward(
+    index: int, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Tensor, ...]:
+    outputs = _check_layer_output(index, layer, layer(*args, **kwargs))
+    loss = sum(o.float().sum() for o in outputs if o.requires_grad)
+    if isinstance(loss, Tensor):
+        loss.backward()
+    return outputs
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def balanced_boundaries(costs: Sequence[float], num_stages: int) -> list[int]:
     """Cut ``costs`` into ``num_stages`` contiguous non-empty groups minimising the largest group's sum.
 
@@ -258,6 +326,32 @@ def plan_stages(
     return StagePlan(starts=tuple(starts), num_layers=n, pipeline_parallel_size=pipeline_parallel_size)
 
 
+def plan_for_example(
+    layers: Sequence[nn.Module],
+    example: tuple[tuple[Any, ...], dict[str, Any]] | None,
+    *,
+    partition: PartitionMethod | Sequence[int],
+    num_stages: int,
+    pipeline_parallel_size: int,
+    measured: Sequence[float] | None = None,
+) -> StagePlan:
+    """Plan stages for ``layers`` given example inputs of the first layer (``(args, kwargs)``, or ``None``).
+
+    With an example, every layer runs once on the ``meta`` device: that checks the layers' output types and gives
+    the compute estimate; without one, ``"compute"`` falls back to parameter counts. ``"measured"`` uses
+    ``measured`` (per-layer times from :func:`measure_layer_times`, the same on every rank).
+    """
+    costs: Sequence[float] | None = layer_compute_costs(layers, *example) if example is not None else None
+    if partition == "measured" and measured is not None:
+        costs = measured
+    if costs is None or partition == "parameters":
+        costs = layer_parameter_costs(layers)
+    boundaries = None if isinstance(partition, str) else list(partition)
+    return plan_stages(
+        costs, num_stages=num_stages, pipeline_parallel_size=pipeline_parallel_size, boundaries=boundaries
+    )
+
+
 class RemoteLayer(nn.Module):
     """Stands in for a layer that lives on another pipeline rank; calling it explains the contract."""
 
@@ -300,4 +394,3 @@ class StageModule(nn.Module):
         for layer in self.layers[1:]:
             output = layer(*output) if isinstance(output, tuple) else layer(output)
         return output
-

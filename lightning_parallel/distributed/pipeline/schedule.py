@@ -23,6 +23,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.partition import StageModule, StagePlan
 
 __all__ = [
@@ -155,12 +156,7 @@ class PipelineRuntime:
     @property
     def backward_initialized(self) -> bool:
         """Whether torch finished its metadata inference (which calls the loss function once on a dummy output)."""
-        # torch's schedules keep this flag private; it is the only way to tell the inference call of `loss_fn`
-        # (on uninitialised activations) from the real per-micro-batch calls.
-        flag = getattr(self.schedule, "_stage_backward_initialized", None)
-        if flag is None:
-            flag = getattr(self.schedule, "_stages_backward_initialized", False)
-        return bool(flag)
+        return _compat.schedule_backward_initialized(self.schedule)
 
 
 def build_runtime(

@@ -1,0 +1,111 @@
+"""Train the demo GPT with PipelineParallelStrategy: the module only adds ``pipeline_layers()``.
+
+    python examples/pipeline_parallel.py --devices 2                                # 2 stages, 1F1B (popen)
+    python examples/pipeline_parallel.py --devices 4 --pipeline-parallel-size 2      # 2 pipelines x 2 replicas
+    python examples/pipeline_parallel.py --devices 2 --schedule Interleaved1F1B      # 2 virtual stages per rank
+    torchrun --nproc-per-node=2 examples/pipeline_parallel.py --devices 2           # the same under torchrun
+    python examples/pipeline_parallel.py --accelerator cuda --devices 1 --preset gpt-350m --precision bf16-mixed
+
+The default start method re-launches this script once per extra process, so keep the Trainer under
+``if __name__ == "__main__":``. At the end rank 0 prints the metrics, the stage split, each rank's parameter and
+optimizer bytes, the throughput and the peak memory (printed inside the ranks, so every start method shows them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_parallel import PipelineParallelStrategy
+from lightning_parallel.demos import GPTLightningModule, TextDataModule
+
+
+class _Report(Callback):
+    """Inside every rank, at the end of training: its stages, bytes held, peak memory; rank 0 adds the metrics and
+    the throughput of one pipeline replica after ``warmup`` steps (every rank of a replica sees the same batch)."""
+
+    def __init__(self, warmup: int = 3) -> None:
+        self.warmup, self.tokens, self.start = warmup, 0, 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx + 1 == self.warmup:
+            self.start = time.perf_counter()
+        elif batch_idx + 1 > self.warmup:
+            self.tokens += batch[0].numel()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+        optimizer_bytes = sum(
+            v.numel() * v.element_size()
+            for state in trainer.optimizers[0].state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+        device = strategy.root_device
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        stages = strategy.stage_plan.stages_of(strategy.parallel_dims.pipeline_rank)
+        print(
+            f"rank {trainer.global_rank}: stages {stages} params {param_bytes / 2**20:.1f} MiB, optimizer state"
+            f" {optimizer_bytes / 2**20:.1f} MiB, peak CUDA memory {peak:.2f} GiB, device {device}",
+            flush=True,
+        )
+        if trainer.is_global_zero:
+            elapsed = time.perf_counter() - self.start
+            replicas = trainer.world_size // strategy.pipeline_parallel_size
+            rate = self.tokens * replicas / elapsed if self.tokens and elapsed > 0 else float("nan")
+            metrics = {name: round(float(value), 4) for name, value in trainer.callback_metrics.items()}
+            print(f"world_size={trainer.world_size} split starts={strategy.stage_plan.starts} metrics: {metrics}")
+            print(f"throughput: {rate:,.0f} tokens/s (after {self.warmup} warm-up steps)", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny", help="model size: tiny, small, gpt-125m, gpt-350m, ...")
+    parser.add_argument("--devices", type=int, default=2, help="processes per node")
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", default="auto", help="ranks per pipeline ('auto': all)")
+    parser.add_argument("--schedule", default="1F1B", help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, ...")
+    parser.add_argument("--num-microbatches", type=int, default=4)
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=8, help="per pipeline replica; a multiple of microbatches")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's block size")
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    parser.add_argument("--accelerator", default="auto")
+    parser.add_argument("--start-method", default="popen", choices=["popen", "spawn", "fork"])
+    args = parser.parse_args()
+
+    pl.seed_everything(0)
+    model = GPTLightningModule(args.preset, learning_rate=1e-3)
+    seq_len = args.seq_len or model.config.block_size
+    data = TextDataModule(seq_len=seq_len, batch_size=args.batch_size, max_bytes=2_000_000)
+    size = args.pipeline_parallel_size
+    strategy = PipelineParallelStrategy(
+        pipeline_parallel_size=size if size == "auto" else int(size),
+        schedule=args.schedule,
+        num_microbatches=args.num_microbatches,
+        start_method=args.start_method,
+    )
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        limit_val_batches=4,
+        val_check_interval=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[_Report()],
+    )
+    trainer.fit(model, datamodule=data)
+
+
+if __name__ == "__main__":
+    main()

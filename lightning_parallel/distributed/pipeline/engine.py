@@ -1,0 +1,269 @@
+"""One pipeline step of a LightningModule's own ``*_step`` method on torch's stages and schedules.
+
+No Trainer here: :class:`PipelineEngine` takes the module, its layers and the stage plan, and runs a step on one
+batch: every rank finds the model input by running the step up to ``self(...)``; the schedule moves micro-batches
+through the stages; the rank with the last stage runs the step once per micro-batch with ``self(...)`` answered by
+the pipeline; the result (loss, log calls, predictions) is broadcast to the other ranks of the pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parallel.distributed.pipeline.contract import (
+    ContractError,
+    aggregate_logs,
+    capture_model_inputs,
+    run_step_with_output,
+    step_loss,
+    to_portable,
+)
+from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, pad_batch, slice_batch
+from lightning_parallel.distributed.pipeline.partition import StagePlan
+from lightning_parallel.distributed.pipeline.schedule import ParallelDims, PipelineRuntime, build_runtime
+
+__all__ = ["PipelineEngine", "StepOutcome"]
+
+
+@dataclass
+class StepOutcome:
+    """What every rank of the pipeline learns from one step (identical on all of them)."""
+
+    logs: list[tuple[Any, ...]] = field(default_factory=list)
+    """The step's log calls, aggregated over micro-batches (see :func:`contract.aggregate_logs`)."""
+    loss: Tensor | None = None
+    """Training: the batch's mean loss (the mean over micro-batches of the step's loss), on CPU."""
+    result: Any = None
+    """Predict: the step's outputs of all micro-batches, concatenated along dim 0 when they are tensors."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Training: the non-loss entries of a dict the step returned (last micro-batch's)."""
+
+
+@dataclass
+class _StepState:
+    step: str
+    micro_batches: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    divisor: float
+    results: dict[int, Any] = field(default_factory=dict)
+    records: dict[int, list[Any]] = field(default_factory=dict)
+
+
+def _slice_output(output: Any, rows: int) -> Any:
+    if isinstance(output, Tensor):
+        return output[:rows]
+    return tuple(o[:rows] for o in output)
+
+
+def _signature(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, tuple | list):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in sorted(value.items()))
+    return (type(value).__name__,)
+
+
+class PipelineEngine:
+    """Runs steps of ``module`` through torch's pipeline schedules on this rank's stages.
+
+    Args:
+        module: The LightningModule (its non-local layers already replaced by ``RemoteLayer``).
+        layers: All pipeline layers by index; only this rank's entries are used.
+        plan: The stage plan.
+        dims: Ranks and process groups.
+        schedule: Canonical schedule name (``"1F1B"``, ...), used for training; evaluation runs forward-only.
+        num_microbatches: Micro-batches per batch.
+        device: This rank's device.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        layers: Sequence[nn.Module | None],
+        plan: StagePlan,
+        dims: ParallelDims,
+        schedule: str,
+        num_microbatches: int,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.layers = layers
+        self.plan = plan
+        self.dims = dims
+        self.schedule = schedule
+        self.num_microbatches = num_microbatches
+        self.device = device
+        self._runtimes: dict[tuple[Any, ...], PipelineRuntime] = {}
+        self._state: _StepState | None = None
+        self._current: PipelineRuntime | None = None
+
+    @property
+    def last_stage_global_rank(self) -> int:
+        """Global rank (in this replica) that runs the last stage."""
+        return self.dims.pipeline_global_rank((self.plan.num_stages - 1) % self.dims.pipeline_parallel_size)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.dims.global_rank == self.last_stage_global_rank
+
+    def capture_inputs(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+        """The arguments of the step's ``self(...)`` call and their batch size."""
+        model_inputs = capture_model_inputs(self.module, step, args, kwargs)
+        size = batch_size_of(model_inputs)
+        if size is None:
+            raise ContractError(
+                f"`{step}` called `self(...)` without a tensor argument with a batch dimension; the pipeline splits"
+                " the input of `self(...)` into micro-batches along dim 0."
+            )
+        return model_inputs, size
+
+    # ------------------------------------------------------------------ training
+    def train_step(
+        self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, model_inputs: Any, divisor: float
+    ) -> StepOutcome:
+        """Forward and backward of one batch; gradients accumulate into ``.grad`` of the local parameters.
+
+        Each micro-batch's loss is divided by ``divisor`` (micro-batches x accumulation steps) before backward,
+        so the gradient is that of the mean loss over the batch (over the accumulation window).
+        """
+        m = self.num_microbatches
+        size = batch_size_of(model_inputs)
+        rows = size // m
+        state = _StepState(step, self._micro_batches(args, kwargs, rows, size), divisor)
+        runtime = self._runtime("train", model_inputs)
+        self._state, self._current = state, runtime
+        try:
+            target = torch.arange(m, device=self.device) if runtime.has_last_stage else None
+            inputs_args, inputs_kwargs = model_inputs if runtime.has_first_stage else ((), {})
+            runtime.schedule.step(*inputs_args, target=target, **inputs_kwargs)
+        finally:
+            self._state, self._current = None, None
+        outcome = None
+        if runtime.has_last_stage:
+            losses = [step_loss(state.results[i], step).detach().double() for i in range(m)]
+            last = state.results[m - 1]
+            extra = {k: v for k, v in last.items() if k != "loss"} if isinstance(last, dict) else {}
+            outcome = StepOutcome(
+                logs=self._portable_logs(state, [rows] * m),
+                loss=torch.stack(losses).mean().float().cpu(),
+                extra=_detached_cpu(extra),
+            )
+        return self._broadcast(outcome)
+
+    def _loss_fn(self, output: Any, target: Tensor) -> Tensor:
+        state, runtime = self._state, self._current
+        assert state is not None and runtime is not None
+        if not runtime.backward_initialized:
+            # torch's metadata inference: one backward through a dummy output to learn gradient shapes.
+            outputs = output if isinstance(output, tuple) else (output,)
+            return sum(o.float().sum() for o in outputs) * 0.0
+        index = int(target.reshape(-1)[0].item())
+        mb_args, mb_kwargs = state.micro_batches[index]
+        result, records = run_step_with_output(self.module, state.step, mb_args, mb_kwargs, output)
+        state.results[index], state.records[index] = result, records
+        return step_loss(result, state.step) / state.divisor
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_step(
+        self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, model_inputs: Any, collect: bool
+    ) -> StepOutcome:
+        """Forward-only pass of one batch; the step runs on the last stage per micro-batch.
+
+        A batch whose size is not a multiple of ``num_microbatches`` (the last one of a loader) is padded by
+        repeating its last row; padded rows never reach the step. ``collect`` gathers the step results (predict).
+        """
+        m = self.num_microbatches
+        size = batch_size_of(model_inputs)
+        rows = math.ceil(size / m)
+        padded_args, padded_kwargs = pad_batch(model_inputs, rows * m)
+        real_rows = [max(0, min(rows, size - i * rows)) for i in range(m)]
+        state = _StepState(step, self._micro_batches(args, kwargs, rows, size), 1.0)
+        runtime = self._runtime("eval", (padded_args, padded_kwargs))
+        runtime.schedule.step(
+            *(padded_args if runtime.has_first_stage else ()), **(padded_kwargs if runtime.has_first_stage else {})
+        )
+        outcome = None
+        if runtime.has_last_stage:
+            outputs = runtime.last_stage_outputs()
+            for index, output in enumerate(outputs):
+                if real_rows[index] == 0:
+                    state.records[index] = []
+                    continue
+                mb_args, mb_kwargs = state.micro_batches[index]
+                result, records = run_step_with_output(
+                    self.module, step, mb_args, mb_kwargs, _slice_output(output, real_rows[index])
+                )
+                state.results[index], state.records[index] = result, records
+            weights = [float(r) for r in real_rows]
+            result = _merge_results([state.results[i] for i in sorted(state.results)]) if collect else None
+            outcome = StepOutcome(logs=self._portable_logs(state, weights), result=result)
+        return self._broadcast(outcome)
+
+    # ------------------------------------------------------------------ helpers
+    def _micro_batches(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, size: int
+    ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+        """The step's own arguments cut into micro-batches: the batch (first argument) sliced, the rest repeated."""
+        batch, rest = args[0], args[1:]
+        return [
+            ((slice_batch(batch, i * rows, min((i + 1) * rows, size)), *rest), kwargs)
+            for i in range(self.num_microbatches)
+        ]
+
+    def _portable_logs(self, state: _StepState, weights: Sequence[float]) -> list[tuple[Any, ...]]:
+        indices = [i for i in range(self.num_microbatches) if i in state.records]
+        aggregated = aggregate_logs([state.records[i] for i in indices], [weights[i] for i in indices])
+        metric_names = {id(m): name for name, m in self.module.named_modules()}
+        return to_portable(aggregated, metric_names)
+
+    def _runtime(self, mode: str, model_inputs: Any) -> PipelineRuntime:
+        # torch sizes its receive buffers from the first micro-batch it sees; a new input shape (an evaluation
+        # batch, a smaller last batch) gets its own stages and schedule instead of corrupting the old ones.
+        key = (mode, _signature(model_inputs))
+        if key not in self._runtimes:
+            self._runtimes[key] = build_runtime(
+                schedule=self.schedule,
+                plan=self.plan,
+                layers=self.layers,
+                dims=self.dims,
+                num_microbatches=self.num_microbatches,
+                device=self.device,
+                loss_fn=self._loss_fn if mode == "train" else None,
+            )
+        return self._runtimes[key]
+
+    def _broadcast(self, outcome: StepOutcome | None) -> StepOutcome:
+        if self.dims.pipeline_parallel_size == 1:
+            assert outcome is not None
+            return outcome
+        box = [outcome]
+        dist.broadcast_object_list(box, src=self.last_stage_global_rank, group=self.dims.pipeline_group)
+        assert box[0] is not None
+        return box[0]
+
+    def clear(self) -> None:
+        """Drop the cached stages and schedules (their receive buffers)."""
+        self._runtimes.clear()
+
+
+def _detached_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _detached_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _merge_results(results: list[Any]) -> Any:
+    if results and all(isinstance(r, Tensor) for r in results):
+        return torch.cat([r.detach().cpu() for r in results])
+    return [_detached_cpu(r) for r in results]

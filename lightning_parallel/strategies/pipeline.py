@@ -1,0 +1,658 @@
+"""PipelineParallelStrategy: pipeline model parallelism (x data parallelism) on ``torch.distributed.pipelining``."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel.distributed.checkpoint import replicated_pieces, save_sharded_checkpoint
+from lightning_parallel.distributed.pipeline import _compat
+from lightning_parallel.distributed.pipeline.consolidate import (
+    consolidate_buffers,
+    consolidate_optimizer_state,
+    consolidate_state_dict,
+    load_local_state,
+    optimizer_layout,
+    sharded_meta,
+    slice_optimizer_state,
+)
+from lightning_parallel.distributed.pipeline.contract import capture_model_inputs, replay_logs
+from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
+from lightning_parallel.distributed.pipeline.gradients import average_across_replicas, clip_by_global_norm
+from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, batch_size_of
+from lightning_parallel.distributed.pipeline.partition import (
+    PartitionMethod,
+    RemoteLayer,
+    StagePlan,
+    check_parameter_ownership,
+    layer_qualified_names,
+    measure_layer_times,
+    plan_for_example,
+    remove_remote_layers,
+    resolve_pipeline_layers,
+)
+from lightning_parallel.distributed.pipeline.schedule import (
+    MULTI_STAGE_SCHEDULES,
+    ParallelDims,
+    resolve_schedule,
+    validate_schedule_config,
+)
+from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, scalar_states_of
+from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
+from lightning_parallel.strategies.launch import (
+    ConsolidatingLauncher,
+    StartMethod,
+    set_up_distributed_environment,
+    to_timeout,
+    validate_start_method,
+)
+
+__all__ = ["PipelineParallelStrategy"]
+
+_SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
+_STEP_NAMES = {
+    TrainerFn.FITTING: "training_step",
+    TrainerFn.VALIDATING: "validation_step",
+    TrainerFn.TESTING: "test_step",
+    TrainerFn.PREDICTING: "predict_step",
+}
+
+
+class PipelineParallelStrategy(DDPStrategy):
+    """Pipeline model parallelism for an unchanged LightningModule that adds ``pipeline_layers()``.
+
+    The module's layers (``pipeline_layers()``: in order, each layer's output the next one's input, their composition
+    equal to ``forward``) are cut into contiguous stages; each rank keeps only its stages' parameters and optimizer
+    state. torch's ``PipelineStage`` and schedules move micro-batches through the stages. The user's
+    ``training_step`` / ``validation_step`` / ``test_step`` / ``predict_step`` run unchanged on the rank with the last
+    stage, once per micro-batch, with ``self(...)`` answered by the pipeline's output for that micro-batch.
+
+    Ranks form ``world_size / pipeline_parallel_size`` data-parallel replicas of the pipeline
+    (``global_rank = replica * pipeline_parallel_size + pipeline_rank``); the sampler shards data by replica, so
+    every rank of a replica loads the same batch, and gradients are averaged across the replicas of each stage.
+
+    Semantics:
+
+    * Gradients: each micro-batch's loss is divided by ``num_microbatches * accumulate_grad_batches`` before its
+      backward, so the gradient is that of the mean loss over the batch (and the accumulation window), as on one
+      device. Logged values are the mean over micro-batches (weighted by their sizes; ``reduce_fx="sum"/"max"/"min"``
+      honoured); every rank logs them, so loggers on rank 0 and callbacks on all ranks see the same numbers.
+    * ``gradient_clip_val`` with ``"norm"`` clips by the global norm over all stages.
+    * Training batches must be divisible by ``num_microbatches``. A smaller last batch that is not is left out of
+      the epoch (a warning; Lightning's epoch length does not count it), as ``drop_last=True`` would.
+      Evaluation/predict batches are padded to a multiple by repeating the last row; padded rows never reach the step.
+    * Checkpoints are consolidated by default: one ``.ckpt`` with the whole model's ``state_dict`` (original names)
+      and the optimizer state in the single-device layout, loadable by single-device Lightning, DataParallelStrategy,
+      ShardedOptimizerStrategy, or a pipeline of another size. Saving is a collective (call it on every rank).
+    * A pipeline of one rank is a single stage holding the whole model, whatever the schedule.
+
+    Args:
+        pipeline_parallel_size: Ranks per pipeline; ``"auto"`` uses all ranks (no data parallelism).
+        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"`` or ``"InterleavedZeroBubble"``
+            (case-insensitive).
+        num_microbatches: Micro-batches per batch; ``"auto"`` is the number of stages (the minimum for 1F1B; more
+            shrinks the bubble ``(p - 1) / (m + p - 1)``).
+        stages_per_rank: Virtual stages per rank for the multi-stage schedules; ``"auto"`` is 2 for those, else 1
+            (always 1 on a one-rank pipeline).
+        partition: ``"compute"`` balances stages by forward FLOPs estimated on the ``meta`` device for an example
+            batch (deterministic, the same on every rank), ``"measured"`` by each layer's forward + backward time on
+            rank 0's device for that batch (shared with the other ranks), ``"parameters"`` by parameter count, or a
+            list with the first layer index of every stage but the first.
+        checkpoint_format: ``"consolidated"`` writes one Lightning ``.ckpt`` exactly as single-device training would
+            (whole ``state_dict``, single-device optimizer layout), gathered to rank 0; ``"sharded"`` writes a
+            ``torch.distributed.checkpoint`` directory from all ranks in parallel (the package's shared sharded
+            layout). Both load under any layout and strategy of this package.
+        start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
+        timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
+        process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        *,
+        pipeline_parallel_size: int | Literal["auto"] = "auto",
+        schedule: str = "1F1B",
+        num_microbatches: int | Literal["auto"] = "auto",
+        stages_per_rank: int | Literal["auto"] = "auto",
+        partition: PartitionMethod | list[int] = "compute",
+        checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
+        start_method: StartMethod = "popen",
+        timeout: timedelta | float = default_pg_timeout,
+        process_group_backend: str | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        validate_start_method(start_method)
+        self.schedule = resolve_schedule(schedule)
+        _check_count("pipeline_parallel_size", pipeline_parallel_size)
+        _check_count("num_microbatches", num_microbatches)
+        _check_count("stages_per_rank", stages_per_rank)
+        if not (partition in ("compute", "measured", "parameters") or _is_int_list(partition)):
+            raise ValueError(
+                f"`partition={partition!r}` is invalid. Valid options: 'compute', 'measured', 'parameters', or a"
+                " list of the first layer index of every stage but the first."
+            )
+        if checkpoint_format not in ("consolidated", "sharded"):
+            raise ValueError(
+                f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=to_timeout(timeout),
+            start_method=start_method,
+        )
+        self._pipeline_parallel_size_arg = pipeline_parallel_size
+        self._num_microbatches_arg = num_microbatches
+        self._stages_per_rank_arg = stages_per_rank
+        self.partition = partition
+        self.checkpoint_format = checkpoint_format
+        self._full_shapes: dict[str, tuple[int, ...]] = {}
+        self._dims: ParallelDims | None = None
+        self._engine: PipelineEngine | None = None
+        self._plan: StagePlan | None = None
+        self._full_state_keys: list[str] = []
+        self._optimizer_layouts: list[list[list[str]]] = []
+        self._pending_grads: list[Tensor | None] | None = None
+        self._skip_warned = False
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """Ranks per pipeline (resolved from ``"auto"`` once the world size is known)."""
+        arg = self._pipeline_parallel_size_arg
+        return self._world_size_before_init() if arg == "auto" else int(arg)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Virtual stages per rank; 1 when a pipeline has one rank (the whole model is then one stage)."""
+        arg = self._stages_per_rank_arg
+        if self.pipeline_parallel_size == 1:
+            return 1
+        if arg == "auto":
+            return 2 if self.schedule in MULTI_STAGE_SCHEDULES else 1
+        return int(arg)
+
+    @property
+    def effective_schedule(self) -> str:
+        """The schedule that runs: ``schedule``, or ``"1F1B"`` on a one-rank pipeline (a single stage, where every
+        schedule degenerates to forward and backward per micro-batch; torch's multi-stage runtimes also mishandle
+        several stages on one rank in forward-only runs)."""
+        return "1F1B" if self.pipeline_parallel_size == 1 else self.schedule
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+    @property
+    def num_microbatches(self) -> int:
+        arg = self._num_microbatches_arg
+        return self.num_stages if arg == "auto" else int(arg)
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """Ranks and process groups; raises ``RuntimeError`` before the strategy's ``setup``."""
+        if self._dims is None:
+            raise RuntimeError("`PipelineParallelStrategy.parallel_dims` is available after the Trainer set it up.")
+        return self._dims
+
+    @property
+    def stage_plan(self) -> StagePlan:
+        """Which layers form which stage; raises ``RuntimeError`` before the strategy's ``setup``."""
+        if self._plan is None:
+            raise RuntimeError("`PipelineParallelStrategy.stage_plan` is available after the Trainer set it up.")
+        return self._plan
+
+    def _world_size_before_init(self) -> int:
+        return self.num_processes * self.num_nodes
+
+    def _validate_config(self) -> None:
+        world_size = self._world_size_before_init()
+        p = self.pipeline_parallel_size
+        if world_size % p:
+            raise ValueError(
+                f"The world size ({world_size}) is not divisible by `pipeline_parallel_size={p}`; the remaining ranks"
+                f" form data-parallel replicas of the pipeline. Use a divisor of {world_size}."
+            )
+        validate_schedule_config(
+            self.effective_schedule,
+            pipeline_parallel_size=p,
+            stages_per_rank=self.stages_per_rank,
+            num_microbatches=self.num_microbatches,
+        )
+
+    @override
+    def connect(self, model: Any) -> None:
+        # Everything that can be checked without a process group is checked here, on every rank, so a bad
+        # configuration raises everywhere instead of hanging a collective.
+        super().connect(model)
+        self._validate_config()
+        layers = resolve_pipeline_layers(model)
+        check_parameter_ownership(model, layers)
+        if len(layers) < self.num_stages:
+            raise ValueError(
+                f"Cannot split {len(layers)} pipeline layers into {self.num_stages} stages"
+                f" (`pipeline_parallel_size={self.pipeline_parallel_size}` x `stages_per_rank={self.stages_per_rank}`)"
+                ": every stage needs at least one layer. Use fewer stages or return finer layers."
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        assert self.cluster_environment is not None
+        self._validate_config()
+        self._peers: PeerTable | None = set_up_distributed_environment(self, super().setup_environment)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method in ("spawn", "fork"):
+            # The parent process gets the whole model back, not rank 0's stage.
+            self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        explain_peer_failure(exception, getattr(self, "_peers", None), self.global_rank)
+        super().on_exception(exception)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        p = self.pipeline_parallel_size
+        return {"num_replicas": self.world_size // p, "rank": self.global_rank // p}
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not module.automatic_optimization:
+            raise ValueError(
+                "PipelineParallelStrategy supports automatic optimization only: the schedule runs forward and"
+                " backward together. Remove `self.automatic_optimization = False`."
+            )
+        if self.precision_plugin.precision not in _SUPPORTED_PRECISION:
+            raise ValueError(
+                f"`precision={self.precision_plugin.precision!r}` is not supported by PipelineParallelStrategy."
+                f" Valid options: {', '.join(map(repr, _SUPPORTED_PRECISION))}."
+            )
+        if self._engine is None:
+            self._split(trainer, module)
+        else:  # a later `fit`/`validate`/`test`/`predict` of the same Trainer: the module is already split
+            self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
+        # Clipping by norm must use the norm over all stages; the precision plugin is this strategy's own object.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+
+    def _split(self, trainer: Any, module: Any) -> None:
+        """Plan the stages, keep this rank's layers, create the process groups and the engine."""
+        layers = resolve_pipeline_layers(module)
+        if any(isinstance(layer, RemoteLayer) for layer in layers):
+            raise ValueError(
+                "This module was already split by another PipelineParallelStrategy (some layers live on other"
+                " ranks). Create a fresh module, or load the consolidated checkpoint into one."
+            )
+        plan = self._plan_stages(trainer, module, layers)
+        dims = ParallelDims(self.world_size, self.global_rank, self.pipeline_parallel_size)
+        local_stages = plan.stages_of(dims.pipeline_rank)
+        self._full_state_keys = list(module.state_dict().keys())
+        self._full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
+        self._optimizer_layouts = self._whole_model_optimizer_layouts(module)
+        remove_remote_layers(module, layer_qualified_names(module, layers), plan, local_stages)
+        local = {i for s in local_stages for i in plan.layers_of(s)}
+        kept_layers = [layer if i in local else None for i, layer in enumerate(layers)]
+        # First collectives: every check above ran on every rank.
+        dims.build_groups()
+        self._check_same_plan(plan)
+        self._dims, self._plan = dims, plan
+        self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        self._broadcast_replica_weights(module)
+        self._engine = PipelineEngine(
+            module,
+            layers=kept_layers,
+            plan=plan,
+            dims=dims,
+            schedule=self.effective_schedule,
+            num_microbatches=self.num_microbatches,
+            device=self.root_device,
+        )
+
+    def _plan_stages(self, trainer: Any, module: Any, layers: list[nn.Module]) -> StagePlan:
+        example = self._example_model_inputs(trainer, module)
+        measured = None
+        if self.partition == "measured" and example is not None:
+            # Timings differ between ranks: rank 0 measures, every rank uses its numbers (the first collective
+            # after the process group, reached by every rank once the local checks above passed).
+            if self.global_rank == 0:
+                measured = measure_layer_times(layers, *example, device=self.root_device)
+            box = [measured]
+            dist.broadcast_object_list(box, src=0)
+            measured = box[0]
+        return plan_for_example(
+            layers,
+            example,
+            partition=self.partition,
+            num_stages=self.num_stages,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            measured=measured,
+        )
+
+    def _example_model_inputs(self, trainer: Any, module: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The ``self(...)`` arguments of the first batch of the loop about to run (local: no collective), if any."""
+        source = _compat.data_source_for(trainer)
+        step = _STEP_NAMES.get(trainer.state.fn)
+        if source is None or step is None or not source.is_defined():
+            return None
+        loader = source.dataloader()
+        if isinstance(loader, dict):
+            loader = list(loader.values())
+        if isinstance(loader, list | tuple):
+            loader = loader[0] if loader else None
+        try:
+            batch = next(iter(loader))
+        except (StopIteration, TypeError):
+            return None
+        inputs = capture_model_inputs(module, step, (batch, 0), {})
+        size = batch_size_of(inputs)
+        if step == "training_step" and size is not None and size % self.num_microbatches:
+            raise ValueError(
+                f"The training batch size {size} is not divisible by `num_microbatches={self.num_microbatches}`;"
+                " the pipeline splits every batch into equal micro-batches. Choose a batch size that is a multiple"
+                f" of {self.num_microbatches} or another `num_microbatches`."
+            )
+        return inputs
+
+    def _whole_model_optimizer_layouts(self, module: Any) -> list[list[list[str]]]:
+        # `configure_optimizers` runs once more on the whole model only to learn its param groups by name: the
+        # consolidated checkpoint numbers parameters the way the single-device optimizer does.
+        names = {id(p): name for name, p in module.named_parameters()}
+        optimizers, _ = _compat.init_optimizers_and_lr_schedulers(module)
+        return [optimizer_layout(opt, names) for opt in optimizers]
+
+    def _check_same_plan(self, plan: StagePlan) -> None:
+        plans: list[Any] = [None] * self.world_size
+        dist.all_gather_object(plans, plan.starts)
+        if any(p != plan.starts for p in plans):
+            raise RuntimeError(
+                f"Ranks computed different stage splits {plans} (their example batches differ in shape). Pass an"
+                " explicit `partition=[...]`."
+            )
+
+    def _broadcast_replica_weights(self, module: nn.Module) -> None:
+        """Replicas of a stage start from replica 0's weights (as DDP does when it wraps a module)."""
+        dims = self.parallel_dims
+        if dims.data_parallel_size == 1:
+            return
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=dims.pipeline_rank, group=dims.data_parallel_group)
+
+    @override
+    def configure_ddp(self) -> None:
+        return None  # no DDP wrapper: replicas' gradients are averaged per stage in `optimizer_step`
+
+    # ------------------------------------------------------------------ steps
+    @property
+    def engine(self) -> PipelineEngine:
+        if self._engine is None:
+            raise RuntimeError("The pipeline is available after the Trainer set the strategy up.")
+        return self._engine
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        module = self.lightning_module
+        assert module is not None
+        engine = self.engine
+        with self.precision_plugin.train_step_context():
+            model_inputs, size = engine.capture_inputs("training_step", args, kwargs)
+            if size % engine.num_microbatches:
+                raise ValueError(
+                    f"The training batch size {size} is not divisible by `num_microbatches={engine.num_microbatches}`;"
+                    " the pipeline splits every batch into equal micro-batches. Use a batch size that is a multiple"
+                    f" of {engine.num_microbatches}."
+                )
+            accumulate = module.trainer.accumulate_grad_batches
+            params = list(module.parameters())
+            previous = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            try:
+                outcome = engine.train_step(
+                    "training_step",
+                    args,
+                    kwargs,
+                    model_inputs=model_inputs,
+                    divisor=engine.num_microbatches * accumulate,
+                )
+            finally:
+                # This batch's gradients are handed over in `backward`, after Lightning's `zero_grad`.
+                self._pending_grads = [p.grad for p in params]
+                for p, grad in zip(params, previous, strict=True):
+                    p.grad = grad
+        self._replay(outcome)
+        loss = outcome.loss.to(self.root_device).requires_grad_()
+        return {"loss": loss, **outcome.extra} if outcome.extra else loss
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        batches = DivisibleBatches(dataloader, self.num_microbatches, self._warn_skipped_batch)
+        if batches.known_partial_batch is not None:
+            self._warn_skipped_batch(batches.known_partial_batch)
+        return batches
+
+    def _warn_skipped_batch(self, size: int) -> None:
+        if not self._skip_warned:
+            rank_zero_warn(
+                f"PipelineParallelStrategy skips a last training batch of {size} samples (not divisible by"
+                f" `num_microbatches={self.num_microbatches}`). Use `drop_last=True` in the training DataLoader to"
+                " silence this."
+            )
+            self._skip_warned = True
+
+    def _evaluation_step(self, step: str, context: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        engine = self.engine
+        with context:
+            model_inputs, _ = engine.capture_inputs(step, args, kwargs)
+            outcome = engine.eval_step(step, args, kwargs, model_inputs=model_inputs, collect=step == "predict_step")
+        self._replay(outcome)
+        return outcome.result
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context(), args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context(), args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The step's outputs of the whole batch on every rank of the pipeline (rank 0 returns replica 0's)."""
+        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context(), args, kwargs)
+
+    def _replay(self, outcome: StepOutcome) -> None:
+        replay_logs(self.lightning_module, outcome.logs, device=self.root_device, is_source=self.engine.has_last_stage)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """The schedule already ran backward inside ``training_step``; hand its gradients over here."""
+        module = self.lightning_module
+        assert module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        pending, self._pending_grads = self._pending_grads, None
+        if pending is not None:
+            for p, grad in zip(module.parameters(), pending, strict=True):
+                if grad is not None:
+                    p.grad = grad if p.grad is None else p.grad + grad
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_average() -> Any:
+            result = closure()
+            self._average_replica_gradients(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+
+    def _average_replica_gradients(self, optimizer: Any) -> None:
+        dims = self.parallel_dims
+        average_across_replicas(_grads(optimizer), group=dims.data_parallel_group, size=dims.data_parallel_size)
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` with the norm over the parameters of all stages."""
+        clip_by_global_norm(
+            _grads(optimizer), clip_val, group=self.parallel_dims.pipeline_group, device=self.root_device
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def is_split(self) -> bool:
+        return self._plan is not None
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's ``state_dict`` on rank 0 (a collective; other ranks get ``{}``).
+
+        With ``checkpoint_format="sharded"`` nothing is gathered: ``save_checkpoint`` writes every rank's part.
+        """
+        if not self.is_split:
+            return super().lightning_module_state_dict()
+        if self.checkpoint_format == "sharded":
+            return {}
+        return self.consolidated_state_dict()
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """The whole model's ``state_dict`` under its own names on rank 0, ``{}`` elsewhere (a collective)."""
+        state = consolidate_state_dict(self.lightning_module, self._full_state_keys, self.parallel_dims)
+        return state if state is not None and self.is_global_zero else {}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The single-device ``optimizer.state_dict()`` of the whole model on rank 0 (a collective)."""
+        if self.checkpoint_format == "sharded":
+            return {}
+        optimizer = _unwrap(optimizer)
+        index = [_unwrap(o) for o in self.optimizers].index(optimizer)
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        state = consolidate_optimizer_state(optimizer, names, self._optimizer_layouts[index], self.parallel_dims)
+        return state if state is not None and self.is_global_zero else {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.checkpoint_format != "sharded" or not self.is_split:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        # Every rank writes its stage's parameters and optimizer state; the replicas of a stage split each tensor
+        # evenly, so nothing is written twice. Names, not indices, so any layout can read it.
+        dims = self.parallel_dims
+        module = self.lightning_module
+        optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
+        pieces = replicated_pieces(module, optimizer, rank=dims.data_parallel_rank, world_size=dims.data_parallel_size)
+        buffers = consolidate_buffers(module, dims) or {}
+        meta = sharded_meta(
+            checkpoint,
+            optimizer,
+            layout=self._optimizer_layouts[0] if self._optimizer_layouts else None,
+            shapes=self._full_shapes,
+            state_keys=self._full_state_keys,
+            scalars=scalar_states_of(optimizer),
+        )
+        save_sharded_checkpoint(self.broadcast(str(filepath)), pieces, buffers=buffers, meta=meta)
+        return None
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A consolidated ``.ckpt`` or a sharded directory (reassembled on every rank)."""
+        return load_checkpoint_any_format(self, checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if not self.is_split:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        load_local_state(self.lightning_module, checkpoint["state_dict"], self._full_state_keys, strict=strict)
+        return None
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        for optimizer, state, layout in zip(
+            self.optimizers, checkpoint["optimizer_states"], self._optimizer_layouts, strict=True
+        ):
+            optimizer.load_state_dict(slice_optimizer_state(state, _unwrap(optimizer), names, layout))
+        _compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.clear()  # the stages' receive buffers; the split itself stays for a later validate/test
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for schedule, suffix in (("1F1B", ""), ("GPipe", "_gpipe"), ("Interleaved1F1B", "_interleaved")):
+            for start_method, variant in (("popen", ""), ("spawn", "_spawn"), ("fork", "_notebook")):
+                name = f"pipeline{suffix}{variant}"
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"lightning_parallel PipelineParallelStrategy, schedule={schedule!r},"
+                    f" start_method={start_method!r}",
+                    override=True,
+                    schedule=schedule,
+                    start_method=start_method,
+                )
+
+
+def _grads(optimizer: Any) -> list[Tensor]:
+    return [p.grad for g in _unwrap(optimizer).param_groups for p in g["params"] if p.grad is not None]
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _check_count(name: str, value: Any) -> None:
+    if value == "auto" and isinstance(value, str):
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}={value!r}` is invalid: use a positive integer or 'auto'.")
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
