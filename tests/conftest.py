@@ -6,6 +6,10 @@ import os
 import sys
 from pathlib import Path
 
+# Every test runs on CPU ranks forked from this process. On a GPU machine, anything here that touched CUDA (a
+# Lightning run, torch.random.fork_rng) would make every later fork fail, so hide the GPUs from the test session.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
 import lightning.pytorch  # noqa: F401  (imported once in the parent so forked ranks inherit it)
 import pytest
 import torch

@@ -75,8 +75,7 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
     ),
     StrategyRow(
         "pipeline",
-        "pipeline 1F1B (tokens/s: every stage counts the batch)",
-        # Every rank of a pipeline sees the same batch, and RunStats sums tokens over ranks: divide by the stages.
+        "pipeline 1F1B",
         lambda: PipelineParallelStrategy(start_method="fork", schedule="1F1B", num_microbatches=4),
     ),
     StrategyRow("zero1", "zero1 (optimizer state sharded)", lambda: ShardedOptimizerStrategy(1, start_method="fork")),

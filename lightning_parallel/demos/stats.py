@@ -157,6 +157,7 @@ class RunStats(Callback):
         self._step_times: list[float] = []
         self._start_global_step = 0
         self._tokens = 0
+        self._data_share = 1.0
         self._samples = 0
         self._measured_batches = 0
         self._final_loss = math.nan
@@ -166,6 +167,10 @@ class RunStats(Callback):
         if stage == "fit":
             self._reset_counters()
             _reset_peak_memory(trainer.strategy.root_device)
+            # Ranks that load the same batch (the stages of one pipeline) must count it once: weight each rank's
+            # tokens by (distinct data shards) / (ranks).
+            replicas = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+            self._data_share = replicas.get("num_replicas", trainer.world_size) / trainer.world_size
 
     @override
     def on_train_batch_start(
@@ -194,8 +199,8 @@ class RunStats(Callback):
         self._end_time = now
         inputs = _batch_inputs(batch)
         if inputs is not None:
-            self._tokens += inputs.numel()
-            self._samples += inputs.size(0) if inputs.dim() > 0 else 1
+            self._tokens += inputs.numel() * self._data_share
+            self._samples += (inputs.size(0) if inputs.dim() > 0 else 1) * self._data_share
         self._measured_batches += 1
 
     @override
