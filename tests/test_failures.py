@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from training_helpers import SEQ_LEN, make_module, make_trainer
 
-from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.demos import RandomTokenDataset
 
 PROCESS_GROUP_TIMEOUT = 20  # seconds; every survivor must be out well before the harness deadline
@@ -61,6 +61,9 @@ class _FailOnce(pl.Callback):
 def _strategy(spec: str):
     if spec == "data_parallel":
         return DataParallelStrategy(timeout=PROCESS_GROUP_TIMEOUT)
+    if spec == "pipeline":
+        # Rank 1 holds the last stage: killing it in forward/backward leaves rank 0 inside a pipeline send/recv.
+        return PipelineParallelStrategy(num_microbatches=2, timeout=PROCESS_GROUP_TIMEOUT)
     return ShardedOptimizerStrategy(stage=int(spec[-1]), timeout=PROCESS_GROUP_TIMEOUT)
 
 
@@ -77,7 +80,7 @@ def _train(rank: int, world_size: int, spec: str, where: str) -> None:
 
 
 @pytest.mark.parametrize("where", ["forward", "backward", "collective", "exception"])
-@pytest.mark.parametrize("spec", ["data_parallel", "zero2", "zero3"])
+@pytest.mark.parametrize("spec", ["data_parallel", "zero2", "zero3", "pipeline"])
 def test_survivors_exit_with_an_error_when_one_rank_dies(spec, where):
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as failure:
