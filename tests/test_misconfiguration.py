@@ -15,7 +15,7 @@ from distributed_harness import DistributedTestError, run_distributed
 from torch.utils.data import DataLoader, Subset
 from training_helpers import SEQ_LEN, make_module, make_trainer
 
-from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 
 
@@ -90,6 +90,16 @@ CASES = [
      "`checkpoint_format='zip'` is invalid. Valid options: 'consolidated', 'sharded'", {}),
     ("zero-start-method", lambda r, d: ShardedOptimizerStrategy(start_method="thread"), ValueError,
      "Unknown `start_method='thread'`", {}),
+    ("pipeline-schedule", lambda r, d: PipelineParallelStrategy(schedule="zigzag"), ValueError,
+     "Unknown `schedule='zigzag'`. Valid schedules (case-insensitive): GPipe, 1F1B", {}),
+    ("pipeline-microbatches", lambda r, d: PipelineParallelStrategy(num_microbatches=0), ValueError,
+     "`num_microbatches=0` is invalid", {}),
+    ("pipeline-partition", lambda r, d: PipelineParallelStrategy(partition="random"), ValueError,
+     "`partition='random'` is invalid. Valid options: 'compute'", {}),
+    ("pipeline-size-divides", lambda r, d: _fit(PipelineParallelStrategy(pipeline_parallel_size=3, timeout=20)),
+     ValueError, "is not divisible by `pipeline_parallel_size=3`", {}),
+    ("pipeline-too-few-microbatches", lambda r, d: _fit(PipelineParallelStrategy(num_microbatches=1, timeout=20)),
+     ValueError, "needs at least as many micro-batches as pipeline", {}),
     ("launcher-world-size", lambda r, d: _fit(DataParallelStrategy(timeout=20)), ValueError,
      "The launcher started WORLD_SIZE=4 processes, but the Trainer was given `devices=2`", {"WORLD_SIZE": "4"}),
     ("num-nodes-product", lambda r, d: _fit(ShardedOptimizerStrategy(timeout=20), num_nodes=2), ValueError,
