@@ -22,7 +22,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
@@ -64,7 +64,7 @@ def _parent_of(stat: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="zero2", help="a registry name: data_parallel, zero1/2/3, ...")
+    parser.add_argument("--strategy", default="zero2", help="a registry name: data_parallel, zero1/2/3, pipeline, ...")
     parser.add_argument("--dir", required=True, help="checkpoint directory (shared by all restarts)")
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--every", type=int, default=20, help="save a checkpoint every N steps")
@@ -75,9 +75,6 @@ def main() -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    per_rank = GLOBAL_BATCH // world_size
-    data = Subset(RandomTokenDataset(GLOBAL_BATCH, 16, seed=1), range(rank * per_rank, (rank + 1) * per_rank))
     saver = pl.callbacks.ModelCheckpoint(dirpath=args.dir, every_n_train_steps=args.every, save_last=True)
     watcher = FailOnce(args.kill_rank, args.kill_at_step)
     trainer = pl.Trainer(
@@ -86,13 +83,15 @@ def main() -> None:
         strategy=args.strategy,
         max_steps=args.max_steps,
         callbacks=[saver, watcher],
-        use_distributed_sampler=False,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    # One global batch per epoch, split over the data-parallel replicas (all stages of a pipeline share theirs).
+    replicas = trainer.strategy.distributed_sampler_kwargs["num_replicas"] if world_size > 1 else 1
+    loader = DataLoader(RandomTokenDataset(GLOBAL_BATCH, 16, seed=1), batch_size=GLOBAL_BATCH // replicas)
     model = GPTLightningModule("tiny", block_size=16, learning_rate=1e-3)
-    trainer.fit(model, DataLoader(data, batch_size=per_rank), ckpt_path="last")
+    trainer.fit(model, loader, ckpt_path="last")
     weights = trainer.strategy.lightning_module_state_dict()
     if trainer.is_global_zero:
         torch.save({"weights": weights, "resources": watcher.resources}, Path(args.dir) / "final.pt")

@@ -38,7 +38,7 @@ def _torchrun(directory: Path, strategy: str, *, kill: bool) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["data_parallel", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["data_parallel", "zero2", "zero3", "pipeline"])
 def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(tmp_path, strategy):
     uninterrupted = _torchrun(tmp_path / "uninterrupted", strategy, kill=False)
     recovered = _torchrun(tmp_path / "recovered", strategy, kill=True)
