@@ -1,0 +1,95 @@
+"""The ``lightning-parallel`` command: Lightning's ``LightningCLI`` for the demo GPT, with our strategy names.
+
+``lightning-parallel fit --trainer.strategy=zero2 --trainer.devices=2`` (or ``python -m lightning_parallel ...``)
+trains :class:`~lightning_parallel.demos.GPTLightningModule` on :class:`~lightning_parallel.demos.TextDataModule`
+(``--data=RandomTokenDataModule`` picks seeded random tokens instead). ``--trainer.strategy`` takes a registry name
+(``data_parallel``, ``zero1``/``zero2``/``zero3``, ``pipeline``, ...) or a class path with ``init_args``;
+``--print_config=comments`` writes a YAML file whose comments are our docstrings. ``lightning-parallel plan ...``
+runs the memory/layout planner (:mod:`lightning_parallel.planner`) instead of Lightning.
+
+In your own program, ``import lightning_parallel`` before constructing ``LightningCLI`` so the registry names exist.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_parallel  # noqa: F401  (registers our strategy names with Lightning)
+from lightning_parallel.demos import GPTLightningModule, TextDataModule
+from lightning_parallel.strategies.registry import registered_names
+
+__all__ = ["DEFAULT_DATAMODULE", "ParallelCLI", "main", "unknown_strategy_message"]
+
+DEFAULT_DATAMODULE = f"{TextDataModule.__module__}.{TextDataModule.__qualname__}"
+"""Data module used when ``--data`` is not given: the embedded text corpus (no download)."""
+
+
+def unknown_strategy_message(name: str) -> str | None:
+    """``None`` if ``name`` is a strategy name Lightning accepts, else an error message listing the valid names."""
+    if name.lower() == "auto" or name.lower() in StrategyRegistry:
+        return None
+    ours = registered_names()
+    others = sorted(set(StrategyRegistry.available_strategies()) - set(ours))
+    return (
+        f"Unknown strategy name `--trainer.strategy={name}`. lightning_parallel's names: {', '.join(ours)}."
+        f" Lightning's own: auto, {', '.join(others)}. Or give a class path with init_args, e.g."
+        " `--trainer.strategy=lightning_parallel.ShardedOptimizerStrategy --trainer.strategy.stage=2`."
+    )
+
+
+class ParallelCLI(LightningCLI):
+    """``LightningCLI`` that checks ``--trainer.strategy`` names up front and lists the valid ones when unknown."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Default ``--data`` to the text corpus; any ``LightningDataModule`` class path is accepted."""
+        parser.set_defaults({"data": {"class_path": DEFAULT_DATAMODULE}})
+
+    def before_instantiate_classes(self) -> None:
+        """Reject an unknown strategy name before any process starts, with the list of valid names."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        strategy = config.get("trainer", {}).get("strategy")
+        if isinstance(strategy, str):
+            message = unknown_strategy_message(strategy)
+            if message is not None:
+                self.parser.error(message)
+
+
+def _run_planner(args: list[str]) -> int:
+    try:
+        from lightning_parallel import planner
+    except ImportError as error:
+        if error.name not in ("lightning_parallel.planner", None):
+            raise
+        print(
+            "`lightning-parallel plan` needs lightning_parallel.planner, which this installation does not have.",
+            file=sys.stderr,
+        )
+        return 2
+    return int(planner.main(args))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``lightning-parallel`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit code.
+
+    ``plan`` goes to :func:`lightning_parallel.planner.main`; every other subcommand (``fit``, ``validate``,
+    ``test``, ``predict``) to ``LightningCLI``. With the default ``start_method="popen"`` Lightning starts the other
+    processes by re-running ``sys.argv``, so call this from a command line (the console script, ``python -m
+    lightning_parallel``), not with an ``argv`` that differs from ``sys.argv[1:]``.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "plan":
+        return _run_planner(args[1:])
+    ParallelCLI(
+        GPTLightningModule,
+        LightningDataModule,
+        subclass_mode_data=True,
+        args=None if argv is None else args,  # None: LightningCLI reads sys.argv itself (and warns otherwise)
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+    )
+    return 0
