@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["MemoryReport", "ShardView", "ShardedParameterBuckets"]
+from lightning_parallel.distributed.compression import CommunicationStats
+
+__all__ = ["MemoryReport", "ShardView", "ShardedParameterBuckets", "module_memory_report"]
 
 
 @dataclass
@@ -93,9 +95,27 @@ class MemoryReport:
 def _storage_bytes(tensors: Iterator[Tensor]) -> int:
     seen: dict[int, int] = {}
     for tensor in tensors:
-        storage = tensor.untyped_storage()
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor holds its local shard
+        storage = local.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def module_memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> MemoryReport:
+    """Bytes of ``module``'s parameters, their ``.grad`` and ``optimizer``'s per-element state on this rank.
+
+    Counted from tensor storages, each storage once (gradients that are views into a DDP bucket count the bucket).
+    Optimizer state counts tensors with at least one dim (``exp_avg``, ``momentum_buffer``, ...), not the 0-dim
+    ``step`` counters.
+    """
+    params = list(module.parameters())
+    grads = (p.grad for p in params if p.grad is not None)
+    states: Iterator[Tensor] = iter(())
+    if optimizer is not None:
+        states = (v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0)
+    return MemoryReport(
+        parameters=_storage_bytes(iter(params)), gradients=_storage_bytes(grads), optimizer_state=_storage_bytes(states)
+    )
 
 
 class ShardedParameterBuckets:
@@ -118,6 +138,8 @@ class ShardedParameterBuckets:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.sync_gradients = True
+        self.stats: CommunicationStats | None = None
+        """Where to count collective bytes (``None``: not counted); see :class:`CommunicationStats`."""
         self._next_launch = 0
         self._hooks: list = []
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -237,6 +259,8 @@ class ShardedParameterBuckets:
         cleared = all(view.tensor.grad is None for view in bucket.views) or not bucket.shard_grads.any()
         output = bucket.shard_grads if cleared else torch.empty_like(bucket.shard_grads)
         bucket.pending_shard = None if cleared else output
+        if self.stats is not None:  # bytes of the full (unsharded) buffer, as for all-reduce
+            self.stats.record("reduce_scatter", bucket.full_grads.numel() * bucket.full_grads.element_size())
         bucket.work = dist.reduce_scatter_tensor(
             output, bucket.full_grads, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
@@ -281,6 +305,8 @@ class ShardedParameterBuckets:
         for bucket in self.buckets:
             start = self.rank * bucket.shard_numel
             shard = bucket.flat_params[start : start + bucket.shard_numel].clone()
+            if self.stats is not None:  # bytes of the full (gathered) buffer
+                self.stats.record("all_gather", bucket.flat_params.numel() * bucket.flat_params.element_size())
             works.append(
                 (dist.all_gather_into_tensor(bucket.flat_params, shard, group=self.group, async_op=True), shard)
             )

@@ -28,6 +28,7 @@ from lightning_parallel.distributed.compression import (
     validate_compression,
 )
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
+from lightning_parallel.distributed.zero import MemoryReport, module_memory_report
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, load_module_state
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
 from lightning_parallel.strategies.launch import (
@@ -183,6 +184,12 @@ class DataParallelStrategy(DDPStrategy):
         if self.track_communication:
             return low_precision_allreduce_hook(None, self.communication_stats)
         return None
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of parameters, gradients and optimizer state this rank really holds (measured from its tensors'
+        storages: with ``gradient_as_bucket_view`` the gradients are DDP's buckets)."""
+        optimizer = self.optimizers[0] if self.optimizers else None
+        return module_memory_report(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.distributed.checkpoint import replicated_pieces, save_sharded_checkpoint
+from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.consolidate import (
     consolidate_buffers,
@@ -52,6 +53,7 @@ from lightning_parallel.distributed.pipeline.schedule import (
     resolve_schedule,
     validate_schedule_config,
 )
+from lightning_parallel.distributed.zero import MemoryReport, module_memory_report
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, scalar_states_of
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
 from lightning_parallel.strategies.launch import (
@@ -180,6 +182,10 @@ class PipelineParallelStrategy(DDPStrategy):
         self._optimizer_layouts: list[list[list[str]]] = []
         self._pending_grads: list[Tensor | None] | None = None
         self._skip_warned = False
+        self.track_communication = False
+        """Count the replicas' gradient all-reduce in :attr:`communication_stats` (``ParallelismMonitor`` sets it
+        and counts torch's P2P sends/receives with a scoped wrapper)."""
+        self.communication_stats = CommunicationStats()
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -532,7 +538,15 @@ class PipelineParallelStrategy(DDPStrategy):
 
     def _average_replica_gradients(self, optimizer: Any) -> None:
         dims = self.parallel_dims
-        average_across_replicas(_grads(optimizer), group=dims.data_parallel_group, size=dims.data_parallel_size)
+        stats = self.communication_stats if self.track_communication else None
+        average_across_replicas(
+            _grads(optimizer), group=dims.data_parallel_group, size=dims.data_parallel_size, stats=stats
+        )
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of this rank's stages' parameters, gradients and optimizer state (measured from tensor storages)."""
+        optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
+        return module_memory_report(self.lightning_module, optimizer)
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` with the norm over the parameters of all stages."""

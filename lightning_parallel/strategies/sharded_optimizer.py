@@ -30,6 +30,7 @@ from lightning_parallel.distributed.checkpoint import (
     is_sharded_checkpoint,
     replicated_pieces,
 )
+from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
 from lightning_parallel.strategies.checkpointing import (
@@ -132,6 +133,10 @@ class ShardedOptimizerStrategy(DDPStrategy):
         self._sharded_optimizer: ShardedOptimizer | None = None
         self._fsdp_units: list[nn.Module] = []
         self._memory_logged = False
+        self.track_communication = False
+        """Count collective bytes in :attr:`communication_stats` (stages 1-2; ``ParallelismMonitor`` sets it, and
+        counts stage 3's FSDP2 collectives with a scoped wrapper)."""
+        self.communication_stats = CommunicationStats()
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -208,6 +213,8 @@ class ShardedOptimizerStrategy(DDPStrategy):
         self._buckets = ShardedParameterBuckets(
             self.lightning_module, stage=self.stage, bucket_cap_mb=self.bucket_cap_mb
         )
+        if self.track_communication:
+            self._buckets.stats = self.communication_stats
         self._sharded_optimizer = ShardedOptimizer(_unwrap(self.optimizers[0]), self._buckets)
         # Lightning clips through the precision plugin; make it use the norm over all shards.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]

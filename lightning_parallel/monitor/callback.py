@@ -1,0 +1,355 @@
+"""ParallelismMonitor: throughput, step-time split, bytes held and bytes communicated per rank, as a callback."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_parallel.demos.stats import peak_memory_bytes
+from lightning_parallel.distributed.compression import CommunicationStats
+from lightning_parallel.distributed.zero import module_memory_report
+from lightning_parallel.monitor.figure import write_figure
+from lightning_parallel.monitor.ledger import CollectiveTap, PhaseTimes
+from lightning_parallel.monitor.report import format_table
+
+__all__ = ["ParallelismMonitor", "StepRecord"]
+
+NOT_MEASURED = "not measured"
+
+
+@dataclass
+class StepRecord:
+    """What one rank measured in one training batch."""
+
+    step: int
+    """``trainer.global_step`` before the batch."""
+    step_time_s: float
+    """Wall time from ``on_train_batch_start`` to ``on_train_batch_end``."""
+    samples: int
+    """Samples of the global batch (local batch size x data-parallel replicas)."""
+    tokens: int
+    """Tokens of the global batch (0 when the inputs have no sequence dim)."""
+    communication: dict[str, int] | None
+    """Bytes per collective in this batch (see ``monitor/ledger.py``); ``None``: not measured."""
+    exposed_communication_s: float | None
+    """Seconds blocked in gradient sync / parameter gathering after backward; ``None``: not measurable."""
+    pipeline_idle_s: float | None
+    """Seconds of the pipeline schedule this rank's stages were not computing; ``None``: not a pipeline."""
+    compute_s: float
+    """The rest of the step: ``step_time_s`` minus what is measured above."""
+    bubble_fraction: float | None = None
+    """Pipeline: ``idle / schedule time`` of this step on this rank."""
+    timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
+    """Pipeline: ``(kind, stage, start, end)`` chunks of this step, seconds from the step's start."""
+
+
+class ParallelismMonitor(Callback):
+    """Measure what a parallel training run really does, per step and per rank, and summarise it at the end of fit.
+
+    * per step: throughput (samples/s, tokens/s when the batch has a sequence dim) and the step time split into
+      compute, exposed communication (ZeRO-1/2 gradient sync and parameter all-gather, pipeline replicas'
+      all-reduce) and pipeline idle. Where a phase cannot be seen (DDP's and FSDP2's waits run inside autograd) it
+      is reported as ``None`` / "not measured" and counted in compute.
+    * per rank: bytes of parameters, gradients and optimizer state really held (from tensor storages, the
+      strategy's ``memory_report()`` where it has one) and the peak process memory (RSS on CPU, max allocated on CUDA).
+    * communication: bytes per step by collective type (all-reduce, reduce-scatter, all-gather, send, recv), as
+      defined in :mod:`lightning_parallel.monitor.ledger`, measured from the calls our strategies make. Under other
+      strategies (Lightning's ``DDPStrategy``, ...) it is "not measured".
+    * pipeline: the bubble fraction per rank (time not spent in its stages' forward/backward chunks over the
+      schedule's time) and a timeline of the last step.
+
+    Metrics go to every ``trainer.loggers`` entry (``monitor/...``) from global rank 0 every ``log_every_n_steps``.
+    At the end of fit rank 0 prints a table, writes the summary of all ranks as JSON and a PNG figure (per-rank
+    memory bars, throughput over steps, pipeline timeline; needs matplotlib, the ``plots`` extra, else skipped with
+    a message). Attaching the monitor switches on the strategy's communication counting before the model is
+    wrapped; without a monitor nothing is counted or wrapped.
+
+    Args:
+        figure_path: where to write the PNG; ``None``: ``parallelism_monitor.png`` in the first logger's
+            ``log_dir`` (or ``trainer.default_root_dir``). ``False``: no figure.
+        summary_path: where to write the JSON summary; ``None``: next to the figure, ``parallelism_monitor.json``.
+        log_every_n_steps: log the per-step metrics every this many steps.
+    """
+
+    def __init__(
+        self,
+        *,
+        figure_path: str | Path | bool | None = None,
+        summary_path: str | Path | None = None,
+        log_every_n_steps: int = 1,
+    ) -> None:
+        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
+            raise ValueError(f"`log_every_n_steps={log_every_n_steps!r}` must be a positive integer.")
+        if figure_path is True:
+            raise ValueError(
+                "`figure_path=True` is invalid: pass a path, None (default location) or False (no figure)."
+            )
+        self.figure_path = figure_path
+        self.summary_path = summary_path
+        self.log_every_n_steps = log_every_n_steps
+        self.steps: list[StepRecord] = []
+        self.summary: dict[str, Any] | None = None
+        """All ranks' measurements after fit (on rank 0; this rank's only elsewhere)."""
+        self._stats: CommunicationStats | None = None
+        self._times = PhaseTimes()
+        self._tap: CollectiveTap | None = None
+        self._unwrap: list[tuple[Any, str]] = []
+        self._start = 0.0
+        self._before: dict[str, int] = {}
+        self._memory: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.steps, self.summary = [], None
+        strategy = trainer.strategy
+        kind = _strategy_kind(strategy)
+        self._stats = None
+        if kind != "other":
+            # Read by the strategy's `setup` (wrapping/bucketing), which runs after the callbacks' `setup`.
+            strategy.track_communication = True
+            self._stats = strategy.communication_stats
+        fsdp = kind == "sharded" and getattr(strategy, "stage", None) == 3
+        if self._stats is not None and (fsdp or kind == "pipeline"):
+            self._tap = CollectiveTap(self._stats, self._times, fsdp=fsdp, pipeline=kind == "pipeline")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._tap is not None:
+            self._tap.install()
+        strategy = trainer.strategy
+        buckets = getattr(strategy, "_buckets", None)
+        if buckets is not None:  # ZeRO-1/2: time the waits for the reduce-scatters and the parameter all-gather
+            self._time_method(buckets, "finish_gradient_sync")
+            self._time_method(buckets, "all_gather_parameters")
+        if _strategy_kind(strategy) == "pipeline":
+            self._time_method(strategy, "_average_replica_gradients")
+            self._time_method(strategy.engine, "train_step", phase="pipeline_step")
+
+    def _time_method(self, owner: Any, name: str, phase: str = "exposed_communication") -> None:
+        original = getattr(owner, name)
+        monitor = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                times = monitor._times  # this step's
+                setattr(times, phase, getattr(times, phase) + time.perf_counter() - start)
+
+        setattr(owner, name, timed)  # an instance attribute shadowing the method; removed in `_restore`
+        self._unwrap.append((owner, name))
+
+    def _restore(self) -> None:
+        if self._tap is not None:
+            self._tap.remove()
+        for owner, name in self._unwrap:
+            owner.__dict__.pop(name, None)
+        self._unwrap.clear()
+
+    # ------------------------------------------------------------------ per step
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._times = PhaseTimes()
+        if self._tap is not None:
+            self._tap.times = self._times
+            self._tap.active = True
+        self._before = dict(self._stats.bytes_by_collective) if self._stats is not None else {}
+        _synchronize(pl_module.device)
+        self._start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        _synchronize(pl_module.device)
+        elapsed = time.perf_counter() - self._start
+        if self._tap is not None:
+            self._tap.active = False
+        communication = None
+        if self._stats is not None:
+            after = self._stats.bytes_by_collective
+            communication = {
+                k: int(after[k] - self._before.get(k, 0)) for k in after if after[k] != self._before.get(k, 0)
+            }
+        record = self._step_record(trainer, batch, elapsed, communication)
+        self.steps.append(record)
+        self._memory = _memory_report(trainer)
+        if trainer.global_rank == 0 and (len(self.steps) - 1) % self.log_every_n_steps == 0:
+            self._log(trainer, record)
+
+    def _step_record(self, trainer: pl.Trainer, batch: Any, elapsed: float, communication: Any) -> StepRecord:
+        strategy = trainer.strategy
+        kind = _strategy_kind(strategy)
+        inputs = _batch_inputs(batch)
+        replicas = trainer.world_size
+        if kind == "pipeline":
+            replicas = trainer.world_size // strategy.pipeline_parallel_size
+        samples = int(inputs.shape[0]) * replicas if inputs is not None and inputs.dim() > 0 else 0
+        tokens = int(inputs.numel()) * replicas if inputs is not None and inputs.dim() >= 2 else 0
+        times = self._times
+        exposed = times.exposed_communication if kind in ("pipeline", "sharded") and _measures_sync(strategy) else None
+        idle = bubble = None
+        timeline: list[tuple[str, int, float, float]] = []
+        if kind == "pipeline":
+            idle = max(0.0, times.pipeline_step - times.pipeline_busy)
+            bubble = idle / times.pipeline_step if times.pipeline_step > 0 else None
+            timeline = [(k, s, a - self._start, b - self._start) for k, s, a, b in times.events]
+        compute = max(0.0, elapsed - (exposed or 0.0) - (idle or 0.0))
+        return StepRecord(
+            step=trainer.global_step,
+            step_time_s=elapsed,
+            samples=samples,
+            tokens=tokens,
+            communication=communication,
+            exposed_communication_s=exposed,
+            pipeline_idle_s=idle,
+            compute_s=compute,
+            bubble_fraction=bubble,
+            timeline=timeline,
+        )
+
+    def _log(self, trainer: pl.Trainer, record: StepRecord) -> None:
+        metrics: dict[str, float] = {"monitor/step_time_s": record.step_time_s, "monitor/compute_s": record.compute_s}
+        if record.step_time_s > 0:
+            metrics["monitor/samples_per_s"] = record.samples / record.step_time_s
+            if record.tokens:
+                metrics["monitor/tokens_per_s"] = record.tokens / record.step_time_s
+        if record.exposed_communication_s is not None:
+            metrics["monitor/exposed_communication_s"] = record.exposed_communication_s
+        if record.pipeline_idle_s is not None:
+            metrics["monitor/pipeline_idle_s"] = record.pipeline_idle_s
+        if record.bubble_fraction is not None:
+            metrics["monitor/bubble_fraction"] = record.bubble_fraction
+        for collective, num_bytes in (record.communication or {}).items():
+            metrics[f"monitor/bytes_{collective}"] = float(num_bytes)
+        for kind, num_bytes in self._memory.items():
+            metrics[f"monitor/held_{kind}_bytes"] = float(num_bytes)
+        metrics["monitor/peak_memory_bytes"] = float(peak_memory_bytes(trainer.strategy.root_device))
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=record.step)
+
+    # ------------------------------------------------------------------ end of fit
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+        local = self._rank_summary(trainer)
+        ranks = [local]
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, local)
+        self.summary = {"strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size, "ranks": ranks}
+        if trainer.global_rank != 0:
+            return
+        rank_zero_info(format_table(self.summary))
+        figure = self._figure_path(trainer)
+        summary_path = (
+            Path(self.summary_path)
+            if self.summary_path
+            else (figure.with_suffix(".json") if figure else self._default_dir(trainer) / "parallelism_monitor.json")
+        )
+        summary_path.parent.mkdir(parents=True, exist_ok=True)
+        summary_path.write_text(json.dumps(self.summary, indent=1))
+        if figure is not None:
+            if write_figure(self.summary, figure):
+                rank_zero_info(f"ParallelismMonitor: figure written to {figure}")
+            else:
+                rank_zero_info(
+                    "ParallelismMonitor: figure skipped, matplotlib is not installed"
+                    " (`pip install lightning-parallel[plots]`)."
+                )
+
+    def _rank_summary(self, trainer: pl.Trainer) -> dict[str, Any]:
+        return {
+            "rank": trainer.global_rank,
+            "memory": dict(self._memory),
+            "peak_memory_bytes": peak_memory_bytes(trainer.strategy.root_device),
+            "communication_measured": self._stats is not None,
+            "steps": [asdict(s) for s in self.steps],
+        }
+
+    def _default_dir(self, trainer: pl.Trainer) -> Path:
+        for logger in trainer.loggers:
+            if getattr(logger, "log_dir", None):
+                return Path(logger.log_dir)
+        return Path(trainer.default_root_dir)
+
+    def _figure_path(self, trainer: pl.Trainer) -> Path | None:
+        if self.figure_path is False:
+            return None
+        if self.figure_path:
+            return Path(self.figure_path)
+        return self._default_dir(trainer) / "parallelism_monitor.png"
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
+
+
+def _strategy_kind(strategy: Any) -> str:
+    """``"data_parallel"``, ``"sharded"``, ``"pipeline"`` (ours, with a ledger) or ``"other"``."""
+    from lightning_parallel.strategies import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
+
+    if isinstance(strategy, PipelineParallelStrategy):
+        return "pipeline"
+    if isinstance(strategy, ShardedOptimizerStrategy):
+        return "sharded"
+    if isinstance(strategy, DataParallelStrategy):
+        return "data_parallel"
+    return "other"
+
+
+def _measures_sync(strategy: Any) -> bool:
+    """Whether the gradient sync waits run in our Python code (ZeRO-1/2 buckets, pipeline replicas)."""
+    return getattr(strategy, "_buckets", None) is not None or _strategy_kind(strategy) == "pipeline"
+
+
+def _memory_report(trainer: pl.Trainer) -> dict[str, int]:
+    report = getattr(trainer.strategy, "memory_report", None)
+    if callable(report):
+        measured = report()
+    else:  # Lightning's own strategies: parameters, `.grad` and optimizer state of the module as it is
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        measured = module_memory_report(trainer.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+    return {
+        "parameters": measured.parameters,
+        "gradients": measured.gradients,
+        "optimizer_state": measured.optimizer_state,
+    }
+
+
+def _batch_inputs(batch: Any) -> Tensor | None:
+    if isinstance(batch, Tensor):
+        return batch
+    if isinstance(batch, tuple | list) and batch and isinstance(batch[0], Tensor):
+        return batch[0]
+    if isinstance(batch, dict):
+        for key in ("input_ids", "inputs", "input"):
+            if isinstance(batch.get(key), Tensor):
+                return batch[key]
+    return None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
