@@ -6,8 +6,9 @@ slow drift of the machine affects both sides alike; the table reports medians. T
 measure the all-reduce payload per optimizer step: fp32 (counted with ``track_communication=True``) and
 ``gradient_compression="fp16"``, which should send exactly half the bytes.
 
-Run it with ``python -m benchmarks.data_parallel [--preset small|tiny] [--repeats N]`` or through
-``python -m benchmarks.run_all``. It updates its section of ``benchmarks/RESULTS.md``.
+Run it with ``python -m benchmarks.data_parallel [--preset small|large|tiny] [--repeats N]`` or through
+``python -m benchmarks.run_all``. It updates its section of ``benchmarks/RESULTS.md``. The ``large`` preset trains
+``gpt-125m`` on 2 GPUs (NCCL); it has not been run by us yet.
 """
 
 from __future__ import annotations
@@ -16,18 +17,31 @@ import argparse
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from benchmarks.results import machine_description, markdown_table, today, update_section
-from lightning_parallel.demos.gpt import PRESETS, num_parameters
-from lightning_parallel.demos.main import DemoConfig, quiet_lightning, train_once
-from lightning_parallel.demos.stats import RunSummary
+from lightning_parallel.demos.data import TextDataModule
+from lightning_parallel.demos.gpt import PRESETS as GPT_PRESETS
+from lightning_parallel.demos.gpt import num_parameters
+from lightning_parallel.demos.main import DemoConfig, _restored_environ, quiet_lightning
+from lightning_parallel.demos.module import GPTLightningModule
+from lightning_parallel.demos.stats import RunStats, RunSummary, summarize
 from lightning_parallel.strategies import DataParallelStrategy
 
-__all__ = ["CONFIGS", "BenchmarkConfig", "DataParallelResults", "main", "measure", "render_markdown"]
+__all__ = [
+    "CONFIGS",
+    "PRESETS",
+    "BenchmarkConfig",
+    "DataParallelResults",
+    "configure",
+    "main",
+    "measure",
+    "render_markdown",
+]
 
 _MIB = 1024**2
 NAME = "data_parallel"
@@ -58,13 +72,15 @@ class BenchmarkConfig:
     warmup_steps: int = 3
     """Steps before throughput is measured."""
     devices: int = 2
-    """CPU processes (world size)."""
+    """Processes (world size), one per CPU process or GPU."""
     batch_size: int = 8
     """Sequences per batch per process."""
     seq_len: int = 128
     """Tokens per sequence; capped at the preset's ``block_size``."""
     repeats: int = 3
     """Runs per configuration; medians are reported."""
+    accelerator: str = "cpu"
+    """Lightning accelerator: ``"cpu"`` (gloo) or ``"gpu"`` (NCCL, one process per GPU)."""
 
     def demo_config(self) -> DemoConfig:
         """The same settings in the demo's terms."""
@@ -74,8 +90,54 @@ class BenchmarkConfig:
             devices=self.devices,
             warmup_steps=self.warmup_steps,
             batch_size=self.batch_size,
-            seq_len=min(self.seq_len, PRESETS[self.preset]["block_size"]),
+            seq_len=min(self.seq_len, GPT_PRESETS[self.preset]["block_size"]),
         )
+
+
+PRESETS: dict[str, BenchmarkConfig] = {
+    "tiny": BenchmarkConfig(preset="tiny", steps=4, warmup_steps=2, batch_size=4, seq_len=32, repeats=1),
+    "small": BenchmarkConfig(),
+    "large": BenchmarkConfig(
+        preset="gpt-125m", steps=30, warmup_steps=5, batch_size=8, seq_len=1024, accelerator="gpu"
+    ),
+}
+"""Benchmark sizes for ``--preset``: ``tiny`` for tests, ``small`` for 2 CPU cores, ``large`` for 2 GPUs."""
+
+
+def configure(preset: str, *, repeats: int | None = None, steps: int | None = None) -> BenchmarkConfig:
+    """The configuration of ``preset`` with ``repeats`` and ``steps`` replaced where given (warm-up kept shorter)."""
+    if preset not in PRESETS:
+        raise ValueError(f"`preset={preset!r}` is not one of {', '.join(PRESETS)}.")
+    config = replace(PRESETS[preset])
+    config.repeats = config.repeats if repeats is None else repeats
+    config.steps = config.steps if steps is None else steps
+    config.warmup_steps = min(config.warmup_steps, config.steps - 1)
+    return config
+
+
+def _train_once(strategy: Strategy, config: BenchmarkConfig) -> RunSummary:
+    """Train the demo model once (as the demo's ``train_once`` does, on ``config.accelerator``)."""
+    demo = config.demo_config()
+    torch.manual_seed(demo.seed)
+    model = GPTLightningModule(demo.preset)
+    datamodule = TextDataModule(seq_len=demo.seq_len, batch_size=demo.batch_size, max_bytes=demo.max_bytes, seed=0)
+    datamodule.setup("fit")  # once here: forked processes inherit the loaded corpus
+    trainer = pl.Trainer(
+        accelerator=config.accelerator,
+        devices=config.devices,
+        strategy=strategy,
+        max_steps=demo.steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        callbacks=[RunStats(warmup_steps=demo.warmup_steps)],
+    )
+    with _restored_environ():
+        trainer.fit(model, datamodule=datamodule)
+    return summarize(trainer)
 
 
 @dataclass
@@ -121,14 +183,13 @@ def measure(config: BenchmarkConfig) -> DataParallelResults:
     """
     if config.repeats < 1:
         raise ValueError(f"`repeats={config.repeats}` must be at least 1.")
-    demo_config = config.demo_config()
     results = DataParallelResults(config=config, runs={name: [] for name in CONFIGS})
     for repeat in range(config.repeats):
         order = list(CONFIGS) if repeat % 2 == 0 else list(reversed(CONFIGS))
         for name in order:
             label, make_strategy = CONFIGS[name]
             print(f"\n=== repeat {repeat + 1}/{config.repeats}: {label} ===", flush=True)
-            results.runs[name].append(train_once(make_strategy(), demo_config))
+            results.runs[name].append(_train_once(make_strategy(), config))
     results.throughput_ratios = _paired_ratios(results, "tokens_per_s")
     results.throughput_ratio = statistics.median(results.throughput_ratios)
     results.median_step_ratios = _paired_ratios(results, "tokens_per_s_median_step")
@@ -210,6 +271,9 @@ def render_markdown(results: DataParallelResults, *, command: str) -> str:
     """The RESULTS.md section: command, date, machine, setup, a table of medians and the ratios against the goals."""
     cfg = results.config
     seq_len = cfg.demo_config().seq_len
+    processes = (
+        f"{cfg.devices} {cfg.accelerator.upper()} processes (fork, {'gloo' if cfg.accelerator == 'cpu' else 'NCCL'})"
+    )
     header = ["configuration", "tokens/s", "tokens/s (median step)", "final loss", "all-reduce MiB/step"]
     header += [f"peak MiB rank{r}" for r in range(cfg.devices)]
     ratio_header = ["ratio", "median", "per repeat", "goal", "met"]
@@ -218,8 +282,8 @@ def render_markdown(results: DataParallelResults, *, command: str) -> str:
 - Command: `{command}`
 - Date: {today()}
 - Machine: {machine_description()}
-- Setup: GPT preset `{cfg.preset}` ({num_parameters(cfg.preset) / 1e6:.2f} M parameters), {cfg.devices} CPU processes
-  (fork, gloo), {cfg.batch_size} x {seq_len} tokens per process per step, {cfg.steps} steps of which
+- Setup: GPT preset `{cfg.preset}` ({num_parameters(cfg.preset) / 1e6:.2f} M parameters), {processes},
+  {cfg.batch_size} x {seq_len} tokens per process per step, {cfg.steps} steps of which
   {cfg.warmup_steps} warm-up, {cfg.repeats} repeats in alternating order; medians over repeats.
 - tokens/s: summed over processes, over the wall time of the measured steps; "median step" divides one step's tokens
   by the median step time instead, which ignores steps slowed down by other work on the machine. Peak memory: each
@@ -234,9 +298,9 @@ def render_markdown(results: DataParallelResults, *, command: str) -> str:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.data_parallel", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small", choices=["tiny", "small"], help="model size (default: small)")
-    parser.add_argument("--repeats", type=int, default=BenchmarkConfig.repeats, help="runs per configuration")
-    parser.add_argument("--steps", type=int, default=BenchmarkConfig.steps, help="optimizer steps per run")
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS), help="benchmark size (default: small)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per configuration (default: the preset's)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the preset's)")
     return parser.parse_args(argv)
 
 
@@ -252,11 +316,10 @@ def main(argv: Sequence[str] | None = None, *, command: str | None = None) -> in
         raises instead.
     """
     args = _parse_args(argv)
-    config = BenchmarkConfig(preset=args.preset, repeats=args.repeats, steps=args.steps)
-    config.warmup_steps = min(config.warmup_steps, config.steps - 1)
+    config = configure(args.preset, repeats=args.repeats, steps=args.steps)
     if command is None:
-        command = f"python -m benchmarks.data_parallel --preset {args.preset} --repeats {args.repeats}"
-        command += "" if args.steps == BenchmarkConfig.steps else f" --steps {args.steps}"
+        command = f"python -m benchmarks.data_parallel --preset {args.preset} --repeats {config.repeats}"
+        command += "" if args.steps is None else f" --steps {args.steps}"
     torch.set_num_threads(1)  # before forking: a forked child of a process whose OpenMP pool ran can hang
     quiet_lightning()
     results = measure(config)

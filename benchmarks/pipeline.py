@@ -1,7 +1,7 @@
 """PipelineParallelStrategy against a raw ``torch.distributed.pipelining`` loop, with per-rank timelines.
 
-Everything runs on CPU processes started with ``fork`` (gloo), on the demo GPT and the same split, batch and
-number of micro-batches on both sides:
+Everything runs on processes started with ``fork`` (CPU and gloo; GPUs and NCCL with ``--preset large``), on the
+demo GPT and the same split, batch and number of micro-batches on both sides:
 
 * **Lightning overhead**: median step time of our strategy inside ``Trainer.fit`` against a hand-written loop that
   drives the same ``PipelineStage``/``Schedule1F1B`` with an AdamW step (no Lightning); throughput ratio, goal >= 0.95.
@@ -12,10 +12,10 @@ number of micro-batches on both sides:
 * **Activation memory**: the most micro-batches whose activations a rank holds at once (from the timeline) times the
   bytes autograd saves for one micro-batch of that rank's stage (measured with ``saved_tensors_hooks``): 1F1B vs GPipe.
 * **Memory per rank**: parameter + AdamW state bytes per rank against DataParallelStrategy's full replica.
-* **Picture**: ``benchmarks/pipeline_timeline.png`` (written without any plotting library) and a Chrome trace
-  ``benchmarks/pipeline_timeline.json`` (open in ``chrome://tracing`` or https://ui.perfetto.dev).
+* **Picture**: ``benchmarks/figures/pipeline_timeline.png`` (matplotlib) and a Chrome trace
+  ``benchmarks/figures/pipeline_timeline.json`` (open in ``chrome://tracing`` or https://ui.perfetto.dev).
 
-Run it with ``python -m benchmarks.pipeline [--preset small|tiny] [--repeats N]`` or through
+Run it with ``python -m benchmarks.pipeline [--preset small|large|tiny] [--repeats N]`` or through
 ``python -m benchmarks.run_all``. It updates its section of ``benchmarks/RESULTS.md``.
 """
 
@@ -26,13 +26,11 @@ import itertools
 import json
 import multiprocessing
 import statistics
-import struct
 import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,20 +42,31 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from benchmarks.results import machine_description, markdown_table, today, update_section
+from benchmarks.figures import save_timeline
+from benchmarks.results import FIGURES_DIR, machine_description, markdown_table, today, update_section
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.demos import GPTLightningModule, TextDataModule, next_token_loss
-from lightning_parallel.demos.gpt import PRESETS
+from lightning_parallel.demos.gpt import PRESETS as GPT_PRESETS
 from lightning_parallel.demos.main import quiet_lightning
 from lightning_parallel.distributed.pipeline.partition import StageModule, StagePlan
 
-__all__ = ["BenchmarkConfig", "main", "measure", "render_markdown", "write_chrome_trace", "write_timeline_png"]
+__all__ = [
+    "PRESETS",
+    "BenchmarkConfig",
+    "configure",
+    "main",
+    "measure",
+    "render_markdown",
+    "write_chrome_trace",
+    "write_figures",
+]
 
 NAME = "pipeline"
 """This benchmark's section name in RESULTS.md."""
-_HERE = Path(__file__).parent
-PNG_PATH = _HERE / "pipeline_timeline.png"
-TRACE_PATH = _HERE / "pipeline_timeline.json"
+TIMELINE_PNG = "pipeline_timeline.png"
+"""File name of the timeline figure in the figures folder."""
+TIMELINE_TRACE = "pipeline_timeline.json"
+"""File name of the Chrome trace in the figures folder."""
 _MIB = 1024**2
 
 
@@ -72,7 +81,7 @@ class BenchmarkConfig:
     warmup_steps: int = 4
     """Steps before step times are measured; the timeline is recorded for the first measured step."""
     pipeline_parallel_size: int = 2
-    """Pipeline ranks (CPU processes)."""
+    """Pipeline ranks (processes, one per CPU process or GPU)."""
     batch_size: int = 16
     """Sequences per batch."""
     seq_len: int = 128
@@ -85,10 +94,42 @@ class BenchmarkConfig:
     """Micro-batch counts for the interleaved schedules (2 virtual stages per rank; multiples of the ranks)."""
     repeats: int = 3
     """Runs per overhead configuration; medians are reported."""
+    accelerator: str = "cpu"
+    """Lightning accelerator: ``"cpu"`` (gloo) or ``"gpu"`` (NCCL, one process per GPU)."""
 
     @property
     def tokens_per_batch(self) -> int:
-        return self.batch_size * min(self.seq_len, PRESETS[self.preset]["block_size"])
+        return self.batch_size * min(self.seq_len, GPT_PRESETS[self.preset]["block_size"])
+
+
+PRESETS: dict[str, BenchmarkConfig] = {
+    "tiny": BenchmarkConfig(
+        preset="tiny",
+        steps=6,
+        warmup_steps=2,
+        batch_size=8,
+        seq_len=32,
+        bubble_microbatches=(4,),
+        interleaved_microbatches=(4,),
+        repeats=1,
+    ),
+    "small": BenchmarkConfig(),
+    "large": BenchmarkConfig(
+        preset="gpt-125m", steps=20, warmup_steps=5, batch_size=16, seq_len=1024, accelerator="gpu"
+    ),
+}
+"""Benchmark sizes for ``--preset``: ``tiny`` for tests, ``small`` for 2 CPU cores, ``large`` for 2 GPUs."""
+
+
+def configure(preset: str, *, repeats: int | None = None, steps: int | None = None) -> BenchmarkConfig:
+    """The configuration of ``preset`` with ``repeats`` and ``steps`` replaced where given (warm-up kept shorter)."""
+    if preset not in PRESETS:
+        raise ValueError(f"`preset={preset!r}` is not one of {', '.join(PRESETS)}.")
+    config = replace(PRESETS[preset])
+    config.repeats = config.repeats if repeats is None else repeats
+    config.steps = config.steps if steps is None else steps
+    config.warmup_steps = min(config.warmup_steps, config.steps - 1)
+    return config
 
 
 # ------------------------------------------------------------------ instrumentation (benchmark only)
@@ -136,6 +177,8 @@ class _Recorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         _RECORDING[0] = False
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)  # as the raw loop does
         self.ends.append(time.perf_counter())
         self.cpu_ends.append(time.process_time())
 
@@ -156,7 +199,7 @@ class _Recorder(Callback):
 
 
 def _datamodule(config: BenchmarkConfig) -> TextDataModule:
-    seq_len = min(config.seq_len, PRESETS[config.preset]["block_size"])
+    seq_len = min(config.seq_len, GPT_PRESETS[config.preset]["block_size"])
     data = TextDataModule(seq_len=seq_len, batch_size=config.batch_size, max_bytes=400_000, shuffle=False)
     data.setup("fit")
     return data
@@ -168,7 +211,7 @@ def _lightning_run(config: BenchmarkConfig, schedule: str, num_microbatches: int
         model = GPTLightningModule(config.preset)
         strategy = PipelineParallelStrategy(start_method="fork", schedule=schedule, num_microbatches=num_microbatches)
         trainer = pl.Trainer(
-            accelerator="cpu",
+            accelerator=config.accelerator,
             devices=config.pipeline_parallel_size,
             strategy=strategy,
             max_steps=config.steps,
@@ -187,15 +230,19 @@ def _lightning_run(config: BenchmarkConfig, schedule: str, num_microbatches: int
 # ------------------------------------------------------------------ the anchor: torch.distributed.pipelining alone
 def _raw_rank(rank: int, world_size: int, config: BenchmarkConfig, starts: list[int], out_dir: str) -> None:
     torch.set_num_threads(1)
+    device = torch.device("cpu") if config.accelerator == "cpu" else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     store = dist.FileStore(str(Path(out_dir, "store")), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    backend = "gloo" if device.type == "cpu" else "nccl"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     try:
         pl.seed_everything(0, verbose=False)
         model = GPTLightningModule(config.preset)
         layers = model.pipeline_layers()
         plan = StagePlan(starts=tuple(starts), num_layers=len(layers), pipeline_parallel_size=world_size)
         stage_module = StageModule([layers[i] for i in plan.layers_of(rank)])
-        stage = PipelineStage(stage_module, rank, world_size, torch.device("cpu"))
+        stage = PipelineStage(stage_module.to(device), rank, world_size, device)
         schedule = Schedule1F1B(stage, config.num_microbatches, loss_fn=next_token_loss)
         optimizer = torch.optim.AdamW(stage_module.parameters(), lr=3e-4, betas=(0.9, 0.95))
         loader = _datamodule(config).train_dataloader()
@@ -204,13 +251,15 @@ def _raw_rank(rank: int, world_size: int, config: BenchmarkConfig, starts: list[
             if step == config.steps:
                 break
             if rank == 0:
-                schedule.step(inputs)
+                schedule.step(inputs.to(device))
             elif rank == world_size - 1:
-                schedule.step(target=targets)
+                schedule.step(target=targets.to(device))
             else:
                 schedule.step()
             optimizer.step()
             optimizer.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # GPU work is asynchronous: end the step's clock when it is done
             ends.append(time.perf_counter())
             cpu_ends.append(time.process_time())
         times = [b - a for a, b in itertools.pairwise(ends)][config.warmup_steps :]
@@ -273,7 +322,7 @@ def activation_bytes(config: BenchmarkConfig, starts: Sequence[int], num_microba
     layers = model.pipeline_layers()
     plan = StagePlan(starts=tuple(starts), num_layers=len(layers), pipeline_parallel_size=len(starts))
     parameters = {p.data_ptr() for p in model.parameters()}
-    seq_len = min(config.seq_len, PRESETS[config.preset]["block_size"])
+    seq_len = min(config.seq_len, GPT_PRESETS[config.preset]["block_size"])
     x: Any = torch.randint(256, (config.batch_size // num_microbatches, seq_len))
     result = []
     saved: dict[int, int] = {}
@@ -315,48 +364,6 @@ def write_chrome_trace(ranks: Sequence[dict[str, Any]], path: Path) -> None:
         for r in ranks
     ]
     path.write_text(json.dumps({"traceEvents": names + events, "displayTimeUnit": "ms"}))
-
-
-_COLORS = {"F": (66, 133, 244), "B": (52, 168, 83), "W": (251, 188, 5)}
-
-
-def write_timeline_png(rows: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: Path, *, width: int = 1200) -> None:
-    """One band per (run, rank): forward blocks blue, backward green, idle white; a dark line between blocks.
-
-    Written with ``zlib`` and ``struct`` only (a PNG is a zlib stream of RGB rows with a filter byte each), so the
-    benchmark needs no plotting library. Each run is scaled to its own step span.
-    """
-    band, gap, margin = 26, 10, 4
-    bands = [(label, r) for label, ranks in rows for r in ranks]
-    height = margin * 2 + len(bands) * band + (len(rows) - 1) * gap
-    pixels = [[(255, 255, 255)] * width for _ in range(height)]
-    y = margin
-    for label, ranks in rows:
-        origin = min(e[3] for r in ranks for e in r["events"])
-        span = max(e[4] for r in ranks for e in r["events"]) - origin
-        for r in ranks:
-            for kind, _stage, _chunk, start, end, _step in r["events"]:
-                x0 = int((start - origin) / span * (width - 1))
-                x1 = max(x0 + 1, int((end - origin) / span * (width - 1)))
-                for yy in range(y + 2, y + band - 2):
-                    row = pixels[yy]
-                    for xx in range(x0, x1):
-                        row[xx] = _COLORS[kind]
-                    row[x0] = (30, 30, 30)
-            for xx in range(width):
-                pixels[y + band - 1][xx] = (200, 200, 200)
-            y += band
-        y += gap
-        del label
-    raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in pixels)
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
-    path.write_bytes(
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    )
 
 
 # ------------------------------------------------------------------ measure and report
@@ -418,6 +425,15 @@ def measure(config: BenchmarkConfig) -> PipelineResults:
     pl.seed_everything(0, verbose=False)
     results.full_model_bytes = sum(p.numel() * p.element_size() for p in GPTLightningModule(config.preset).parameters())
     return results
+
+
+def write_figures(results: PipelineResults, figures_dir: Path) -> None:
+    """Save the timeline of one step per schedule at the overhead's micro-batch count (PNG) and the 1F1B step as a
+    Chrome trace, under ``figures_dir``."""
+    m = results.config.num_microbatches
+    pictured = [(f"{s}, m={mb}", results.timelines[(s, mb)]) for s, mb in results.timelines if mb == m]
+    save_timeline(pictured, figures_dir / TIMELINE_PNG)
+    write_chrome_trace(results.timelines[("1F1B", m)], figures_dir / TIMELINE_TRACE)
 
 
 def _cpu_per_step(ranks: Sequence[dict[str, Any]]) -> float:
@@ -528,8 +544,9 @@ def render_markdown(results: PipelineResults, *, command: str) -> str:
             f"- Command: `{command}`",
             f"- Date: {today()}",
             f"- Machine: {machine_description()}",
-            f"- Setup: GPT preset `{config.preset}`, {p} pipeline ranks (CPU processes, fork, gloo), batch"
-            f" {config.batch_size} x {min(config.seq_len, PRESETS[config.preset]['block_size'])} tokens,"
+            f"- Setup: GPT preset `{config.preset}`, {p} pipeline ranks ({config.accelerator.upper()} processes, fork,"
+            f" {'gloo' if config.accelerator == 'cpu' else 'NCCL'}), batch"
+            f" {config.batch_size} x {min(config.seq_len, GPT_PRESETS[config.preset]['block_size'])} tokens,"
             f" {config.steps} steps of which {config.warmup_steps} warm-up, split (first layer per stage)"
             f" {results.starts} by estimated compute; overhead pairs with 1F1B, m={m}, {config.repeats} repeats in"
             " alternating order.",
@@ -548,36 +565,32 @@ def render_markdown(results: PipelineResults, *, command: str) -> str:
             "",
             f"Timeline of one training step with m={m} ({', '.join(s for s, mb in results.timelines if mb == m)},"
             " top to bottom; one band per rank, rank 0 first; forward blue, backward green, weight gradients"
-            " yellow, idle white): `benchmarks/pipeline_timeline.png`; the 1F1B step as a Chrome trace:"
-            " `benchmarks/pipeline_timeline.json`.",
+            f" yellow, idle white): `figures/{TIMELINE_PNG}`; the 1F1B step as a Chrome trace:"
+            f" `figures/{TIMELINE_TRACE}` (open it in https://ui.perfetto.dev).",
             "",
-            "![pipeline timeline](pipeline_timeline.png)",
+            f"![pipeline timeline](figures/{TIMELINE_PNG})",
         ]
     )
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small", choices=["tiny", "small"], help="model size (default: small)")
-    parser.add_argument("--repeats", type=int, default=BenchmarkConfig.repeats, help="overhead runs per side")
-    parser.add_argument("--steps", type=int, default=BenchmarkConfig.steps, help="optimizer steps per run")
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS), help="benchmark size (default: small)")
+    parser.add_argument("--repeats", type=int, default=None, help="overhead runs per side (default: the preset's)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the preset's)")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None, *, command: str | None = None) -> int:
     """Run the benchmark, write its section of ``benchmarks/RESULTS.md`` and the timeline picture and trace."""
     args = _parse_args(argv)
-    config = BenchmarkConfig(preset=args.preset, repeats=args.repeats, steps=args.steps)
-    config.warmup_steps = min(config.warmup_steps, config.steps - 1)
+    config = configure(args.preset, repeats=args.repeats, steps=args.steps)
     if command is None:
-        command = f"python -m benchmarks.pipeline --preset {args.preset} --repeats {args.repeats}"
+        command = f"python -m benchmarks.pipeline --preset {args.preset} --repeats {config.repeats}"
     torch.set_num_threads(1)  # before forking: a forked child of a process whose OpenMP pool ran can hang
     quiet_lightning()
     results = measure(config)
-    m = config.num_microbatches
-    pictured = [(f"{s} m={mb}", results.timelines[(s, mb)]) for s, mb in results.timelines if mb == m]
-    write_timeline_png(pictured, PNG_PATH)
-    write_chrome_trace(results.timelines[("1F1B", config.num_microbatches)], TRACE_PATH)
+    write_figures(results, FIGURES_DIR)
     section = render_markdown(results, command=command)
     print("\n" + section)
     update_section(NAME, section)

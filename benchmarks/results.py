@@ -11,10 +11,12 @@ from pathlib import Path
 import lightning
 import torch
 
-__all__ = ["RESULTS_PATH", "machine_description", "markdown_table", "today", "update_section"]
+__all__ = ["FIGURES_DIR", "RESULTS_PATH", "machine_description", "markdown_table", "today", "update_section"]
 
 RESULTS_PATH = Path(__file__).with_name("RESULTS.md")
 """Where the benchmarks write their results."""
+FIGURES_DIR = Path(__file__).with_name("figures")
+"""Where the benchmarks save their PNG figures (linked from RESULTS.md by relative paths)."""
 
 _HEADER = """# Benchmark results
 
@@ -50,11 +52,11 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
 
-def update_section(name: str, body: str, *, path: Path = RESULTS_PATH) -> None:
-    """Replace benchmark ``name``'s section of ``path`` with ``body`` (appended if new; the file is created if missing).
+def update_section(name: str, body: str, *, path: Path = RESULTS_PATH, first: bool = False) -> None:
+    """Replace benchmark ``name``'s section of ``path`` with ``body`` (added if new; the file is created if missing).
 
     Sections are delimited by ``<!-- begin NAME -->`` / ``<!-- end NAME -->`` comments, so other sections and text
-    outside them are kept.
+    outside them are kept. A new section is appended, or with ``first=True`` put before the first other section.
     """
     begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
     section = f"{begin}\n{body.strip()}\n{end}"
@@ -62,6 +64,9 @@ def update_section(name: str, body: str, *, path: Path = RESULTS_PATH) -> None:
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
     if pattern.search(text):
         text = pattern.sub(lambda _: section, text)
+    elif first and "<!-- begin " in text:
+        head, tail = text.split("<!-- begin ", 1)
+        text = f"{head.rstrip()}\n\n{section}\n\n<!-- begin {tail}"
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text.rstrip("\n") + "\n")

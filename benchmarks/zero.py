@@ -55,8 +55,10 @@ __all__ = [
     "Run",
     "RunConfig",
     "ZeroResults",
+    "configure",
     "main",
     "measure",
+    "render_markdown",
     "return_freed_memory_to_os",
     "train_contender",
 ]
@@ -125,7 +127,9 @@ CONTENDERS: dict[str, Contender] = {
 
 OPTIONAL_ANCHORS: dict[str, Contender] = {
     "fsdp_shard_grad_op": Contender(
-        "anchor: Lightning FSDPStrategy(SHARD_GRAD_OP)", 2, lambda: FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")
+        "anchor: Lightning FSDPStrategy(SHARD_GRAD_OP)",
+        2,
+        lambda: FSDPStrategy(sharding_strategy="SHARD_GRAD_OP"),
     ),
     "deepspeed_stage1": Contender(
         "anchor: Lightning DeepSpeedStrategy(stage=1)", 1, lambda: _forked(DeepSpeedStrategy(stage=1))
@@ -157,6 +161,8 @@ class RunConfig:
     """Sequences per batch per process."""
     seq_len: int = 128
     """Tokens per sequence (at most the preset's ``block_size``)."""
+    accelerator: str = "cpu"
+    """Lightning accelerator: ``"cpu"`` (gloo) or ``"gpu"`` (NCCL, one process per GPU)."""
 
 
 @dataclass(kw_only=True)
@@ -187,10 +193,13 @@ PRESETS: dict[str, BenchmarkConfig] = {
         throughput=RunConfig(preset="small", steps=15, warmup_steps=3),
         memory=RunConfig(preset="small", n_layer=4, n_embd=512, steps=3, warmup_steps=1, batch_size=2),
     ),
-    # The issue's size (~86 M parameters with the byte vocabulary), for a machine with >= 16 cores and 32 GB.
+    # The issue's size (~86 M parameters with the byte vocabulary) on GPUs (NCCL): 2 for the throughput part, 1, 2
+    # and 4 for the memory part. Not run by us yet (no GPU machine).
     "large": BenchmarkConfig(
-        throughput=RunConfig(preset="gpt-125m", steps=20, warmup_steps=3, batch_size=4, seq_len=256),
-        memory=RunConfig(preset="gpt-125m", steps=4, warmup_steps=2, batch_size=2, seq_len=256),
+        throughput=RunConfig(
+            preset="gpt-125m", steps=30, warmup_steps=5, batch_size=8, seq_len=1024, accelerator="gpu"
+        ),
+        memory=RunConfig(preset="gpt-125m", steps=4, warmup_steps=2, batch_size=4, seq_len=1024, accelerator="gpu"),
     ),
 }
 """Named benchmark sizes for ``--preset``."""
@@ -275,7 +284,7 @@ def train_contender(contender: Contender, run: RunConfig) -> Run:
     datamodule = TextDataModule(seq_len=seq_len, batch_size=run.batch_size, max_bytes=400_000, seed=0)
     datamodule.setup("fit")  # once here: the forked ranks inherit the corpus
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=run.accelerator,
         devices=run.devices,
         strategy=contender.make_strategy(),
         max_steps=run.steps,
@@ -287,7 +296,9 @@ def train_contender(contender: Contender, run: RunConfig) -> Run:
         enable_progress_bar=False,
         callbacks=[RunStats(warmup_steps=run.warmup_steps), ZeroProbe(warmup_steps=run.warmup_steps)],
     )
-    if type(trainer.strategy.launcher) is _MultiProcessingLauncher:
+    # FSDPStrategy always re-runs the script in every rank (here: the whole benchmark); on GPUs start it with fork
+    # instead (on CPU Lightning refuses FSDP in the Trainer's constructor, above).
+    if type(trainer.strategy.launcher) is _MultiProcessingLauncher or isinstance(trainer.strategy, FSDPStrategy):
         trainer.strategy._launcher = _MetricsOnlyLauncher(trainer.strategy, start_method="fork")  # type: ignore[attr-defined]
     overrides = {"n_layer": run.n_layer, "n_embd": run.n_embd}
     # At world size 1 stage 3 trains unsharded, and the strategy then cannot take a meta-device model (it calls
@@ -352,6 +363,27 @@ def measure(config: BenchmarkConfig) -> ZeroResults:
     return results
 
 
+def render_markdown(results: ZeroResults, *, command: str) -> str:
+    """The RESULTS.md section (:func:`benchmarks.zero_report.render_markdown`)."""
+    from benchmarks.zero_report import render_markdown as render  # zero_report imports this module
+
+    return render(results, command=command)
+
+
+def configure(preset: str, *, repeats: int | None = None, steps: int | None = None) -> BenchmarkConfig:
+    """The configuration of ``preset`` with ``repeats`` and the throughput part's ``steps`` replaced where given.
+
+    The memory part keeps its few steps: its figures (bytes held, bytes per step, peak RSS) do not need more.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"`preset={preset!r}` is not one of {', '.join(PRESETS)}.")
+    config = PRESETS[preset]
+    if steps is not None:
+        warmup = min(config.throughput.warmup_steps, steps - 1)
+        config = replace(config, throughput=replace(config.throughput, steps=steps, warmup_steps=warmup))
+    return config if repeats is None else replace(config, repeats=repeats)
+
+
 def return_freed_memory_to_os() -> bool:
     """Make glibc return freed tensors of 1 MiB and more to the OS at once; return whether it could be set.
 
@@ -389,12 +421,8 @@ def main(argv: Sequence[str] | None = None, *, command: str | None = None) -> in
         0 once the results are written (whether or not they meet their goals: the tables say so); a failed run
         raises instead.
     """
-    from benchmarks.zero_report import render_markdown  # the report is only needed here
-
     args = _parse_args(argv)
-    config = PRESETS[args.preset]
-    if args.repeats is not None:
-        config = replace(config, repeats=args.repeats)
+    config = configure(args.preset, repeats=args.repeats)
     if command is None:
         command = f"python -m benchmarks.zero --preset {args.preset}"
         command += "" if args.repeats is None else f" --repeats {args.repeats}"

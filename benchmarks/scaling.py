@@ -1,0 +1,151 @@
+"""Scaling of memory per rank and bytes communicated with the world size: measured at small world sizes by the ZeRO
+benchmark's memory part (:mod:`benchmarks.zero`), predicted for large ones by the planner.
+
+The measured part is deterministic (bytes of parameters, gradients and optimizer state each rank holds after the last
+step; bytes each rank receives per optimizer step under bandwidth-optimal collectives), so a few steps at world size
+1, 2 and 4 are enough. The prediction is a seam: :func:`save_scaling_chart` and :func:`scaling_table` take any
+``predicted`` series; :func:`predicted_scaling` fills it from ``lightning_parallel.planner`` when that package exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.figures import pyplot
+from benchmarks.results import markdown_table
+from benchmarks.zero import DDP, OURS, RunConfig, ZeroResults
+
+__all__ = [
+    "PREDICTED_WORLD_SIZES",
+    "SCALED_CONFIGURATIONS",
+    "ScalingSeries",
+    "measured_scaling",
+    "predicted_scaling",
+    "save_scaling_chart",
+    "scaling_table",
+]
+
+_MIB = 1024**2
+PREDICTED_WORLD_SIZES: tuple[int, ...] = tuple(2**k for k in range(3, 11))
+"""World sizes the planner predicts: 8, 16, ..., 1024."""
+SCALED_CONFIGURATIONS: tuple[str, ...] = (*OURS, DDP)
+"""Configurations the ZeRO benchmark runs at every world size of its memory part."""
+
+
+@dataclass(frozen=True)
+class ScalingSeries:
+    """Bytes per rank of one configuration at several world sizes."""
+
+    label: str
+    """Legend text."""
+    world_sizes: tuple[int, ...]
+    """World sizes, increasing."""
+    held_bytes: tuple[float, ...]
+    """Parameters + gradients + optimizer state held by the largest rank, per world size."""
+    comm_bytes: tuple[float, ...]
+    """Bytes a rank receives per optimizer step (mean over ranks), per world size."""
+
+    def __post_init__(self) -> None:
+        if not len(self.world_sizes) == len(self.held_bytes) == len(self.comm_bytes):
+            raise ValueError(
+                f"`ScalingSeries({self.label!r})` needs one value per world size: got {len(self.world_sizes)} world"
+                f" sizes, {len(self.held_bytes)} held and {len(self.comm_bytes)} communicated values."
+            )
+
+
+def measured_scaling(results: ZeroResults) -> dict[str, ScalingSeries]:
+    """Configuration -> its measured series, from the memory part of a ZeRO benchmark run."""
+    sizes = tuple(results.config.memory_world_sizes)
+    series = {}
+    for name in SCALED_CONFIGURATIONS:
+        held, comm = [], []
+        for world_size in sizes:
+            probe = results.memory[(name, world_size)].probe
+            fields = (probe["parameter_bytes"], probe["gradient_bytes"], probe["optimizer_state_bytes"])
+            held.append(max(sum(values) for values in zip(*fields, strict=True)))
+            comm.append(sum(probe["received_bytes"]) / len(probe["received_bytes"]))
+        series[name] = ScalingSeries(results.contenders[name].label, sizes, tuple(held), tuple(comm))
+    return series
+
+
+def predicted_scaling(
+    run: RunConfig, world_sizes: Sequence[int] = PREDICTED_WORLD_SIZES
+) -> dict[str, ScalingSeries] | None:
+    """The planner's prediction for the memory part's model at ``world_sizes``; ``None`` while there is no planner.
+
+    Args:
+        run: The memory part's configuration (model preset and overrides, batch, sequence length).
+        world_sizes: World sizes to predict.
+    """
+    try:
+        planner = importlib.import_module("lightning_parallel.planner")
+    except ImportError:
+        return None
+    if not callable(getattr(planner, "plan", None)):  # the package is being written: no prediction yet
+        return None
+    return _planner_series(planner.plan, run, tuple(world_sizes))
+
+
+def _planner_series(plan: Callable[..., Any], run: RunConfig, world_sizes: tuple[int, ...]) -> dict[str, ScalingSeries]:
+    """Adapter from ``lightning_parallel.planner.plan`` to :class:`ScalingSeries` (wired once its API is known)."""
+    raise NotImplementedError("The planner's API is not wired into the benchmark yet: see `_planner_series`.")
+
+
+def save_scaling_chart(
+    measured: Mapping[str, ScalingSeries], predicted: Mapping[str, ScalingSeries] | None, path: Path
+) -> None:
+    """Two panels against the world size (log scale): bytes held per rank and bytes received per rank per step.
+
+    Measured points are solid with markers; predicted ones (same colour, same configuration key) are dashed.
+    """
+    plt = pyplot()
+    fig, (held_ax, comm_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for color, (name, series) in zip(colors, measured.items(), strict=False):
+        for ax, values in ((held_ax, series.held_bytes), (comm_ax, series.comm_bytes)):
+            ax.plot(series.world_sizes, [v / _MIB for v in values], "o-", color=color, label=f"{series.label}")
+        guess = (predicted or {}).get(name)
+        if guess is not None:
+            for ax, values in ((held_ax, guess.held_bytes), (comm_ax, guess.comm_bytes)):
+                ax.plot(guess.world_sizes, [v / _MIB for v in values], "x--", color=color, label=f"{name}, planner")
+    for ax, what in (
+        (held_ax, "parameters + gradients + optimizer state, MiB per rank"),
+        (comm_ax, "MiB received per rank per optimizer step"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("symlog", linthresh=0.1)
+        ax.set_xlabel("world size")
+        ax.set_ylabel(what, fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+    subtitle = "measured (solid)" + (", planner (dashed)" if predicted else "; planner prediction not available")
+    held_ax.set_title(f"Bytes held per rank: {subtitle}", fontsize=9)
+    comm_ax.set_title("Bytes communicated per rank per step", fontsize=9)
+    held_ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def scaling_table(measured: Mapping[str, ScalingSeries], predicted: Mapping[str, ScalingSeries] | None) -> str:
+    """A markdown table: one row per configuration, one column per world size, cells ``held MiB / received MiB``."""
+    sizes = sorted({ws for s in measured.values() for ws in s.world_sizes})
+    predicted_sizes = sorted({ws for s in (predicted or {}).values() for ws in s.world_sizes} - set(sizes))
+    header = ["configuration", *(f"ws {ws}" for ws in sizes), *(f"ws {ws} (planner)" for ws in predicted_sizes)]
+    rows = []
+    for name, series in measured.items():
+        cells = dict(zip(series.world_sizes, zip(series.held_bytes, series.comm_bytes, strict=True), strict=True))
+        guess = (predicted or {}).get(name)
+        if guess is not None:
+            guessed = zip(guess.held_bytes, guess.comm_bytes, strict=True)
+            cells.update({ws: v for ws, v in zip(guess.world_sizes, guessed, strict=True) if ws not in cells})
+        rows.append([series.label, *(_cell(cells.get(ws)) for ws in (*sizes, *predicted_sizes))])
+    return markdown_table(header, rows)
+
+
+def _cell(values: tuple[float, float] | None) -> str:
+    return "-" if values is None else f"{values[0] / _MIB:,.2f} / {values[1] / _MIB:,.2f}"
