@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -23,7 +24,7 @@ import lightning_parallel  # noqa: F401  (registers our strategy names with Ligh
 from lightning_parallel.demos import GPTLightningModule, TextDataModule
 from lightning_parallel.strategies.registry import registered_names
 
-__all__ = ["DEFAULT_DATAMODULE", "ParallelCLI", "main", "unknown_strategy_message"]
+__all__ = ["DEFAULT_DATAMODULE", "ParallelCLI", "main", "run_cli", "unknown_strategy_message"]
 
 DEFAULT_DATAMODULE = f"{TextDataModule.__module__}.{TextDataModule.__qualname__}"
 """Data module used when ``--data`` is not given: the embedded text corpus (no download)."""
@@ -73,23 +74,34 @@ def _run_planner(args: list[str]) -> int:
     return int(planner.main(args))
 
 
+def run_cli(args: Sequence[str] | None = None, **cli_kwargs: Any) -> ParallelCLI:
+    """Build and (unless ``run=False`` is passed) run the CLI of the demo GPT; return the ``LightningCLI`` object.
+
+    Args:
+        args: Command-line arguments after the program name; ``None`` reads ``sys.argv``.
+        cli_kwargs: Overrides of the ``LightningCLI`` keyword arguments (``run``, ``save_config_kwargs``, ...).
+    """
+    kwargs: dict[str, Any] = {
+        "subclass_mode_data": True,
+        "save_config_kwargs": {"overwrite": True},
+        # GPTLightningModule's own configure_optimizers builds the optimizer: no --optimizer/--lr_scheduler options.
+        "auto_configure_optimizers": False,
+    }
+    kwargs.update(cli_kwargs)
+    # None: LightningCLI reads sys.argv itself (it warns when given a list while sys.argv holds arguments too).
+    return ParallelCLI(GPTLightningModule, LightningDataModule, args=None if args is None else list(args), **kwargs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``lightning-parallel`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit code.
 
     ``plan`` goes to :func:`lightning_parallel.planner.main`; every other subcommand (``fit``, ``validate``,
     ``test``, ``predict``) to ``LightningCLI``. With the default ``start_method="popen"`` Lightning starts the other
     processes by re-running ``sys.argv``, so call this from a command line (the console script, ``python -m
-    lightning_parallel``), not with an ``argv`` that differs from ``sys.argv[1:]``.
+    lightning_parallel``), not with an ``argv`` that differs from ``sys.argv[1:]`` (``start_method=fork`` is fine).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "plan":
         return _run_planner(args[1:])
-    ParallelCLI(
-        GPTLightningModule,
-        LightningDataModule,
-        subclass_mode_data=True,
-        args=None if argv is None else args,  # None: LightningCLI reads sys.argv itself (and warns otherwise)
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-    )
+    run_cli(argv)
     return 0
