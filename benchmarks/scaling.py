@@ -112,15 +112,19 @@ def save_scaling_chart(
         if guess is not None:
             for ax, values in ((held_ax, guess.held_bytes), (comm_ax, guess.comm_bytes)):
                 ax.plot(guess.world_sizes, [v / _MIB for v in values], "x--", color=color, label=f"{name}, planner")
-    for ax, what in (
-        (held_ax, "parameters + gradients + optimizer state, MiB per rank"),
-        (comm_ax, "MiB received per rank per optimizer step"),
+    groups = (measured, predicted or {})
+    sizes = sorted({ws for group in groups for series in group.values() for ws in series.world_sizes})
+    for ax, what, scale in (
+        (held_ax, "parameters + gradients + optimizer state, MiB per rank", "log"),
+        (comm_ax, "MiB received per rank per optimizer step (0 at world size 1)", "symlog"),
     ):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("symlog", linthresh=0.1)
+        ax.set_yscale(scale, **({"linthresh": 0.01} if scale == "symlog" else {}))
+        ax.set_xticks(sizes, [str(ws) for ws in sizes], fontsize=7)
+        ax.minorticks_off()
         ax.set_xlabel("world size")
         ax.set_ylabel(what, fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
+        ax.grid(True, alpha=0.3)
     subtitle = "measured (solid)" + (", planner (dashed)" if predicted else "; planner prediction not available")
     held_ax.set_title(f"Bytes held per rank: {subtitle}", fontsize=9)
     comm_ax.set_title("Bytes communicated per rank per step", fontsize=9)
