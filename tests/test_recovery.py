@@ -32,8 +32,11 @@ def _torchrun(directory: Path, strategy: str, *, kill: bool) -> dict:
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert f"finished at step {STEPS}" in output, output[-3000:]
+    assert "terminate called" not in output, output[-3000:]  # no abort at exit (it would restart a finished job)
     if kill:
         assert "Restored all states from the checkpoint" in output, output[-3000:]
+    else:
+        assert "Restoring states" not in output, output[-3000:]  # an uninterrupted run never restarts
     return torch.load(directory / "final.pt", weights_only=True)
 
 
