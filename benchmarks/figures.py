@@ -73,7 +73,7 @@ class MemoryBar:
 def save_ratio_chart(bars: Sequence[RatioBar], path: Path, *, title: str) -> None:
     """Horizontal bars of throughput ratios ours / anchor, a line at 1.0 (parity) and each repeat as a dot."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(bars) + 1.4))
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(bars) + 1.4))
     y = list(range(len(bars)))[::-1]
     colors = ["#34a853" if bar.median >= 1.0 else "#ea4335" for bar in bars]
     ax.barh(y, [bar.median for bar in bars], color=colors, alpha=0.75)
@@ -81,8 +81,9 @@ def save_ratio_chart(bars: Sequence[RatioBar], path: Path, *, title: str) -> Non
         ax.plot(bar.per_repeat, [yy] * len(bar.per_repeat), "k.", markersize=5)
         ax.text(bar.median, yy, f" {bar.median:.3f}", va="center", fontsize=8)
     ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xlim(0, 1.15 * max([1.0, *(bar.median for bar in bars), *(r for bar in bars for r in bar.per_repeat)]))
     ax.set_yticks(y, [bar.label for bar in bars], fontsize=8)
-    ax.set_xlabel("throughput ours / anchor (> 1: ours faster); bars: median, dots: repeats")
+    ax.set_xlabel("throughput ours / anchor (> 1: ours faster); bars: medians, dots: repeats")
     ax.set_title(title, fontsize=10)
     _save(fig, path)
 
@@ -90,7 +91,7 @@ def save_ratio_chart(bars: Sequence[RatioBar], path: Path, *, title: str) -> Non
 def save_memory_chart(bars: Sequence[MemoryBar], path: Path, *, title: str) -> None:
     """Stacked bars of parameter, gradient and optimizer-state MiB per rank, with the peak RSS growth as a marker."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(bars) + 1.6))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(bars) + 2.0))
     y = list(range(len(bars)))[::-1]
     left = [0.0] * len(bars)
     for name, color in (("parameter", "#4285f4"), ("gradient", "#34a853"), ("optimizer_state", "#fbbc05")):
@@ -103,17 +104,18 @@ def save_memory_chart(bars: Sequence[MemoryBar], path: Path, *, title: str) -> N
     ax.set_yticks(y, [bar.label for bar in bars], fontsize=8)
     ax.set_xlabel("MiB held by the largest rank (less is better)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4)
     _save(fig, path)
 
 
 def save_communication_chart(bars: Sequence[tuple[str, float]], path: Path, *, title: str) -> None:
     """Horizontal bars of bytes communicated per rank per optimizer step (MiB), one per configuration."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(bars) + 1.4))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(bars) + 1.4))
     y = list(range(len(bars)))[::-1]
     values = [value / _MIB for _, value in bars]
     ax.barh(y, values, color="#4285f4", alpha=0.8)
+    ax.set_xlim(0, 1.15 * max([*values, 1e-3]))
     for yy, value in zip(y, values, strict=True):
         ax.text(value, yy, f" {value:.2f}", va="center", fontsize=8)
     ax.set_yticks(y, [label for label, _ in bars], fontsize=8)

@@ -410,6 +410,8 @@ def measure(config: BenchmarkConfig) -> PipelineResults:
                 results.raw_step_s.append(statistics.median(ranks[0]["step_times"]))
                 results.raw_best_s.append(min(ranks[0]["step_times"]))
                 results.raw_cpu_s.append(_cpu_per_step(ranks))
+    # The timeline runs need only the warm-up and the recorded steps.
+    timeline_config = replace(config, steps=min(config.steps, config.warmup_steps + _RECORDED_STEPS))
     for schedule, counts in (
         ("GPipe", config.bubble_microbatches),
         ("1F1B", config.bubble_microbatches),
@@ -417,7 +419,7 @@ def measure(config: BenchmarkConfig) -> PipelineResults:
         ("InterleavedZeroBubble", config.interleaved_microbatches),
     ):
         for m in counts:
-            ranks = _lightning_run(config, schedule, m)
+            ranks = _lightning_run(timeline_config, schedule, m)
             results.timelines[(schedule, m)] = first_step(ranks)
             results.bubble[(schedule, m)] = bubble_fraction(ranks)
             results.in_flight[(schedule, m)] = [peak_in_flight(r) for r in first_step(ranks)]
