@@ -4,6 +4,8 @@ Importing this package registers its strategy names with Lightning, so ``Trainer
 works after ``import lightning_parallel``.
 """
 
+from lightning_parallel.monitor import ParallelismMonitor
+from lightning_parallel.planner import plan
 from lightning_parallel.strategies import (
     DataParallelStrategy,
     PipelineParallelStrategy,
@@ -11,7 +13,14 @@ from lightning_parallel.strategies import (
     register_all,
 )
 
-__all__ = ["DataParallelStrategy", "PipelineParallelStrategy", "ShardedOptimizerStrategy", "__version__"]
+__all__ = [
+    "DataParallelStrategy",
+    "ParallelismMonitor",
+    "PipelineParallelStrategy",
+    "ShardedOptimizerStrategy",
+    "__version__",
+    "plan",
+]
 __version__ = "0.1.0"
 
 register_all()

@@ -33,6 +33,7 @@ __all__ = [
     "consolidated_model_state",
     "consolidated_optimizer_state",
     "find_repeated_blocks",
+    "fsdp_units",
     "load_consolidated_model_state",
     "load_consolidated_optimizer_state",
     "load_from_reader",
@@ -66,15 +67,21 @@ def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     unit's parameters in its ``forward`` hook, which fires when ``training_step`` calls ``self(...)``. Idempotent:
     units that are already sharded (a second ``fit``/``validate`` of the same module) are kept as they are.
     """
+    units = fsdp_units(module)
+    for unit in units:
+        if not isinstance(unit, FSDPModule):
+            fully_shard(unit, mesh=mesh)
+    return units
+
+
+def fsdp_units(module: nn.Module) -> list[nn.Module]:
+    """The modules :func:`apply_fully_shard` shards, in its order, without sharding anything (the planner's view)."""
     units = find_repeated_blocks(module)
     units += [child for child in module.children() if any(True for _ in child.parameters()) and child not in units]
     units = [unit for unit in units if not _splits_a_tie(module, unit)]
     covered = {id(p) for unit in units for p in unit.parameters()}
     if any(id(p) not in covered for p in module.parameters()):
         units.append(module)
-    for unit in units:
-        if not isinstance(unit, FSDPModule):
-            fully_shard(unit, mesh=mesh)
     return units
 
 

@@ -1,0 +1,289 @@
+"""The planner's arithmetic: bytes held per rank and bytes communicated per step, per strategy and configuration.
+
+Every formula mirrors what our strategies allocate and send, so ``tests/test_planner.py`` can require the numbers to
+*equal* what :class:`~lightning_parallel.monitor.ParallelismMonitor` measures. Definitions and assumptions:
+
+* Bytes held are tensor storages (each counted once) after an optimizer step: parameters, gradients, and the
+  optimizer's per-element state (``exp_avg``/``exp_avg_sq`` for Adam(W), ``momentum_buffer`` for SGD with momentum;
+  the 0-dim ``step`` counters are not counted). Optimizer state has the parameters' dtype.
+* Precision: ``"32-true"`` and the ``*-mixed`` precisions keep fp32 parameters and gradients (4 bytes; autocast
+  only changes activations); ``"16-true"``/``"bf16-true"`` store 2 bytes per element.
+* Communication per step is the monitor's definition (``monitor/ledger.py``): the full buffer of each collective on
+  this rank; ring wire bytes are ``2(N-1)/N`` of an all-reduce and ``(N-1)/N`` of a reduce-scatter or all-gather.
+* Data parallel: everything replicated; one all-reduce of all gradients (DDP's buckets hold exactly the gradients).
+* ZeRO-1/2 (ours): trainable parameters, in reverse registration order, fill flat buckets of ``bucket_cap_mb``;
+  each bucket is padded to a multiple of N. Parameters: the padded buckets. Gradients: stage 1 keeps the padded
+  full bucket plus its reduced shard, stage 2 the shard only. Optimizer state: only the elements of rank r's shard
+  that are real parameters (the padding is never stepped). Per step: one reduce-scatter and one all-gather of every
+  padded bucket.
+* ZeRO-3 (FSDP2): every parameter is sharded on dim 0 into ``ceil(d0/N)``-row shards; each rank stores a padded
+  shard (parameters) and a padded gradient shard per unit, while optimizer state follows the unpadded local rows
+  (``torch.chunk``). Per step every unit is all-gathered in forward and reduce-scattered once; non-root units are
+  all-gathered again in backward (``reshard_after_forward=True``), the root unit stays gathered.
+* Pipeline p x dp: the split of ``PipelineParallelStrategy(partition="compute")`` (the partitioner itself is called);
+  each rank holds its stages' parameters, gradients and optimizer state. Per step every stage boundary sends the
+  activations of the batch forward and their gradients backward (same shape); replicas all-reduce their stage's
+  gradients. Bubble: ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v*m+p-1)`` for interleaved 1F1B with v stages
+  per rank (Narayanan et al., 2021).
+* Activations are an *estimate* (never checked): per transformer block and token ``34*h + 5*a*s`` bytes in 16-bit
+  precision (Korthikanti et al., 2022, no recomputation, sequence length s, hidden h, heads a; doubled in fp32),
+  plus the logits and their gradient in fp32 (``8*V`` bytes per token). A pipeline stage holds the activations of
+  ``m`` micro-batches (GPipe) or ``p - pipeline_rank`` (1F1B) of its own blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_parallel.planner.spec import ModelSpec
+
+__all__ = [
+    "OPTIMIZER_STATES",
+    "PRECISION_BYTES",
+    "ConfigEstimate",
+    "EstimateContext",
+    "RankEstimate",
+    "estimate_data_parallel",
+    "estimate_pipeline",
+    "estimate_zero3",
+    "estimate_zero12",
+    "pipeline_bubble",
+    "zero_buckets",
+]
+
+OPTIMIZER_STATES: dict[str, int] = {
+    "adamw": 2,
+    "adam": 2,
+    "nadam": 2,
+    "radam": 2,
+    "adamax": 2,
+    "sgd_momentum": 1,
+    "sgd": 1,
+    "rmsprop": 1,
+    "adagrad": 1,
+    "sgd_no_momentum": 0,
+}
+"""Per-element state tensors per optimizer (``"sgd"`` means SGD with momentum, as the demo module uses)."""
+
+PRECISION_BYTES: dict[str, tuple[int, int]] = {
+    "32-true": (4, 4),
+    "32": (4, 4),
+    "bf16-mixed": (4, 2),
+    "16-mixed": (4, 2),
+    "bf16-true": (2, 2),
+    "16-true": (2, 2),
+}
+"""Bytes per element of (parameters/gradients/optimizer state, activations) per Lightning precision."""
+
+
+@dataclass
+class RankEstimate:
+    """Predicted bytes of one rank."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    communication: dict[str, int]
+    """Bytes per collective per training step (the monitor's definition)."""
+    activations: int | None = None
+    """Estimate (see the module docstring); ``None``: unknown for this model."""
+
+    @property
+    def held(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def total(self) -> int:
+        return self.held + (self.activations or 0)
+
+
+@dataclass
+class ConfigEstimate:
+    """One strategy configuration: its predicted ranks and the line that selects it."""
+
+    name: str
+    strategy: str
+    """What goes into ``Trainer(strategy=...)``: a registry name or a constructor call."""
+    ranks: list[RankEstimate]
+    bubble: float | None = None
+    fits: bool | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_total(self) -> int:
+        return max(r.total for r in self.ranks)
+
+    def wire_bytes(self, world_size: int) -> float:
+        """The most bytes one rank puts on the wire per step under ring algorithms."""
+        from lightning_parallel.monitor.ledger import ring_wire_bytes
+
+        group = world_size
+        if self.name.startswith("pipeline"):
+            group = world_size // int(self.name.split("pp=")[1].split(",")[0])
+        return max(sum(ring_wire_bytes(k, v, group) for k, v in r.communication.items()) for r in self.ranks)
+
+
+@dataclass(frozen=True)
+class EstimateContext:
+    """The inputs every estimate shares."""
+
+    spec: ModelSpec
+    world_size: int
+    state_count: int
+    """Per-element optimizer state tensors (:data:`OPTIMIZER_STATES`)."""
+    element_bytes: int
+    """Bytes per parameter / gradient / optimizer-state element."""
+    activation_bytes: int
+    """Bytes per activation element."""
+    batch_size: int
+    """Samples per batch of one data-parallel replica (what its dataloader yields)."""
+    seq_len: int
+
+
+def _activations(ctx: EstimateContext, *, blocks: float, samples: float, with_logits: bool) -> int | None:
+    gpt = ctx.spec.gpt
+    if gpt is None:
+        return None
+    h, a, s = gpt.n_embd, gpt.n_head, ctx.seq_len
+    per_token_block = (34 * h + 5 * a * s) * ctx.activation_bytes / 2
+    tokens = samples * s
+    total = blocks * tokens * per_token_block + (8 * gpt.vocab_size * tokens if with_logits else 0)
+    return int(total)
+
+
+def estimate_data_parallel(ctx: EstimateContext) -> ConfigEstimate:
+    numel = ctx.spec.num_parameters
+    e = ctx.element_bytes
+    comm = {"all_reduce": numel * e} if ctx.world_size > 1 else {}
+    layers = ctx.spec.gpt.n_layer if ctx.spec.gpt else 0
+    act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
+    rank = RankEstimate(numel * e, numel * e, ctx.state_count * numel * e, comm, act)
+    return ConfigEstimate("data_parallel", '"data_parallel"', [rank] * ctx.world_size)
+
+
+def zero_buckets(spec: ModelSpec, *, element_bytes: int, bucket_cap_mb: float) -> list[int]:
+    """Element counts of the flat buckets ``ShardedParameterBuckets`` builds (before padding), in bucket order."""
+    cap = bucket_cap_mb * 2**20
+    buckets: list[int] = []
+    current = current_bytes = 0
+    for param in reversed(spec.params):
+        size = param.numel * element_bytes
+        if current and current_bytes + size > cap:
+            buckets.append(current)
+            current = current_bytes = 0
+        current += param.numel
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def estimate_zero12(ctx: EstimateContext, *, stage: int, bucket_cap_mb: float) -> ConfigEstimate:
+    n, e = ctx.world_size, ctx.element_bytes
+    ranks = []
+    buckets = zero_buckets(ctx.spec, element_bytes=e, bucket_cap_mb=bucket_cap_mb)
+    padded = [-(-b // n) * n for b in buckets]
+    layers = ctx.spec.gpt.n_layer if ctx.spec.gpt else 0
+    act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
+    for r in range(n):
+        owned = sum(max(0, min(b, (r + 1) * (p // n)) - r * (p // n)) for b, p in zip(buckets, padded, strict=True))
+        shards = sum(p // n for p in padded)
+        grads = sum(padded) + shards if stage == 1 else shards
+        comm = {"reduce_scatter": sum(padded) * e, "all_gather": sum(padded) * e}
+        ranks.append(RankEstimate(sum(padded) * e, grads * e, ctx.state_count * owned * e, comm, act))
+    return ConfigEstimate(f"zero{stage}", f'"zero{stage}"', ranks)
+
+
+def estimate_zero3(ctx: EstimateContext) -> ConfigEstimate:
+    n, e = ctx.world_size, ctx.element_bytes
+    params = ctx.spec.params
+    rows = [p.shape[0] if p.shape else 1 for p in params]
+    row_numel = [p.numel // d0 if d0 else 0 for p, d0 in zip(params, rows, strict=True)]
+    padded_shard = [-(-d0 // n) * rn for d0, rn in zip(rows, row_numel, strict=True)]
+    units = ctx.spec.units
+    notes = []
+    if units is None:
+        from lightning_parallel.planner.spec import UnitSpec
+
+        units = [UnitSpec(params=tuple(range(len(params))), is_root=False)]
+        notes.append("FSDP2 units unknown: one unit gathered in forward and backward assumed.")
+    gather = sum((1 if u.is_root else 2) * n * sum(padded_shard[i] for i in u.params) for u in units)
+    scatter = sum(n * sum(padded_shard[i] for i in u.params) for u in units)
+    comm = {"all_gather": gather * e, "reduce_scatter": scatter * e}
+    layers = ctx.spec.gpt.n_layer if ctx.spec.gpt else 0
+    act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
+    ranks = []
+    for r in range(n):
+        chunk = [-(-d0 // n) for d0 in rows]
+        local = sum(max(0, min(c, d0 - r * c)) * rn for c, d0, rn in zip(chunk, rows, row_numel, strict=True))
+        held = sum(padded_shard) * e
+        ranks.append(RankEstimate(held, held, ctx.state_count * local * e, dict(comm), act))
+    return ConfigEstimate("zero3", '"zero3"', ranks, notes=notes)
+
+
+def pipeline_bubble(
+    schedule: str, *, pipeline_parallel_size: int, num_microbatches: int, stages_per_rank: int
+) -> float:
+    """Idle fraction of a pipeline step: ``(p-1)/(m+p-1)`` (GPipe, 1F1B), ``(p-1)/(v*m+p-1)`` (interleaved)."""
+    p, m, v = pipeline_parallel_size, num_microbatches, stages_per_rank
+    if p == 1:
+        return 0.0
+    if schedule.lower().startswith("interleaved") or v > 1:
+        return (p - 1) / (v * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
+def estimate_pipeline(
+    ctx: EstimateContext,
+    *,
+    pipeline_parallel_size: int,
+    num_microbatches: int | None,
+    schedule: str,
+    stages_per_rank: int,
+) -> ConfigEstimate:
+    p, v, n, e = pipeline_parallel_size, stages_per_rank, ctx.world_size, ctx.element_bytes
+    dp = n // p
+    num_stages = p * v
+    m = num_microbatches or num_stages
+    plan = ctx.spec.stage_plan(
+        num_stages=num_stages, pipeline_parallel_size=p, batch_size=ctx.batch_size, seq_len=ctx.seq_len
+    )
+    numels = ctx.spec.layer_numels()
+    outputs = ctx.spec.layer_output_numels(ctx.batch_size, ctx.seq_len)
+    boundary = None
+    if outputs is not None:  # bytes leaving stage s forward (= its output gradient coming back), whole batch
+        boundary = [outputs[plan.layers_of(s)[-1]] * ctx.activation_bytes for s in range(num_stages)]
+    in_flight = m if schedule.lower() == "gpipe" else None
+    ranks = []
+    for r in range(n):
+        pr = r % p
+        stages = plan.stages_of(pr)
+        local = sum(numels[i] for s in stages for i in plan.layers_of(s))
+        comm: dict[str, int] = {}
+        if boundary is not None:
+            sends = sum(boundary[s] for s in stages if s < num_stages - 1)
+            sends += sum(boundary[s - 1] for s in stages if s > 0)
+            comm = {"send": sends, "recv": sends} if sends else {}
+        if dp > 1:
+            comm["all_reduce"] = local * e
+        blocks = _blocks_in(ctx, plan, stages)
+        flight = in_flight if in_flight is not None else min(m, p - pr)
+        has_head = (num_stages - 1) in stages
+        act = _activations(ctx, blocks=blocks, samples=ctx.batch_size / m * flight, with_logits=has_head)
+        ranks.append(RankEstimate(local * e, local * e, ctx.state_count * local * e, comm, act))
+    name = f"pipeline pp={p}, dp={dp}" + (f", v={v}" if v > 1 else "")
+    args = f"pipeline_parallel_size={p}, num_microbatches={m}, schedule={schedule!r}"
+    bubble = pipeline_bubble(schedule, pipeline_parallel_size=p, num_microbatches=m, stages_per_rank=v)
+    notes = (
+        [] if boundary is not None else ["Stage boundary sizes unknown (no example input): P2P bytes not predicted."]
+    )
+    return ConfigEstimate(name, f"PipelineParallelStrategy({args})", ranks, bubble=bubble, notes=notes)
+
+
+def _blocks_in(ctx: EstimateContext, plan: object, stages: list[int]) -> float:
+    """GPT blocks held by these stages (pipeline layers are ``[embedding, *blocks, norm, head]``)."""
+    gpt = ctx.spec.gpt
+    if gpt is None:
+        return 0.0
+    layers = [i for s in stages for i in plan.layers_of(s)]  # type: ignore[attr-defined]
+    return float(sum(1 for i in layers if 1 <= i <= gpt.n_layer))

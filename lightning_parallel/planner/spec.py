@@ -1,0 +1,213 @@
+"""What the planner needs to know about a model: parameter shapes, pipeline layers, FSDP2 units, GPT shape.
+
+Built on the ``meta`` device (no memory, any size) from a preset name, a parameter count, a ``GPTConfig``, a
+``"package.module:Class"`` path or a module instance, using the same functions the strategies use to split the
+model (:func:`lightning_parallel.distributed.zero3.fsdp_units`, the pipeline partitioner).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_parallel.demos.gpt import PRESETS, GPTConfig
+from lightning_parallel.distributed import zero3
+from lightning_parallel.distributed.pipeline.partition import (
+    StagePlan,
+    layer_parameter_costs,
+    plan_for_example,
+    resolve_pipeline_layers,
+)
+
+__all__ = ["ModelSpec", "ParamSpec", "UnitSpec", "model_spec"]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One trainable parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One FSDP2 unit: the parameters it shards itself (not those of units nested in it)."""
+
+    params: tuple[int, ...]
+    """Indices into :attr:`ModelSpec.params`."""
+    is_root: bool
+    """Not nested in another unit: FSDP2 keeps it gathered between forward and backward (gathered once a step)."""
+
+
+@dataclass
+class ModelSpec:
+    """The facts about a model the planner's arithmetic uses."""
+
+    name: str
+    params: list[ParamSpec]
+    """Trainable parameters in ``named_parameters()`` order."""
+    units: list[UnitSpec] | None = None
+    """FSDP2 units as ``ShardedOptimizerStrategy(stage=3)`` would apply them; ``None``: unknown (one flat unit)."""
+    module: nn.Module | None = None
+    """The (meta) module, for the pipeline partitioner; ``None`` for a bare parameter count."""
+    gpt: GPTConfig | None = None
+    """The GPT shape, for the activation estimate; ``None`` for other models."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def has_pipeline_layers(self) -> bool:
+        return self.module is not None and callable(getattr(self.module, "pipeline_layers", None))
+
+    def example_inputs(self, batch_size: int, seq_len: int) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Example ``self(...)`` arguments (meta tensors): GPT token ids ``(B, T)``, else ``example_input_array``."""
+        if self.gpt is not None:
+            return (torch.empty(batch_size, seq_len, dtype=torch.long, device="meta"),), {}
+        example = getattr(self.module, "example_input_array", None)
+        if isinstance(example, Tensor):
+            return (example.to("meta"),), {}
+        if isinstance(example, tuple):
+            return tuple(e.to("meta") if isinstance(e, Tensor) else e for e in example), {}
+        return None
+
+    def stage_plan(self, *, num_stages: int, pipeline_parallel_size: int, batch_size: int, seq_len: int) -> StagePlan:
+        """The split ``PipelineParallelStrategy(partition="compute")`` makes for this batch (the same function)."""
+        assert self.module is not None
+        layers = resolve_pipeline_layers(self.module)
+        return plan_for_example(
+            layers,
+            self.example_inputs(batch_size, seq_len),
+            partition="compute",
+            num_stages=num_stages,
+            pipeline_parallel_size=pipeline_parallel_size,
+        )
+
+    def layer_numels(self) -> list[int]:
+        assert self.module is not None
+        return layer_parameter_costs(resolve_pipeline_layers(self.module))
+
+    def layer_output_numels(self, batch_size: int, seq_len: int) -> list[int] | None:
+        """Elements of each pipeline layer's output for a batch (what a stage boundary sends), on ``meta``."""
+        example = self.example_inputs(batch_size, seq_len)
+        if example is None or self.module is None:
+            return None
+        args, kwargs = example
+        sizes = []
+        for layer in resolve_pipeline_layers(self.module):
+            with torch.no_grad():
+                output = copy.deepcopy(layer).to("meta")(*args, **kwargs)
+            outputs = output if isinstance(output, tuple) else (output,)
+            sizes.append(sum(o.numel() for o in outputs))
+            args, kwargs = outputs, {}
+        return sizes
+
+
+def model_spec(model: Any) -> ModelSpec:
+    """Describe ``model``: a preset name (``"tiny"``, ``"gpt-125m"``, ...), a parameter count (``int`` or a string
+    like ``"1.3e9"``/``"350M"``), a ``GPTConfig``, a ``"package.module:Class"`` LightningModule path (constructed
+    without arguments on the meta device) or an ``nn.Module`` instance.
+
+    Raises:
+        ValueError: for a string that is neither a preset, a count nor an importable class path.
+    """
+    if isinstance(model, nn.Module):
+        return _from_module(type(model).__name__, model)
+    if isinstance(model, GPTConfig):
+        from lightning_parallel.demos.gpt import GPT
+
+        with torch.device("meta"):
+            return _from_module("GPT", GPT(model))
+    if isinstance(model, int) and not isinstance(model, bool):
+        return _from_count(model)
+    if not isinstance(model, str):
+        raise ValueError(f"`model={model!r}` is invalid: pass a preset name, a parameter count or a class path.")
+    if model in PRESETS:
+        from lightning_parallel.demos.module import GPTLightningModule
+
+        with torch.device("meta"):
+            return _from_module(model, GPTLightningModule(model))
+    count = _parse_count(model)
+    if count is not None:
+        return _from_count(count)
+    return _from_module(model, _construct(model))
+
+
+def _from_module(name: str, module: nn.Module) -> ModelSpec:
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    units = []
+    found = zero3.fsdp_units(module)
+    for unit in found:
+        nested = {id(p) for other in found if other is not unit and _contains(unit, other) for p in other.parameters()}
+        own = tuple(index[id(p)] for p in unit.parameters() if id(p) not in nested and id(p) in index)
+        is_root = not any(other is not unit and _contains(other, unit) for other in found)
+        units.append(UnitSpec(params=own, is_root=is_root))
+    config = getattr(module, "config", None)
+    return ModelSpec(
+        name=name,
+        params=[ParamSpec(n, tuple(p.shape)) for n, p in named],
+        units=units,
+        module=module,
+        gpt=config if isinstance(config, GPTConfig) else None,
+    )
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def _from_count(count: int) -> ModelSpec:
+    if count < 1:
+        raise ValueError(f"A parameter count must be positive, got {count}.")
+    return ModelSpec(
+        name=f"{count:,} parameters",
+        params=[ParamSpec("flat", (count,))],
+        notes=[
+            "A bare parameter count: one flat parameter is assumed (padding to the world size is then at most N-1"
+            " elements); pipeline stages, activations and FSDP2 units are unknown. Pass a preset or a class path"
+            " for exact numbers."
+        ],
+    )
+
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def _parse_count(text: str) -> int | None:
+    value = text.strip().lower().replace("_", "").replace(",", "")
+    scale = 1
+    if value and value[-1] in _SUFFIXES:
+        value, scale = value[:-1], _SUFFIXES[value[-1]]
+    try:
+        return int(float(value) * scale)
+    except ValueError:
+        return None
+
+
+def _construct(path: str) -> nn.Module:
+    module_name, _, attr = path.replace(":", ".").rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(
+            f"`model={path!r}` is not a preset ({', '.join(PRESETS)}), a parameter count (e.g. '350M') or an"
+            f" importable class path like 'my_package.models:MyModule' ({error})."
+        ) from error
+    with torch.device("meta"):
+        return cls()
