@@ -3,12 +3,15 @@
     python examples/pipeline_parallel.py --devices 2                                # 2 stages, 1F1B (popen)
     python examples/pipeline_parallel.py --devices 4 --pipeline-parallel-size 2      # 2 pipelines x 2 replicas
     python examples/pipeline_parallel.py --devices 2 --schedule Interleaved1F1B      # 2 virtual stages per rank
-    torchrun --nproc-per-node=2 examples/pipeline_parallel.py --devices 2           # the same under torchrun
+    torchrun --nproc-per-node=2 examples/pipeline_parallel.py                       # the same under torchrun
+    torchrun --nnodes=2 --nproc-per-node=2 --node-rank=R --master-addr=HOST0 --master-port=29500 \
+        examples/pipeline_parallel.py --pipeline-parallel-size 2    # DP x PP 2 x 2, stages on both nodes (R=0, 1)
+    srun python examples/pipeline_parallel.py / mpirun -np 4 python examples/pipeline_parallel.py  (SLURM / MPI)
     python examples/pipeline_parallel.py --accelerator cuda --devices 1 --preset gpt-350m --precision bf16-mixed
 
-The default start method re-launches this script once per extra process, so keep the Trainer under
-``if __name__ == "__main__":``. At the end rank 0 prints the metrics, the stage split, each rank's parameter and
-optimizer bytes, the throughput and the peak memory (printed inside the ranks, so every start method shows them).
+Under a launcher, ``--devices``/``--num-nodes`` default to what it started. Keep the Trainer under
+``if __name__ == "__main__":`` (the default start method re-launches this script). At the end every rank prints its
+stages, bytes and peak memory; rank 0 the metrics, the stage split and the throughput.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import time
 
 import lightning.pytorch as pl
 import torch
+from cluster import data_parallel_replicas, launched_layout, where
 from lightning.pytorch.callbacks import Callback
 
 from lightning_parallel import PipelineParallelStrategy
-from lightning_parallel.demos import GPTLightningModule, TextDataModule
+from lightning_parallel.demos import GPTLightningModule, RandomTokenDataModule, TextDataModule
 
 
 class _Report(Callback):
@@ -40,12 +44,8 @@ class _Report(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         strategy = trainer.strategy
         param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
-        optimizer_bytes = sum(
-            v.numel() * v.element_size()
-            for state in trainer.optimizers[0].state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor)
-        )
+        states = [v for state in trainer.optimizers[0].state.values() for v in state.values()]
+        optimizer_bytes = sum(v.numel() * v.element_size() for v in states if isinstance(v, torch.Tensor))
         device = strategy.root_device
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
         stages = strategy.stage_plan.stages_of(strategy.parallel_dims.pipeline_rank)
@@ -66,34 +66,38 @@ class _Report(Callback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny", help="model size: tiny, small, gpt-125m, gpt-350m, ...")
-    parser.add_argument("--devices", type=int, default=2, help="processes per node")
-    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--devices", type=int, default=None, help="processes per node (default: the launcher's, or 2)")
+    parser.add_argument("--num-nodes", type=int, default=None, help="default: the launcher's, or 1")
     parser.add_argument("--pipeline-parallel-size", default="auto", help="ranks per pipeline ('auto': all)")
     parser.add_argument("--schedule", default="1F1B", help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, ...")
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--max-steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=8, help="per pipeline replica; a multiple of microbatches")
+    parser.add_argument("--global-batch-size", type=int, default=16, help="over all pipeline replicas")
     parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's block size")
+    parser.add_argument("--data", choices=["text", "random"], default="text", help="random: seeded tokens")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a collective (or joining) may wait")
+    parser.add_argument("--save", default=None, help="save a (consolidated) checkpoint here at the end")
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--start-method", default="popen", choices=["popen", "spawn", "fork"])
     args = parser.parse_args()
 
+    devices, num_nodes = launched_layout(args.devices, args.num_nodes)
     pl.seed_everything(0)
-    model = GPTLightningModule(args.preset, learning_rate=1e-3)
-    seq_len = args.seq_len or model.config.block_size
-    data = TextDataModule(seq_len=seq_len, batch_size=args.batch_size, max_bytes=2_000_000)
+    model = GPTLightningModule(args.preset, block_size=args.seq_len, learning_rate=1e-3)
+    seq_len = model.config.block_size
     size = args.pipeline_parallel_size
     strategy = PipelineParallelStrategy(
         pipeline_parallel_size=size if size == "auto" else int(size),
         schedule=args.schedule,
         num_microbatches=args.num_microbatches,
         start_method=args.start_method,
+        timeout=args.timeout,
     )
     trainer = pl.Trainer(
         accelerator=args.accelerator,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
+        devices=devices,
+        num_nodes=num_nodes,
         strategy=strategy,
         precision=args.precision,
         max_steps=args.max_steps,
@@ -104,7 +108,18 @@ def main() -> None:
         enable_progress_bar=False,
         callbacks=[_Report()],
     )
+    batch_size = args.global_batch_size // data_parallel_replicas(trainer)
+    samples = args.global_batch_size * args.max_steps
+    random_data = RandomTokenDataModule(samples, seq_len=seq_len, batch_size=batch_size)
+    data = (
+        random_data
+        if args.data == "random"
+        else TextDataModule(seq_len=seq_len, batch_size=batch_size, max_bytes=2_000_000)
+    )
     trainer.fit(model, datamodule=data)
+    print(where(trainer), flush=True)
+    if args.save:
+        trainer.save_checkpoint(args.save)
 
 
 if __name__ == "__main__":

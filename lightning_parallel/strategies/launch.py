@@ -23,6 +23,7 @@ __all__ = [
     "START_METHODS",
     "ConsolidatingLauncher",
     "StartMethod",
+    "explain_unreachable_main",
     "init_process_group_after_restart",
     "set_up_distributed_environment",
     "to_timeout",
@@ -139,6 +140,30 @@ def set_up_distributed_environment(strategy: Any, join_process_group: Callable[[
         num_nodes=strategy.num_nodes,
         local_rank=strategy.cluster_environment.local_rank(),
     )
-    init_process_group_after_restart(strategy, strategy._get_process_group_backend())
-    join_process_group()
+    try:
+        init_process_group_after_restart(strategy, strategy._get_process_group_backend())
+        join_process_group()
+    except dist.DistError as error:
+        raise explain_unreachable_main(error, strategy) from error
     return record_peers()
+
+
+def explain_unreachable_main(error: Exception, strategy: Any) -> Exception:
+    """Name the main address and the fixes when joining the process group failed (store timeout, refused, ...).
+
+    torch retries the connection to ``MASTER_ADDR:MASTER_PORT`` until the strategy's ``timeout`` and then raises
+    e.g. "The client socket has timed out ... (127.0.0.1, 29500)", which says nothing about what to check.
+    """
+    environment = strategy.cluster_environment
+    try:
+        where = f"{environment.main_address}:{environment.main_port}"
+    except Exception:  # an environment that cannot even tell its address
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    seconds = strategy._timeout.total_seconds() if isinstance(strategy._timeout, timedelta) else strategy._timeout
+    return RuntimeError(
+        f"Rank {strategy.global_rank} could not join the process group at the main node {where} within"
+        f" `timeout={seconds:g}` s ({type(error).__name__}: {str(error).splitlines()[0]}). Check that node 0"
+        " started and is listening there, that MASTER_ADDR is an address of node 0 that this node can reach and"
+        " MASTER_PORT is the same free port on every node (torchrun: --master-addr/--master-port or"
+        " --rdzv-endpoint), and that no firewall blocks that port between the nodes."
+    )
