@@ -12,17 +12,19 @@ In your own program, ``import lightning_parallel`` before constructing ``Lightni
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 import lightning_parallel  # noqa: F401  (registers our strategy names with Lightning)
 from lightning_parallel.demos import GPTLightningModule, TextDataModule
-from lightning_parallel.strategies.registry import registered_names
+from lightning_parallel.strategies.registry import STRATEGY_CLASSES, registered_names
 
 __all__ = ["DEFAULT_DATAMODULE", "ParallelCLI", "main", "run_cli", "unknown_strategy_message"]
 
@@ -51,21 +53,45 @@ class ParallelCLI(LightningCLI):
         parser.set_defaults({"data": {"class_path": DEFAULT_DATAMODULE}})
 
     def before_instantiate_classes(self) -> None:
-        """Reject an unknown strategy name before any process starts, with the list of valid names."""
+        """Resolve a bare strategy class path; reject an unknown strategy name before any process starts."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         strategy = config.get("trainer", {}).get("strategy")
-        if isinstance(strategy, str):
-            message = unknown_strategy_message(strategy)
-            if message is not None:
-                self.parser.error(message)
+        if not isinstance(strategy, str):
+            return
+        strategy_class = _strategy_class(strategy)
+        if strategy_class is not None:
+            # `Trainer(strategy: str | Strategy)`: jsonargparse keeps a class path without init_args as a string.
+            class_path = f"{strategy_class.__module__}.{strategy_class.__qualname__}"
+            config.trainer.strategy = Namespace(class_path=class_path, init_args=Namespace())
+            return
+        message = unknown_strategy_message(strategy)
+        if message is not None:
+            self.parser.error(message)
+
+
+def _strategy_class(name: str) -> type[Strategy] | None:
+    """The ``Strategy`` subclass that ``name`` (``pkg.module.Class``, or one of our class names) imports, if any."""
+    if name in StrategyRegistry:
+        return None
+    ours = {cls.__name__: cls for cls in STRATEGY_CLASSES}
+    if name in ours:
+        return ours[name]
+    module_name, _, class_name = name.rpartition(".")
+    if not module_name:
+        return None
+    try:
+        candidate = getattr(importlib.import_module(module_name), class_name, None)
+    except ImportError:
+        return None
+    return candidate if isinstance(candidate, type) and issubclass(candidate, Strategy) else None
 
 
 def _run_planner(args: list[str]) -> int:
     try:
-        from lightning_parallel import planner
-    except ImportError as error:
-        if error.name not in ("lightning_parallel.planner", None):
-            raise
+        planner = importlib.import_module("lightning_parallel.planner")
+    except ModuleNotFoundError as error:
+        if error.name != "lightning_parallel.planner":
+            raise  # the planner exists but one of its own imports is missing: show that
         print(
             "`lightning-parallel plan` needs lightning_parallel.planner, which this installation does not have.",
             file=sys.stderr,

@@ -33,7 +33,11 @@ COMMON = [
 """Arguments every config shares: 2 processes, the ~0.1 M-parameter model, the embedded text corpus."""
 
 CONFIGS: dict[str, list[str]] = {
-    "data_parallel": ["--trainer.strategy=lightning_parallel.DataParallelStrategy"],
+    # Any init arg makes jsonargparse print the class path with all its init_args (a bare class path stays a string).
+    "data_parallel": [
+        "--trainer.strategy=lightning_parallel.DataParallelStrategy",
+        "--trainer.strategy.start_method=popen",
+    ],
     "zero1": ["--trainer.strategy=lightning_parallel.ShardedOptimizerStrategy", "--trainer.strategy.stage=1"],
     "zero2": ["--trainer.strategy=lightning_parallel.ShardedOptimizerStrategy", "--trainer.strategy.stage=2"],
     "zero3": ["--trainer.strategy=lightning_parallel.ShardedOptimizerStrategy", "--trainer.strategy.stage=3"],

@@ -31,6 +31,7 @@ from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockste
 from lightning_parallel.distributed.zero import MemoryReport, module_memory_report
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, load_module_state
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
+from lightning_parallel.strategies.fork_safety import ForkSafeLauncher
 from lightning_parallel.strategies.launch import (
     StartMethod,
     set_up_distributed_environment,
@@ -149,6 +150,12 @@ class DataParallelStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self._peers: PeerTable | None = set_up_distributed_environment(self, super().setup_environment)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method != "popen":
+            self._launcher = ForkSafeLauncher(self, start_method=self._start_method)
 
     @override
     def configure_ddp(self) -> None:

@@ -16,8 +16,8 @@ from typing import Any, Literal
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
-from lightning_parallel._compat import MultiProcessingLauncher
 from lightning_parallel.strategies.failures import record_peers
+from lightning_parallel.strategies.fork_safety import ForkSafeLauncher
 
 __all__ = [
     "START_METHODS",
@@ -87,8 +87,9 @@ def validate_launch_environment(
         )
 
 
-class ConsolidatingLauncher(MultiProcessingLauncher):
-    """Lightning's fork/spawn launcher, but the weights sent back to the parent process are the whole model.
+class ConsolidatingLauncher(ForkSafeLauncher):
+    """Lightning's fork/spawn launcher (with the CUDA-before-fork check), but the weights sent back to the parent
+    process are the whole model.
 
     Lightning's own launcher sends rank 0's ``module.state_dict()``, which under sharding is only rank 0's shard.
     The strategy's ``consolidated_state_dict()`` (a collective: every rank takes part) gives the full, plain
