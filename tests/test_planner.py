@@ -1,0 +1,183 @@
+"""The planner: unit tests of its arithmetic and CLI, and the check that makes it trustworthy: for every strategy at
+world sizes 2 and 4 its predicted bytes held per rank and bytes per step EQUAL what ParallelismMonitor measures in a
+real fork-launched Trainer run of the tiny GPT."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from distributed_harness import run_distributed
+from torch.utils.data import DataLoader
+from training_helpers import make_trainer
+
+from lightning_parallel import PipelineParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
+from lightning_parallel.monitor import ParallelismMonitor, ring_wire_bytes
+from lightning_parallel.planner import main, parse_memory, pipeline_bubble, plan
+from lightning_parallel.planner.estimate import zero_buckets
+from lightning_parallel.planner.spec import model_spec
+
+BATCH, SEQ = 4, 16
+STEPS = 2
+
+
+def _module() -> GPTLightningModule:
+    """126,790 parameters (not a multiple of 4: ZeRO-1/2 pad at world size 4) with 17-row position embeddings and
+    62-wide LayerNorms (FSDP2 pads their dim-0 shards at world sizes 2 and 4)."""
+    pl.seed_everything(0, verbose=False)
+    return GPTLightningModule("tiny", block_size=17, n_embd=62, bias=True)
+
+
+# ---------------------------------------------------------------------------------------------- the equality check
+CASES = {
+    # name: (strategy factory, planner configuration name)
+    "data_parallel": (lambda ws: "data_parallel_notebook", lambda ws: "data_parallel"),
+    "zero1": (lambda ws: "zero1_notebook", lambda ws: "zero1"),
+    "zero2": (lambda ws: "zero2_notebook", lambda ws: "zero2"),
+    # Several 100 KiB buckets, each padded to a multiple of the world size.
+    "zero2_small_buckets": (
+        lambda ws: ShardedOptimizerStrategy(stage=2, bucket_cap_mb=0.1, start_method="fork"),
+        lambda ws: "zero2",
+    ),
+    "zero3": (lambda ws: "zero3_notebook", lambda ws: "zero3"),
+    "pipeline": (
+        lambda ws: PipelineParallelStrategy(pipeline_parallel_size=2, start_method="fork"),
+        lambda ws: f"pipeline pp=2, dp={ws // 2}",
+    ),
+}
+
+
+def _measure(rank: int, world_size: int, case: str, devices: int) -> dict:
+    """In an isolated process: fit with the monitor on `devices` fork-launched ranks, return its JSON summary."""
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    strategy = CASES[case][0](devices)
+    with tempfile.TemporaryDirectory() as tmp:
+        monitor = ParallelismMonitor(summary_path=Path(tmp, "summary.json"), figure_path=False)
+        trainer = make_trainer(strategy, devices=devices, max_steps=STEPS, callbacks=[monitor])
+        loader = DataLoader(RandomTokenDataset(64, SEQ, seed=3), batch_size=BATCH)
+        trainer.fit(_module(), train_dataloaders=loader)
+        return json.loads(Path(tmp, "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_planner_equals_monitor(case: str, world_size: int) -> None:
+    (summary,) = run_distributed(
+        _measure, world_size=1, args=(case, world_size), init_process_group=False, launcher_env=False, timeout=240
+    )
+    cap = 0.1 if case == "zero2_small_buckets" else 25.0
+    predicted = plan(_module(), world_size=world_size, batch_size=BATCH, seq_len=SEQ, bucket_cap_mb=cap)
+    predicted = predicted.configuration(CASES[case][1](world_size))
+    assert len(summary["ranks"]) == world_size == len(predicted.ranks)
+    for measured, expected in zip(summary["ranks"], predicted.ranks, strict=True):
+        assert measured["memory"] == {
+            "parameters": expected.parameters,
+            "gradients": expected.gradients,
+            "optimizer_state": expected.optimizer_state,
+        }, f"rank {measured['rank']}"
+        assert measured["communication_measured"]
+        steps = measured["steps"]
+        assert len(steps) == STEPS
+        # The last step (the first may carry torch's one-off pipeline set-up messages, which are not counted anyway).
+        assert steps[-1]["communication"] == expected.communication, f"rank {measured['rank']}"
+
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+def test_zero_padding_and_sharding_arithmetic() -> None:
+    spec = model_spec(_module())
+    assert spec.num_parameters == 126_790
+    assert zero_buckets(spec, element_bytes=4, bucket_cap_mb=25.0) == [126_790]
+    zero1 = plan(spec.module, world_size=4, batch_size=BATCH, seq_len=SEQ).configuration("zero1")
+    padded = 126_792  # the next multiple of 4
+    assert [r.parameters for r in zero1.ranks] == [padded * 4] * 4
+    assert [r.gradients for r in zero1.ranks] == [(padded + padded // 4) * 4] * 4
+    # Adam(W): 2 states for the owned real elements; the last rank's shard holds the 2 padding elements.
+    assert [r.optimizer_state for r in zero1.ranks] == [2 * 4 * 31_698] * 3 + [2 * 4 * 31_696]
+    assert zero1.ranks[0].communication == {"reduce_scatter": padded * 4, "all_gather": padded * 4}
+
+
+def test_fsdp_units_and_roots_match_apply_fully_shard() -> None:
+    spec = model_spec(_module())
+    assert spec.units is not None
+    assert [u.is_root for u in spec.units] == [False, False, True]  # two blocks, then the GPT holding the rest
+    covered = sorted(i for u in spec.units for i in u.params)
+    assert covered == list(range(len(spec.params)))
+
+
+def test_pipeline_bubble_formulas() -> None:
+    assert pipeline_bubble("1F1B", pipeline_parallel_size=4, num_microbatches=8, stages_per_rank=1) == 3 / 11
+    assert pipeline_bubble("GPipe", pipeline_parallel_size=2, num_microbatches=2, stages_per_rank=1) == 1 / 3
+    assert pipeline_bubble("Interleaved1F1B", pipeline_parallel_size=4, num_microbatches=8, stages_per_rank=2) == 3 / 19
+    assert pipeline_bubble("1F1B", pipeline_parallel_size=1, num_microbatches=4, stages_per_rank=1) == 0.0
+
+
+def test_ring_wire_bytes() -> None:
+    assert ring_wire_bytes("all_reduce", 1000, 4) == 1500.0
+    assert ring_wire_bytes("reduce_scatter", 1000, 4) + ring_wire_bytes("all_gather", 1000, 4) == 1500.0
+    assert ring_wire_bytes("send", 1000, 4) == 1000.0
+    assert ring_wire_bytes("all_reduce", 1000, 1) == 0.0
+
+
+def test_data_parallel_formula_and_optimizers() -> None:
+    n = model_spec("tiny").num_parameters
+    adam = plan("tiny", world_size=2).configuration("data_parallel").ranks[0]
+    assert (adam.parameters, adam.gradients, adam.optimizer_state) == (4 * n, 4 * n, 8 * n)
+    assert adam.communication == {"all_reduce": 4 * n}
+    sgd = plan("tiny", world_size=2, optimizer="sgd_no_momentum", precision="bf16-true").configuration("data_parallel")
+    assert (sgd.ranks[0].parameters, sgd.ranks[0].optimizer_state) == (2 * n, 0)
+    assert plan("tiny", world_size=1).configuration("data_parallel").ranks[0].communication == {}
+
+
+def test_recommendation_follows_memory() -> None:
+    unlimited = plan("gpt-1.3b", world_size=8, precision="bf16-mixed")
+    assert unlimited.recommended is not None and unlimited.recommended.name == "data_parallel"
+    assert unlimited.trainer_line == "Trainer(devices=8, strategy=\"data_parallel\", precision='bf16-mixed')"
+    tight = plan("gpt-1.3b", world_size=8, device_memory=16 * 2**30, precision="bf16-mixed", batch_size=8)
+    assert tight.recommended is not None and tight.recommended.fits
+    assert tight.recommended.name != "data_parallel"
+    assert tight.recommended.max_total <= 16 * 2**30
+    nothing = plan("gpt-1.3b", world_size=2, device_memory=2**30)
+    assert nothing.recommended is not None and nothing.recommended.fits is False
+
+
+def test_model_inputs() -> None:
+    assert model_spec(350_000_000).num_parameters == 350_000_000
+    assert model_spec("1.3B").num_parameters == 1_300_000_000
+    by_path = model_spec("lightning_parallel.demos:GPTLightningModule")
+    assert by_path.num_parameters == model_spec("tiny").num_parameters
+    counted = plan("350M", world_size=4)
+    assert not any(c.name.startswith("pipeline") for c in counted.configurations)  # no layers known
+    with pytest.raises(ValueError, match="not a preset"):
+        model_spec("no.such.module:Model")
+
+
+def test_validation_names_the_bad_value() -> None:
+    with pytest.raises(ValueError, match="optimizer='lion'"):
+        plan("tiny", world_size=2, optimizer="lion")
+    with pytest.raises(ValueError, match="num_nodes=3"):
+        plan("tiny", world_size=4, num_nodes=3)
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        plan("tiny", world_size=2, precision="fp8")
+
+
+def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_memory("80GiB") == 80 * 2**30
+    assert parse_memory("24GB") == 24 * 10**9
+    assert parse_memory("1024") == 1024
+    with pytest.raises(ValueError, match="80GiB"):
+        parse_memory("lots")
+    code = main(["gpt-350m", "--world-size", "8", "--device-memory", "16GiB", "--precision", "bf16-mixed"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| zero3 |" in out and "| pipeline pp=2, dp=4 |" in out
+    assert "Recommended:" in out and "Trainer(devices=8" in out
+    assert main(["no.such:Model", "--world-size", "2"]) == 2
+    assert "not a preset" in capsys.readouterr().err
