@@ -32,6 +32,13 @@ DEFAULT_DATAMODULE = f"{TextDataModule.__module__}.{TextDataModule.__qualname__}
 """Data module used when ``--data`` is not given: the embedded text corpus (no download)."""
 
 
+_DESCRIPTION = (
+    "Train, validate, test or predict with the demo GPT (lightning_parallel.demos) under any strategy:"
+    " --trainer.strategy=zero2 (a registry name) or a class path with init_args. `lightning-parallel plan --help`:"
+    " the memory/layout planner. Docs: docs/cli.md."
+)
+
+
 def unknown_strategy_message(name: str) -> str | None:
     """``None`` if ``name`` is a strategy name Lightning accepts, else an error message listing the valid names."""
     if name.lower() == "auto" or name.lower() in StrategyRegistry:
@@ -109,6 +116,7 @@ def run_cli(args: Sequence[str] | None = None, **cli_kwargs: Any) -> ParallelCLI
     """
     kwargs: dict[str, Any] = {
         "subclass_mode_data": True,
+        "parser_kwargs": {"prog": "lightning-parallel", "description": _DESCRIPTION},
         "save_config_kwargs": {"overwrite": True},
         # GPTLightningModule's own configure_optimizers builds the optimizer: no --optimizer/--lr_scheduler options.
         "auto_configure_optimizers": False,

@@ -130,7 +130,7 @@ def test_yaml_class_path_and_init_args(tmp_path):
         "      schedule: GPipe\n"
         "      num_microbatches: 4\n"
         "      partition: [2]\n"
-        "      timeout: 120\n"
+        "      timeout: 0:30:00\n"
         "model:\n"
         "  preset: tiny\n"
         "  n_layer: 3\n"
@@ -140,7 +140,7 @@ def test_yaml_class_path_and_init_args(tmp_path):
     assert type(strategy) is PipelineParallelStrategy
     assert (strategy.pipeline_parallel_size, strategy.schedule, strategy.partition) == (2, "GPipe", [2])
     assert strategy._num_microbatches_arg == 4
-    assert strategy._timeout == timedelta(seconds=120)
+    assert strategy._timeout == timedelta(minutes=30)  # as the generated configs write it
     assert cli.model.config.n_layer == 3
     assert type(cli.datamodule).__name__ == "TextDataModule"  # the default --data
 

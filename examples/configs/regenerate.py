@@ -17,6 +17,7 @@ import io
 import re
 import sys
 from pathlib import Path
+from unittest import mock
 
 from lightning_parallel.cli import main
 
@@ -90,7 +91,8 @@ def _drop_trainer_owned(text: str) -> str:
 def render(name: str) -> str:
     """The YAML text of config ``name`` (a key of :data:`CONFIGS`)."""
     buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer), contextlib.suppress(SystemExit):
+    # sys.argv as if typed: LightningCLI warns when given arguments while sys.argv holds others (--check).
+    with contextlib.redirect_stdout(buffer), contextlib.suppress(SystemExit), mock.patch.object(sys, "argv", ["x"]):
         main(["fit", "--print_config=comments", *COMMON, *CONFIGS[name]])
     text = buffer.getvalue()
     if "class_path: lightning_parallel." not in text or "# " not in text:
