@@ -88,6 +88,22 @@ def test_planner_equals_monitor(case: str, world_size: int) -> None:
         assert len(steps) == STEPS
         # The last step (the first may carry torch's one-off pipeline set-up messages, which are not counted anyway).
         assert steps[-1]["communication"] == expected.communication, f"rank {measured['rank']}"
+        _check_step_facts(case, world_size, steps)
+
+
+def _check_step_facts(case: str, world_size: int, steps: list[dict]) -> None:
+    """The monitor's other per-step facts for the same runs: batch sizes, what is measurable, the pipeline's chunks."""
+    replicas = world_size // 2 if case == "pipeline" else world_size
+    for step in steps:
+        assert (step["samples"], step["tokens"]) == (BATCH * replicas, BATCH * replicas * SEQ)
+        assert step["step_time_s"] > 0 and step["compute_s"] >= 0
+        measurable = case in ("zero1", "zero2", "zero2_small_buckets", "pipeline")
+        assert (step["exposed_communication_s"] is not None) == measurable
+        assert (step["pipeline_idle_s"] is not None) == (case == "pipeline")
+    if case == "pipeline":  # 1F1B, 2 micro-batches, one stage per rank: 2 forward and 2 backward chunks per step
+        kinds = sorted(kind for kind, *_ in steps[-1]["timeline"])
+        assert kinds == ["B", "B", "F", "F"]
+        assert 0.0 <= steps[-1]["bubble_fraction"] < 1.0
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic

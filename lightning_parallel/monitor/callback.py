@@ -106,6 +106,7 @@ class ParallelismMonitor(Callback):
         self._tap: CollectiveTap | None = None
         self._unwrap: list[tuple[Any, str]] = []
         self._start = 0.0
+        self._step = 0
         self._before: dict[str, int] = {}
         self._memory: dict[str, int] = {}
 
@@ -171,6 +172,7 @@ class ParallelismMonitor(Callback):
             self._tap.times = self._times
             self._tap.active = True
         self._before = dict(self._stats.bytes_by_collective) if self._stats is not None else {}
+        self._step = trainer.global_step
         _synchronize(pl_module.device)
         self._start = time.perf_counter()
 
@@ -213,7 +215,7 @@ class ParallelismMonitor(Callback):
             timeline = [(k, s, a - self._start, b - self._start) for k, s, a, b in times.events]
         compute = max(0.0, elapsed - (exposed or 0.0) - (idle or 0.0))
         return StepRecord(
-            step=trainer.global_step,
+            step=self._step,
             step_time_s=elapsed,
             samples=samples,
             tokens=tokens,
