@@ -36,19 +36,27 @@ def _module() -> GPTLightningModule:
 
 # ---------------------------------------------------------------------------------------------- the equality check
 CASES = {
-    # name: (strategy factory, planner configuration name)
-    "data_parallel": (lambda ws: "data_parallel_notebook", lambda ws: "data_parallel"),
-    "zero1": (lambda ws: "zero1_notebook", lambda ws: "zero1"),
-    "zero2": (lambda ws: "zero2_notebook", lambda ws: "zero2"),
+    # name: (strategy factory, planner configuration name, extra planner arguments)
+    "data_parallel": (lambda ws: "data_parallel_notebook", lambda ws: "data_parallel", {}),
+    "zero1": (lambda ws: "zero1_notebook", lambda ws: "zero1", {}),
+    "zero2": (lambda ws: "zero2_notebook", lambda ws: "zero2", {}),
     # Several 100 KiB buckets, each padded to a multiple of the world size.
     "zero2_small_buckets": (
         lambda ws: ShardedOptimizerStrategy(stage=2, bucket_cap_mb=0.1, start_method="fork"),
         lambda ws: "zero2",
+        {"bucket_cap_mb": 0.1},
     ),
-    "zero3": (lambda ws: "zero3_notebook", lambda ws: "zero3"),
+    "zero3": (lambda ws: "zero3_notebook", lambda ws: "zero3", {}),
     "pipeline": (
         lambda ws: PipelineParallelStrategy(pipeline_parallel_size=2, start_method="fork"),
         lambda ws: f"pipeline pp=2, dp={ws // 2}",
+        {},
+    ),
+    # Two stages per rank (4 stages, 4 micro-batches): every rank sends at two boundaries each way.
+    "pipeline_interleaved": (
+        lambda ws: PipelineParallelStrategy(pipeline_parallel_size=2, schedule="Interleaved1F1B", start_method="fork"),
+        lambda ws: f"pipeline pp=2, dp={ws // 2}, v=2",
+        {"schedule": "Interleaved1F1B"},
     ),
 }
 
@@ -73,9 +81,9 @@ def test_planner_equals_monitor(case: str, world_size: int) -> None:
     (summary,) = run_distributed(
         _measure, world_size=1, args=(case, world_size), init_process_group=False, launcher_env=False, timeout=240
     )
-    cap = 0.1 if case == "zero2_small_buckets" else 25.0
-    predicted = plan(_module(), world_size=world_size, batch_size=BATCH, seq_len=SEQ, bucket_cap_mb=cap)
-    predicted = predicted.configuration(CASES[case][1](world_size))
+    _, config_name, planner_args = CASES[case]
+    predicted = plan(_module(), world_size=world_size, batch_size=BATCH, seq_len=SEQ, **planner_args)
+    predicted = predicted.configuration(config_name(world_size))
     assert len(summary["ranks"]) == world_size == len(predicted.ranks)
     for measured, expected in zip(summary["ranks"], predicted.ranks, strict=True):
         assert measured["memory"] == {
@@ -93,17 +101,21 @@ def test_planner_equals_monitor(case: str, world_size: int) -> None:
 
 def _check_step_facts(case: str, world_size: int, steps: list[dict]) -> None:
     """The monitor's other per-step facts for the same runs: batch sizes, what is measurable, the pipeline's chunks."""
-    replicas = world_size // 2 if case == "pipeline" else world_size
+    is_pipeline = case.startswith("pipeline")
+    replicas = world_size // 2 if is_pipeline else world_size
     for step in steps:
         assert (step["samples"], step["tokens"]) == (BATCH * replicas, BATCH * replicas * SEQ)
         assert step["step_time_s"] > 0 and step["compute_s"] >= 0
-        measurable = case in ("zero1", "zero2", "zero2_small_buckets", "pipeline")
+        measurable = case in ("zero1", "zero2", "zero2_small_buckets") or is_pipeline
         assert (step["exposed_communication_s"] is not None) == measurable
-        assert (step["pipeline_idle_s"] is not None) == (case == "pipeline")
+        assert (step["pipeline_idle_s"] is not None) == is_pipeline
     if case == "pipeline":  # 1F1B, 2 micro-batches, one stage per rank: 2 forward and 2 backward chunks per step
         kinds = sorted(kind for kind, *_ in steps[-1]["timeline"])
         assert kinds == ["B", "B", "F", "F"]
         assert 0.0 <= steps[-1]["bubble_fraction"] < 1.0
+    if case == "pipeline_interleaved":  # 4 micro-batches through each of the rank's 2 stages
+        kinds = sorted(kind for kind, *_ in steps[-1]["timeline"])
+        assert kinds == ["B"] * 8 + ["F"] * 8
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic
