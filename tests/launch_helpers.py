@@ -46,7 +46,8 @@ TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 _LAUNCHER_VARIABLES = re.compile(
     r"^(MASTER_|WORLD_SIZE|RANK|LOCAL_|NODE_RANK|GROUP_|ROLE_|TORCHELASTIC_|SLURM_|OMPI_|PMI)"
 )
-_RANK_LINE = re.compile(r"^rank (\d+)/(\d+) node (\d+) local (\d+) host (\S+) environment (\w+) main (\S+)$", re.M)
+# Not anchored to line starts: mpirun forwards each rank's output in chunks that may share a line.
+_RANK_LINE = re.compile(r"rank (\d+)/(\d+) node (\d+) local (\d+) host (\S+) environment (\w+) main ([^\s:]+:\d+)")
 
 
 def example_command(strategy: str, save: Path, *extra: str) -> list[str]:
