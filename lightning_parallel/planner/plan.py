@@ -18,7 +18,7 @@ from lightning_parallel.planner.estimate import (
 from lightning_parallel.planner.recommend import recommend, trainer_line
 from lightning_parallel.planner.spec import ModelSpec, model_spec
 
-__all__ = ["Plan", "format_bytes", "plan"]
+__all__ = ["Plan", "default_microbatches", "format_bytes", "plan"]
 
 _GIB = 2**30
 
@@ -128,7 +128,8 @@ def plan(
         precision: a Lightning precision string (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...).
         batch_size: samples per batch of one data-parallel replica (what its dataloader yields).
         seq_len: tokens per sample; ``None``: the GPT's ``block_size``.
-        num_microbatches: pipeline micro-batches; ``None``: the number of stages (the strategy's ``"auto"``).
+        num_microbatches: pipeline micro-batches; ``None``: :func:`default_microbatches` (the planner passes the
+            count it chose in the ``Trainer`` line; bytes held and sent do not depend on it).
         schedule: pipeline schedule (``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"``).
         bucket_cap_mb: the ZeRO-1/2 bucket size (``ShardedOptimizerStrategy(bucket_cap_mb=...)``).
 
@@ -180,8 +181,8 @@ def _pipelines(
     for p in range(2, ctx.world_size + 1):
         if ctx.world_size % p or p * stages_per_rank > num_layers:
             continue
-        m = num_microbatches or p * stages_per_rank
-        if ctx.batch_size % m:
+        m = num_microbatches or default_microbatches(ctx.batch_size, p, stages_per_rank)
+        if m is None or ctx.batch_size % m:
             continue  # the strategy refuses batches not divisible by the micro-batch count
         configs.append(
             estimate_pipeline(
@@ -191,11 +192,25 @@ def _pipelines(
     return configs
 
 
+def default_microbatches(batch_size: int, pipeline_parallel_size: int, stages_per_rank: int) -> int | None:
+    """The most micro-batches up to ``4 x stages`` that divide the batch (a smaller bubble; more, smaller
+    micro-batches use an accelerator less well), at least the number of stages, a multiple of the pipeline size for
+    interleaved schedules; ``None`` when no count qualifies."""
+    stages = pipeline_parallel_size * stages_per_rank
+    for m in range(min(batch_size, 4 * stages), stages - 1, -1):
+        if batch_size % m == 0 and (stages_per_rank == 1 or m % pipeline_parallel_size == 0):
+            return m
+    return None
+
+
 def _assumptions(spec: ModelSpec) -> list[str]:
     notes = [
         "Bytes held and bytes per step are exact for our strategies (checked against ParallelismMonitor);"
         " activations are an estimate (34h + 5as bytes per token and block in 16-bit, Korthikanti et al. 2022).",
-        "comm = the most bytes one rank puts on the wire per step under ring collectives (2(N-1)/N of an"
+        "The activation estimate keeps attention scores (the 5as term); fused attention kernels (flash /"
+        " memory-efficient SDPA, the default on GPUs) do not store them, so read it as an upper bound.",
+        "Pipelines: the most micro-batches up to 4 x stages that divide the batch (unless num_microbatches is given).",
+        "wire bytes = the most bytes one rank puts on the wire per step under ring collectives (2(N-1)/N of an"
         " all-reduce, (N-1)/N of a reduce-scatter or all-gather; P2P as sent).",
     ]
     if spec.gpt is None:
