@@ -53,7 +53,7 @@ def unknown_strategy_message(name: str) -> str | None:
 
 
 class ParallelCLI(LightningCLI):
-    """``LightningCLI`` whose ``--trainer.strategy`` also takes a bare class path, and whose unknown names list the valid."""
+    """``LightningCLI`` taking bare strategy class paths too, and listing the valid names for an unknown one."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Default ``--data`` to the text corpus; any ``LightningDataModule`` class path is accepted."""
