@@ -18,6 +18,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 
 from lightning_parallel.strategies.failures import record_peers
 from lightning_parallel.strategies.fork_safety import ForkSafeLauncher
+from lightning_parallel.strategies.shutdown import destroy_process_group_at_exit
 
 __all__ = [
     "START_METHODS",
@@ -144,6 +145,7 @@ def set_up_distributed_environment(strategy: Any, join_process_group: Callable[[
     try:
         init_process_group_after_restart(strategy, strategy._get_process_group_backend())
         join_process_group()
+        destroy_process_group_at_exit()
     except dist.DistError as error:
         raise explain_unreachable_main(error, strategy) from error
     return record_peers()
