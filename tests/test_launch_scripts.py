@@ -1,23 +1,25 @@
-"""Standalone tier: real process trees started the way users start them (script re-launch, torchrun)."""
+"""Standalone tier: real process trees started the way users start them (one device, script re-launch, torchrun).
+
+Multi-node torchrun, network namespaces, SLURM and mpirun runs of the same examples: tests/test_multinode.py,
+tests/test_slurm.py, tests/test_mpi.py.
+"""
 
 from __future__ import annotations
 
-import os
+import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from distributed_harness import find_free_port
+from launch_helpers import EXAMPLES, ROOT, assert_equals_single_device, clean_environment, example_command
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = str(ROOT / "examples" / "data_parallel.py")
+EXAMPLE = str(EXAMPLES / "data_parallel.py")
 
 
 def _run(command: list[str], timeout: float = 240) -> str:
-    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "WORLD_SIZE", "RANK")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    env = clean_environment()
     completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-4000:]
@@ -56,3 +58,39 @@ def test_zero_example_trains_saves_sharded_and_resumes_on_one_device(tmp_path):
     resumed = _run([sys.executable, example, "--stage", "2", "--devices", "1", "--max-steps", "6",
                     "--resume", checkpoint, "--save", str(tmp_path / "resumed.ckpt")])  # fmt: skip
     assert "world_size=1 stage=2" in _final_metrics(resumed)
+
+
+@pytest.mark.slow
+def test_single_device_run_of_the_data_parallel_example_equals_a_plain_trainer(tmp_path):
+    output = _run([sys.executable, *example_command("data_parallel", tmp_path / "one.ckpt", "--devices", "1")])
+    assert "world_size=1" in _final_metrics(output)
+    assert_equals_single_device(tmp_path / "one.ckpt")
+
+
+def _cluster_module():
+    spec = importlib.util.spec_from_file_location("examples_cluster", EXAMPLES / "cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ({}, (2, 1)),  # no launcher: the example's default, one node
+        ({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"}, (2, 2)),  # torchrun --nnodes=2 --nproc-per-node=2
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3", "OMPI_COMM_WORLD_SIZE": "3"}, (3, 1)),  # mpirun -np 3
+        ({"MPI_LOCALNRANKS": "2", "PMI_SIZE": "8"}, (2, 4)),  # MPICH / Intel MPI
+        ({"SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "2"}, (4, 2)),  # srun
+    ],
+)
+def test_examples_take_devices_and_num_nodes_from_the_launcher(variables, expected, monkeypatch):
+    for key in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key in ("MPI_LOCALNRANKS", "PMI_SIZE", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value)
+    cluster = _cluster_module()
+    assert cluster.launched_layout(None, None) == expected
+    assert cluster.launched_layout(5, 7) == (5, 7)  # explicit arguments win
