@@ -105,6 +105,7 @@ class ParallelismMonitor(Callback):
         self._times = PhaseTimes()
         self._tap: CollectiveTap | None = None
         self._unwrap: list[tuple[Any, str]] = []
+        self._tracked_before: tuple[Any, bool] | None = None
         self._start = 0.0
         self._step = 0
         self._before: dict[str, int] = {}
@@ -118,9 +119,10 @@ class ParallelismMonitor(Callback):
         self.steps, self.summary = [], None
         strategy = trainer.strategy
         kind = _strategy_kind(strategy)
-        self._stats = None
+        self._stats, self._tap = None, None
         if kind != "other":
             # Read by the strategy's `setup` (wrapping/bucketing), which runs after the callbacks' `setup`.
+            self._tracked_before = (strategy, strategy.track_communication)
             strategy.track_communication = True
             self._stats = strategy.communication_stats
         fsdp = kind == "sharded" and getattr(strategy, "stage", None) == 3
@@ -306,6 +308,10 @@ class ParallelismMonitor(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore()
+        if self._tracked_before is not None:  # the strategy counts only while a monitor is attached
+            strategy, tracked = self._tracked_before
+            strategy.track_communication = tracked
+            self._tracked_before = None
 
 
 def _strategy_kind(strategy: Any) -> str:
