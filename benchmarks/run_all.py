@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -105,6 +106,7 @@ def run_suite(config: SuiteConfig) -> SuiteResults:
     results = SuiteResults()
     for name in config.only:
         module = BENCHMARKS[name]
+        start = time.monotonic()
         try:
             bench_config = module.configure(config.preset, repeats=config.repeats, steps=config.steps)
             measured = module.measure(bench_config)
@@ -116,9 +118,14 @@ def run_suite(config: SuiteConfig) -> SuiteResults:
             results.failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             continue
         results.benchmarks[name] = measured
+        print(f"\n=== {name}: {time.monotonic() - start:.0f} s ===", flush=True)
     predicted = None
     if "zero" in results.benchmarks:
-        predicted = scaling.predicted_scaling(results.benchmarks["zero"].config.memory)
+        try:
+            predicted = scaling.predicted_scaling(results.benchmarks["zero"].config.memory)
+        except Exception as error:  # the measured part is still worth writing
+            traceback.print_exc()
+            results.failed["planner"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
     section = summary.render_summary(
         results.benchmarks,
         command=command,

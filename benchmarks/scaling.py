@@ -10,28 +10,29 @@ step; bytes each rank receives per optimizer step under bandwidth-optimal collec
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from benchmarks.figures import pyplot
 from benchmarks.results import markdown_table
 from benchmarks.zero import DDP, OURS, RunConfig, ZeroResults
+from lightning_parallel.demos.gpt import GPTConfig
 
 __all__ = [
     "PREDICTED_WORLD_SIZES",
     "SCALED_CONFIGURATIONS",
     "ScalingSeries",
     "measured_scaling",
+    "planner_agreement",
     "predicted_scaling",
     "save_scaling_chart",
     "scaling_table",
 ]
 
 _MIB = 1024**2
-PREDICTED_WORLD_SIZES: tuple[int, ...] = tuple(2**k for k in range(3, 11))
-"""World sizes the planner predicts: 8, 16, ..., 1024."""
+PREDICTED_WORLD_SIZES: tuple[int, ...] = tuple(2**k for k in range(11))
+"""World sizes the planner predicts: 1, 2, 4 (checked against the measurement), then 8, 16, ..., 1024."""
 SCALED_CONFIGURATIONS: tuple[str, ...] = (*OURS, DDP)
 """Configurations the ZeRO benchmark runs at every world size of its memory part."""
 
@@ -75,7 +76,12 @@ def measured_scaling(results: ZeroResults) -> dict[str, ScalingSeries]:
 def predicted_scaling(
     run: RunConfig, world_sizes: Sequence[int] = PREDICTED_WORLD_SIZES
 ) -> dict[str, ScalingSeries] | None:
-    """The planner's prediction for the memory part's model at ``world_sizes``; ``None`` while there is no planner.
+    """The planner's prediction for the memory part's model at ``world_sizes``; ``None`` if there is no planner.
+
+    ``lightning_parallel.planner.plan`` gives each configuration's bytes held per rank and the payload of each
+    collective per step; the payloads become bytes received per rank with the same bandwidth-optimal factors as the
+    measurement (:mod:`benchmarks.zero_probe`). Lightning's DDP is predicted by the planner's ``data_parallel`` (the
+    same replicas and the same all-reduce). ZeRO needs two ranks: world size 1 is predicted for DDP only.
 
     Args:
         run: The memory part's configuration (model preset and overrides, batch, sequence length).
@@ -87,12 +93,53 @@ def predicted_scaling(
         return None
     if not callable(getattr(planner, "plan", None)):  # the package is being written: no prediction yet
         return None
-    return _planner_series(planner.plan, run, tuple(world_sizes))
+    overrides = {k: v for k, v in (("n_layer", run.n_layer), ("n_embd", run.n_embd)) if v is not None}
+    model = GPTConfig.from_preset(run.preset, **overrides)
+    seq_len = min(run.seq_len, model.block_size)
+    points: dict[str, list[tuple[int, float, float]]] = {name: [] for name in SCALED_CONFIGURATIONS}
+    for world_size in world_sizes:
+        predicted = planner.plan(model, world_size=world_size, batch_size=run.batch_size, seq_len=seq_len)
+        for name in SCALED_CONFIGURATIONS:
+            planned = "data_parallel" if name == DDP else name
+            if all(c.name != planned for c in predicted.configurations):
+                continue  # ZeRO at world size 1
+            ranks = predicted.configuration(planned).ranks
+            held = max(rank.held for rank in ranks)
+            received = sum(_received(rank.communication, world_size) for rank in ranks) / len(ranks)
+            points[name].append((world_size, float(held), received))
+    return {
+        name: ScalingSeries(
+            f"{name}, planner", tuple(p[0] for p in rows), tuple(p[1] for p in rows), tuple(p[2] for p in rows)
+        )
+        for name, rows in points.items()
+        if rows
+    }
 
 
-def _planner_series(plan: Callable[..., Any], run: RunConfig, world_sizes: tuple[int, ...]) -> dict[str, ScalingSeries]:
-    """Adapter from ``lightning_parallel.planner.plan`` to :class:`ScalingSeries` (wired once its API is known)."""
-    raise NotImplementedError("The planner's API is not wired into the benchmark yet: see `_planner_series`.")
+def _received(payloads: Mapping[str, int], world_size: int) -> float:
+    """Bytes a rank receives for these collective payloads (the probe's factors; broadcast counted on every rank)."""
+    n = world_size
+    factors = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n}
+    factors["broadcast"] = 1.0 if n > 1 else 0.0
+    unknown = set(payloads) - set(factors)
+    if unknown:
+        raise ValueError(f"The planner predicts collectives {sorted(unknown)} the benchmark does not measure.")
+    return sum(factors[kind] * size for kind, size in payloads.items())
+
+
+def planner_agreement(measured: Mapping[str, ScalingSeries], predicted: Mapping[str, ScalingSeries]) -> float | None:
+    """The largest relative difference between planner and measurement at world sizes both have (``None``: none)."""
+    differences = []
+    for name, series in measured.items():
+        guess = predicted.get(name)
+        if guess is None:
+            continue
+        guessed = dict(zip(guess.world_sizes, zip(guess.held_bytes, guess.comm_bytes, strict=True), strict=True))
+        for ws, held, comm in zip(series.world_sizes, series.held_bytes, series.comm_bytes, strict=True):
+            if ws in guessed:
+                for actual, expected in ((held, guessed[ws][0]), (comm, guessed[ws][1])):
+                    differences.append(abs(actual - expected) / max(abs(actual), 1.0))
+    return max(differences) if differences else None
 
 
 def save_scaling_chart(

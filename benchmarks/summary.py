@@ -207,7 +207,15 @@ def render_summary(
         measured = scaling.measured_scaling(zero)
         path = figures_dir / "scaling.png"
         scaling.save_scaling_chart(measured, predicted, path)
-        planner = "predicted by `lightning_parallel.planner`" if predicted else "not available yet (no planner)"
+        planner = "not available yet (no planner)"
+        if predicted:
+            agreement = scaling.planner_agreement(measured, predicted)
+            planner = "predicted by `lightning_parallel.planner.plan` (dashed in the figure)"
+            if agreement is not None:
+                planner += (
+                    f"; where both exist, planner and measurement differ by at most {agreement:.1e} (relative; ours"
+                    " also all-reduce one 8-byte non-finite-loss flag per step, which the planner leaves out)"
+                )
         parts += [
             "",
             "### Scaling with the world size",

@@ -107,6 +107,19 @@ def test_measured_scaling_is_the_sharding_arithmetic(zero: zero_bench.ZeroResult
     assert at_two == sorted(at_two, reverse=True) and len(set(at_two)) == 4
 
 
+def test_planner_predicts_the_measured_bytes(zero: zero_bench.ZeroResults) -> None:
+    measured = scaling.measured_scaling(zero)
+    predicted = scaling.predicted_scaling(zero.config.memory, world_sizes=(1, 2, 8))
+    assert predicted is not None, "lightning_parallel.planner.plan is missing"
+    assert predicted[zero_bench.DDP].world_sizes == (1, 2, 8)
+    assert predicted["zero3"].world_sizes == (2, 8)  # ZeRO needs two ranks
+    # Held bytes equal exactly; received bytes up to our 8-byte non-finite-loss all-reduce per step.
+    agreement = scaling.planner_agreement(measured, predicted)
+    assert agreement is not None and agreement < 1e-4
+    for name, series in measured.items():
+        assert predicted[name].held_bytes[-2] == series.held_bytes[-1], name
+
+
 def test_scaling_seam_draws_and_tabulates_predicted_series(zero: zero_bench.ZeroResults, tmp_path: Path) -> None:
     measured = scaling.measured_scaling(zero)
     sizes = scaling.PREDICTED_WORLD_SIZES
