@@ -144,3 +144,20 @@ def test_validation() -> None:
         ParallelismMonitor(log_every_n_steps=0)
     with pytest.raises(ValueError, match="figure_path=True"):
         ParallelismMonitor(figure_path=True)
+
+
+def test_single_device_in_process(tmp_path: Path) -> None:
+    """No process group at all (Lightning's single-device strategy): measured in this process, written under
+    `default_root_dir` when there is no logger."""
+    monitor = ParallelismMonitor(log_every_n_steps=2)
+    trainer = make_trainer("auto", devices=1, max_steps=2, callbacks=[monitor], default_root_dir=tmp_path)
+    module = _module()
+    trainer.fit(module, train_dataloaders=DataLoader(RandomTokenDataset(16, SEQ, seed=3), batch_size=BATCH))
+    numel = sum(p.numel() for p in module.parameters())
+    assert monitor.summary is not None
+    (rank,) = monitor.summary["ranks"]
+    assert rank["memory"] == {"parameters": 4 * numel, "gradients": 4 * numel, "optimizer_state": 8 * numel}
+    assert [s["samples"] for s in rank["steps"]] == [BATCH, BATCH]
+    assert rank["communication_measured"] is False
+    assert json.loads((tmp_path / "parallelism_monitor.json").read_text()) == monitor.summary
+    assert (tmp_path / "parallelism_monitor.png").exists()
