@@ -36,7 +36,8 @@ def _module() -> GPTLightningModule:
 
 # ---------------------------------------------------------------------------------------------- the equality check
 CASES = {
-    # name: (strategy factory, planner configuration name, extra planner arguments)
+    # name: (strategy factory, planner configuration name, extra planner arguments); precision "32-true" unless
+    # PRECISION names another
     "data_parallel": (lambda ws: "data_parallel_notebook", lambda ws: "data_parallel", {}),
     "zero1": (lambda ws: "zero1_notebook", lambda ws: "zero1", {}),
     "zero2": (lambda ws: "zero2_notebook", lambda ws: "zero2", {}),
@@ -51,6 +52,12 @@ CASES = {
         lambda ws: PipelineParallelStrategy(pipeline_parallel_size=2, start_method="fork"),
         lambda ws: f"pipeline pp=2, dp={ws // 2}",
         {},
+    ),
+    # bf16 autocast: parameters, gradients and the residual stream sent between stages stay fp32.
+    "pipeline_bf16_mixed": (
+        lambda ws: PipelineParallelStrategy(pipeline_parallel_size=2, start_method="fork"),
+        lambda ws: f"pipeline pp=2, dp={ws // 2}",
+        {"precision": "bf16-mixed"},
     ),
     # Two stages per rank (4 stages, 4 micro-batches): every rank sends at two boundaries each way.
     "pipeline_interleaved": (
@@ -68,7 +75,8 @@ def _measure(rank: int, world_size: int, case: str, devices: int) -> dict:
     strategy = CASES[case][0](devices)
     with tempfile.TemporaryDirectory() as tmp:
         monitor = ParallelismMonitor(summary_path=Path(tmp, "summary.json"), figure_path=False)
-        trainer = make_trainer(strategy, devices=devices, max_steps=STEPS, callbacks=[monitor])
+        precision = CASES[case][2].get("precision", "32-true")
+        trainer = make_trainer(strategy, devices=devices, max_steps=STEPS, callbacks=[monitor], precision=precision)
         loader = DataLoader(RandomTokenDataset(64, SEQ, seed=3), batch_size=BATCH)
         trainer.fit(_module(), train_dataloaders=loader)
         return json.loads(Path(tmp, "summary.json").read_text())

@@ -22,13 +22,14 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   all-gathered again in backward (``reshard_after_forward=True``), the root unit stays gathered.
 * Pipeline p x dp: the split of ``PipelineParallelStrategy(partition="compute")`` (the partitioner itself is called);
   each rank holds its stages' parameters, gradients and optimizer state. Per step every stage boundary sends the
-  activations of the batch forward and their gradients backward (same shape); replicas all-reduce their stage's
-  gradients. Bubble: ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v*m+p-1)`` for interleaved 1F1B with v stages
-  per rank (Narayanan et al., 2021).
+  activations of the batch forward and their gradients backward (same shape, in the parameters' dtype: under
+  autocast the residual stream between blocks stays fp32); replicas all-reduce their stage's gradients. Bubble:
+  ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v*m+p-1)`` for interleaved 1F1B with v stages per rank
+  (Narayanan et al., 2021).
 * Activations are an *estimate* (never checked): per transformer block and token ``34*h + 5*a*s`` bytes in 16-bit
   precision (Korthikanti et al., 2022, no recomputation, sequence length s, hidden h, heads a; doubled in fp32),
   plus the logits and their gradient in fp32 (``8*V`` bytes per token). A pipeline stage holds the activations of
-  ``m`` micro-batches (GPipe) or ``p - pipeline_rank`` (1F1B) of its own blocks.
+  ``m`` micro-batches (GPipe) or ``min(m, p - pipeline_rank)`` (1F1B) of its own blocks.
 """
 
 from __future__ import annotations
@@ -252,7 +253,7 @@ def estimate_pipeline(
     outputs = ctx.spec.layer_output_numels(ctx.batch_size, ctx.seq_len)
     boundary = None
     if outputs is not None:  # bytes leaving stage s forward (= its output gradient coming back), whole batch
-        boundary = [outputs[plan.layers_of(s)[-1]] * ctx.activation_bytes for s in range(num_stages)]
+        boundary = [outputs[plan.layers_of(s)[-1]] * e for s in range(num_stages)]
     in_flight = m if schedule.lower() == "gpipe" else None
     ranks = []
     for r in range(n):
