@@ -150,7 +150,7 @@ def save_scaling_chart(
     Measured points are solid with markers; predicted ones (same colour, same configuration key) are dashed.
     """
     plt = pyplot()
-    fig, (held_ax, comm_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (held_ax, comm_ax) = plt.subplots(1, 2, figsize=(11, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for color, (name, series) in zip(colors, measured.items(), strict=False):
         for ax, values in ((held_ax, series.held_bytes), (comm_ax, series.comm_bytes)):
@@ -158,7 +158,7 @@ def save_scaling_chart(
         guess = (predicted or {}).get(name)
         if guess is not None:
             for ax, values in ((held_ax, guess.held_bytes), (comm_ax, guess.comm_bytes)):
-                ax.plot(guess.world_sizes, [v / _MIB for v in values], "x--", color=color, label=f"{name}, planner")
+                ax.plot(guess.world_sizes, [v / _MIB for v in values], "x--", color=color)
     groups = (measured, predicted or {})
     sizes = sorted({ws for group in groups for series in group.values() for ws in series.world_sizes})
     for ax, what, scale in (
@@ -175,8 +175,13 @@ def save_scaling_chart(
     subtitle = "measured (solid)" + (", planner (dashed)" if predicted else "; planner prediction not available")
     held_ax.set_title(f"Bytes held per rank: {subtitle}", fontsize=9)
     comm_ax.set_title("Bytes communicated per rank per step", fontsize=9)
-    held_ax.legend(fontsize=7)
-    fig.tight_layout()
+    comm_ax.set_ylim(bottom=0)
+    handles, labels = held_ax.get_legend_handles_labels()
+    if predicted:
+        handles.append(plt.Line2D([], [], color="gray", linestyle="--", marker="x"))
+        labels.append("planner (same colour)")
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
