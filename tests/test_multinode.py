@@ -145,19 +145,25 @@ def test_two_hosts_in_network_namespaces_train_like_one_device(strategy, namespa
 
 # --------------------------------------------------------------------------------------- unreachable main node
 @pytest.mark.slow
-def test_a_node_that_cannot_reach_the_main_node_fails_within_the_timeout_naming_the_address(tmp_path):
-    """Node 1 of 2 started by hand (NODE_RANK=1), pointed at a port nobody listens on: it fails, naming it."""
-    port = find_free_port()
-    env = clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="1", LOCAL_RANK="0")
-    command = [sys.executable, *example_command("data_parallel", tmp_path / "never.ckpt")]
-    command += ["--devices", "1", "--num-nodes", "2", "--timeout", "5"]
-    # The deadline is the no-hang check: torch retries the connection until the 5 s timeout, then we translate.
-    finished = run_together({"node1": command}, {"node1": env}, deadline=120)
-    result = finished["node1"]
-    assert result.returncode not in (0, None), describe(finished)
-    assert f"could not join the process group at the main node 127.0.0.1:{port} within `timeout=5` s" in result.output
-    assert "Check that node 0 started" in result.output and "MASTER_PORT" in result.output
-    assert "firewall" in result.output
+def test_nodes_given_different_main_ports_fail_within_the_timeout_naming_the_address(tmp_path):
+    """Two nodes started by hand (NODE_RANK), node 1 with a wrong MASTER_PORT: both fail and say what to check."""
+    main_port, wrong_port = find_free_port(), find_free_port()
+    commands, envs = {}, {}
+    for node_rank, port in ((0, main_port), (1, wrong_port)):
+        commands[f"node{node_rank}"] = [sys.executable, *example_command("data_parallel", tmp_path / "never.ckpt")]
+        commands[f"node{node_rank}"] += ["--devices", "1", "--num-nodes", "2", "--timeout", "5"]
+        envs[f"node{node_rank}"] = clean_environment(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node_rank), LOCAL_RANK="0"
+        )
+    # The deadline is the no-hang check: torch retries until the 5 s timeout, then our message replaces its own.
+    finished = run_together(commands, envs, deadline=120)
+    assert all(item.returncode not in (0, None) for item in finished.values()), describe(finished)
+    node0, node1 = finished["node0"].output, finished["node1"].output
+    assert f"Rank 0 waited at the main node 127.0.0.1:{main_port} for 2 processes" in node0, describe(finished)
+    assert "Check that every other node started" in node0
+    expected = f"Rank 1 could not join the process group at the main node 127.0.0.1:{wrong_port} within `timeout=5` s"
+    assert expected in node1, describe(finished)
+    assert "Check that node 0 started" in node1 and "MASTER_ADDR/MASTER_PORT" in node1 and "firewall" in node1
     assert not (tmp_path / "never.ckpt").exists()
 
 

@@ -163,10 +163,19 @@ def explain_unreachable_main(error: Exception, strategy: Any) -> Exception:
     except Exception:  # an environment that cannot even tell its address
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     seconds = strategy._timeout.total_seconds() if isinstance(strategy._timeout, timedelta) else strategy._timeout
+    cause = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    settings = (
+        "MASTER_ADDR/MASTER_PORT (torchrun: --master-addr/--master-port or --rdzv-endpoint), and that no firewall"
+        " blocks that port between the nodes."
+    )
+    if strategy.global_rank == 0:  # rank 0 hosts the store at the main address and waits for the others
+        return RuntimeError(
+            f"Rank 0 waited at the main node {where} for {strategy.world_size} processes, but not all of them joined"
+            f" within `timeout={seconds:g}` s ({cause}). Check that every other node started, that their"
+            f" MASTER_ADDR is an address of this node they can reach, that all use the same {settings}"
+        )
     return RuntimeError(
         f"Rank {strategy.global_rank} could not join the process group at the main node {where} within"
-        f" `timeout={seconds:g}` s ({type(error).__name__}: {str(error).splitlines()[0]}). Check that node 0"
-        " started and is listening there, that MASTER_ADDR is an address of node 0 that this node can reach and"
-        " MASTER_PORT is the same free port on every node (torchrun: --master-addr/--master-port or"
-        " --rdzv-endpoint), and that no firewall blocks that port between the nodes."
+        f" `timeout={seconds:g}` s ({cause}). Check that node 0 started and is listening there, that MASTER_ADDR"
+        f" is an address of node 0 that this node can reach, that every node uses the same {settings}"
     )
