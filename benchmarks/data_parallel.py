@@ -59,6 +59,8 @@ CONFIGS: dict[str, tuple[str, Callable[[], Strategy]]] = {
     FP16: ("ours, fp16 compression", lambda: DataParallelStrategy(start_method="fork", gradient_compression="fp16")),
 }
 """Configuration name -> (table label, strategy factory), in the order of the first repeat."""
+BYTES_CONFIGS = (FP32_COUNTED, FP16)
+"""Configurations that measure the all-reduce bytes per step; they run in the first repeat only."""
 
 
 @dataclass(kw_only=True)
@@ -187,6 +189,8 @@ def measure(config: BenchmarkConfig) -> DataParallelResults:
     for repeat in range(config.repeats):
         order = list(CONFIGS) if repeat % 2 == 0 else list(reversed(CONFIGS))
         for name in order:
+            if repeat > 0 and name in BYTES_CONFIGS:
+                continue  # their purpose, the bytes per step, is deterministic: one run each
             label, make_strategy = CONFIGS[name]
             print(f"\n=== repeat {repeat + 1}/{config.repeats}: {label} ===", flush=True)
             results.runs[name].append(_train_once(make_strategy(), config))
@@ -284,7 +288,8 @@ def render_markdown(results: DataParallelResults, *, command: str) -> str:
 - Machine: {machine_description()}
 - Setup: GPT preset `{cfg.preset}` ({num_parameters(cfg.preset) / 1e6:.2f} M parameters), {processes},
   {cfg.batch_size} x {seq_len} tokens per process per step, {cfg.steps} steps of which
-  {cfg.warmup_steps} warm-up, {cfg.repeats} repeats in alternating order; medians over repeats.
+  {cfg.warmup_steps} warm-up, {cfg.repeats} repeats in alternating order; medians over repeats (the two
+  byte-counting configurations run once: their bytes per step are deterministic).
 - tokens/s: summed over processes, over the wall time of the measured steps; "median step" divides one step's tokens
   by the median step time instead, which ignores steps slowed down by other work on the machine. Peak memory: each
   process's peak RSS during `fit`. All-reduce payload per step on one rank: fp32
