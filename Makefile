@@ -7,8 +7,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# pip extras installed with the package; `make test EXTRAS=test,mpi` adds mpi4py (needs Open MPI installed).
+EXTRAS ?= test
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: setup demo test lint bench clean
 
@@ -18,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 demo: $(STAMP)
