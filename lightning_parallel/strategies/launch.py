@@ -24,6 +24,7 @@ __all__ = [
     "START_METHODS",
     "ConsolidatingLauncher",
     "StartMethod",
+    "check_start_method_fits_launcher",
     "explain_unreachable_main",
     "init_process_group_after_restart",
     "set_up_distributed_environment",
@@ -85,6 +86,22 @@ def validate_launch_environment(
             f"This process has LOCAL_RANK={local_rank}, but the Trainer was given `devices={num_processes}`:"
             f" local ranks must be below `devices`. Set `devices` to the number of processes per node"
             f" ({local_rank + 1} or more)."
+        )
+
+
+def check_start_method_fits_launcher(cluster_environment: ClusterEnvironment, start_method: str) -> None:
+    """Refuse a fork/spawn start when torchrun, SLURM or MPI already started this process as one rank.
+
+    Each such rank would start ``devices`` processes of its own, with duplicate ranks that never form a group
+    (Lightning's own ``ddp_spawn`` does the same). Only ``popen`` joins the processes an external launcher made.
+    """
+    if start_method != "popen" and cluster_environment.creates_processes_externally:
+        launcher = type(cluster_environment).__name__
+        raise ValueError(
+            f"`start_method={start_method!r}` (the `_spawn`/`_notebook` strategy names) starts its own processes, but"
+            f" this process was already started as one rank by an external launcher ({launcher}: torchrun, srun,"
+            " mpirun, ...). Use the plain strategy name (e.g. 'zero2' instead of 'zero2_notebook') or"
+            " `start_method='popen'`."
         )
 
 

@@ -59,6 +59,7 @@ from lightning_parallel.strategies.failures import PeerTable, explain_peer_failu
 from lightning_parallel.strategies.launch import (
     ConsolidatingLauncher,
     StartMethod,
+    check_start_method_fits_launcher,
     set_up_distributed_environment,
     to_timeout,
     validate_start_method,
@@ -275,6 +276,7 @@ class PipelineParallelStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        check_start_method_fits_launcher(self.cluster_environment, self._start_method)
         super()._configure_launcher()
         if self._start_method in ("spawn", "fork"):
             # The parent process gets the whole model back, not rank 0's stage.
