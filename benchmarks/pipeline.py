@@ -29,7 +29,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -140,9 +141,7 @@ _RECORDED_STEPS = 3
 """Training steps recorded per run after the warm-up; the bubble is their median."""
 
 
-def _instrument(name: str, kind: str) -> None:
-    original = getattr(PipelineStage, name)
-
+def _timed(original: Any, kind: str) -> Any:
     def timed(self: PipelineStage, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if not _RECORDING[0]:
             return original(self, chunk_id, *args, **kwargs)
@@ -152,12 +151,31 @@ def _instrument(name: str, kind: str) -> None:
         finally:
             _EVENTS.append((kind, self.stage_index, int(chunk_id), start, time.perf_counter(), _STEP[0]))
 
-    setattr(PipelineStage, name, timed)
+    return timed
 
 
-_instrument("forward_one_chunk", "F")
-_instrument("backward_one_chunk", "B")  # full backward, or the input-gradient half in zero-bubble schedules
-_instrument("backward_weight_one_chunk", "W")  # the weight-gradient half (zero-bubble schedules only)
+_CHUNK_METHODS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
+"""Full backward, or its input-gradient half in zero-bubble schedules (B); the weight-gradient half (W)."""
+
+
+@contextmanager
+def _chunk_timing() -> Iterator[None]:
+    """Time ``PipelineStage``'s chunk methods while the benchmark runs (forked ranks inherit it), then restore them.
+
+    Scoped, not at import: a permanent patch would shadow what other code (ParallelismMonitor) wraps on the base class.
+    """
+    patched = []
+    for name, kind in _CHUNK_METHODS.items():
+        patched.append((name, name in vars(PipelineStage), getattr(PipelineStage, name)))
+        setattr(PipelineStage, name, _timed(getattr(PipelineStage, name), kind))
+    try:
+        yield
+    finally:
+        for name, was_own, original in patched:
+            if was_own:
+                setattr(PipelineStage, name, original)
+            else:
+                delattr(PipelineStage, name)
 
 
 class _Recorder(Callback):
@@ -392,6 +410,11 @@ class PipelineResults:
 
 def measure(config: BenchmarkConfig) -> PipelineResults:
     """Run the overhead pairs (alternating order), then one timeline run per schedule and micro-batch count."""
+    with _chunk_timing():
+        return _measure(config)
+
+
+def _measure(config: BenchmarkConfig) -> PipelineResults:
     results = PipelineResults(config, in_flight={})
     first = _lightning_run(config, "1F1B", config.num_microbatches)
     results.starts = first[0]["starts"]
