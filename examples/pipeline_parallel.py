@@ -17,6 +17,7 @@ stages, bytes and peak memory; rank 0 the metrics, the stage split and the throu
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import lightning.pytorch as pl
@@ -47,20 +48,26 @@ class _Report(Callback):
         states = [v for state in trainer.optimizers[0].state.values() for v in state.values()]
         optimizer_bytes = sum(v.numel() * v.element_size() for v in states if isinstance(v, torch.Tensor))
         device = strategy.root_device
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        if device.type == "cuda":
+            peak = f"peak CUDA memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+        else:  # ru_maxrss is in KiB on Linux
+            peak = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
         stages = strategy.stage_plan.stages_of(strategy.parallel_dims.pipeline_rank)
         print(
             f"rank {trainer.global_rank}: stages {stages} params {param_bytes / 2**20:.1f} MiB, optimizer state"
-            f" {optimizer_bytes / 2**20:.1f} MiB, peak CUDA memory {peak:.2f} GiB, device {device}",
+            f" {optimizer_bytes / 2**20:.1f} MiB, {peak}, device {device}",
             flush=True,
         )
         if trainer.is_global_zero:
             elapsed = time.perf_counter() - self.start
             replicas = trainer.world_size // strategy.pipeline_parallel_size
-            rate = self.tokens * replicas / elapsed if self.tokens and elapsed > 0 else float("nan")
             metrics = {name: round(float(value), 4) for name, value in trainer.callback_metrics.items()}
             print(f"world_size={trainer.world_size} split starts={strategy.stage_plan.starts} metrics: {metrics}")
-            print(f"throughput: {rate:,.0f} tokens/s (after {self.warmup} warm-up steps)", flush=True)
+            if self.tokens and elapsed > 0:
+                rate = self.tokens * replicas / elapsed
+                print(f"throughput: {rate:,.0f} tokens/s (after {self.warmup} warm-up steps)", flush=True)
+            else:
+                print(f"throughput: not measured (train more than {self.warmup} warm-up steps)", flush=True)
 
 
 def main() -> None:
