@@ -83,8 +83,11 @@ class DataParallelStrategy(DDPStrategy):
             ``"stop"`` (raise ``FloatingPointError``) or ``"ignore"`` (no check: plain DDP averages the NaN in).
         track_communication: count the bytes of uncompressed all-reduces too (adds a Python hook per bucket);
             compressed runs always count. Read them from :attr:`communication_stats`.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer
-            from its own arguments; pass them only to override Lightning's choice.
+        accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.
+        parallel_devices: set by the Trainer from ``devices``.
+        cluster_environment: set by the Trainer from the launcher it detects (torchrun, SLURM, MPI, ...).
+        checkpoint_io: set by the Trainer (its ``plugins``); the default saves with ``torch.save``.
+        precision_plugin: set by the Trainer from ``precision``.
     """
 
     strategy_name = "data_parallel"

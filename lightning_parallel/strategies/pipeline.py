@@ -123,7 +123,11 @@ class PipelineParallelStrategy(DDPStrategy):
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
+        accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.
+        parallel_devices: set by the Trainer from ``devices``.
+        cluster_environment: set by the Trainer from the launcher it detects (torchrun, SLURM, MPI, ...).
+        checkpoint_io: set by the Trainer (its ``plugins``); the default saves with ``torch.save``.
+        precision_plugin: set by the Trainer from ``precision``.
     """
 
     strategy_name = "pipeline"

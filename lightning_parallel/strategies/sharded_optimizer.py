@@ -82,7 +82,11 @@ class ShardedOptimizerStrategy(DDPStrategy):
             with ``torch.distributed.checkpoint``. Both load at any world size and under the other strategies.
         nonfinite_loss: what every rank does when the loss is NaN/inf on any rank: ``"skip"`` the step (default),
             ``"stop"`` (raise ``FloatingPointError``) or ``"ignore"`` (no check).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
+        accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.
+        parallel_devices: set by the Trainer from ``devices``.
+        cluster_environment: set by the Trainer from the launcher it detects (torchrun, SLURM, MPI, ...).
+        checkpoint_io: set by the Trainer (its ``plugins``); the default saves with ``torch.save``.
+        precision_plugin: set by the Trainer from ``precision``.
     """
 
     strategy_name = "sharded_optimizer"
