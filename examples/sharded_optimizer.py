@@ -1,7 +1,7 @@
 """Train the demo GPT with ZeRO (ShardedOptimizerStrategy), save a checkpoint, show the bytes each rank holds.
 
     python examples/sharded_optimizer.py --stage 2 --devices 2
-    python examples/sharded_optimizer.py --stage 3 --devices 2 --checkpoint-format sharded
+    python examples/sharded_optimizer.py --stage 3 --devices 2 --meta-init --checkpoint-format sharded
     torchrun --nproc-per-node=2 examples/sharded_optimizer.py --stage 2
     torchrun --nnodes=2 --nproc-per-node=2 --node-rank=R --master-addr=HOST0 --master-port=29500 \
         examples/sharded_optimizer.py --stage 2                        # two nodes (R = 0 and 1)
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--save", default="zero_example.ckpt", help="where to save the checkpoint after training")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from (any strategy / world size)")
     parser.add_argument("--accelerator", default="auto")
+    parser.add_argument("--meta-init", action="store_true", help="stage 3: build on the meta device (see below)")
     args = parser.parse_args()
 
     devices, num_nodes = launched_layout(args.devices, args.num_nodes)
@@ -57,8 +58,9 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
     )
-    # Stage 3: build the model on the meta device, so no rank ever holds all of it.
-    with trainer.init_module(empty_init=args.stage == 3 and args.resume is None):
+    # Stage 3 with --meta-init: build the model on the meta device, so no rank ever holds all of it (the weights then
+    # come from each module's reset_parameters, so they differ from a plain construction with the same seed).
+    with trainer.init_module(empty_init=args.meta_init and args.stage == 3 and args.resume is None):
         model = GPTLightningModule(args.preset, block_size=args.seq_len, learning_rate=1e-3)
     batch_size = args.global_batch_size // data_parallel_replicas(trainer)
     if args.data == "random":

@@ -37,7 +37,9 @@ TRAIN_ARGS += ["--global-batch-size", str(GLOBAL_BATCH)]
 # world size 2 it is one pipeline of 2 stages.
 STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "data_parallel": ("data_parallel.py", []),
+    "zero1": ("sharded_optimizer.py", ["--stage", "1"]),
     "zero2": ("sharded_optimizer.py", ["--stage", "2"]),
+    "zero3": ("sharded_optimizer.py", ["--stage", "3"]),
     "pipeline": ("pipeline_parallel.py", ["--pipeline-parallel-size", "2"]),
 }
 # AdamW over 3 steps: fp32 rounding of differently ordered reductions (as in tests/test_data_parallel.py).

@@ -52,7 +52,7 @@ def test_zero_example_trains_saves_sharded_and_resumes_on_one_device(tmp_path):
     example = str(ROOT / "examples" / "sharded_optimizer.py")
     checkpoint = str(tmp_path / "zero3")
     common = ["--max-steps", "4", "--checkpoint-format", "sharded", "--save", checkpoint]
-    output = _run([sys.executable, example, "--stage", "3", "--devices", "2", *common])
+    output = _run([sys.executable, example, "--stage", "3", "--meta-init", "--devices", "2", *common])
     assert "world_size=2 stage=3" in _final_metrics(output)
     assert "rank 0: bytes held" in output and "rank 1: bytes held" in output
     resumed = _run([sys.executable, example, "--stage", "2", "--devices", "1", "--max-steps", "6",

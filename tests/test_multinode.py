@@ -45,7 +45,8 @@ def _c10d(node_rank: int, port: int, address: str = "127.0.0.1") -> list[str]:
 # is DP x PP = 2 x 2 at world size 4: each pipeline's 2 stages on one node, the gradient all-reduce across nodes.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("strategy", "rendezvous"), [("data_parallel", _static), ("zero2", _c10d), ("pipeline", _static)]
+    ("strategy", "rendezvous"),
+    [("data_parallel", _static), ("zero1", _c10d), ("zero2", _c10d), ("zero3", _static), ("pipeline", _static)],
 )
 def test_two_torchrun_nodes_on_loopback_train_like_one_device(strategy, rendezvous, tmp_path):
     port, save = find_free_port(), tmp_path / "final.ckpt"
