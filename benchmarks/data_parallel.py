@@ -17,12 +17,13 @@ import argparse
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
+from benchmarks.presets import configure_preset
 from benchmarks.results import machine_description, markdown_table, today, update_section
 from lightning_parallel.demos.data import TextDataModule
 from lightning_parallel.demos.gpt import PRESETS as GPT_PRESETS
@@ -108,13 +109,7 @@ PRESETS: dict[str, BenchmarkConfig] = {
 
 def configure(preset: str, *, repeats: int | None = None, steps: int | None = None) -> BenchmarkConfig:
     """The configuration of ``preset`` with ``repeats`` and ``steps`` replaced where given (warm-up kept shorter)."""
-    if preset not in PRESETS:
-        raise ValueError(f"`preset={preset!r}` is not one of {', '.join(PRESETS)}.")
-    config = replace(PRESETS[preset])
-    config.repeats = config.repeats if repeats is None else repeats
-    config.steps = config.steps if steps is None else steps
-    config.warmup_steps = min(config.warmup_steps, config.steps - 1)
-    return config
+    return configure_preset(PRESETS, preset, repeats=repeats, steps=steps)
 
 
 def _train_once(strategy: Strategy, config: BenchmarkConfig) -> RunSummary:

@@ -44,6 +44,7 @@ from torch import Tensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from benchmarks.figures import save_timeline
+from benchmarks.presets import configure_preset
 from benchmarks.results import FIGURES_DIR, machine_description, markdown_table, today, update_section
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.demos import GPTLightningModule, TextDataModule, next_token_loss
@@ -124,13 +125,7 @@ PRESETS: dict[str, BenchmarkConfig] = {
 
 def configure(preset: str, *, repeats: int | None = None, steps: int | None = None) -> BenchmarkConfig:
     """The configuration of ``preset`` with ``repeats`` and ``steps`` replaced where given (warm-up kept shorter)."""
-    if preset not in PRESETS:
-        raise ValueError(f"`preset={preset!r}` is not one of {', '.join(PRESETS)}.")
-    config = replace(PRESETS[preset])
-    config.repeats = config.repeats if repeats is None else repeats
-    config.steps = config.steps if steps is None else steps
-    config.warmup_steps = min(config.warmup_steps, config.steps - 1)
-    return config
+    return configure_preset(PRESETS, preset, repeats=repeats, steps=steps)
 
 
 # ------------------------------------------------------------------ instrumentation (benchmark only)
