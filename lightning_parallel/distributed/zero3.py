@@ -77,12 +77,27 @@ def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
 def fsdp_units(module: nn.Module) -> list[nn.Module]:
     """The modules :func:`apply_fully_shard` shards, in its order, without sharding anything (the planner's view)."""
     units = find_repeated_blocks(module)
-    units += [child for child in module.children() if any(True for _ in child.parameters()) and child not in units]
+    units += _remaining_children(module, units)
     units = [unit for unit in units if not _splits_a_tie(module, unit)]
     covered = {id(p) for unit in units for p in unit.parameters()}
     if any(id(p) not in covered for p in module.parameters()):
         units.append(module)
     return units
+
+
+def _remaining_children(module: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """Direct children holding parameters that no unit covers yet; a container without ``forward``
+    (``ModuleList``/``ModuleDict``, which ``fully_shard`` refuses) is replaced by its own such children."""
+    found: list[nn.Module] = []
+    for child in module.children():
+        covered = {id(p) for unit in units + found for p in unit.parameters()}
+        if child in units or all(id(p) in covered for p in child.parameters()):
+            continue  # no parameters, or all of them sharded by units already
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            found += _remaining_children(child, units + found)
+        else:
+            found.append(child)
+    return found
 
 
 def _splits_a_tie(root: nn.Module, unit: nn.Module) -> bool:

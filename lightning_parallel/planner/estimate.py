@@ -109,6 +109,8 @@ class ConfigEstimate:
     bubble: float | None = None
     fits: bool | None = None
     notes: list[str] = field(default_factory=list)
+    communication_complete: bool = True
+    """False where some traffic could not be predicted (pipeline P2P of a model without an example input)."""
 
     @property
     def max_total(self) -> int:
@@ -275,10 +277,18 @@ def estimate_pipeline(
     name = f"pipeline pp={p}, dp={dp}" + (f", v={v}" if v > 1 else "")
     args = f"pipeline_parallel_size={p}, num_microbatches={m}, schedule={schedule!r}"
     bubble = pipeline_bubble(schedule, pipeline_parallel_size=p, num_microbatches=m, stages_per_rank=v)
-    notes = (
-        [] if boundary is not None else ["Stage boundary sizes unknown (no example input): P2P bytes not predicted."]
+    notes = [] if boundary is not None else [
+        "stage boundary sizes unknown (no example input): P2P bytes not predicted; set the module's"
+        " `example_input_array` to predict them."
+    ]  # fmt: skip
+    return ConfigEstimate(
+        name,
+        f"PipelineParallelStrategy({args})",
+        ranks,
+        bubble=bubble,
+        notes=notes,
+        communication_complete=boundary is not None,
     )
-    return ConfigEstimate(name, f"PipelineParallelStrategy({args})", ranks, bubble=bubble, notes=notes)
 
 
 def _blocks_in(ctx: EstimateContext, plan: object, stages: list[int]) -> float:

@@ -64,7 +64,7 @@ class Plan:
                 format_bytes(worst.optimizer_state),
                 "?" if worst.activations is None else format_bytes(worst.activations),
                 format_bytes(worst.total),
-                format_bytes(c.wire_bytes(self.world_size)),
+                _wire_cell(c, self.world_size),
                 "-" if c.bubble is None else f"{c.bubble:.2f}",
                 "?" if c.fits is None else ("yes" if c.fits else "NO"),
             ]
@@ -81,11 +81,17 @@ class Plan:
             self.table(),
             "",
             *[f"* {a}" for a in self.assumptions],
+            *[f"* {c.name}: {note}" for c in self.configurations for note in c.notes],
         ]
         if self.recommended is not None:
             fits = "" if self.recommended.fits is not False else " (NOTHING FITS: closest shown)"
             lines += ["", f"Recommended: {self.recommended.name}{fits}", f"    {self.trainer_line}"]
         return "\n".join(lines)
+
+
+def _wire_cell(config: ConfigEstimate, world_size: int) -> str:
+    wire = format_bytes(config.wire_bytes(world_size))
+    return wire if config.communication_complete else f"{wire} + P2P (?)"
 
 
 def format_bytes(num_bytes: float) -> str:
