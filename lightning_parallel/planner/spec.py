@@ -12,6 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
@@ -152,7 +153,13 @@ def _from_module(name: str, module: nn.Module) -> ModelSpec:
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     index = {id(p): i for i, (_, p) in enumerate(named)}
     units = []
-    found = zero3.fsdp_units(module)
+    # The strategy shards the LightningModule, whose child the network is; a bare network (a GPTConfig, a plain
+    # nn.Module) gets the same parent here, so its units (and which one is FSDP2's root) are the strategy's.
+    holder = module
+    if not isinstance(module, pl.LightningModule):
+        holder = nn.Module()
+        holder.add_module("model", module)
+    found = zero3.fsdp_units(holder)
     for unit in found:
         nested = {id(p) for other in found if other is not unit and _contains(unit, other) for p in other.parameters()}
         own = tuple(index[id(p)] for p in unit.parameters() if id(p) not in nested and id(p) in index)
