@@ -46,7 +46,9 @@ def _c10d(node_rank: int, port: int, address: str = "127.0.0.1") -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "rendezvous"),
-    [("data_parallel", _static), ("zero1", _c10d), ("zero2", _c10d), ("zero3", _static), ("pipeline", _static)],
+    # No zero3 here: a torchrun job without spare restarts would fail on the known FSDP2 at-exit abort
+    # (docs/reliability.md); ZeRO-3 under torchrun is covered by tests/test_recovery.py, which gives it one.
+    [("data_parallel", _static), ("zero1", _c10d), ("zero2", _c10d), ("pipeline", _static)],
 )
 def test_two_torchrun_nodes_on_loopback_train_like_one_device(strategy, rendezvous, tmp_path):
     port, save = find_free_port(), tmp_path / "final.ckpt"
