@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
-__all__ = ["STATS_PREFIX", "RunStats", "RunSummary", "peak_memory_bytes", "summarize"]
+__all__ = ["STATS_PREFIX", "RunStats", "RunSummary", "batch_inputs", "peak_memory_bytes", "summarize"]
 
 STATS_PREFIX = "stats/"
 """Prefix of every key :class:`RunStats` writes into ``trainer.callback_metrics``."""
@@ -109,7 +109,7 @@ def _reset_peak_memory(device: torch.device) -> None:
         pass  # getrusage's peak cannot be reset; the window then starts at process start
 
 
-def _batch_inputs(batch: Any) -> Tensor | None:
+def batch_inputs(batch: Any) -> Tensor | None:
     """The input tensor of a batch: the first element of a tuple/list, ``input_ids``/``inputs`` of a dict, or itself."""
     if isinstance(batch, Tensor):
         return batch
@@ -197,7 +197,7 @@ class RunStats(Callback):
         now = time.perf_counter()
         self._step_times.append(now - (self._end_time if self._end_time is not None else self._start_time))
         self._end_time = now
-        inputs = _batch_inputs(batch)
+        inputs = batch_inputs(batch)
         if inputs is not None:
             self._tokens += inputs.numel() * self._data_share
             self._samples += (inputs.size(0) if inputs.dim() > 0 else 1) * self._data_share

@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
 from typing_extensions import override
 
-from lightning_parallel.demos.stats import peak_memory_bytes
+from lightning_parallel.demos.stats import batch_inputs, peak_memory_bytes
 from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero import module_memory_report
 from lightning_parallel.monitor.figure import write_figure
@@ -201,7 +200,7 @@ class ParallelismMonitor(Callback):
     def _step_record(self, trainer: pl.Trainer, batch: Any, elapsed: float, communication: Any) -> StepRecord:
         strategy = trainer.strategy
         kind = _strategy_kind(strategy)
-        inputs = _batch_inputs(batch)
+        inputs = batch_inputs(batch)
         replicas = trainer.world_size
         if kind == "pipeline":
             replicas = trainer.world_size // strategy.pipeline_parallel_size
@@ -344,18 +343,6 @@ def _memory_report(trainer: pl.Trainer) -> dict[str, int]:
         "gradients": measured.gradients,
         "optimizer_state": measured.optimizer_state,
     }
-
-
-def _batch_inputs(batch: Any) -> Tensor | None:
-    if isinstance(batch, Tensor):
-        return batch
-    if isinstance(batch, tuple | list) and batch and isinstance(batch[0], Tensor):
-        return batch[0]
-    if isinstance(batch, dict):
-        for key in ("input_ids", "inputs", "input"):
-            if isinstance(batch.get(key), Tensor):
-                return batch[key]
-    return None
 
 
 def _synchronize(device: torch.device) -> None:
