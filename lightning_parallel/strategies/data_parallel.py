@@ -34,7 +34,7 @@ from lightning_parallel.strategies.failures import PeerTable, explain_peer_failu
 from lightning_parallel.strategies.fork_safety import ForkSafeLauncher
 from lightning_parallel.strategies.launch import (
     StartMethod,
-    check_start_method_fits_launcher,
+    configure_launcher,
     set_up_distributed_environment,
     to_timeout,
     validate_start_method,
@@ -157,10 +157,7 @@ class DataParallelStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        check_start_method_fits_launcher(self.cluster_environment, self._start_method)
-        super()._configure_launcher()
-        if self._start_method != "popen":
-            self._launcher = ForkSafeLauncher(self, start_method=self._start_method)
+        configure_launcher(self, super()._configure_launcher, ForkSafeLauncher)
 
     @override
     def configure_ddp(self) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "ConsolidatingLauncher",
     "StartMethod",
     "check_start_method_fits_launcher",
+    "configure_launcher",
     "explain_unreachable_main",
     "init_process_group_after_restart",
     "set_up_distributed_environment",
@@ -103,6 +104,16 @@ def check_start_method_fits_launcher(cluster_environment: ClusterEnvironment, st
             " mpirun, ...). Use the plain strategy name (e.g. 'zero2' instead of 'zero2_notebook') or"
             " `start_method='popen'`."
         )
+
+
+def configure_launcher(strategy: Any, configure_default: Callable[[], None], fork_launcher: type) -> None:
+    """Every strategy's ``_configure_launcher``: refuse a fork/spawn start under an external launcher, let Lightning
+    pick its launcher (``configure_default``: the parent's method), then use ``fork_launcher`` for fork/spawn (our
+    launchers check for a CUDA context before forking and may send back the whole model)."""
+    check_start_method_fits_launcher(strategy.cluster_environment, strategy._start_method)
+    configure_default()
+    if strategy._start_method != "popen":
+        strategy._launcher = fork_launcher(strategy, start_method=strategy._start_method)
 
 
 class ConsolidatingLauncher(ForkSafeLauncher):

@@ -59,7 +59,7 @@ from lightning_parallel.strategies.failures import PeerTable, explain_peer_failu
 from lightning_parallel.strategies.launch import (
     ConsolidatingLauncher,
     StartMethod,
-    check_start_method_fits_launcher,
+    configure_launcher,
     set_up_distributed_environment,
     to_timeout,
     validate_start_method,
@@ -280,11 +280,8 @@ class PipelineParallelStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        check_start_method_fits_launcher(self.cluster_environment, self._start_method)
-        super()._configure_launcher()
-        if self._start_method in ("spawn", "fork"):
-            # The parent process gets the whole model back, not rank 0's stage.
-            self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
+        # fork/spawn: the parent process gets the whole model back, not rank 0's stage.
+        configure_launcher(self, super()._configure_launcher, ConsolidatingLauncher)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -43,7 +43,7 @@ from lightning_parallel.strategies.failures import PeerTable, explain_peer_failu
 from lightning_parallel.strategies.launch import (
     ConsolidatingLauncher,
     StartMethod,
-    check_start_method_fits_launcher,
+    configure_launcher,
     set_up_distributed_environment,
     to_timeout,
     validate_start_method,
@@ -155,10 +155,8 @@ class ShardedOptimizerStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        check_start_method_fits_launcher(self.cluster_environment, self._start_method)
-        super()._configure_launcher()
-        if self._start_method != "popen":
-            self._launcher = ConsolidatingLauncher(self, start_method=self._start_method)
+        # fork/spawn: the parent process gets the whole model back, not rank 0's shard.
+        configure_launcher(self, super()._configure_launcher, ConsolidatingLauncher)
 
     @property
     @override
