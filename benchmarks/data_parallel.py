@@ -19,12 +19,12 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from benchmarks.presets import configure_preset
 from benchmarks.results import machine_description, markdown_table, today, update_section
+from benchmarks.trainers import benchmark_trainer
 from lightning_parallel.demos.data import TextDataModule
 from lightning_parallel.demos.gpt import PRESETS as GPT_PRESETS
 from lightning_parallel.demos.gpt import num_parameters
@@ -119,17 +119,11 @@ def _train_once(strategy: Strategy, config: BenchmarkConfig) -> RunSummary:
     model = GPTLightningModule(demo.preset)
     datamodule = TextDataModule(seq_len=demo.seq_len, batch_size=demo.batch_size, max_bytes=demo.max_bytes, seed=0)
     datamodule.setup("fit")  # once here: forked processes inherit the loaded corpus
-    trainer = pl.Trainer(
+    trainer = benchmark_trainer(
         accelerator=config.accelerator,
         devices=config.devices,
         strategy=strategy,
         max_steps=demo.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
         callbacks=[RunStats(warmup_steps=demo.warmup_steps)],
     )
     with _restored_environ():

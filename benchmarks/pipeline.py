@@ -46,6 +46,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from benchmarks.figures import save_timeline
 from benchmarks.presets import configure_preset
 from benchmarks.results import FIGURES_DIR, machine_description, markdown_table, today, update_section
+from benchmarks.trainers import benchmark_trainer
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.demos import GPTLightningModule, TextDataModule, next_token_loss
 from lightning_parallel.demos.gpt import PRESETS as GPT_PRESETS
@@ -223,17 +224,11 @@ def _lightning_run(config: BenchmarkConfig, schedule: str, num_microbatches: int
         pl.seed_everything(0, verbose=False)
         model = GPTLightningModule(config.preset)
         strategy = PipelineParallelStrategy(start_method="fork", schedule=schedule, num_microbatches=num_microbatches)
-        trainer = pl.Trainer(
+        trainer = benchmark_trainer(
             accelerator=config.accelerator,
             devices=config.pipeline_parallel_size,
             strategy=strategy,
             max_steps=config.steps,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            enable_progress_bar=False,
             callbacks=[_Recorder(out_dir, config.warmup_steps)],
         )
         trainer.fit(model, datamodule=_datamodule(config))

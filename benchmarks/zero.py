@@ -38,6 +38,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from typing_extensions import override
 
 from benchmarks.results import update_section
+from benchmarks.trainers import benchmark_trainer
 from benchmarks.zero_probe import ZeroProbe, read_probe
 from lightning_parallel.demos.data import TextDataModule
 from lightning_parallel.demos.gpt import PRESETS as GPT_PRESETS
@@ -283,17 +284,11 @@ def train_contender(contender: Contender, run: RunConfig) -> Run:
     torch.manual_seed(0)
     datamodule = TextDataModule(seq_len=seq_len, batch_size=run.batch_size, max_bytes=400_000, seed=0)
     datamodule.setup("fit")  # once here: the forked ranks inherit the corpus
-    trainer = pl.Trainer(
+    trainer = benchmark_trainer(
         accelerator=run.accelerator,
         devices=run.devices,
         strategy=contender.make_strategy(),
         max_steps=run.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
         callbacks=[RunStats(warmup_steps=run.warmup_steps), ZeroProbe(warmup_steps=run.warmup_steps)],
     )
     # FSDPStrategy always re-runs the script in every rank (here: the whole benchmark); on GPUs start it with fork
