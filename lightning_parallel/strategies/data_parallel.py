@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -12,9 +14,10 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -29,6 +32,7 @@ from lightning_parallel.distributed.compression import (
 )
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
 from lightning_parallel.distributed.zero import MemoryReport, module_memory_report
+from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, load_module_state
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
 from lightning_parallel.strategies.fork_safety import ForkSafeLauncher
@@ -41,9 +45,16 @@ from lightning_parallel.strategies.launch import (
 )
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss, drop_gradients, should_skip_step, validate_nonfinite
 
-__all__ = ["DataParallelStrategy"]
+__all__ = ["UNUSED_PARAMETERS_MESSAGE", "DataParallelStrategy"]
 
 _UNEVEN_CHOICES = ("auto", True, False)
+_REDUCTION_NOT_FINISHED = "Expected to have finished reduction in the prior iteration"
+UNUSED_PARAMETERS_MESSAGE = (
+    "Your LightningModule has parameters that got no gradient from the loss returned by training_step. If that is"
+    " intentional, pass `DataParallelStrategy(find_unused_parameters=True)` (slower), or leave those parameters out"
+    " of the model; ShardedOptimizerStrategy handles unused parameters as is."
+)
+"""The start of the error that replaces torch DDP's "Expected to have finished reduction ..." on every launcher."""
 
 
 class DataParallelStrategy(DDPStrategy):
@@ -57,6 +68,10 @@ class DataParallelStrategy(DDPStrategy):
     * uneven inputs: ranks with different numbers of batches finish the epoch together instead of hanging.
     * typed DDP options (no ``**kwargs``), input validation on every rank before the first collective, and a
       ``timeout`` in seconds or as a ``timedelta``.
+    * ``requires_grad`` may change during training (unfreezing a backbone): the model is re-wrapped in DDP when the
+      set of trainable parameters changed, so their gradients are averaged like any other (plain DDP never
+      averages parameters that were frozen when it wrapped the module, and the replicas drift apart).
+    * ``Trainer(sync_batchnorm=True)`` on CPU is refused at setup on every rank (torch's SyncBatchNorm needs CUDA).
 
     At world size 1 it behaves like plain single-device training (no compression, no padding).
 
@@ -160,12 +175,72 @@ class DataParallelStrategy(DDPStrategy):
         configure_launcher(self, super()._configure_launcher, ForkSafeLauncher)
 
     @override
+    def setup(self, trainer: Any) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            check_layer_sync(self._layer_sync, self.strategy_name, self.root_device, supported=True)
+        super().setup(trainer)
+
+    @override
     def configure_ddp(self) -> None:
+        self._ddp_trainable: tuple[bool, ...] | None = None
         if self.world_size == 1:
             # Nothing to communicate: train the bare module, so results equal plain single-device training bit
             # for bit (Lightning's DDPStrategy still wraps in DDP and all-reduces with itself).
             return
         super().configure_ddp()
+        self._remember_ddp_parameters()
+
+    def _remember_ddp_parameters(self) -> None:
+        """What DDP registered at wrapping: the ``requires_grad`` flags, and the names in DDP's parameter order."""
+        module = self.lightning_module
+        self._ddp_trainable = _trainable_flags(module.parameters())
+        self._step_trainable = self._ddp_trainable
+        self._ddp_parameter_names = _ddp_parameter_names(module)
+
+    def _follow_trainable_set(self) -> None:
+        """Collective when it re-wraps (every rank does: the flags are set by the same user code on every rank).
+
+        Torch DDP registers only the parameters that required grad when it wrapped the module, so one unfrozen
+        later would never be averaged. At the start of a step, when the flags differ from those DDP was built with,
+        wrap the module again with the same options and communication hook (the optimizer keeps the same
+        parameters). Inside gradient accumulation (DDP's ``no_sync``) the re-wrap waits for the window's last
+        micro-batch, whose all-reduce then averages the gradients accumulated in the window.
+        """
+        model = self.model
+        if not isinstance(model, DistributedDataParallel):
+            return
+        flags = _trainable_flags(self.lightning_module.parameters())
+        self._step_trainable = flags
+        if flags == self._ddp_trainable or not model.require_backward_grad_sync:
+            return
+        assert self._ddp_trainable is not None
+        unfrozen, frozen = _changed(self.lightning_module, self._ddp_trainable, flags)
+        self.model = self._setup_model(self.lightning_module)
+        self._register_ddp_hooks()
+        self._remember_ddp_parameters()
+        restart = " PowerSGD restarts its warm-up." if self.gradient_compression == "powersgd" else ""
+        rank_zero_info(
+            "DataParallelStrategy: the set of trainable parameters changed"
+            f" (now trainable: {_names(unfrozen)}; now frozen: {_names(frozen)}); re-wrapped the model in"
+            f" DistributedDataParallel so every rank averages the same gradients.{restart}"
+        )
+
+    def _check_trainable_set_unchanged_in_step(self) -> None:
+        """Automatic optimization: refuse a ``requires_grad`` change made after the step's forward started."""
+        if self._step_trainable is None or not self.lightning_module.automatic_optimization:
+            return
+        flags = _trainable_flags(self.lightning_module.parameters())
+        if flags == self._step_trainable:
+            return
+        unfrozen, frozen = _changed(self.lightning_module, self._step_trainable, flags)
+        raise RuntimeError(
+            "DataParallelStrategy: `requires_grad` changed during a training step (in `training_step` or"
+            f" `on_before_backward`): now trainable: {_names(unfrozen)}; now frozen: {_names(frozen)}. DDP fixes"
+            " which gradients it averages when the step's forward starts, so these would train differently on each"
+            " rank. Change `requires_grad` before the step instead: in `on_train_batch_start`,"
+            " `on_train_epoch_start` or a callback (e.g. `BackboneFinetuning`); the strategy then re-wraps the model"
+            " so every rank trains them alike."
+        )
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -220,7 +295,15 @@ class DataParallelStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         is_padding = self._lockstep_batches is not None and self._lockstep_batches.pop_is_padding()
         self._current_step_is_padding = is_padding
-        output = super().training_step(*args, **kwargs)
+        self._follow_trainable_set()
+        try:
+            output = super().training_step(*args, **kwargs)
+        except RuntimeError as error:
+            # Raised by DDP's forward in this (worker) process: translate it here so every launcher shows ours,
+            # including the fork/spawn workers, where Lightning never calls `on_exception`.
+            if _REDUCTION_NOT_FINISHED in str(error):
+                raise RuntimeError(self._unused_parameters_message(str(error))) from error
+            raise
         if is_padding:
             output = _zero_loss_weight(output)
         step = self.lightning_module.trainer.global_step
@@ -230,10 +313,14 @@ class DataParallelStrategy(DDPStrategy):
         return output
 
     _skip_step = False
+    _ddp_trainable: tuple[bool, ...] | None = None
+    _step_trainable: tuple[bool, ...] | None = None
+    _ddp_parameter_names: tuple[str, ...] = ()
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
+        self._check_trainable_set_unchanged_in_step()
         if self._skip_step:  # every rank decided the same: drop the (non-finite) averaged gradients
             drop_gradients(self.lightning_module.parameters())
             self._skip_step = False
@@ -241,13 +328,23 @@ class DataParallelStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         explain_peer_failure(exception, getattr(self, "_peers", None), self.global_rank)
-        if "Expected to have finished reduction in the prior iteration" in str(exception):
-            exception.args = (
-                "Your LightningModule has parameters that got no gradient from the loss returned by training_step."
-                " If that is intentional, pass `DataParallelStrategy(find_unused_parameters=True)` (slower), or leave"
-                " those parameters out of the model; ShardedOptimizerStrategy handles unused parameters as is."
-                f"\n\nOriginal error: {exception}",
-            )
+        text = str(exception)
+        if _REDUCTION_NOT_FINISHED in text and not text.startswith(UNUSED_PARAMETERS_MESSAGE):
+            # Raised outside `training_step` (manual optimization's `prepare_for_backward`), or the fork/spawn
+            # launcher's `ProcessRaisedException` in the parent, whose text is the worker's traceback.
+            exception.args = (f"{self._unused_parameters_message(text)}\n\nOriginal error: {text}",)
+
+    def _unused_parameters_message(self, torch_message: str) -> str:
+        """Our advice, naming the parameters torch lists by index ("Parameter indices which did not receive
+        grad for rank 0: 6 7") in DDP's registration order."""
+        names = []
+        match = re.search(r"did not receive grad for rank \d+: ([\d ]+)", torch_message)
+        if match is not None:
+            indices = [int(index) for index in match.group(1).split()]
+            names = [self._ddp_parameter_names[i] for i in indices if i < len(self._ddp_parameter_names)]
+        if not names:
+            return UNUSED_PARAMETERS_MESSAGE
+        return f"{UNUSED_PARAMETERS_MESSAGE} Parameters without a gradient on this rank: {', '.join(names)}."
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -287,3 +384,34 @@ def _zero_loss_weight(output: STEP_OUTPUT) -> STEP_OUTPUT:
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
         return {**output, "loss": output["loss"] * 0.0}
     return output
+
+
+def _trainable_flags(parameters: Iterable[nn.Parameter]) -> tuple[bool, ...]:
+    return tuple(parameter.requires_grad for parameter in parameters)
+
+
+def _changed(module: nn.Module, before: tuple[bool, ...], after: tuple[bool, ...]) -> tuple[list[str], list[str]]:
+    """Names of the parameters that became trainable and that became frozen between two flag tuples."""
+    names = [name for name, _ in module.named_parameters()]
+    pairs = list(zip(names, before, after, strict=True))
+    return [n for n, old, new in pairs if new and not old], [n for n, old, new in pairs if old and not new]
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def _ddp_parameter_names(module: nn.Module) -> tuple[str, ...]:
+    """Names of the parameters DDP registers, in its order (``DistributedDataParallel._build_params_for_reducer``:
+    module by module, only those requiring grad, each shared parameter once); torch reports unused ones by index."""
+    seen: set[int] = set()
+    names = []
+    for module_name, submodule in module.named_modules():
+        for parameter_name, parameter in submodule.named_parameters(recurse=False):
+            if parameter.requires_grad and id(parameter) not in seen:
+                seen.add(id(parameter))
+                names.append(f"{module_name}.{parameter_name}" if module_name else parameter_name)
+    return tuple(names)
