@@ -1,0 +1,149 @@
+"""DataParallelStrategy off the happy path (issue 10): models from ``model_zoo`` against single-device Lightning.
+
+* ``requires_grad`` changing during training (a backbone unfrozen at step 2) trains like one device: the strategy
+  re-wraps DDP when the trainable set changes, with and without gradient accumulation; a change made inside
+  ``training_step`` is refused on every rank, naming the parameters.
+* An unused parameter gives our error naming it, under the popen path and Lightning's fork launcher.
+* ``Trainer(sync_batchnorm=True)`` on CPU is refused on every rank at setup, with one clear ``ValueError`` and no
+  second error, under every strategy that calls ``strategies/batchnorm.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import model_zoo as zoo
+import pytest
+import torch
+from distributed_harness import run_distributed
+from lightning.pytorch.plugins.layer_sync import LayerSync
+from torch import nn
+from training_helpers import assert_weights_close
+
+from lightning_parallel import DataParallelStrategy
+from lightning_parallel.strategies.batchnorm import check_layer_sync, check_sync_batchnorm
+from lightning_parallel.strategies.data_parallel import UNUSED_PARAMETERS_MESSAGE
+
+TIMEOUT_S = 180  # generous: the 2 cores are shared with other tests
+FREEZE_CASES = [(1, {}), (2, {}), (1, {"static_graph": True, "gradient_as_bucket_view": False})]
+
+
+# ------------------------------------------------------------------ requires_grad changing during training
+class _UnfreezeInsideTrainingStep(zoo.FreezeScheduleModel):
+    """Unfreezes in ``training_step`` itself, after the step's DDP forward has started."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.unfreeze_at:
+            self.backbone.requires_grad_(True)
+        return super().training_step(batch, batch_idx)
+
+
+def _error_of(fit: Any) -> tuple[str, str]:
+    try:
+        fit()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
+def _freeze_schedule_in_rank(rank: int, world_size: int) -> dict[str, Any]:
+    weights = [
+        zoo.fit_in_rank(
+            zoo.FreezeScheduleModel, DataParallelStrategy(**options), world_size, accumulate_grad_batches=accumulate
+        )
+        for accumulate, options in FREEZE_CASES
+    ]
+    inside = _error_of(lambda: zoo.fit_in_rank(_UnfreezeInsideTrainingStep, "data_parallel", world_size))
+    unused = _error_of(lambda: zoo.fit_in_rank(zoo.AuxHeadModel, "data_parallel", world_size))
+    return {"weights": weights, "inside": inside, "unused": unused}
+
+
+def test_unfreezing_trains_like_one_device_and_bad_changes_are_named_on_every_rank() -> None:
+    rank0, rank1 = run_distributed(_freeze_schedule_in_rank, 2, init_process_group=False, timeout=TIMEOUT_S)
+    pl.seed_everything(0, verbose=False)
+    untrained = zoo.state_of(zoo.FreezeScheduleModel())
+    for (accumulate, options), weights0, weights1 in zip(FREEZE_CASES, rank0["weights"], rank1["weights"], strict=True):
+        reference = zoo.single_device(zoo.FreezeScheduleModel, accumulate_grad_batches=accumulate)
+        assert_weights_close(weights0, reference, rtol=1e-5, atol=1e-6)
+        assert_weights_close(weights1, weights0, rtol=0, atol=0)  # plain DDP: the replicas drift apart (1e-2)
+        moved = (weights0["backbone.0.weight"] - untrained["backbone.0.weight"]).abs().max().item()
+        assert moved > 1e-3, (accumulate, options)  # the unfrozen backbone really trained
+    for rank in (rank0, rank1):
+        kind, message = rank["inside"]
+        assert kind == "RuntimeError", message
+        assert "`requires_grad` changed during a training step" in message
+        assert "now trainable: backbone.0.weight, backbone.0.bias, backbone.2.weight, backbone.2.bias" in message
+        assert "on_train_batch_start" in message
+        kind, message = rank["unused"]
+        assert kind == "RuntimeError", message
+        assert message.startswith(UNUSED_PARAMETERS_MESSAGE)
+        assert "Parameters without a gradient on this rank: never_used.weight, never_used.bias." in message
+
+
+# ------------------------------------------------------------------ unused parameters under the fork launcher
+def _unused_under_fork_launcher(rank: int, world_size: int) -> tuple[str, str]:
+    pl.seed_everything(0, verbose=False)
+    fit_trainer = zoo.trainer("data_parallel_notebook", 2)
+    return _error_of(lambda: fit_trainer.fit(zoo.AuxHeadModel(), zoo.loader(2, 0)))
+
+
+def test_unused_parameter_error_is_ours_under_the_fork_launcher() -> None:
+    """Lightning's fork workers never call ``on_exception``: the worker's traceback (which the parent re-raises as
+    ``ProcessRaisedException``) used to end in torch's raw "Expected to have finished reduction"."""
+    ((kind, message),) = run_distributed(
+        _unused_under_fork_launcher, 1, init_process_group=False, launcher_env=False, timeout=TIMEOUT_S
+    )
+    assert kind == "ProcessRaisedException", message
+    assert message.startswith(UNUSED_PARAMETERS_MESSAGE)
+    assert f"RuntimeError: {UNUSED_PARAMETERS_MESSAGE}" in message  # the worker itself raised ours
+    assert "never_used.weight, never_used.bias" in message
+
+
+# ------------------------------------------------------------------ sync_batchnorm
+SYNC_BATCHNORM_STRATEGIES = ("data_parallel", "zero1", "zero2", "zero3")
+
+
+def _sync_batchnorm_on_cpu(rank: int, world_size: int) -> dict[str, tuple[str, str, bool]]:
+    results = {}
+    for name in SYNC_BATCHNORM_STRATEGIES:
+        pl.seed_everything(0, verbose=False)
+        fit_trainer = zoo.trainer(name, world_size, sync_batchnorm=True)
+        try:
+            fit_trainer.fit(zoo.BatchNormCNN(), zoo.loader(world_size, rank))
+            results[name] = ("no error", "", False)
+        except Exception as error:
+            results[name] = (type(error).__name__, str(error), error.__context__ is not None)
+    return results
+
+
+def test_sync_batchnorm_on_cpu_is_refused_at_setup_on_every_rank() -> None:
+    for results in run_distributed(_sync_batchnorm_on_cpu, 2, init_process_group=False, timeout=TIMEOUT_S):
+        for name in SYNC_BATCHNORM_STRATEGIES:
+            kind, message, has_second_error = results[name]
+            assert kind == "ValueError", (name, message)
+            assert message.startswith("`Trainer(sync_batchnorm=True)` needs CUDA devices"), (name, message)
+            assert f"With strategy {name!r} on CPU remove `sync_batchnorm=True`" in message
+            assert "running statistics saved in checkpoints are rank 0's" in message
+            assert not has_second_error, (name, message)  # raised alone, not while handling another error
+
+
+def test_sync_batchnorm_check_answers_per_device_and_strategy() -> None:
+    check_sync_batchnorm("data_parallel", torch.device("cuda", 0), supported=True)
+    with pytest.raises(ValueError, match="needs CUDA devices: torch's SyncBatchNorm cannot run on MPS"):
+        check_sync_batchnorm("zero2", torch.device("mps"), supported=True)
+    with pytest.raises(ValueError, match="not supported by strategy 'pipeline': remove `sync_batchnorm=True`"):
+        check_sync_batchnorm("pipeline", torch.device("cuda", 0), supported=False)
+
+    class _OwnSync(LayerSync):
+        def apply(self, model: nn.Module) -> nn.Module:
+            return model
+
+        def revert(self, model: nn.Module) -> nn.Module:
+            return model
+
+    check_layer_sync(None, "zero2", torch.device("cpu"), supported=True)  # flag not set
+    check_layer_sync(_OwnSync(), "zero2", torch.device("cpu"), supported=True)  # a user's own plugin: theirs
