@@ -30,6 +30,7 @@ from lightning_parallel.distributed.zero import MemoryReport
 
 __all__ = [
     "apply_fully_shard",
+    "broadcast_from_rank0",
     "consolidated_model_state",
     "consolidated_optimizer_state",
     "find_repeated_blocks",
@@ -106,6 +107,29 @@ def _splits_a_tie(root: nn.Module, unit: nn.Module) -> bool:
     for name, param in root.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)
     return any(0 < sum(n.startswith(prefix) for n in names) < len(names) for names in names_of.values())
+
+
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module, device: torch.device) -> None:
+    """Collective. Every materialised parameter and buffer takes rank 0's value, as DDP and stages 1-2 do before
+    training: a re-launched rank builds its own initial weights (a script without a common seed, weights loaded on
+    rank 0 only), and sharding them as they are would train a mix of the ranks' models. ``device`` is the device the
+    backend communicates from (the rank's GPU for NCCL).
+
+    Meta tensors are skipped (every rank skips the same ones): :func:`materialize_meta_module` initialises their
+    shards with DTensor's random ops, whose generator every rank seeds from rank 0 on first use, so those values
+    do not depend on the other ranks' seeds either. Already sharded parameters (a second ``fit``) are skipped.
+    """
+    seen: set[int] = set()
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.is_meta or isinstance(tensor, DTensor) or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        # NCCL broadcasts device tensors only; a model built on the CPU goes through one tensor's copy at a time.
+        on_device = tensor.detach() if tensor.device == device else tensor.detach().to(device)
+        dist.broadcast(on_device, src=0)
+        if on_device.data_ptr() != tensor.data_ptr():
+            tensor.detach().copy_(on_device)
 
 
 def materialize_meta_module(module: nn.Module, device: torch.device) -> bool:

@@ -32,7 +32,10 @@ from lightning_parallel.distributed.checkpoint import (
 )
 from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
+from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
+from lightning_parallel.distributed.zero3_checks import check_callbacks
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
+from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import (
     load_checkpoint_any_format,
     load_module_state,
@@ -137,6 +140,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
         self._buckets: ShardedParameterBuckets | None = None
         self._sharded_optimizer: ShardedOptimizer | None = None
         self._fsdp_units: list[nn.Module] = []
+        self._access: ShardedModuleAccess | None = None
         self._memory_logged = False
         self.track_communication = False
         """Count collective bytes in :attr:`communication_stats` (stages 1-2; ``ParallelismMonitor`` sets it, and
@@ -179,6 +183,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._buckets, self._sharded_optimizer, self._fsdp_units = None, None, []
         if fitting and self._layer_sync:
+            check_layer_sync(self._layer_sync, f"zero{self.stage}", self.root_device, supported=True)
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         if self.stage == 3 and self.is_sharding:
@@ -208,10 +213,35 @@ class ShardedOptimizerStrategy(DDPStrategy):
         self.precision_plugin.scaler = ShardedGradScaler(device=self.root_device.type)
 
     def _setup_stage3(self) -> None:
+        check_callbacks(self.lightning_module.trainer.callbacks)
         mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        # Start from rank 0's weights, as stages 1-2 and DDP do.
+        zero3.broadcast_from_rank0(self.lightning_module, self.root_device)
         self._fsdp_units = zero3.apply_fully_shard(self.lightning_module, mesh)
         zero3.materialize_meta_module(self.lightning_module, self.root_device)
         self.model_to_device()
+        self._access = ShardedModuleAccess(self.lightning_module, self._fsdp_units, world_size=self.world_size)
+        self._access.running = True
+
+    @contextmanager
+    def full_module(self) -> Generator[nn.Module, None, None]:
+        """Collective on entry: the whole module on every rank until exit, so code that runs on one rank only
+        (sampling, an evaluation on rank 0) may call it. Enter on every rank::
+
+            trainer.fit(model)
+            with trainer.strategy.full_module():
+                if trainer.is_global_zero:
+                    sample = model.generate(prompt)
+
+        Stage 3 all-gathers every parameter once on entry and frees the whole copies on exit (each rank holds the
+        full parameters in between; changes to them are dropped); stages 1-2 hold whole parameters anyway. Outside
+        this block a stage-3 module called outside a Trainer raises a ``RuntimeError`` instead of hanging.
+        """
+        if self._access is None:
+            yield self.lightning_module
+            return
+        with self._access.full_parameters() as module:
+            yield module
 
     def _setup_stage12(self) -> None:
         self._buckets = ShardedParameterBuckets(
@@ -441,6 +471,11 @@ class ShardedOptimizerStrategy(DDPStrategy):
         # Keep the buckets (for `memory_report()` after fit) but stop hooking the module's gradients.
         if self._buckets is not None:
             self._buckets.remove_hooks()
+        # Local, no collective: an exception mid-step leaves FSDP2 half unsharded, and `module.cpu()` below would
+        # then fail with an unrelated AttributeError that hides the user's error.
+        reset_after_failure(self._fsdp_units)
+        if self._access is not None:
+            self._access.running = False
         super().teardown()
 
     @classmethod

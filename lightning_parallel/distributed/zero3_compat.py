@@ -1,0 +1,71 @@
+"""The private FSDP2 state that ZeRO-3 reads or restores, in one place.
+
+``FSDPModule.set_reshard_after_forward`` is public but has no getter and also clears the "auto" flag that lets FSDP2
+keep the root unit unsharded after forward; :func:`reshard_after_forward_disabled` restores both exactly.
+``FSDPModule.reset_iter_state`` is public, but in torch 2.13 fails on a root unit that never ran a forward (its
+communication context is created lazily); :func:`is_initialised_root` tells which units to reset.
+:func:`propagate_requires_grad` reads FSDP2's per-parameter records (``FSDPParam``), which have no public API. Checked
+against torch 2.13: a version that renames these fields fails here with a named error, not silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+__all__ = ["is_initialised_root", "propagate_requires_grad", "reshard_after_forward_disabled"]
+
+
+def _saved_reshard_settings(unit: FSDPModule) -> tuple[Any, bool, list[tuple[Any, Any]]]:
+    try:
+        state = unit._get_fsdp_state()
+        groups = [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups]
+        return state, state._auto_reshard_after_forward, groups
+    except AttributeError as error:  # pragma: no cover - only on a torch version that moved these fields
+        raise RuntimeError(
+            f"This torch version's FSDP2 has no `{error.name}` where lightning_parallel expects it (written for"
+            " torch 2.13); `ShardedOptimizerStrategy.full_module()` cannot keep parameters unsharded."
+        ) from error
+
+
+@contextmanager
+def reshard_after_forward_disabled(units: Sequence[nn.Module]) -> Generator[None, None, None]:
+    """Keep every unit's unsharded parameters after its forward; restore each unit's own setting on exit."""
+    saved = [_saved_reshard_settings(unit) for unit in units if isinstance(unit, FSDPModule)]
+    for unit in units:
+        if isinstance(unit, FSDPModule):
+            unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for state, auto, groups in saved:
+            state._auto_reshard_after_forward = auto
+            for group, mesh_info in groups:
+                group.post_forward_mesh_info = mesh_info
+
+
+def is_initialised_root(unit: FSDPModule) -> bool:
+    """Whether ``unit`` ran its first forward as a root unit (so ``reset_iter_state()`` may be called on it)."""
+    return getattr(unit._get_fsdp_state(), "_is_root", None) is True
+
+
+def propagate_requires_grad(unit: FSDPModule) -> None:
+    """Carry a ``requires_grad`` change made on the module's registered parameters over to FSDP2's sharded ones.
+
+    Between steps FSDP2 may leave the *unsharded* parameters registered (a root unit keeps them after forward, and
+    a frozen unit has no backward to reshard it), so ``module.requires_grad_(True)`` (unfreezing a backbone) lands
+    on those, while FSDP2 copies ``requires_grad`` from the sharded parameter at every all-gather: the change would
+    last one step. FSDP2 itself sets both equal when it registers the unsharded parameter, so a difference here is
+    the user's change. Local; call before the unit's forward.
+    """
+    for group in unit._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            info = fsdp_param._module_info
+            registered = getattr(info.module, info.param_name)
+            sharded = fsdp_param.sharded_param
+            if registered is not sharded and registered.requires_grad != sharded.requires_grad:
+                sharded.requires_grad_(registered.requires_grad)

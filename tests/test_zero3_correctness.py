@@ -1,0 +1,145 @@
+"""ZeRO-3 off the happy path, with user-like models (tests/model_zoo.py) against one-device Lightning.
+
+One 2-rank run holds every case (each is a few steps of a tiny model): ranks that build different initial weights,
+a freeze/unfreeze schedule, code that runs on rank 0 only after ``fit``, callbacks that copy parameters, and
+errors inside ``fit`` that must surface as themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from distributed_harness import run_distributed
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
+from model_zoo import (
+    BatchNormCNN,
+    FreezeScheduleModel,
+    RankSeededModel,
+    dataset,
+    fit_in_rank,
+    loader,
+    single_device,
+    trainer,
+)
+from torch import nn
+
+import lightning_parallel  # noqa: F401  (registers "zero3")
+
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+WORLD_SIZE = 2
+CALLBACKS = {
+    "EMAWeightAveraging": lambda: EMAWeightAveraging(),
+    "StochasticWeightAveraging": lambda: StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1),
+    "ModelPruning": lambda: ModelPruning("l1_unstructured", amount=0.1),
+}
+
+
+class _FailingModel(RankSeededModel):
+    """Raises ``ValueError("boom")`` inside a sharded block's forward (its parameters gathered) in the second step."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.blocks[1].append(_RaiseOnSecondCall())
+
+
+class _RaiseOnSecondCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("boom")
+        return x
+
+
+def _probe() -> torch.Tensor:
+    return dataset()[:3][0]
+
+
+def _last_error(fit: Any) -> str:
+    """The exception a user sees from ``fit()``: its type and message (a teardown error would replace it)."""
+    try:
+        fit()
+    except Exception as error:  # the one that propagates, whichever it is
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _rank_seeded_then_rank_zero_only(rank: int, world_size: int, results: dict) -> None:
+    fit_trainer = trainer("zero3", world_size)
+    module = RankSeededModel(rank)  # each rank seeds its own weights, as a re-launched script without a seed
+    fit_trainer.fit(module, loader(world_size, rank))
+    results["rank_seeded"] = {k: v.clone() for k, v in fit_trainer.strategy.lightning_module_state_dict().items()}
+    if rank == 0:  # rank 0 alone, outside the block: a clear error, raised before any collective
+        results["outside"] = _last_error(lambda: module(_probe()))
+    with fit_trainer.strategy.full_module():
+        if rank == 0:
+            with torch.no_grad():
+                results["rank_zero_output"] = module(_probe()).clone()
+                results["rank_zero_output_again"] = module(_probe()).clone()
+
+
+def _refused_callbacks(rank: int, world_size: int) -> dict[str, str]:
+    refused = {}
+    for name, make in CALLBACKS.items():
+        fit_trainer = trainer("zero3", world_size, callbacks=[make()], max_epochs=2, max_steps=-1)
+        refused[name] = _last_error(lambda t=fit_trainer: t.fit(RankSeededModel(0), loader(world_size, rank)))
+    return refused
+
+
+def _in_ranks(rank: int, world_size: int) -> dict:
+    results: dict[str, Any] = {}
+    _rank_seeded_then_rank_zero_only(rank, world_size, results)
+    results["freeze_schedule"] = fit_in_rank(FreezeScheduleModel, "zero3", world_size)
+    results["callbacks"] = _refused_callbacks(rank, world_size)
+    # Errors inside fit: what the user sees must be the error itself, not a teardown error after it.
+    results["sync_batchnorm"] = _last_error(
+        lambda: trainer("zero3", world_size, sync_batchnorm=True).fit(BatchNormCNN(), loader(world_size, rank))
+    )
+    results["boom"] = _last_error(lambda: trainer("zero3", world_size).fit(_FailingModel(), loader(world_size, rank)))
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_distributed(_in_ranks, WORLD_SIZE, init_process_group=False, timeout=180)
+
+
+def test_ranks_with_their_own_initial_weights_train_rank_zero_s_model(ranks):
+    reference = single_device(lambda: RankSeededModel(0))
+    torch.testing.assert_close(ranks[0]["rank_seeded"], reference, **TOLERANCE)
+
+
+def test_rank_zero_alone_calls_the_full_module_after_fit(ranks):
+    reference = single_device(lambda: RankSeededModel(0))
+    module = RankSeededModel(0)
+    module.load_state_dict(reference)
+    with torch.no_grad():
+        expected = module(_probe())
+    torch.testing.assert_close(ranks[0]["rank_zero_output"], expected, **TOLERANCE)
+    torch.testing.assert_close(ranks[0]["rank_zero_output_again"], expected, **TOLERANCE)
+    assert ranks[0]["outside"].startswith("RuntimeError: `RankSeededModel` is sharded across 2 ranks by ZeRO-3")
+    assert "with trainer.strategy.full_module():" in ranks[0]["outside"]
+
+
+def test_unfreezing_during_training_trains_like_one_device(ranks):
+    reference = single_device(FreezeScheduleModel)
+    torch.testing.assert_close(ranks[0]["freeze_schedule"], reference, **TOLERANCE)
+
+
+@pytest.mark.parametrize("name", list(CALLBACKS))
+def test_parameter_copying_callbacks_are_refused_before_training_on_every_rank(ranks, name):
+    for result in ranks:
+        message = result["callbacks"][name]
+        assert message.startswith(f"ValueError: `{name}` cannot run under ZeRO-3"), message
+        assert "strategy='zero2'" in message
+
+
+def test_errors_inside_fit_surface_as_themselves(ranks):
+    for result in ranks:
+        assert result["boom"] == "ValueError: boom"
+        assert result["sync_batchnorm"].startswith("ValueError: `Trainer(sync_batchnorm=True)` needs CUDA devices")
