@@ -23,6 +23,7 @@ __all__ = [
     "StageModule",
     "StagePlan",
     "balanced_boundaries",
+    "check_layer_output",
     "check_parameter_ownership",
     "layer_compute_costs",
     "layer_parameter_costs",
@@ -72,8 +73,11 @@ def resolve_pipeline_layers(module: nn.Module) -> list[nn.Module]:
 def layer_qualified_names(module: nn.Module, layers: Sequence[nn.Module]) -> list[list[str]]:
     """The names under which each layer is registered in ``module`` (a layer may have aliases).
 
+    A stateless layer (no parameters, no buffers: a reshape built inside ``pipeline_layers()``) may live outside the
+    module tree; it has no names and nothing to move.
+
     Raises:
-        ValueError: If a layer is not a submodule of ``module`` or is the module itself.
+        ValueError: If a layer with state is not a submodule of ``module`` or is the module itself.
     """
     names: dict[int, list[str]] = {}
     for name, submodule in module.named_modules(remove_duplicate=False):
@@ -81,6 +85,9 @@ def layer_qualified_names(module: nn.Module, layers: Sequence[nn.Module]) -> lis
             names.setdefault(id(submodule), []).append(name)
     result = []
     for index, layer in enumerate(layers):
+        if id(layer) not in names and _is_stateless(layer):
+            result.append([])
+            continue
         if id(layer) not in names:
             raise ValueError(
                 f"`pipeline_layers()` item {index} (`{type(layer).__name__}`) is not a submodule of"
@@ -88,6 +95,10 @@ def layer_qualified_names(module: nn.Module, layers: Sequence[nn.Module]) -> lis
             )
         result.append(names[id(layer)])
     return result
+
+
+def _is_stateless(layer: nn.Module) -> bool:
+    return next(layer.parameters(), None) is None and next(layer.buffers(), None) is None
 
 
 def check_parameter_ownership(module: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
@@ -128,7 +139,8 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
-def _check_layer_output(index: int, layer: nn.Module, output: Any) -> tuple[Tensor, ...]:
+def check_layer_output(index: int, layer: nn.Module, output: Any) -> tuple[Tensor, ...]:
+    """``output`` as a tuple of tensors; a ``TypeError`` naming the layer if it is anything else."""
     if isinstance(output, Tensor):
         return (output,)
     if isinstance(output, tuple) and output and all(isinstance(o, Tensor) for o in output):
@@ -164,7 +176,7 @@ def layer_compute_costs(
         meta_layer = copy.deepcopy(layer).to("meta")
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             output = meta_layer(*current_args, **current_kwargs)
-        outputs = _check_layer_output(index, layer, output)
+        outputs = check_layer_output(index, layer, output)
         costs.append(int(counter.get_total_flops()) + sum(o.numel() for o in outputs))
         current_args, current_kwargs = outputs, {}
     return costs
@@ -223,7 +235,7 @@ def measure_layer_times(
 def _forward_backward(
     index: int, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Tensor, ...]:
-    outputs = _check_layer_output(index, layer, layer(*args, **kwargs))
+    outputs = check_layer_output(index, layer, layer(*args, **kwargs))
     loss = sum(o.float().sum() for o in outputs if o.requires_grad)
     if isinstance(loss, Tensor):
         loss.backward()
@@ -359,11 +371,27 @@ class RemoteLayer(nn.Module):
         super().__init__()
         self.name = name
         self.stage = stage
+        self.orphaned = False
+        """Set when the run failed before the whole model could be put back: any access then raises."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.orphaned:
+            raise self._orphaned_error()
         raise RuntimeError(
             f"`{self.name}` lives on pipeline stage {self.stage}, not on this rank, so it cannot be called here."
             f" {_CONTRACT} Call `self(...)` in the step instead of reaching into submodules."
+        )
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        if self.orphaned:
+            raise self._orphaned_error()
+        return super().state_dict(*args, **kwargs)
+
+    def _orphaned_error(self) -> RuntimeError:
+        return RuntimeError(
+            f"`{self.name}` lived on pipeline stage {self.stage} of a pipeline run that failed, so this module holds"
+            " only this rank's stages and cannot give its whole state. Load the last checkpoint into a fresh module"
+            " (`LitModel.load_from_checkpoint(path)`)."
         )
 
     def extra_repr(self) -> str:
@@ -393,4 +421,17 @@ class StageModule(nn.Module):
         output = self.layers[0](*args, **kwargs)
         for layer in self.layers[1:]:
             output = layer(*output) if isinstance(output, tuple) else layer(output)
-        return output
+        if not torch.is_grad_enabled():
+            return output
+        return tuple(_requiring_grad(o) for o in output) if isinstance(output, tuple) else _requiring_grad(output)
+
+
+def _requiring_grad(tensor: Tensor) -> Tensor:
+    # torch fixes at the first step whether each activation sent between stages requires grad. A stage whose
+    # parameters are all frozen sends one that does not, the next stage then never computes the gradient for it, and
+    # unfreezing later fails with "Failed to run stage backward ... Output gradient: ('None',)". Every floating
+    # activation leaves a stage requiring grad, so the stages' metadata does not depend on what is trainable (a
+    # frozen prefix only receives a gradient it does not use).
+    if tensor.is_floating_point() and not tensor.requires_grad:
+        return tensor.detach().requires_grad_()
+    return tensor

@@ -25,6 +25,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.partition import StageModule, StagePlan
+from lightning_parallel.distributed.pipeline.side_effects import preserved_state
 
 __all__ = [
     "MULTI_STAGE_SCHEDULES",
@@ -159,6 +160,23 @@ class PipelineRuntime:
         return _compat.schedule_backward_initialized(self.schedule)
 
 
+def _side_effect_free_stage_class() -> type[PipelineStage]:
+    """``PipelineStage`` whose metadata inference leaves the stage's buffers and the RNG streams as they were.
+
+    torch infers shapes by running each stage's forward once more before the first micro-batch: the first stage on
+    micro-batch 0, the others on uninitialised tensors. In training mode that updated BatchNorm's running statistics
+    with garbage on the later stages and ``num_batches_tracked`` one too high (issue 10, item 7).
+    """
+    name = _compat.stage_inference_method(PipelineStage)
+    inference = getattr(PipelineStage, name)
+
+    def without_side_effects(self: PipelineStage, *args: Any, **kwargs: Any) -> Any:
+        with preserved_state(self.submod, devices=[self.device]):
+            return inference(self, *args, **kwargs)
+
+    return type("SideEffectFreePipelineStage", (PipelineStage,), {name: without_side_effects})
+
+
 def build_runtime(
     *,
     schedule: str,
@@ -176,8 +194,9 @@ def build_runtime(
     divides by the number of micro-batches and accumulation steps (torch's scaling would also rescale gradients
     accumulated in earlier steps, pytorch/torchtitan#1733).
     """
+    stage_class = _side_effect_free_stage_class()
     stages = [
-        PipelineStage(
+        stage_class(
             StageModule([layers[i] for i in plan.layers_of(stage_index)]),
             stage_index,
             plan.num_stages,
