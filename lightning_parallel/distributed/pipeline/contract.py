@@ -12,12 +12,14 @@ Torch/Lightning-module level, no Trainer logic. Three things happen to a step:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
 
@@ -30,6 +32,10 @@ __all__ = [
     "run_step_with_output",
     "step_loss",
 ]
+
+# `self.log`'s own signature tells where `reduce_fx` sits among positional arguments (after prog_bar, logger,
+# on_step, on_epoch), so a positional "sum" is honoured like a keyword one.
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
 _CONTRACT = (
     "Under PipelineParallelStrategy a step must call `self(...)` exactly once (the pipeline answers it with the"
@@ -130,7 +136,12 @@ def step_loss(output: Any, step: str = "training_step") -> Tensor:
 
 
 def _reduce_fx(record: LogRecord) -> Any:
-    return record.kwargs.get("reduce_fx", record.args[5] if len(record.args) > 5 else "mean")
+    """The ``reduce_fx`` of a ``self.log(name, value, *args, **kwargs)`` call, positional or by keyword."""
+    try:
+        bound = _LOG_SIGNATURE.bind_partial(None, record.name, record.value, *record.args, **record.kwargs)
+    except TypeError:  # not a valid `self.log` call: Lightning raises its own error when the call is replayed
+        return "mean"
+    return bound.arguments.get("reduce_fx", "mean")
 
 
 def aggregate_logs(per_microbatch: Sequence[Sequence[LogRecord]], weights: Sequence[float]) -> list[LogRecord]:
