@@ -82,20 +82,25 @@ def fit_pipeline(
     strategy = PipelineParallelStrategy(timeout=60, **strategy_kwargs)
     losses = LossRecorder()
     trainer = make_trainer(strategy, devices=world_size, max_steps=steps, callbacks=[losses], **(trainer_kwargs or {}))
+    stage = StageRecorder()
+    trainer.callbacks.append(stage)
     trainer.fit(module, train_dataloaders=train_loader(batch_size, single_device=False))
     weights = strategy.lightning_module_state_dict()
-    local_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    optimizer_bytes = sum(
-        v.numel() * v.element_size()
-        for s in trainer.optimizers[0].state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor)
-    )
-    return {
-        "weights": weights,
-        "losses": losses.values,
-        "local_keys": sorted(module.state_dict()),
-        "param_bytes": local_bytes,
-        "optimizer_bytes": optimizer_bytes,
-        "starts": strategy.stage_plan.starts,
-    }
+    return {"weights": weights, "losses": losses.values, **stage.values, "starts": strategy.stage_plan.starts}
+
+
+class StageRecorder(pl.Callback):
+    """What this rank's module holds at the end of training, while it is split (teardown makes it whole again)."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        optimizer_bytes = sum(
+            v.numel() * v.element_size()
+            for s in trainer.optimizers[0].state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
+        self.values = {
+            "local_keys": sorted(pl_module.state_dict()),
+            "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
+            "optimizer_bytes": optimizer_bytes,
+        }

@@ -47,13 +47,20 @@ from lightning_parallel.distributed.pipeline.partition import (
     remove_remote_layers,
     resolve_pipeline_layers,
 )
+from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, offload_layers, reassemble
 from lightning_parallel.distributed.pipeline.schedule import (
     MULTI_STAGE_SCHEDULES,
     ParallelDims,
     resolve_schedule,
     validate_schedule_config,
 )
+from lightning_parallel.distributed.pipeline.verify import (
+    check_layers_compose_to_forward,
+    check_single_evaluation_optimizers,
+    closure_evaluated_twice,
+)
 from lightning_parallel.distributed.zero import MemoryReport, module_memory_report
+from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, scalar_states_of
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
 from lightning_parallel.strategies.launch import (
@@ -116,6 +123,11 @@ class PipelineParallelStrategy(DDPStrategy):
             batch (deterministic, the same on every rank), ``"measured"`` by each layer's forward + backward time on
             rank 0's device for that batch (shared with the other ranks), ``"parameters"`` by parameter count, or a
             list with the first layer index of every stage but the first.
+        verify_layers: Before the split, on the first batch of every run, check on every rank that
+            ``pipeline_layers()`` applied in order gives ``forward``'s result (a ``ValueError`` naming the first layer
+            whose input differs). Costs two forward passes of the whole model on one batch, on the device the model
+            sits on before the split, without gradients or side effects; ``False`` skips it (models too large to run
+            whole).
         checkpoint_format: ``"consolidated"`` writes one Lightning ``.ckpt`` exactly as single-device training would
             (whole ``state_dict``, single-device optimizer layout), gathered to rank 0; ``"sharded"`` writes a
             ``torch.distributed.checkpoint`` directory from all ranks in parallel (the package's shared sharded
@@ -140,6 +152,7 @@ class PipelineParallelStrategy(DDPStrategy):
         num_microbatches: int | Literal["auto"] = "auto",
         stages_per_rank: int | Literal["auto"] = "auto",
         partition: PartitionMethod | list[int] = "compute",
+        verify_layers: bool = True,
         checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
         start_method: StartMethod = "popen",
         timeout: timedelta | float = default_pg_timeout,
@@ -155,6 +168,8 @@ class PipelineParallelStrategy(DDPStrategy):
         _check_count("pipeline_parallel_size", pipeline_parallel_size)
         _check_count("num_microbatches", num_microbatches)
         _check_count("stages_per_rank", stages_per_rank)
+        if not isinstance(verify_layers, bool):
+            raise TypeError(f"`verify_layers={verify_layers!r}` must be True or False.")
         if not (partition in ("compute", "measured", "parameters") or _is_int_list(partition)):
             raise ValueError(
                 f"`partition={partition!r}` is invalid. Valid options: 'compute', 'measured', 'parameters', or a"
@@ -178,12 +193,17 @@ class PipelineParallelStrategy(DDPStrategy):
         self._num_microbatches_arg = num_microbatches
         self._stages_per_rank_arg = stages_per_rank
         self.partition = partition
+        self.verify_layers = verify_layers
         self.checkpoint_format = checkpoint_format
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._dims: ParallelDims | None = None
         self._engine: PipelineEngine | None = None
         self._plan: StagePlan | None = None
         self._full_state_keys: list[str] = []
+        self._all_layers: list[nn.Module] = []  # every pipeline layer; other ranks' ones on `meta` during a run
+        self._layer_names: list[list[str]] = []
+        self._local_parameter_names: set[str] = set()
+        self._run_failed = False
         self._optimizer_layouts: list[list[list[str]]] = []
         self._pending_grads: list[Tensor | None] | None = None
         self._skip_warned = False
@@ -263,6 +283,8 @@ class PipelineParallelStrategy(DDPStrategy):
         # configuration raises everywhere instead of hanging a collective.
         super().connect(model)
         self._validate_config()
+        # BatchNorm normalises each micro-batch on the rank of its stage; nothing here would synchronise it.
+        check_layer_sync(_compat.layer_sync_of(self), self.strategy_name, self.root_device, supported=False)
         layers = resolve_pipeline_layers(model)
         check_parameter_ownership(model, layers)
         if len(layers) < self.num_stages:
@@ -285,6 +307,7 @@ class PipelineParallelStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._run_failed = True  # teardown then leaves the split module alone (no collective with failed peers)
         explain_peer_failure(exception, getattr(self, "_peers", None), self.global_rank)
         super().on_exception(exception)
 
@@ -302,6 +325,7 @@ class PipelineParallelStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._run_failed = False
         if fitting and not module.automatic_optimization:
             raise ValueError(
                 "PipelineParallelStrategy supports automatic optimization only: the schedule runs forward and"
@@ -314,7 +338,8 @@ class PipelineParallelStrategy(DDPStrategy):
             )
         if self._engine is None:
             self._split(trainer, module)
-        else:  # a later `fit`/`validate`/`test`/`predict` of the same Trainer: the module is already split
+        else:  # after a failed run of the same Trainer the module was left split: reuse that split
+            mark_orphaned(module, orphaned=False)
             self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
@@ -325,25 +350,35 @@ class PipelineParallelStrategy(DDPStrategy):
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
 
     def _split(self, trainer: Any, module: Any) -> None:
-        """Plan the stages, keep this rank's layers, create the process groups and the engine."""
+        """Check the layers, plan the stages, keep this rank's layers, create the process groups and the engine."""
         layers = resolve_pipeline_layers(module)
         if any(isinstance(layer, RemoteLayer) for layer in layers):
             raise ValueError(
                 "This module was already split by another PipelineParallelStrategy (some layers live on other"
                 " ranks). Create a fresh module, or load the consolidated checkpoint into one."
             )
-        plan = self._plan_stages(trainer, module, layers)
-        dims = ParallelDims(self.world_size, self.global_rank, self.pipeline_parallel_size)
+        example = self._example_model_inputs(trainer, module)
+        if self.verify_layers and example is not None:
+            check_layers_compose_to_forward(module, layers, example)
+        plan = self._plan_stages(module, layers, example)
+        dims = self._dims or ParallelDims(self.world_size, self.global_rank, self.pipeline_parallel_size)
         local_stages = plan.stages_of(dims.pipeline_rank)
         self._full_state_keys = list(module.state_dict().keys())
         self._full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
         # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
-        self._optimizer_layouts = self._whole_model_optimizer_layouts(module)
-        remove_remote_layers(module, layer_qualified_names(module, layers), plan, local_stages)
+        self._optimizer_layouts = self._whole_model_optimizer_layouts(
+            module, fitting=trainer.state.fn == TrainerFn.FITTING
+        )
+        names = layer_qualified_names(module, layers)
         local = {i for s in local_stages for i in plan.layers_of(s)}
+        remove_remote_layers(module, names, plan, local_stages)
+        offload_layers(layers, [i for i in range(len(layers)) if i not in local])
+        self._all_layers, self._layer_names = layers, names
+        self._local_parameter_names = {name for name, _ in module.named_parameters()}
         kept_layers = [layer if i in local else None for i, layer in enumerate(layers)]
         # First collectives: every check above ran on every rank.
-        dims.build_groups()
+        if self._dims is None:
+            dims.build_groups()
         self._check_same_plan(plan)
         self._dims, self._plan = dims, plan
         self.precision_plugin.convert_module(module)
@@ -359,8 +394,9 @@ class PipelineParallelStrategy(DDPStrategy):
             device=self.root_device,
         )
 
-    def _plan_stages(self, trainer: Any, module: Any, layers: list[nn.Module]) -> StagePlan:
-        example = self._example_model_inputs(trainer, module)
+    def _plan_stages(
+        self, module: Any, layers: list[nn.Module], example: tuple[tuple[Any, ...], dict[str, Any]] | None
+    ) -> StagePlan:
         measured = None
         if self.partition == "measured" and example is not None:
             # Timings differ between ranks: rank 0 measures, every rank uses its numbers (the first collective
@@ -404,11 +440,14 @@ class PipelineParallelStrategy(DDPStrategy):
             )
         return inputs
 
-    def _whole_model_optimizer_layouts(self, module: Any) -> list[list[list[str]]]:
+    def _whole_model_optimizer_layouts(self, module: Any, *, fitting: bool) -> list[list[list[str]]]:
         # `configure_optimizers` runs once more on the whole model only to learn its param groups by name: the
-        # consolidated checkpoint numbers parameters the way the single-device optimizer does.
+        # consolidated checkpoint numbers parameters the way the single-device optimizer does. Its optimizers also
+        # show, before any collective, one that re-evaluates the loss in `step(closure)` (LBFGS).
         names = {id(p): name for name, p in module.named_parameters()}
         optimizers, _ = _compat.init_optimizers_and_lr_schedulers(module)
+        if fitting:
+            check_single_evaluation_optimizers(optimizers)
         return [optimizer_layout(opt, names) for opt in optimizers]
 
     def _check_same_plan(self, plan: StagePlan) -> None:
@@ -532,7 +571,13 @@ class PipelineParallelStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        calls = 0
+
         def closure_then_average() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:  # an optimizer we do not know to refuse at setup, re-evaluating like LBFGS
+                raise closure_evaluated_twice(_unwrap(optimizer))
             result = closure()
             self._average_replica_gradients(optimizer)
             return result
@@ -560,7 +605,8 @@ class PipelineParallelStrategy(DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @property
     def is_split(self) -> bool:
-        return self._plan is not None
+        """Whether the module holds only this rank's stages now (during a run; teardown puts the whole model back)."""
+        return self._engine is not None
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -568,14 +614,18 @@ class PipelineParallelStrategy(DDPStrategy):
 
         With ``checkpoint_format="sharded"`` nothing is gathered: ``save_checkpoint`` writes every rank's part.
         """
-        if not self.is_split:
+        if self._plan is None:
             return super().lightning_module_state_dict()
         if self.checkpoint_format == "sharded":
             return {}
         return self.consolidated_state_dict()
 
     def consolidated_state_dict(self) -> dict[str, Any]:
-        """The whole model's ``state_dict`` under its own names on rank 0, ``{}`` elsewhere (a collective)."""
+        """The whole model's ``state_dict`` under its own names on rank 0, ``{}`` elsewhere (a collective while
+        the model is split; after teardown every rank holds the whole model and nothing is exchanged)."""
+        if not self.is_split:
+            whole = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+            return whole if self.is_global_zero else {}
         state = consolidate_state_dict(self.lightning_module, self._full_state_keys, self.parallel_dims)
         return state if state is not None and self.is_global_zero else {}
 
@@ -592,7 +642,7 @@ class PipelineParallelStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if self.checkpoint_format != "sharded" or not self.is_split:
+        if self.checkpoint_format != "sharded" or self._plan is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         # Every rank writes its stage's parameters and optimizer state; the replicas of a stage split each tensor
         # evenly, so nothing is written twice. Names, not indices, so any layout can read it.
@@ -600,6 +650,8 @@ class PipelineParallelStrategy(DDPStrategy):
         module = self.lightning_module
         optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
         pieces = replicated_pieces(module, optimizer, rank=dims.data_parallel_rank, world_size=dims.data_parallel_size)
+        # After teardown the module is whole again: each rank still writes only the stage it trained.
+        pieces = [piece for piece in pieces if piece.name in self._local_parameter_names]
         buffers = consolidate_buffers(module, dims) or {}
         meta = sharded_meta(
             checkpoint,
@@ -636,8 +688,27 @@ class PipelineParallelStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if self._engine is not None:
-            self._engine.clear()  # the stages' receive buffers; the split itself stays for a later validate/test
+            self._engine.clear()  # the stages' receive buffers
+            self._reassemble()
         super().teardown()
+
+    def _reassemble(self) -> None:
+        """Give the user's module back whole on every rank (a collective), unless the run failed (then its
+        placeholders raise on access). A later run of this Trainer splits the module afresh."""
+        module = self.lightning_module
+        if self._run_failed or module is None:
+            if module is not None:
+                mark_orphaned(module)
+            return
+        reassemble(
+            module,
+            layers=self._all_layers,
+            names=self._layer_names,
+            plan=self.stage_plan,
+            dims=self.parallel_dims,
+            device=self.root_device,
+        )
+        self._engine, self._all_layers = None, []
 
     @classmethod
     @override

@@ -1,0 +1,136 @@
+"""Putting the whole model back together on every rank after a pipeline run.
+
+During a run each rank's module holds only its stages' layers; the others are :class:`RemoteLayer` placeholders.
+When the split happens, the layers that leave a rank are moved to the ``meta`` device in place (their memory is
+freed, their structure and identity kept). At the end of ``fit``/``validate``/``test``/``predict`` every rank
+receives each such layer's parameters and buffers from the rank that trained it and the original layer objects take
+the placeholders' places again, so the user's module is a normal, whole module on every rank: ``state_dict()`` has
+every key, ``model(x)`` works, and a new Trainer can load a checkpoint into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parallel.distributed.pipeline.partition import RemoteLayer, StagePlan
+from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+
+__all__ = ["TensorSignature", "mark_orphaned", "offload_layers", "reassemble"]
+
+
+@dataclass(frozen=True)
+class TensorSignature:
+    """One parameter or buffer of a layer as the rank that holds it describes it."""
+
+    name: str
+    """Name inside the layer (``"0.weight"``)."""
+    is_parameter: bool
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    alias_of: str | None
+    """The first name of the same tensor inside the layer (tied weights), else ``None``."""
+
+
+def offload_layers(layers: Sequence[nn.Module], indices: Sequence[int]) -> None:
+    """Move ``layers[i]`` for ``i`` in ``indices`` to the ``meta`` device in place (frees them, keeps their shapes)."""
+    for index in indices:
+        layers[index].to("meta")
+
+
+def reassemble(
+    module: nn.Module,
+    *,
+    layers: Sequence[nn.Module],
+    names: Sequence[Sequence[str]],
+    plan: StagePlan,
+    dims: ParallelDims,
+    device: torch.device,
+) -> None:
+    """Give every rank of the pipeline the whole model back (a collective over the pipeline group).
+
+    ``layers`` are all pipeline layers: this rank's real ones and the others as left by :func:`offload_layers`.
+    Each layer's owner first tells the others what it holds (one ``all_gather_object``), then broadcasts every
+    tensor; the receivers assign the tensors to the offloaded layer (``requires_grad`` as on the owner) and put
+    it back under each of its names in ``module``, replacing the :class:`RemoteLayer` placeholders.
+    """
+    p = dims.pipeline_parallel_size
+    local = {i for stage in plan.stages_of(dims.pipeline_rank) for i in plan.layers_of(stage)}
+    if p == 1:
+        return
+    mine = {i: _signatures(layers[i]) for i in sorted(local)}
+    gathered: list[Any] = [None] * p
+    dist.all_gather_object(gathered, mine, group=dims.pipeline_group)
+    for index, layer in enumerate(layers):
+        owner = plan.stage_of_layer(index) % p
+        source = dims.pipeline_global_rank(owner)
+        signatures: list[TensorSignature] = gathered[owner][index]
+        if index in local:
+            tensors = _tensors(layer)
+            for signature in signatures:
+                if signature.alias_of is None:
+                    dist.broadcast(tensors[signature.name].detach().contiguous(), src=source, group=dims.pipeline_group)
+            continue
+        received = {}
+        for signature in signatures:
+            if signature.alias_of is None:
+                tensor = torch.empty(signature.shape, dtype=signature.dtype, device=device)
+                dist.broadcast(tensor, src=source, group=dims.pipeline_group)
+                received[signature.name] = tensor
+        _assign(layer, signatures, received)
+        for name in names[index]:
+            module.set_submodule(name, layer)
+
+
+def _tensors(layer: nn.Module) -> dict[str, Tensor]:
+    return {
+        **dict(layer.named_parameters(remove_duplicate=False)),
+        **dict(layer.named_buffers(remove_duplicate=False)),
+    }
+
+
+def _signatures(layer: nn.Module) -> list[TensorSignature]:
+    first_name: dict[int, str] = {}
+    result = []
+    parameters = {name for name, _ in layer.named_parameters(remove_duplicate=False)}
+    for name, tensor in _tensors(layer).items():
+        alias_of = first_name.setdefault(id(tensor), name)
+        result.append(
+            TensorSignature(
+                name=name,
+                is_parameter=name in parameters,
+                shape=tuple(tensor.shape),
+                dtype=tensor.dtype,
+                requires_grad=tensor.requires_grad,
+                alias_of=None if alias_of == name else alias_of,
+            )
+        )
+    return result
+
+
+def _assign(layer: nn.Module, signatures: Sequence[TensorSignature], received: dict[str, Tensor]) -> None:
+    values: dict[str, Tensor] = {}
+    for signature in signatures:
+        if signature.alias_of is not None:
+            value = values[signature.alias_of]
+        elif signature.is_parameter:
+            value = nn.Parameter(received[signature.name], requires_grad=signature.requires_grad)
+        else:
+            value = received[signature.name]
+        values[signature.name] = value
+        prefix, _, leaf = signature.name.rpartition(".")
+        setattr(layer.get_submodule(prefix), leaf, value)
+
+
+def mark_orphaned(module: nn.Module, *, orphaned: bool = True) -> None:
+    """Make the placeholders of a module that could not be reassembled (a run that failed) raise on any access,
+    ``state_dict()`` included, instead of silently returning this rank's part (``orphaned=False`` undoes it)."""
+    for submodule in module.modules():
+        if isinstance(submodule, RemoteLayer):
+            submodule.orphaned = orphaned

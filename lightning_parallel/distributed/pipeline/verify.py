@@ -1,0 +1,190 @@
+"""Checks that run before the first step, on every rank and without communication.
+
+* :func:`check_layers_compose_to_forward`: ``pipeline_layers()`` applied in order must be ``forward``; a layer list
+  that forgets a residual connection would otherwise train a different model without a word.
+* :func:`check_single_evaluation_optimizers`: an optimizer that re-evaluates the loss inside ``step(closure)``
+  (LBFGS' line search) cannot run under a pipeline, whose schedule runs forward and backward once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_parallel.distributed.pipeline.partition import check_layer_output
+from lightning_parallel.distributed.pipeline.side_effects import preserved_state
+
+__all__ = ["check_layers_compose_to_forward", "check_single_evaluation_optimizers", "closure_evaluated_twice"]
+
+_REEVALUATING_OPTIMIZERS: tuple[type, ...] = (torch.optim.LBFGS,)
+
+_FIX = (
+    " `forward` must be exactly the layers applied in order, each to the previous one's output (a residual"
+    " connection, reshape or extra argument between layers belongs inside a layer); otherwise the pipeline trains a"
+    " different model. Fix `pipeline_layers()`, or pass `verify_layers=False` to PipelineParallelStrategy to skip"
+    " this check."
+)
+
+
+def check_layers_compose_to_forward(
+    module: nn.Module,
+    layers: Sequence[nn.Module],
+    example: tuple[tuple[Any, ...], dict[str, Any]],
+    *,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+) -> None:
+    """Run ``module(*example)`` and the chain of ``layers`` on the same inputs and compare them, layer by layer.
+
+    Forward pre-hooks record the input each layer receives in ``forward``; the chain feeds each layer the previous
+    layer's output. The first layer whose two inputs differ is where ``forward`` does something the layers do not.
+    Runs under ``torch.no_grad()`` with the module's buffers (BatchNorm statistics) and the RNG streams restored
+    afterwards, and both runs start from the same buffers and RNG state (dropout draws the same numbers). A layer
+    that ``forward`` never calls (a reshape written inline in ``forward``) is not compared; its effect shows in the
+    next compared input or in the output. Cost: two forward passes of the whole model on one batch, holding the
+    input of every layer once.
+
+    Raises:
+        ValueError: Naming the first pipeline layer whose input differs, or the output if only it differs.
+    """
+    args, kwargs = example
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    args, kwargs = _to(args, device), _to(kwargs, device)
+    names = {id(m): name for name, m in module.named_modules() if name}
+    with torch.no_grad(), preserved_state(module, devices=[device]):
+        with preserved_state(module, devices=[device]):
+            recorded, expected = _run_forward(module, layers, args, kwargs)
+        current: tuple[tuple[Any, ...], dict[str, Any]] = (tuple(args), dict(kwargs))
+        for index, layer in enumerate(layers):
+            label = f"pipeline layer {index} (`{type(layer).__name__}`{_named(names, layer)})"
+            if index in recorded:
+                difference = _difference(current, recorded[index], rtol, atol)
+                if difference is not None:
+                    source = "the batch" if index == 0 else f"the output of layer {index - 1}"
+                    raise ValueError(
+                        f"`pipeline_layers()` of `{type(module).__name__}` does not compose to `forward`: on the"
+                        f" first batch, {label} receives a different input in `forward` than {source} in the chain"
+                        f" of layers ({difference}).{_FIX}"
+                    )
+            try:
+                output = layer(*current[0], **current[1])
+            except Exception as error:
+                raise ValueError(
+                    f"`pipeline_layers()` of `{type(module).__name__}` does not compose to `forward`: calling {label}"
+                    f" on the output of the previous layer failed with {type(error).__name__}: {error}.{_FIX}"
+                ) from error
+            current = (check_layer_output(index, layer, output), {})
+    difference = _difference(current, ((expected if isinstance(expected, tuple) else (expected,)), {}), rtol, atol)
+    if difference is not None:
+        raise ValueError(
+            f"`pipeline_layers()` of `{type(module).__name__}` does not compose to `forward`: on the first batch,"
+            f" the output of the last pipeline layer ({len(layers) - 1}) differs from `forward`'s output"
+            f" ({difference}); `forward` does something after the last layer.{_FIX}"
+        )
+
+
+def _run_forward(
+    module: nn.Module, layers: Sequence[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[dict[int, tuple[tuple[Any, ...], dict[str, Any]]], Any]:
+    """``module(*args, **kwargs)``, and a copy of the first input every layer received during it."""
+    recorded: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+    def recorder(index: int) -> Any:
+        def hook(_: nn.Module, hook_args: tuple[Any, ...], hook_kwargs: dict[str, Any]) -> None:
+            if index not in recorded:  # copies: a layer may change its input in place (ReLU(inplace=True))
+                recorded[index] = (_clone(hook_args), _clone(hook_kwargs))
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        expected = module(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return recorded, expected
+
+
+def _difference(
+    actual: tuple[tuple[Any, ...], dict[str, Any]],
+    expected: tuple[tuple[Any, ...], dict[str, Any]],
+    rtol: float,
+    atol: float,
+) -> str | None:
+    """``None`` if both argument lists match, else a short description of the first difference."""
+    (args, kwargs), (expected_args, expected_kwargs) = actual, expected
+    if len(args) != len(expected_args):
+        return f"{len(args)} positional arguments against {len(expected_args)} in `forward`"
+    if set(kwargs) != set(expected_kwargs):
+        return f"keyword arguments {sorted(kwargs)} against {sorted(expected_kwargs)} in `forward`"
+    pairs = [*zip(args, expected_args, strict=True), *((kwargs[k], expected_kwargs[k]) for k in kwargs)]
+    for value, reference in pairs:
+        if isinstance(value, Tensor) and isinstance(reference, Tensor):
+            if value.shape != reference.shape:
+                return f"shape {tuple(value.shape)} against {tuple(reference.shape)} in `forward`"
+            if not _close(value, reference, rtol, atol):
+                gap = (value.double() - reference.double()).abs().max().item()
+                return f"largest absolute difference {gap:.3g}"
+        elif isinstance(value, Tensor) or isinstance(reference, Tensor):
+            return f"a {type(value).__name__} against a {type(reference).__name__} in `forward`"
+    return None
+
+
+def _close(value: Tensor, reference: Tensor, rtol: float, atol: float) -> bool:
+    if not (value.is_floating_point() or value.is_complex()):
+        return bool(torch.equal(value, reference))
+    scale = max(1.0, float(reference.detach().abs().max())) if reference.numel() else 1.0
+    return bool(torch.allclose(value.double(), reference.double(), rtol=rtol, atol=atol * scale, equal_nan=True))
+
+
+def _named(names: dict[int, str], layer: nn.Module) -> str:
+    return f", `{names[id(layer)]}`" if id(layer) in names else ""
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple | list):
+        return type(value)(_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, tuple | list):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def check_single_evaluation_optimizers(optimizers: Sequence[Any]) -> None:
+    """Refuse optimizers known to call the closure more than once per ``step`` (LBFGS).
+
+    Raises:
+        ValueError: Naming the optimizer and the alternatives.
+    """
+    for optimizer in optimizers:
+        if isinstance(optimizer, _REEVALUATING_OPTIMIZERS):
+            raise ValueError(_reevaluation_message(type(optimizer).__name__))
+
+
+def closure_evaluated_twice(optimizer: Any) -> RuntimeError:
+    """The error for an optimizer that called the closure a second time within one ``step`` (found at run time)."""
+    return RuntimeError(_reevaluation_message(type(optimizer).__name__))
+
+
+def _reevaluation_message(name: str) -> str:
+    return (
+        f"`{name}` re-evaluates the loss by calling the closure more than once inside `step()` (a line search),"
+        " which PipelineParallelStrategy cannot do: the pipeline schedule runs forward and backward of every"
+        " micro-batch once per step, inside `training_step`, so a second evaluation would silently reuse the first"
+        " one's gradients. Use an optimizer that steps once per gradient (SGD, Adam, AdamW, ...), or train with"
+        f" `{name}` on one device or with data parallelism."
+    )
