@@ -6,7 +6,6 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.accelerators import Accelerator
@@ -42,17 +41,22 @@ from lightning_parallel.distributed.pipeline.partition import (
     StagePlan,
     check_parameter_ownership,
     layer_qualified_names,
-    measure_layer_times,
-    plan_for_example,
     remove_remote_layers,
     resolve_pipeline_layers,
+    validate_partition,
 )
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, offload_layers, reassemble
 from lightning_parallel.distributed.pipeline.schedule import (
     MULTI_STAGE_SCHEDULES,
     ParallelDims,
+    check_count,
     resolve_schedule,
     validate_schedule_config,
+)
+from lightning_parallel.distributed.pipeline.split import (
+    broadcast_replica_weights,
+    check_same_plan,
+    plan_on_every_rank,
 )
 from lightning_parallel.distributed.pipeline.verify import (
     check_layers_compose_to_forward,
@@ -165,16 +169,15 @@ class PipelineParallelStrategy(DDPStrategy):
     ) -> None:
         validate_start_method(start_method)
         self.schedule = resolve_schedule(schedule)
-        _check_count("pipeline_parallel_size", pipeline_parallel_size)
-        _check_count("num_microbatches", num_microbatches)
-        _check_count("stages_per_rank", stages_per_rank)
+        for name, count in [
+            ("pipeline_parallel_size", pipeline_parallel_size),
+            ("num_microbatches", num_microbatches),
+            ("stages_per_rank", stages_per_rank),
+        ]:
+            check_count(name, count)
         if not isinstance(verify_layers, bool):
             raise TypeError(f"`verify_layers={verify_layers!r}` must be True or False.")
-        if not (partition in ("compute", "measured", "parameters") or _is_int_list(partition)):
-            raise ValueError(
-                f"`partition={partition!r}` is invalid. Valid options: 'compute', 'measured', 'parameters', or a"
-                " list of the first layer index of every stage but the first."
-            )
+        validate_partition(partition)
         if checkpoint_format not in ("consolidated", "sharded"):
             raise ValueError(
                 f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
@@ -360,7 +363,15 @@ class PipelineParallelStrategy(DDPStrategy):
         example = self._example_model_inputs(trainer, module)
         if self.verify_layers and example is not None:
             check_layers_compose_to_forward(module, layers, example)
-        plan = self._plan_stages(module, layers, example)
+        plan = plan_on_every_rank(
+            layers,
+            example,
+            partition=self.partition,
+            num_stages=self.num_stages,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            global_rank=self.global_rank,
+            device=self.root_device,
+        )
         dims = self._dims or ParallelDims(self.world_size, self.global_rank, self.pipeline_parallel_size)
         local_stages = plan.stages_of(dims.pipeline_rank)
         self._full_state_keys = list(module.state_dict().keys())
@@ -379,11 +390,11 @@ class PipelineParallelStrategy(DDPStrategy):
         # First collectives: every check above ran on every rank.
         if self._dims is None:
             dims.build_groups()
-        self._check_same_plan(plan)
+        check_same_plan(plan, self.world_size)
         self._dims, self._plan = dims, plan
         self.precision_plugin.convert_module(module)
         self.model_to_device()
-        self._broadcast_replica_weights(module)
+        broadcast_replica_weights(module, dims)
         self._engine = PipelineEngine(
             module,
             layers=kept_layers,
@@ -392,27 +403,6 @@ class PipelineParallelStrategy(DDPStrategy):
             schedule=self.effective_schedule,
             num_microbatches=self.num_microbatches,
             device=self.root_device,
-        )
-
-    def _plan_stages(
-        self, module: Any, layers: list[nn.Module], example: tuple[tuple[Any, ...], dict[str, Any]] | None
-    ) -> StagePlan:
-        measured = None
-        if self.partition == "measured" and example is not None:
-            # Timings differ between ranks: rank 0 measures, every rank uses its numbers (the first collective
-            # after the process group, reached by every rank once the local checks above passed).
-            if self.global_rank == 0:
-                measured = measure_layer_times(layers, *example, device=self.root_device)
-            box = [measured]
-            dist.broadcast_object_list(box, src=0)
-            measured = box[0]
-        return plan_for_example(
-            layers,
-            example,
-            partition=self.partition,
-            num_stages=self.num_stages,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            measured=measured,
         )
 
     def _example_model_inputs(self, trainer: Any, module: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -449,23 +439,6 @@ class PipelineParallelStrategy(DDPStrategy):
         if fitting:
             check_single_evaluation_optimizers(optimizers)
         return [optimizer_layout(opt, names) for opt in optimizers]
-
-    def _check_same_plan(self, plan: StagePlan) -> None:
-        plans: list[Any] = [None] * self.world_size
-        dist.all_gather_object(plans, plan.starts)
-        if any(p != plan.starts for p in plans):
-            raise RuntimeError(
-                f"Ranks computed different stage splits {plans} (their example batches differ in shape). Pass an"
-                " explicit `partition=[...]`."
-            )
-
-    def _broadcast_replica_weights(self, module: nn.Module) -> None:
-        """Replicas of a stage start from replica 0's weights (as DDP does when it wraps a module)."""
-        dims = self.parallel_dims
-        if dims.data_parallel_size == 1:
-            return
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=dims.pipeline_rank, group=dims.data_parallel_group)
 
     @override
     def configure_ddp(self) -> None:
@@ -733,14 +706,3 @@ def _grads(optimizer: Any) -> list[Tensor]:
 
 def _unwrap(optimizer: Any) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _check_count(name: str, value: Any) -> None:
-    if value == "auto" and isinstance(value, str):
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}={value!r}` is invalid: use a positive integer or 'auto'.")
-
-
-def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)

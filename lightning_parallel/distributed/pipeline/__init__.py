@@ -5,6 +5,11 @@
 * :mod:`.microbatch`: splitting batches into micro-batches, padding evaluation batches.
 * :mod:`.contract`: running a LightningModule's own step with ``self(...)`` answered by the pipeline.
 * :mod:`.consolidate`: stage state <-> the single-device (consolidated) checkpoint layout.
+* :mod:`.verify`: checks before the first step (``pipeline_layers()`` against ``forward``, closure-re-evaluating
+  optimizers).
+* :mod:`.split`: the collective steps of a split (one plan on every rank, replicas from the same weights).
+* :mod:`.reassemble`: the whole model back on every rank after a run.
+* :mod:`.side_effects`: running a module without leaving a trace in its buffers or the RNG streams.
 """
 
 from lightning_parallel.distributed.pipeline.consolidate import (
@@ -26,6 +31,7 @@ from lightning_parallel.distributed.pipeline.partition import (
     plan_stages,
     resolve_pipeline_layers,
 )
+from lightning_parallel.distributed.pipeline.reassemble import reassemble
 from lightning_parallel.distributed.pipeline.schedule import (
     SCHEDULES,
     ParallelDims,
@@ -34,6 +40,7 @@ from lightning_parallel.distributed.pipeline.schedule import (
     resolve_schedule,
     validate_schedule_config,
 )
+from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
 
 __all__ = [
     "SCHEDULES",
@@ -44,6 +51,7 @@ __all__ = [
     "StagePlan",
     "balanced_boundaries",
     "build_runtime",
+    "check_layers_compose_to_forward",
     "consolidate_optimizer_state",
     "consolidate_state_dict",
     "layer_compute_costs",
@@ -52,6 +60,7 @@ __all__ = [
     "optimizer_state_bytes",
     "plan_for_example",
     "plan_stages",
+    "reassemble",
     "resolve_pipeline_layers",
     "resolve_schedule",
     "slice_optimizer_state",

@@ -33,6 +33,7 @@ __all__ = [
     "plan_stages",
     "remove_remote_layers",
     "resolve_pipeline_layers",
+    "validate_partition",
 ]
 
 PartitionMethod = Literal["compute", "measured", "parameters"]
@@ -41,6 +42,22 @@ _CONTRACT = (
     "The pipeline contract: a step calls `self(...)` exactly once and computes its loss from the result; the"
     " layers of `pipeline_layers()` run only inside the pipeline."
 )
+
+
+def validate_partition(partition: Any) -> None:
+    """``partition`` must be a :data:`PartitionMethod` or a list of layer indices.
+
+    Raises:
+        ValueError: Quoting the bad value and the valid options.
+    """
+    is_int_list = isinstance(partition, list | tuple) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in partition
+    )
+    if not (partition in ("compute", "measured", "parameters") or is_int_list):
+        raise ValueError(
+            f"`partition={partition!r}` is invalid. Valid options: 'compute', 'measured', 'parameters', or a"
+            " list of the first layer index of every stage but the first."
+        )
 
 
 def resolve_pipeline_layers(module: nn.Module) -> list[nn.Module]:

@@ -33,6 +33,7 @@ __all__ = [
     "ParallelDims",
     "PipelineRuntime",
     "build_runtime",
+    "check_count",
     "resolve_schedule",
     "validate_schedule_config",
 ]
@@ -88,6 +89,18 @@ def validate_schedule_config(
             f" {pipeline_parallel_size}, got {num_microbatches}."
         )
     del num_stages
+
+
+def check_count(name: str, value: Any) -> None:
+    """``value`` must be a positive integer or ``"auto"``.
+
+    Raises:
+        ValueError: Naming the argument and the bad value.
+    """
+    if value == "auto" and isinstance(value, str):
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}={value!r}` is invalid: use a positive integer or 'auto'.")
 
 
 @dataclass

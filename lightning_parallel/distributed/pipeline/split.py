@@ -1,0 +1,76 @@
+"""The collective steps of splitting a model on every rank: agree on a plan, start replicas from the same weights.
+
+Torch-only. The local steps (resolving the layers, checking them against ``forward``, planning from an example)
+run first on every rank, so a bad model raises everywhere before any of these collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_parallel.distributed.pipeline.partition import (
+    PartitionMethod,
+    StagePlan,
+    measure_layer_times,
+    plan_for_example,
+)
+from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+
+__all__ = ["broadcast_replica_weights", "check_same_plan", "plan_on_every_rank"]
+
+
+def plan_on_every_rank(
+    layers: Sequence[nn.Module],
+    example: tuple[tuple[Any, ...], dict[str, Any]] | None,
+    *,
+    partition: PartitionMethod | Sequence[int],
+    num_stages: int,
+    pipeline_parallel_size: int,
+    global_rank: int,
+    device: torch.device,
+) -> StagePlan:
+    """:func:`plan_for_example` with ``partition="measured"`` timed on rank 0 and shared (a collective then)."""
+    measured = None
+    if partition == "measured" and example is not None:
+        # Timings differ between ranks: rank 0 measures, every rank uses its numbers.
+        if global_rank == 0:
+            measured = measure_layer_times(layers, *example, device=device)
+        box = [measured]
+        dist.broadcast_object_list(box, src=0)
+        measured = box[0]
+    return plan_for_example(
+        layers,
+        example,
+        partition=partition,
+        num_stages=num_stages,
+        pipeline_parallel_size=pipeline_parallel_size,
+        measured=measured,
+    )
+
+
+def check_same_plan(plan: StagePlan, world_size: int) -> None:
+    """Collective: every rank must have computed the same stage boundaries.
+
+    Raises:
+        RuntimeError: On every rank, listing each rank's boundaries, if they differ.
+    """
+    plans: list[Any] = [None] * world_size
+    dist.all_gather_object(plans, plan.starts)
+    if any(p != plan.starts for p in plans):
+        raise RuntimeError(
+            f"Ranks computed different stage splits {plans} (their example batches differ in shape). Pass an"
+            " explicit `partition=[...]`."
+        )
+
+
+def broadcast_replica_weights(module: nn.Module, dims: ParallelDims) -> None:
+    """Collective: replicas of a stage start from replica 0's weights (as DDP does when it wraps a module)."""
+    if dims.data_parallel_size == 1:
+        return
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=dims.pipeline_rank, group=dims.data_parallel_group)
