@@ -103,6 +103,19 @@ class _LBFGSModel(zoo.ResidualMLP):
         return torch.optim.LBFGS(self.parameters(), lr=0.1)
 
 
+class _TwiceSGD(torch.optim.SGD):
+    """An optimizer unknown to the setup check that evaluates the closure twice per step."""
+
+    def step(self, closure: Any = None) -> Any:
+        closure()
+        return super().step(closure)
+
+
+class _TwiceClosureModel(zoo.ResidualMLP):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _TwiceSGD(self.parameters(), lr=0.1)
+
+
 class _PositionalSum(zoo.ResidualMLP):
     """Logs the sum of the batch's first feature with a positional ``reduce_fx="sum"``."""
 
@@ -147,6 +160,7 @@ def _refusals_and_logging(rank: int, world_size: int) -> dict[str, Any]:
     result = {
         "wrong_layers": _error(lambda: fit(zoo.ResidualMLP(wrong_layers=True))),
         "lbfgs": _error(lambda: fit(_LBFGSModel())),
+        "closure_twice": _error(lambda: fit(_TwiceClosureModel())),
         "sync_batchnorm": _error(lambda: fit(zoo.BatchNormCNN(), sync_batchnorm=True)),
     }
     recorder = _Recorder()
@@ -166,6 +180,7 @@ def test_refusals_on_every_rank_and_a_positional_reduce_fx():
         assert "pipeline layer 2 (`Sequential`, `blocks.1.body`)" in result["wrong_layers"]
         assert "verify_layers=False" in result["wrong_layers"]
         assert result["lbfgs"].startswith("ValueError: `LBFGS` re-evaluates the loss")
+        assert result["closure_twice"].startswith("RuntimeError: `_TwiceSGD` re-evaluates the loss")
         assert result["sync_batchnorm"].startswith("ValueError: `Trainer(sync_batchnorm=True)` is not supported")
         assert "'pipeline'" in result["sync_batchnorm"]
         torch.testing.assert_close(result["feature_sums"], expected_sums, **TOLERANCE)  # not the micro-batch mean
