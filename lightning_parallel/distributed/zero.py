@@ -14,6 +14,12 @@ Layout (Megatron's distributed optimizer / DeepSpeed ZeRO):
 * Step: the user's optimizer sees, per parameter group, 1-D views of the owned pieces of its parameters, with the
   reduced gradient shard as ``.grad``. It updates the flat parameter buffer in place; then each bucket's shard is
   all-gathered. Reduce-scatter + all-gather moves the same bytes as DDP's all-reduce.
+* Unused parameters: ``torch.optim`` skips a ``None`` gradient (no momentum, no weight decay), but a flat shard
+  cannot tell it from a zero one. Each sync also all-reduces one "got a gradient since the last sync" flag per
+  parameter; a view gets ``.grad`` only if its parameter got one on some rank (average ``sum / N``, as DDP) or
+  still holds one (no ``zero_grad`` since). Frozen parameters the optimizer holds are bucketed too, so unfreezing
+  needs no new layout. ``toggle_optimizer`` switches ``requires_grad`` of the views (the optimizer's tensors): a
+  view switched off keeps its ``.grad`` through a sync, as a frozen parameter does on one device.
 
 Stage 1 keeps the full flat gradient buffers (``Psi`` bytes) between steps; stage 2 frees each bucket's full buffer
 as soon as its reduce-scatter completes and keeps only the ``Psi / N`` shard. Optimizer state exists only for the
@@ -22,7 +28,7 @@ owned views: ``K * Psi / N``. Neither stage ever holds a second full copy of gra
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +48,7 @@ class _Segment:
     name: str
     offset: int  # first element within the bucket
     numel: int
+    index: int = 0  # position in the per-parameter "got a gradient" flags
 
 
 @dataclass
@@ -54,6 +61,7 @@ class ShardView:
     stop: int
     tensor: Tensor  # view into the bucket's flat parameters; what the optimizer steps
     grad: Tensor  # view into the bucket's reduced gradient shard
+    grad_offset: int = 0  # where `grad` starts in that shard
 
 
 @dataclass
@@ -66,6 +74,7 @@ class _Bucket:
     full_grads: Tensor | None = None
     pending_shard: Tensor | None = None  # reduce-scatter output to add to `shard_grads` (accumulating syncs)
     ready: int = 0
+    expected: int = 0  # gradients this backward will produce: segments whose parameter requires grad
     launched: bool = False
     work: dist.Work | None = None
     views: list[ShardView] = field(default_factory=list)
@@ -90,6 +99,21 @@ class MemoryReport:
             "optimizer_state": self.optimizer_state,
             "total": self.total,
         }
+
+
+# torch 2.12 renamed the flat collectives and deprecates the old names with a FutureWarning on every call.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter(output: Tensor, full: Tensor, *, group: dist.ProcessGroup | None) -> dist.Work:
+    """Async sum of ``full`` over ranks, this rank's ``1/N`` slice into ``output``."""
+    return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def _all_gather(output: Tensor, shard: Tensor, *, group: dist.ProcessGroup | None) -> dist.Work:
+    """Async concatenation of every rank's ``shard`` into ``output``."""
+    return _all_gather_single(output, shard, group=group, async_op=True)
 
 
 def _storage_bytes(tensors: Iterator[Tensor]) -> int:
@@ -126,10 +150,18 @@ class ShardedParameterBuckets:
         stage: 1 (optimizer state sharded) or 2 (optimizer state and gradients sharded).
         group: the data-parallel process group (``None``: the default group).
         bucket_cap_mb: bucket size in MiB.
+        frozen: parameters to bucket although ``requires_grad`` is off (those the optimizers hold, so unfreezing
+            them later needs no new layout). Other frozen parameters stay outside the buckets, never communicated.
     """
 
     def __init__(
-        self, module: nn.Module, *, stage: int, group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 25.0
+        self,
+        module: nn.Module,
+        *,
+        stage: int,
+        group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+        frozen: Iterable[nn.Parameter] = (),
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"`stage={stage!r}` is invalid for ShardedParameterBuckets: use 1 or 2.")
@@ -142,13 +174,22 @@ class ShardedParameterBuckets:
         """Where to count collective bytes (``None``: not counted); see :class:`CommunicationStats`."""
         self._next_launch = 0
         self._hooks: list = []
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        kept = set(frozen)
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad or p in kept]
         self.buckets = self._build_buckets(list(reversed(named)), bucket_cap_mb)
         self._bucket_of: dict[nn.Parameter, tuple[_Bucket, _Segment]] = {
             segment.param: (bucket, segment) for bucket in self.buckets for segment in bucket.segments
         }
+        for index, (_, segment) in enumerate(self._bucket_of.values()):
+            segment.index = index
+        # Parameters that got a gradient on this rank since the last sync (any micro-step counts).
+        self._used = bytearray(len(self._bucket_of))
         for param in self._bucket_of:
+            # torch refuses a hook on a frozen tensor, but keeps one across `requires_grad` changes.
+            frozen_now = not param.requires_grad
+            param.requires_grad_(True)
             self._hooks.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+            param.requires_grad_(not frozen_now)
 
     # ------------------------------------------------------------------ layout
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]], bucket_cap_mb: float) -> list[_Bucket]:
@@ -209,6 +250,7 @@ class ShardedParameterBuckets:
                     stop=hi - segment.offset,
                     tensor=bucket.flat_params[lo:hi],
                     grad=bucket.shard_grads[lo - shard_start : hi - shard_start],
+                    grad_offset=lo - shard_start,
                 )
             )
         return views
@@ -224,6 +266,14 @@ class ShardedParameterBuckets:
     # ------------------------------------------------------------------ backward
     def _on_gradient(self, param: nn.Parameter) -> None:
         bucket, segment = self._bucket_of[param]
+        if bucket.launched:
+            raise RuntimeError(
+                f"Parameter `{segment.name}` got a gradient after its bucket was already reduced in this backward"
+                " (a second gradient in one backward, or `requires_grad` switched on during backward). Set"
+                " `requires_grad` before the forward pass."
+            )
+        if bucket.ready == 0:  # first gradient of this bucket in this backward: `requires_grad` may have changed
+            bucket.expected = sum(1 for s in bucket.segments if s.param.requires_grad)
         if bucket.full_grads is None:
             bucket.full_grads = torch.zeros(bucket.numel, dtype=bucket.flat_params.dtype, device=param.device)
         assert param.grad is not None
@@ -235,15 +285,16 @@ class ShardedParameterBuckets:
             # Stage 1 points `.grad` at its slot in the persistent bucket (no allocation or copy from the next
             # step on, like DDP's gradient_as_bucket_view); stage 2 frees it, keeping only the bucket until sync.
             param.grad = target.view_as(param) if self.stage == 1 else None
+        self._used[segment.index] = 1
         bucket.ready += 1
-        if self.sync_gradients and bucket.ready == len(bucket.segments):
+        if self.sync_gradients and bucket.ready >= bucket.expected:
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self, *, flush: bool = False) -> None:
         """Launch buckets in index order while they are complete (all of them when ``flush``)."""
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
-            if not flush and bucket.ready < len(bucket.segments):
+            if not flush and (bucket.ready == 0 or bucket.ready < bucket.expected):
                 return
             self._launch(bucket)
             self._next_launch += 1
@@ -256,14 +307,18 @@ class ShardedParameterBuckets:
         bucket.full_grads.div_(self.world_size)
         # torch's `.grad` semantics: a sync after the optimizer's `zero_grad()` starts from zero, a sync without it
         # (manual optimization accumulating over several synchronised backwards) adds to the previous gradients.
-        cleared = all(view.tensor.grad is None for view in bucket.views) or not bucket.shard_grads.any()
-        output = bucket.shard_grads if cleared else torch.empty_like(bucket.shard_grads)
-        bucket.pending_shard = None if cleared else output
+        # A view without `.grad` (cleared, or never used) holds no gradient: its slot restarts from zero.
+        cleared = [view for view in bucket.views if view.tensor.grad is None]
+        if len(cleared) == len(bucket.views):
+            output = bucket.shard_grads
+        else:
+            output = torch.empty_like(bucket.shard_grads)
+            for view in cleared:
+                view.grad.zero_()
+        bucket.pending_shard = None if output is bucket.shard_grads else output
         if self.stats is not None:  # bytes of the full (unsharded) buffer, as for all-reduce
             self.stats.record("reduce_scatter", bucket.full_grads.numel() * bucket.full_grads.element_size())
-        bucket.work = dist.reduce_scatter_tensor(
-            output, bucket.full_grads, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-        )
+        bucket.work = _reduce_scatter(output, bucket.full_grads, group=self.group)
         bucket.launched = True
         if self.stage == 2:
             self._release_finished_buckets()
@@ -278,45 +333,79 @@ class ShardedParameterBuckets:
                 bucket.full_grads = None
 
     def finish_gradient_sync(self) -> None:
-        """Launch what backward left (unused parameters), wait for every reduce-scatter, release full gradients."""
+        """Collective. Launch what backward left (unused parameters), wait for every reduce-scatter, agree on which
+        parameters got a gradient, and give the optimizer's views their ``.grad`` (``None``: not stepped)."""
         self._launch_ready_buckets(flush=True)
+        device = self.buckets[0].flat_params.device if self.buckets else torch.device("cpu")
+        used = torch.frombuffer(self._used, dtype=torch.uint8).to(device, copy=True) if self._used else None
+        used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True) if self._used else None
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            if bucket.pending_shard is not None:
-                bucket.shard_grads.add_(bucket.pending_shard)
-                bucket.pending_shard = None
             bucket.ready = 0
             bucket.launched = False
+        if used_work is not None:
+            used_work.wait()
+        used_anywhere = used.tolist() if used is not None else []
+        for bucket in self.buckets:
+            self._take_reduced(bucket, used_anywhere)
             if self.stage == 2:
                 bucket.full_grads = None
             elif bucket.full_grads is not None:
                 bucket.full_grads.zero_()
         self._next_launch = 0
-        for view in self.views():
-            view.tensor.grad = view.grad
+        self._used[:] = bytes(len(self._used))
+
+    def _take_reduced(self, bucket: _Bucket, used_anywhere: list[int]) -> None:
+        """Set each view's ``.grad`` after a sync, as torch would for its parameter.
+
+        A view keeps ``.grad`` it already had (no ``zero_grad`` since: torch accumulates) and gets one when its
+        parameter got a gradient on some rank; otherwise it stays ``None``, so the optimizer leaves it alone. A view
+        switched off by ``toggle_optimizer`` (``requires_grad=False``) keeps its previous gradient unchanged.
+        """
+        pending = bucket.pending_shard
+        bucket.pending_shard = None
+        for view in bucket.views:
+            had_grad = view.tensor.grad is not None
+            index = self._bucket_of[view.param][1].index
+            takes = view.tensor.requires_grad and used_anywhere[index]
+            if pending is not None and takes:
+                view.grad.add_(pending[view.grad_offset : view.grad_offset + view.grad.numel()])
+            elif pending is None and not takes:
+                view.grad.zero_()  # the reduced values are not this view's: it had no gradient and gets none
+            view.tensor.grad = view.grad if (had_grad or takes) else None
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def all_gather_parameters(self) -> None:
-        """Give every rank the updated full parameters after the sharded optimizer step."""
+    def all_gather_parameters(self, buckets: Iterable[int] | None = None) -> None:
+        """Collective. Give every rank the updated full parameters after the sharded optimizer step.
+
+        Args:
+            buckets: indices of the buckets to gather (those holding the stepped optimizer's parameters); every
+                rank must pass the same ones. ``None``: all of them.
+        """
+        chosen = self.buckets if buckets is None else [self.buckets[index] for index in buckets]
         works = []
-        for bucket in self.buckets:
+        for bucket in chosen:
             start = self.rank * bucket.shard_numel
             shard = bucket.flat_params[start : start + bucket.shard_numel].clone()
             if self.stats is not None:  # bytes of the full (gathered) buffer
                 self.stats.record("all_gather", bucket.flat_params.numel() * bucket.flat_params.element_size())
-            works.append(
-                (dist.all_gather_into_tensor(bucket.flat_params, shard, group=self.group, async_op=True), shard)
-            )
+            works.append((_all_gather(bucket.flat_params, shard, group=self.group), shard))
         for work, _ in works:
             work.wait()
 
+    def bucket_indices(self, params: Iterable[nn.Parameter]) -> list[int]:
+        """Indices of the buckets holding any of ``params`` (the same on every rank: the layout is)."""
+        wanted = {id(param) for param in params}
+        return [i for i, bucket in enumerate(self.buckets) if any(id(s.param) in wanted for s in bucket.segments)]
+
     @torch.no_grad()
-    def global_grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        """Norm of the full averaged gradient, from the reduced shards (each element is owned by one rank)."""
-        grads = [view.grad for view in self.views()]
+    def global_grad_norm(self, norm_type: float = 2.0, views: Iterable[ShardView] | None = None) -> Tensor:
+        """Collective. Norm of the full averaged gradient of ``views`` (default: all), from the reduced shards (each
+        element is owned by one rank); views without ``.grad`` count as no gradient, as torch skips them."""
+        grads = [view.grad for view in (self.views() if views is None else views) if view.tensor.grad is not None]
         device = self.buckets[0].flat_params.device if self.buckets else torch.device("cpu")
         if norm_type == float("inf"):
             local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
@@ -328,21 +417,34 @@ class ShardedParameterBuckets:
         return local.pow(1.0 / norm_type)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` semantics over the sharded gradients."""
-        total_norm = self.global_grad_norm(norm_type)
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, views: Iterable[ShardView] | None = None
+    ) -> Tensor:
+        """Collective. ``torch.nn.utils.clip_grad_norm_`` semantics over the sharded gradients of ``views``."""
+        chosen = self.views() if views is None else list(views)
+        total_norm = self.global_grad_norm(norm_type, chosen)
         coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for view in self.views():
-            view.grad.mul_(coefficient.to(view.grad.dtype))
+        for view in chosen:
+            if view.tensor.grad is not None:
+                view.grad.mul_(coefficient.to(view.grad.dtype))
         return total_norm
 
     # ------------------------------------------------------------------ accounting
-    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+    def memory_report(
+        self, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None
+    ) -> MemoryReport:
+        """Bytes of the buckets' parameters and gradients and of ``optimizers``' per-element state on this rank."""
         params = (p for p in self.parameters)
         grads = (t for b in self.buckets for t in (b.shard_grads, b.full_grads) if t is not None)
-        states = ()
-        if optimizer is not None:
-            states = (v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0)
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        states = (
+            v
+            for optimizer in optimizers or ()
+            for s in optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, Tensor) and v.dim() > 0
+        )
         return MemoryReport(
             parameters=_storage_bytes(params), gradients=_storage_bytes(grads), optimizer_state=_storage_bytes(states)
         )

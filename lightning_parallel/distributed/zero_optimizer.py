@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader
 from lightning_parallel.distributed.zero import ShardedParameterBuckets, ShardView
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "check_shardable"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "check_disjoint_optimizers", "check_shardable"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)
@@ -53,6 +53,23 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def check_disjoint_optimizers(optimizers: list[torch.optim.Optimizer], module: nn.Module) -> None:
+    """Raise ``ValueError`` when two optimizers hold the same parameter (each must step its own parameters)."""
+    name_of = {param: name for name, param in module.named_parameters()}
+    owner: dict[nn.Parameter, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                first = owner.setdefault(param, index)
+                if first != index:
+                    name = name_of.get(param, f"of shape {tuple(param.shape)}")
+                    raise ValueError(
+                        f"Optimizers #{first} and #{index} of `configure_optimizers` both hold parameter `{name}`."
+                        " ShardedOptimizerStrategy supports several optimizers with disjoint parameters only: give"
+                        " each parameter to one optimizer (param groups set different hyperparameters)."
+                    )
+
+
 class ShardedOptimizer:
     """Makes ``optimizer`` step only this rank's pieces of its parameters; converts state to plain layout."""
 
@@ -62,11 +79,26 @@ class ShardedOptimizer:
         self.optimizer = optimizer
         self.buckets = buckets
         self.group_params: list[list[nn.Parameter]] = [list(group["params"]) for group in optimizer.param_groups]
-        # Frozen parameters (requires_grad=False) are not bucketed and get no view: like torch, they never step.
+        held = {param for params in self.group_params for param in params}
+        outside = len(held - set(buckets.parameters))
+        if outside:
+            raise ValueError(
+                f"The optimizer holds {outside} parameter(s) that are not parameters of the LightningModule, so"
+                " ZeRO-1/2 cannot shard them. Register them on the module (as `nn.Parameter` attributes or submodules)"
+                " before `configure_optimizers` returns."
+            )
+        # Every parameter an optimizer holds is bucketed (frozen ones too), so each has its views on some rank.
         views_of: dict[nn.Parameter, list[ShardView]] = defaultdict(list)
         for view in buckets.views():
-            views_of[view.param].append(view)
+            if view.param in held:
+                views_of[view.param].append(view)
+                # `toggle_optimizer` switches `requires_grad` of these views: off means "ignore this gradient".
+                view.tensor.requires_grad_(True)
         self.views_of = views_of
+        self.views: list[ShardView] = [view for view in buckets.views() if view.param in held]
+        """This rank's pieces of this optimizer's parameters."""
+        self.bucket_indices: list[int] = buckets.bucket_indices(held)
+        """The buckets holding this optimizer's parameters: the ones to all-gather after its step."""
         for group, params in zip(optimizer.param_groups, self.group_params, strict=True):
             group["params"] = [view.tensor for param in params for view in views_of[param]]
 
@@ -75,24 +107,32 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ save
     def consolidated_state_dict(self, *, destination: int = 0) -> dict[str, Any]:
-        """Collective. The unsharded ``optimizer.state_dict()`` on ``destination``; ``{}`` on other ranks."""
-        keys, scalars = self._state_keys_and_scalars()
+        """Collective. The unsharded ``optimizer.state_dict()`` on ``destination``; ``{}`` on other ranks.
+
+        Exactly torch's: a parameter never stepped (no gradient yet) has no entry, and each parameter keeps its own
+        0-dim state (Adam's ``step`` counts only the steps in which that parameter had a gradient).
+        """
+        state_of = self._state_by_index()
+        keys = sorted({key for element_keys, _ in state_of.values() for key in element_keys})
         state: dict[int, dict[str, Any]] = defaultdict(dict)
         is_destination = self.buckets.rank == destination
         index_of = {param: index for index, param in enumerate(self._indexed_params())}
-        for bucket in self.buckets.buckets:
+        for bucket_index in self.bucket_indices:
+            bucket = self.buckets.buckets[bucket_index]
             for key in keys:
                 full = self._gather_bucket_state(bucket, key, destination)
                 if not is_destination:
                     continue
                 for segment in bucket.segments:
+                    index = index_of.get(segment.param)
+                    if index is None or key not in state_of.get(index, ((), {}))[0]:
+                        continue
                     piece = full[segment.offset : segment.offset + segment.numel]
-                    state[index_of[segment.param]][key] = piece.view_as(segment.param).clone()
+                    state[index][key] = piece.view_as(segment.param).clone()
         if not is_destination:
             return {}
-        if keys or scalars:
-            for index in range(len(index_of)):
-                state[index].update({key: value.clone() for key, value in scalars.items()})
+        for index, (_, scalars) in state_of.items():
+            state[index].update({key: value.clone() for key, value in scalars.items()})
         groups = []
         offset = 0
         for group, params in zip(self.optimizer.param_groups, self.group_params, strict=True):
@@ -100,47 +140,53 @@ class ShardedOptimizer:
             saved["params"] = list(range(offset, offset + len(params)))
             offset += len(params)
             groups.append(saved)
-        return {"state": dict(state), "param_groups": groups}
+        return {"state": {index: state[index] for index in sorted(state)}, "param_groups": groups}
 
     def sharded_pieces(self) -> list[FlatPiece]:
         """This rank's pieces of parameters and per-element optimizer state, for a sharded checkpoint."""
         pieces = []
-        for view in self.buckets.views():
+        for view in self.views:
             pieces.append(FlatPiece("param", view.name, view.start, view.stop, view.tensor))
             for key, value in self.optimizer.state.get(view.tensor, {}).items():
                 if isinstance(value, Tensor) and value.dim() > 0:
                     pieces.append(FlatPiece(key, view.name, view.start, view.stop, value))
         return pieces
 
-    def scalar_states(self) -> dict[str, Tensor]:
-        """Collective. 0-dim optimizer state (e.g. Adam's ``step``), the same for every parameter."""
-        return self._state_keys_and_scalars()[1]
+    def scalar_states_by_name(self) -> dict[str, dict[str, Tensor]]:
+        """Collective. Each parameter's own 0-dim optimizer state (e.g. Adam's ``step``) by name, for the parameters
+        that have state."""
+        params = self._indexed_params()
+        name_of = {segment.param: segment.name for bucket in self.buckets.buckets for segment in bucket.segments}
+        return {name_of[params[index]]: scalars for index, (_, scalars) in self._state_by_index().items()}
 
-    def _state_keys_and_scalars(self) -> tuple[list[str], dict[str, Tensor]]:
-        """Per-element state keys and 0-dim state values, agreed across ranks (ranks may own no piece)."""
-        local_keys: list[str] = []
-        local_scalars: dict[str, Tensor] = {}
-        for state in self.optimizer.state.values():
-            local_keys = sorted(key for key, value in state.items() if isinstance(value, Tensor) and value.dim() > 0)
-            local_scalars = {
-                key: value for key, value in state.items() if not (isinstance(value, Tensor) and value.dim())
-            }
-            break
+    def _state_by_index(self) -> dict[int, tuple[list[str], dict[str, Tensor]]]:
+        """Collective. For each parameter (by index) with state on any rank: its per-element state keys and its
+        0-dim state values. Every rank holding a piece of a parameter steps it at the same steps, so they agree."""
+        index_of = {param: index for index, param in enumerate(self._indexed_params())}
+        local: dict[int, tuple[list[str], dict[str, Tensor]]] = {}
+        for view in self.views:
+            state = self.optimizer.state.get(view.tensor)
+            if state:
+                keys = sorted(key for key, value in state.items() if isinstance(value, Tensor) and value.dim() > 0)
+                scalars = {
+                    key: value if isinstance(value, Tensor) else torch.tensor(value)
+                    for key, value in state.items()
+                    if not (isinstance(value, Tensor) and value.dim())
+                }
+                local[index_of[view.param]] = (keys, scalars)
         gathered: list[Any] = [None] * self.buckets.world_size
-        dist.all_gather_object(gathered, (local_keys, local_scalars), group=self.buckets.group)
-        for keys, scalars in gathered:
-            if keys or scalars:
-                return keys, {k: v if isinstance(v, Tensor) else torch.tensor(v) for k, v in scalars.items()}
-        return [], {}
+        dist.all_gather_object(gathered, local, group=self.buckets.group)
+        merged: dict[int, tuple[list[str], dict[str, Tensor]]] = {}
+        for entries in gathered:
+            merged.update(entries)
+        return dict(sorted(merged.items()))
 
     def _gather_bucket_state(self, bucket: Any, key: str, destination: int) -> Tensor:
         shard = torch.zeros(bucket.shard_numel, dtype=bucket.flat_params.dtype, device=bucket.flat_params.device)
-        shard_start = self.buckets.rank * bucket.shard_numel
         for view in bucket.views:
             value = self.optimizer.state.get(view.tensor, {}).get(key)
             if value is not None:
-                begin = _bucket_offset(bucket, view) - shard_start
-                shard[begin : begin + value.numel()].copy_(value.reshape(-1))
+                shard[view.grad_offset : view.grad_offset + value.numel()].copy_(value.reshape(-1))
         pieces = None
         if self.buckets.rank == destination:
             pieces = [torch.empty_like(shard) for _ in range(self.buckets.world_size)]
@@ -169,7 +215,7 @@ def load_from_reader(sharded: ShardedOptimizer, reader: ShardedCheckpointReader,
     check_matching_groups(reader.meta.get("param_groups"), [[name_of[p] for p in ps] for ps in sharded.group_params])
     for group, saved in zip(sharded.optimizer.param_groups, reader.meta["param_groups"], strict=True):
         group.update({key: value for key, value in saved.items() if key != "params"})
-    views = sharded.buckets.views()
+    views = sharded.views
     requests = [
         (key, view.name, view.start, view.stop) for view in views for key in reader.keys_of(view.name) if key != "param"
     ]
@@ -200,13 +246,6 @@ def check_matching_groups(saved_groups: list[dict] | None, group_names: list[lis
 
 def _first(groups: list[list[str]]) -> str:
     return next((group[0] for group in groups if group), "none")
-
-
-def _bucket_offset(bucket: Any, view: ShardView) -> int:
-    for segment in bucket.segments:
-        if segment.param is view.param:
-            return segment.offset + view.start
-    raise AssertionError("view not in bucket")
 
 
 def _slice_state(value: Any, view: ShardView) -> Any:

@@ -44,10 +44,12 @@ def save_sharded(
     optimizer: torch.optim.Optimizer | None,
     group_params: list[list[nn.Parameter]] | None,
     scalars: dict[str, Any],
+    scalars_by_name: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Collective. Write ``checkpoint`` (Lightning's dict, minus weights and optimizer state) as a sharded directory.
 
     ``group_params`` are the optimizer's parameter lists in the single-device layout (before any sharding).
+    ``scalars_by_name`` gives each parameter its own 0-dim optimizer state (default: ``scalars`` for every one).
     """
     checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     module = strategy.lightning_module
@@ -57,7 +59,10 @@ def save_sharded(
         groups = param_groups_by_name(module, group_params, optimizer.param_groups)
     names = [name for name, _ in module.named_parameters()]
     meta, buffers = build_meta(
-        module, lightning_checkpoint=checkpoint, param_groups=groups, scalars=dict.fromkeys(names, scalars)
+        module,
+        lightning_checkpoint=checkpoint,
+        param_groups=groups,
+        scalars=scalars_by_name if scalars_by_name is not None else dict.fromkeys(names, scalars),
     )
     save_sharded_checkpoint(path, pieces, buffers=buffers, meta=meta)
 

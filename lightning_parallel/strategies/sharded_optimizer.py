@@ -34,7 +34,12 @@ from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
 from lightning_parallel.distributed.zero3_checks import check_callbacks
-from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
+from lightning_parallel.distributed.zero_optimizer import (
+    ShardedOptimizer,
+    check_disjoint_optimizers,
+    check_shardable,
+    load_from_reader,
+)
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import (
     load_checkpoint_any_format,
@@ -138,7 +143,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
         self.checkpoint_format = checkpoint_format
         self.nonfinite_loss = nonfinite_loss
         self._buckets: ShardedParameterBuckets | None = None
-        self._sharded_optimizer: ShardedOptimizer | None = None
+        self._sharded_optimizers: list[ShardedOptimizer] = []  # stages 1-2: one per optimizer, in order
         self._fsdp_units: list[nn.Module] = []
         self._access: ShardedModuleAccess | None = None
         self._memory_logged = False
@@ -181,7 +186,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._buckets, self._sharded_optimizer, self._fsdp_units = None, None, []
+        self._buckets, self._sharded_optimizers, self._fsdp_units = None, [], []
         if fitting and self._layer_sync:
             check_layer_sync(self._layer_sync, f"zero{self.stage}", self.root_device, supported=True)
             self.model = self._layer_sync.apply(self.model)
@@ -244,23 +249,29 @@ class ShardedOptimizerStrategy(DDPStrategy):
             yield module
 
     def _setup_stage12(self) -> None:
+        optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
+        # Frozen parameters the optimizers hold are bucketed too: unfreezing them later needs no new layout.
+        held = [param for optimizer in optimizers for group in optimizer.param_groups for param in group["params"]]
         self._buckets = ShardedParameterBuckets(
-            self.lightning_module, stage=self.stage, bucket_cap_mb=self.bucket_cap_mb
+            self.lightning_module, stage=self.stage, bucket_cap_mb=self.bucket_cap_mb, frozen=held
         )
         if self.track_communication:
             self._buckets.stats = self.communication_stats
-        self._sharded_optimizer = ShardedOptimizer(_unwrap(self.optimizers[0]), self._buckets)
+        self._sharded_optimizers = [ShardedOptimizer(optimizer, self._buckets) for optimizer in optimizers]
         # Lightning clips through the precision plugin; make it use the norm over all shards.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
 
     def _validate_optimizers(self) -> None:
-        if len(self.optimizers) > 1:
+        optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
+        check_disjoint_optimizers(optimizers, self.lightning_module)
+        if len(optimizers) > 1 and self._writes_sharded:
             raise ValueError(
-                f"ShardedOptimizerStrategy supports one optimizer, `configure_optimizers` returned"
-                f" {len(self.optimizers)}. Put the parameters in param groups of a single optimizer."
+                f"`checkpoint_format='sharded'` holds one optimizer, `configure_optimizers` returned"
+                f" {len(optimizers)}. Use `checkpoint_format='consolidated'` (the default) with several optimizers."
             )
-        if self.optimizers and self.stage in (1, 2) and self.is_sharding:
-            check_shardable(_unwrap(self.optimizers[0]))
+        if self.stage in (1, 2) and self.is_sharding:
+            for optimizer in optimizers:
+                check_shardable(optimizer)
 
     @override
     def configure_ddp(self) -> None:
@@ -302,6 +313,10 @@ class ShardedOptimizerStrategy(DDPStrategy):
             else:
                 for bucket in self._buckets.buckets:
                     bucket.ready = 0
+        for unit in self._fsdp_units:
+            # A unit whose parameters got no gradient stays unsharded after backward, and FSDP2 copies each
+            # parameter's `requires_grad` (`toggle_optimizer`) only when it unshards: reshard (a no-op otherwise).
+            unit.reshard()
         if self._skip_step:  # every rank decided the same: drop the (non-finite) gradients before the step
             drop_gradients(self.lightning_module.parameters())
             if self._buckets is not None:
@@ -311,8 +326,8 @@ class ShardedOptimizerStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._buckets is not None:
-            self._buckets.all_gather_parameters()
+        if self._buckets is not None:  # the stepped optimizer's buckets: the same ones on every rank
+            self._buckets.all_gather_parameters(self._sharded_for(optimizer).bucket_indices)
         if not self._memory_logged:
             self._memory_logged = True
             self._log_memory_reports()
@@ -333,15 +348,23 @@ class ShardedOptimizerStrategy(DDPStrategy):
         rank_zero_info("\n".join(lines))
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        assert self._buckets is not None
-        self._buckets.clip_grad_norm_(float(clip_val))
+        assert self._buckets is not None  # as torch's clip over `optimizer`'s parameters only
+        self._buckets.clip_grad_norm_(float(clip_val), views=self._sharded_for(optimizer).views)
+
+    def _sharded_for(self, optimizer: Any) -> ShardedOptimizer:
+        optimizer = _unwrap(optimizer)
+        return next(sharded for sharded in self._sharded_optimizers if sharded.optimizer is optimizer)
 
     def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, gradients and optimizer state this rank really holds (measured from its tensors)."""
-        optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
+        """Bytes of parameters, gradients and optimizer state this rank really holds (measured from its tensors);
+        optimizer state summed over every optimizer."""
+        optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
         if self._buckets is not None:
-            return self._buckets.memory_report(optimizer)
-        return zero3.memory_report(self.lightning_module, optimizer)
+            return self._buckets.memory_report(optimizers)
+        report = zero3.memory_report(self.lightning_module, optimizers[0] if optimizers else None)
+        for optimizer in optimizers[1:]:  # disjoint parameters, so disjoint states
+            report.optimizer_state += zero3.memory_report(self.lightning_module, optimizer).optimizer_state
+        return report
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -404,8 +427,8 @@ class ShardedOptimizerStrategy(DDPStrategy):
         optimizer = _unwrap(optimizer)
         if self._writes_sharded:
             return {}
-        if self._sharded_optimizer is not None:
-            return self._sharded_optimizer.consolidated_state_dict()
+        if self._sharded_optimizers:
+            return self._sharded_for(optimizer).consolidated_state_dict()
         if self._fsdp_units:
             return zero3.consolidated_optimizer_state(self.lightning_module, optimizer)
         return optimizer.state_dict()
@@ -420,12 +443,12 @@ class ShardedOptimizerStrategy(DDPStrategy):
         for optimizer, state in zip(self.optimizers, states, strict=True):
             optimizer = _unwrap(optimizer)
             if isinstance(state, ShardedCheckpointReader):
-                if self._sharded_optimizer is not None:
-                    load_from_reader(self._sharded_optimizer, state, self.lightning_module)
+                if self._sharded_optimizers:
+                    load_from_reader(self._sharded_for(optimizer), state, self.lightning_module)
                 else:
                     zero3.load_from_reader(self.lightning_module, optimizer, state, strict=False)
-            elif self._sharded_optimizer is not None:
-                self._sharded_optimizer.load_consolidated_state_dict(state)
+            elif self._sharded_optimizers:
+                self._sharded_for(optimizer).load_consolidated_state_dict(state)
             elif self._fsdp_units:
                 zero3.load_consolidated_optimizer_state(self.lightning_module, optimizer, state)
             else:
@@ -438,10 +461,11 @@ class ShardedOptimizerStrategy(DDPStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
         module = self.lightning_module
-        if self._sharded_optimizer is not None:
-            pieces = self._sharded_optimizer.sharded_pieces()
-            group_params = self._sharded_optimizer.group_params
-            scalars = self._sharded_optimizer.scalar_states()
+        scalars_by_name = None
+        if self._sharded_optimizers:  # one optimizer: `_validate_optimizers` refuses several with this format
+            pieces = self._sharded_optimizers[0].sharded_pieces()
+            group_params = self._sharded_optimizers[0].group_params
+            scalars, scalars_by_name = {}, self._sharded_optimizers[0].scalar_states_by_name()
         else:
             if self._fsdp_units:
                 pieces = zero3.sharded_pieces(module, optimizer)
@@ -450,7 +474,14 @@ class ShardedOptimizerStrategy(DDPStrategy):
             group_params = [list(group["params"]) for group in optimizer.param_groups] if optimizer else None
             scalars = scalar_states_of(optimizer)
         save_sharded(
-            self, checkpoint, filepath, pieces=pieces, optimizer=optimizer, group_params=group_params, scalars=scalars
+            self,
+            checkpoint,
+            filepath,
+            pieces=pieces,
+            optimizer=optimizer,
+            group_params=group_params,
+            scalars=scalars,
+            scalars_by_name=scalars_by_name,
         )
         return None
 
