@@ -81,6 +81,8 @@ def _rank_seeded_then_rank_zero_only(rank: int, world_size: int, results: dict) 
             with torch.no_grad():
                 results["rank_zero_output"] = module(_probe()).clone()
                 results["rank_zero_output_again"] = module(_probe()).clone()
+                module.state_dict()  # reshards an FSDP2 module: a later call must say so instead of hanging
+                results["after_state_dict"] = _last_error(lambda: module(_probe()))
 
 
 def _refused_callbacks(rank: int, world_size: int) -> dict[str, str]:
@@ -124,6 +126,7 @@ def test_rank_zero_alone_calls_the_full_module_after_fit(ranks):
     torch.testing.assert_close(ranks[0]["rank_zero_output_again"], expected, **TOLERANCE)
     assert ranks[0]["outside"].startswith("RuntimeError: `RankSeededModel` is sharded across 2 ranks by ZeRO-3")
     assert "with trainer.strategy.full_module():" in ranks[0]["outside"]
+    assert ranks[0]["after_state_dict"].startswith("RuntimeError: `RankSeededModel` was resharded inside")
 
 
 def test_unfreezing_during_training_trains_like_one_device(ranks):
