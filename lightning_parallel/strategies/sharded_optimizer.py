@@ -77,7 +77,8 @@ class ShardedOptimizerStrategy(DDPStrategy):
     ``trainer.init_module(empty_init=True)`` (or in ``configure_model``) so no rank ever materialises all of it.
 
     Works with any ``torch.optim`` optimizer whose update is element-wise (AdamW, Adam, SGD, RMSprop, Adagrad, ...);
-    one that needs a parameter's whole shape (LBFGS, Adafactor, SparseAdam, Muon) is refused at stages 1-2.
+    one that needs a parameter's whole shape (LBFGS, Adafactor, SparseAdam, Muon) is refused at stages 1-2. Several
+    optimizers (a GAN in manual optimization) work at every stage if no parameter is held by two of them.
 
     Args:
         stage: 1, 2 or 3.
