@@ -2,7 +2,8 @@
 
 * Unused parameters (an auxiliary head used every other step, a layer never used) are not stepped by zero1/zero2:
   no momentum, no weight decay, no optimizer state, as ``torch.optim`` skips a ``None`` gradient.
-* A backbone unfrozen at step 2 trains from then on (frozen parameters the optimizer holds stay in the layout).
+* A backbone unfrozen at step 2 trains from then on, a head frozen at step 3 stops (frozen parameters the
+  optimizer holds stay in the layout).
 * Several optimizers (a GAN in manual optimization with ``toggle_optimizer``) at stages 1, 2 and 3, a consolidated
   checkpoint of both optimizers saved and resumed, and a clear error for optimizers that share a parameter.
 * No FutureWarning from our collectives.
@@ -57,7 +58,22 @@ class _StepThenZeroGradGAN(TwoOptimizerGAN):
         self.untoggle_optimizer(opt_g)
 
 
-MODELS = {"aux": AuxHeadModel, "freeze": FreezeScheduleModel, "gan": TwoOptimizerGAN, "gan2": _StepThenZeroGradGAN}
+class _UnfreezeThenFreezeModel(FreezeScheduleModel):
+    """Unfreezes the backbone at step 2 (as its parent), then freezes the trained head at step 3."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.global_step == 3:
+            self.head.requires_grad_(False)
+
+
+MODELS = {
+    "aux": AuxHeadModel,
+    "freeze": FreezeScheduleModel,
+    "refreeze": _UnfreezeThenFreezeModel,
+    "gan": TwoOptimizerGAN,
+    "gan2": _StepThenZeroGradGAN,
+}
 GAN_STEPS = 6  # manual optimization: two optimizer steps (global steps) per batch, so 3 batches
 # case: (model, bucket_cap_mb, Trainer arguments). Tiny buckets split parameters over buckets and shards; one
 # bucket puts both optimizers' parameters in it. Accumulating 2 micro-batches, the aux head is used in one of them.
@@ -65,6 +81,7 @@ CASES: dict[str, tuple[str, float, dict[str, Any]]] = {
     "aux": ("aux", 0.001, {"gradient_clip_val": 0.5}),
     "aux_accumulate": ("aux", 25.0, {"accumulate_grad_batches": 2, "max_steps": 2}),
     "freeze": ("freeze", 25.0, {}),
+    "refreeze": ("refreeze", 0.001, {}),
     "gan": ("gan", 25.0, {"max_steps": GAN_STEPS}),
     "gan_zero_grad_after_step": ("gan2", 0.001, {"max_steps": GAN_STEPS}),
 }
@@ -177,12 +194,13 @@ def test_unused_parameters_are_not_stepped(stage, case):
         _assert_optimizer_state_equal(result["sharded_optimizer"], reference["optimizers"][0])
 
 
+@pytest.mark.parametrize("case", ["freeze", "refreeze"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_unfrozen_backbone_trains_like_single_device(stage):
-    result, reference = _stage_results(stage)["freeze"], _reference("freeze")
+def test_unfrozen_backbone_trains_like_single_device(stage, case):
+    result, reference = _stage_results(stage)[case], _reference(case)
     torch.testing.assert_close(result["weights"], reference["weights"], **EXACT)
     name = "backbone.0.weight"  # guard: the reference did train the backbone after unfreezing it
-    assert not torch.allclose(reference["weights"][name], _initial("freeze")[name])
+    assert not torch.allclose(reference["weights"][name], _initial(case)[name])
 
 
 @pytest.mark.parametrize("case", ["gan", "gan_zero_grad_after_step"])
