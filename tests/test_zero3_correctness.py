@@ -146,3 +146,23 @@ def test_errors_inside_fit_surface_as_themselves(ranks):
     for result in ranks:
         assert result["boom"] == "ValueError: boom"
         assert result["sync_batchnorm"].startswith("ValueError: `Trainer(sync_batchnorm=True)` needs CUDA devices")
+
+
+def _meta_initialised(rank: int, world_size: int, seeds: tuple[int, int]) -> dict:
+    fit_trainer = trainer("zero3", world_size, max_steps=0)  # set-up only: the initial weights
+    with fit_trainer.init_module(empty_init=True):
+        module = RankSeededModel(rank)
+    torch.manual_seed(seeds[rank])  # the seed each rank holds when its shards are initialised
+    fit_trainer.fit(module, loader(world_size, rank, steps=1))
+    return {k: v.clone() for k, v in fit_trainer.strategy.lightning_module_state_dict().items()}
+
+
+def test_meta_initialised_shards_depend_on_rank_zero_s_seed_only_and_differ_between_ranks():
+    common_seed, rank_one_differs = (
+        run_distributed(_meta_initialised, WORLD_SIZE, args=(seeds,), init_process_group=False, timeout=180)[0]
+        for seeds in ((0, 0), (0, 5))
+    )
+    torch.testing.assert_close(rank_one_differs, common_seed, rtol=0, atol=0)
+    for name, weight in common_seed.items():  # a common seed must not give both ranks' shards the same values
+        half = weight.shape[0] // WORLD_SIZE
+        assert not torch.equal(weight[:half], weight[half : 2 * half]), name

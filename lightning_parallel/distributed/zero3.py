@@ -8,6 +8,8 @@ meta-device models shard by shard, and convert state dicts to the plain (consoli
 from __future__ import annotations
 
 import itertools
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -117,8 +119,8 @@ def broadcast_from_rank0(module: nn.Module, device: torch.device) -> None:
     backend communicates from (the rank's GPU for NCCL).
 
     Meta tensors are skipped (every rank skips the same ones): :func:`materialize_meta_module` initialises their
-    shards with DTensor's random ops, whose generator every rank seeds from rank 0 on first use, so those values
-    do not depend on the other ranks' seeds either. Already sharded parameters (a second ``fit``) are skipped.
+    shards from a seed drawn on rank 0, so those values do not depend on the other ranks' seeds either. Already
+    sharded parameters (a second ``fit``) are skipped.
     """
     seen: set[int] = set()
     for tensor in itertools.chain(module.parameters(), module.buffers()):
@@ -154,12 +156,32 @@ def materialize_meta_module(module: nn.Module, device: torch.device) -> bool:
             found = True
     if not found:
         return False
-    with torch.no_grad():
+    with torch.no_grad(), _seed_per_rank_from_rank0(device):
         for submodule in reversed(list(module.modules())):
             reset = getattr(submodule, "reset_parameters", None)
             if callable(reset) and not isinstance(submodule, Metric):
                 reset()
     return True
+
+
+@contextmanager
+def _seed_per_rank_from_rank0(device: torch.device) -> Generator[None, None, None]:
+    """Collective when ranks are joined on the CPU: initialise shards from ``seed + rank``, ``seed`` drawn on rank 0.
+
+    On the CPU, DTensor has no random-number tracker (it warns "DTensor random operators may not have complete support
+    on cpu device mesh") and draws each shard from the rank's own generator: with a common seed
+    (``seed_everything``) every rank drew the same values, so rank 1's half of each parameter equalled rank 0's
+    (measured), and without one the initialisation depended on every rank's seed. Each rank's own generator state
+    is restored afterwards. On GPUs DTensor's tracker (seeded from rank 0) draws the shards; nothing changes there.
+    """
+    if device.type != "cpu" or not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        dist.broadcast(seed, src=0)
+        torch.manual_seed(int(seed.item()) + dist.get_rank())
+        yield
 
 
 def _metric_tensors_on_meta(metric: Metric) -> Any:
