@@ -1,7 +1,8 @@
 """DataParallelStrategy off the happy path (issue 10): models from ``model_zoo`` against single-device Lightning.
 
 * ``requires_grad`` changing during training (a backbone unfrozen at step 2) trains like one device: the strategy
-  re-wraps DDP when the trainable set changes, with and without gradient accumulation; a change made inside
+  re-wraps DDP when the trainable set changes, with and without gradient accumulation, and under Lightning's
+  ``BackboneFinetuning`` (frozen after DDP wrapped the model, unfrozen at epoch 1); a change made inside
   ``training_step`` is refused on every rank, naming the parameters.
 * An unused parameter gives our error naming it, under the popen path and Lightning's fork launcher.
 * ``Trainer(sync_batchnorm=True)`` on CPU is refused on every rank at setup, with one clear ``ValueError`` and no
@@ -17,6 +18,7 @@ import model_zoo as zoo
 import pytest
 import torch
 from distributed_harness import run_distributed
+from lightning.pytorch.callbacks import BackboneFinetuning
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import nn
 from training_helpers import assert_weights_close
@@ -27,6 +29,7 @@ from lightning_parallel.strategies.data_parallel import UNUSED_PARAMETERS_MESSAG
 
 TIMEOUT_S = 180  # generous: the 2 cores are shared with other tests
 FREEZE_CASES = [(1, {}), (2, {}), (1, {"static_graph": True, "gradient_as_bucket_view": False})]
+FINETUNE_EPOCH_STEPS = 2
 
 
 # ------------------------------------------------------------------ requires_grad changing during training
@@ -50,6 +53,17 @@ def _error_of(fit: Any) -> tuple[str, str]:
     return "no error", ""
 
 
+def _backbone_finetuning(strategy: str, world_size: int, rank: int) -> dict[str, torch.Tensor]:
+    """Lightning's ``BackboneFinetuning``: frozen when fit starts (after DDP wrapped it), unfrozen at epoch 1."""
+    pl.seed_everything(0, verbose=False)
+    model = zoo.FreezeScheduleModel(unfreeze_at=-1)
+    model.backbone.requires_grad_(True)  # the callback freezes it itself
+    callback = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=1.0, verbose=False)
+    fit_trainer = zoo.trainer(strategy, world_size, max_steps=2 * FINETUNE_EPOCH_STEPS, callbacks=[callback])
+    fit_trainer.fit(model, zoo.loader(world_size, rank, steps=FINETUNE_EPOCH_STEPS))
+    return zoo.state_of(model)
+
+
 def _freeze_schedule_in_rank(rank: int, world_size: int) -> dict[str, Any]:
     weights = [
         zoo.fit_in_rank(
@@ -57,6 +71,7 @@ def _freeze_schedule_in_rank(rank: int, world_size: int) -> dict[str, Any]:
         )
         for accumulate, options in FREEZE_CASES
     ]
+    weights.append(_backbone_finetuning("data_parallel", world_size, rank))
     inside = _error_of(lambda: zoo.fit_in_rank(_UnfreezeInsideTrainingStep, "data_parallel", world_size))
     unused = _error_of(lambda: zoo.fit_in_rank(zoo.AuxHeadModel, "data_parallel", world_size))
     return {"weights": weights, "inside": inside, "unused": unused}
@@ -66,8 +81,12 @@ def test_unfreezing_trains_like_one_device_and_bad_changes_are_named_on_every_ra
     rank0, rank1 = run_distributed(_freeze_schedule_in_rank, 2, init_process_group=False, timeout=TIMEOUT_S)
     pl.seed_everything(0, verbose=False)
     untrained = zoo.state_of(zoo.FreezeScheduleModel())
-    for (accumulate, options), weights0, weights1 in zip(FREEZE_CASES, rank0["weights"], rank1["weights"], strict=True):
-        reference = zoo.single_device(zoo.FreezeScheduleModel, accumulate_grad_batches=accumulate)
+    references = [zoo.single_device(zoo.FreezeScheduleModel, accumulate_grad_batches=a) for a, _ in FREEZE_CASES]
+    references.append(_backbone_finetuning("auto", 1, 0))
+    cases = [*FREEZE_CASES, (1, "BackboneFinetuning")]
+    for (accumulate, options), reference, weights0, weights1 in zip(
+        cases, references, rank0["weights"], rank1["weights"], strict=True
+    ):
         assert_weights_close(weights0, reference, rtol=1e-5, atol=1e-6)
         assert_weights_close(weights1, weights0, rtol=0, atol=0)  # plain DDP: the replicas drift apart (1e-2)
         moved = (weights0["backbone.0.weight"] - untrained["backbone.0.weight"]).abs().max().item()
