@@ -4,7 +4,8 @@
   re-wraps DDP when the trainable set changes, with and without gradient accumulation, and under Lightning's
   ``BackboneFinetuning`` (frozen after DDP wrapped the model, unfrozen at epoch 1); a change made inside
   ``training_step`` is refused on every rank, naming the parameters.
-* An unused parameter gives our error naming it, under the popen path and Lightning's fork launcher.
+* An unused parameter gives our error naming it, under the popen path and Lightning's fork launcher (which also
+  trains the unfreeze schedule like one device).
 * ``Trainer(sync_batchnorm=True)`` on CPU is refused on every rank at setup, with one clear ``ValueError`` and no
   second error, under every strategy (all call ``strategies/batchnorm.py``); the pipeline refuses it on any device.
 """
@@ -21,6 +22,7 @@ from distributed_harness import run_distributed
 from lightning.pytorch.callbacks import BackboneFinetuning
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import nn
+from torch.utils.data import DataLoader
 from training_helpers import assert_weights_close
 
 from lightning_parallel import DataParallelStrategy
@@ -104,18 +106,31 @@ def test_unfreezing_trains_like_one_device_and_bad_changes_are_named_on_every_ra
 
 
 # ------------------------------------------------------------------ unused parameters under the fork launcher
-def _unused_under_fork_launcher(rank: int, world_size: int) -> tuple[str, str]:
+class _FreezeScheduleWithItsData(zoo.FreezeScheduleModel):
+    """Loads its rank's slice of each global batch itself: forked ranks all receive the loader given to ``fit``."""
+
+    def train_dataloader(self) -> DataLoader:
+        return zoo.loader(self.trainer.world_size, self.global_rank)
+
+
+def _under_fork_launcher(rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], tuple[str, str]]:
+    """The unfreeze schedule (weights come back to this parent process), then an unused parameter."""
+    pl.seed_everything(0, verbose=False)
+    model = _FreezeScheduleWithItsData()
+    zoo.trainer("data_parallel_notebook", 2).fit(model)
     pl.seed_everything(0, verbose=False)
     fit_trainer = zoo.trainer("data_parallel_notebook", 2)
-    return _error_of(lambda: fit_trainer.fit(zoo.AuxHeadModel(), zoo.loader(2, 0)))
+    unused = _error_of(lambda: fit_trainer.fit(zoo.AuxHeadModel(), zoo.loader(2, 0)))
+    return zoo.state_of(model), unused
 
 
-def test_unused_parameter_error_is_ours_under_the_fork_launcher() -> None:
+def test_fork_launcher_unfreezes_like_one_device_and_names_unused_parameters() -> None:
     """Lightning's fork workers never call ``on_exception``: the worker's traceback (which the parent re-raises as
     ``ProcessRaisedException``) used to end in torch's raw "Expected to have finished reduction"."""
-    ((kind, message),) = run_distributed(
-        _unused_under_fork_launcher, 1, init_process_group=False, launcher_env=False, timeout=TIMEOUT_S
+    ((weights, (kind, message)),) = run_distributed(
+        _under_fork_launcher, 1, init_process_group=False, launcher_env=False, timeout=TIMEOUT_S
     )
+    assert_weights_close(weights, zoo.single_device(zoo.FreezeScheduleModel), rtol=1e-5, atol=1e-6)
     assert kind == "ProcessRaisedException", message
     assert message.startswith(UNUSED_PARAMETERS_MESSAGE)
     assert f"RuntimeError: {UNUSED_PARAMETERS_MESSAGE}" in message  # the worker itself raised ours
