@@ -1,16 +1,16 @@
 """One answer to ``Trainer(sync_batchnorm=True)`` per strategy and device, given before training starts.
 
-Lightning turns every BatchNorm into torch's ``SyncBatchNorm`` when fitting starts, and torch only finds out later,
-in the first training forward, that it cannot run there: torch 2.13 raises "SyncBatchNorm expected input tensor to
-be on GPU or XPU or privateuseone" for CPU tensors (measured on gloo, 2 ranks), and a strategy that never calls the
-converted layers collectively (the pipeline) would accept the flag and silently do nothing. Every strategy calls
-:func:`check_layer_sync` in its ``setup`` instead, so each rank raises the same ``ValueError`` (the check reads only
-local facts) before any collective of training.
+Lightning turns every BatchNorm into torch's ``SyncBatchNorm`` when fitting starts, and torch finds out only later
+that it cannot run there: on CPU, DDP's constructor raises "SyncBatchNorm layers only work with GPU modules", and
+without DDP the first training forward raises "SyncBatchNorm expected input tensor to be on GPU or XPU or
+privateuseone" (torch 2.13, measured on gloo, 2 ranks); a strategy that never applies the conversion (the pipeline)
+accepted the flag and silently did nothing. Every strategy calls :func:`check_layer_sync` at the start of its
+``setup`` instead, so each rank raises the same ``ValueError`` (the check reads only local facts) before any
+collective of training.
 
-Strategies that call it (``supported`` is their answer on a device torch's ``SyncBatchNorm`` runs on):
-``DataParallelStrategy`` (supported) and ``ShardedOptimizerStrategy`` stages 1-3 (supported: the conversion is
-Lightning's module swap before sharding); others call :func:`check_sync_batchnorm` with ``supported=False`` to
-refuse it.
+Who calls it, and ``supported`` (the answer on a device torch's ``SyncBatchNorm`` runs on):
+``DataParallelStrategy``: supported; ``ShardedOptimizerStrategy`` stages 1-3: supported (the conversion is
+Lightning's module swap before sharding); ``PipelineParallelStrategy``: not supported, on any device.
 """
 
 from __future__ import annotations
