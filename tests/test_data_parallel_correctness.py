@@ -76,7 +76,9 @@ def _freeze_schedule_in_rank(rank: int, world_size: int) -> dict[str, Any]:
     weights.append(_backbone_finetuning("data_parallel", world_size, rank))
     inside = _error_of(lambda: zoo.fit_in_rank(_UnfreezeInsideTrainingStep, "data_parallel", world_size))
     unused = _error_of(lambda: zoo.fit_in_rank(zoo.AuxHeadModel, "data_parallel", world_size))
-    return {"weights": weights, "inside": inside, "unused": unused}
+    # Manual optimization: the discriminator's step leaves the generator without gradients.
+    gan = _error_of(lambda: zoo.fit_in_rank(zoo.TwoOptimizerGAN, "data_parallel", world_size))
+    return {"weights": weights, "inside": inside, "unused": unused, "gan": gan}
 
 
 def test_unfreezing_trains_like_one_device_and_bad_changes_are_named_on_every_rank() -> None:
@@ -103,6 +105,9 @@ def test_unfreezing_trains_like_one_device_and_bad_changes_are_named_on_every_ra
         assert kind == "RuntimeError", message
         assert message.startswith(UNUSED_PARAMETERS_MESSAGE)
         assert "Parameters without a gradient on this rank: never_used.weight, never_used.bias." in message
+        kind, message = rank["gan"]
+        assert kind == "RuntimeError" and message.startswith(UNUSED_PARAMETERS_MESSAGE), message
+        assert "on this rank: generator.0.weight, generator.0.bias, generator.2.weight, generator.2.bias." in message
 
 
 # ------------------------------------------------------------------ unused parameters under the fork launcher

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -296,14 +297,8 @@ class DataParallelStrategy(DDPStrategy):
         is_padding = self._lockstep_batches is not None and self._lockstep_batches.pop_is_padding()
         self._current_step_is_padding = is_padding
         self._follow_trainable_set()
-        try:
+        with self._explaining_unused_parameters():
             output = super().training_step(*args, **kwargs)
-        except RuntimeError as error:
-            # Raised by DDP's forward in this (worker) process: translate it here so every launcher shows ours,
-            # including the fork/spawn workers, where Lightning never calls `on_exception`.
-            if _REDUCTION_NOT_FINISHED in str(error):
-                raise RuntimeError(self._unused_parameters_message(str(error))) from error
-            raise
         if is_padding:
             output = _zero_loss_weight(output)
         step = self.lightning_module.trainer.global_step
@@ -311,6 +306,23 @@ class DataParallelStrategy(DDPStrategy):
             output, policy=self.nonfinite_loss, device=self.root_device, step=step, world_size=self.world_size
         )
         return output
+
+    @contextmanager
+    def _explaining_unused_parameters(self) -> Generator[None, None, None]:
+        """Raise our advice instead of DDP's "Expected to have finished reduction" (DDP's forward, or manual
+        optimization's ``prepare_for_backward``), in this process: the fork/spawn workers never call
+        ``on_exception`` (Lightning calls it in the parent only), so the traceback they send back ends in ours."""
+        try:
+            yield
+        except RuntimeError as error:
+            if _REDUCTION_NOT_FINISHED in str(error):
+                raise RuntimeError(self._unused_parameters_message(str(error))) from error
+            raise
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        with self._explaining_unused_parameters():
+            super().pre_backward(closure_loss)
 
     _skip_step = False
     _ddp_trainable: tuple[bool, ...] | None = None
