@@ -75,6 +75,7 @@ from lightning_parallel.strategies.launch import (
     to_timeout,
     validate_start_method,
 )
+from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -338,6 +339,10 @@ class PipelineParallelStrategy(DDPStrategy):
             raise ValueError(
                 f"`precision={self.precision_plugin.precision!r}` is not supported by PipelineParallelStrategy."
                 f" Valid options: {', '.join(map(repr, _SUPPORTED_PRECISION))}."
+            )
+        if fitting and self.pipeline_parallel_size > 1:
+            check_parameter_callbacks(
+                trainer.callbacks, strategy_name="pipeline", layout="only its stage's layers on each rank"
             )
         if self._engine is None:
             self._split(trainer, module)

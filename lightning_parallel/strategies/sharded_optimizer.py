@@ -33,7 +33,6 @@ from lightning_parallel.distributed.checkpoint import (
 from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
-from lightning_parallel.distributed.zero3_checks import check_callbacks
 from lightning_parallel.distributed.zero_optimizer import (
     ShardedOptimizer,
     check_disjoint_optimizers,
@@ -57,6 +56,7 @@ from lightning_parallel.strategies.launch import (
     validate_start_method,
 )
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss, drop_gradients, should_skip_step, validate_nonfinite
+from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks
 
 __all__ = ["ShardedOptimizerStrategy"]
 
@@ -219,7 +219,9 @@ class ShardedOptimizerStrategy(DDPStrategy):
         self.precision_plugin.scaler = ShardedGradScaler(device=self.root_device.type)
 
     def _setup_stage3(self) -> None:
-        check_callbacks(self.lightning_module.trainer.callbacks)
+        check_parameter_callbacks(
+            self.lightning_module.trainer.callbacks, strategy_name="zero3", layout="each parameter as a DTensor shard"
+        )
         mesh = init_device_mesh(self.root_device.type, (self.world_size,))
         # Start from rank 0's weights, as stages 1-2 and DDP do.
         zero3.broadcast_from_rank0(self.lightning_module, self.root_device)
