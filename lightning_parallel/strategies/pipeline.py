@@ -54,7 +54,7 @@ from lightning_parallel.distributed.pipeline.schedule import (
     validate_schedule_config,
 )
 from lightning_parallel.distributed.pipeline.split import (
-    broadcast_replica_weights,
+    broadcast_from_rank0,
     check_same_plan,
     plan_on_every_rank,
 )
@@ -385,6 +385,11 @@ class PipelineParallelStrategy(DDPStrategy):
         self._optimizer_layouts = self._whole_model_optimizer_layouts(
             module, fitting=trainer.state.fn == TrainerFn.FITTING
         )
+        # First collectives: every check above ran on every rank.
+        if self._dims is None:
+            dims.build_groups()
+        check_same_plan(plan, self.world_size)
+        broadcast_from_rank0(module, self.root_device)  # every stage and replica starts from rank 0's weights
         names = layer_qualified_names(module, layers)
         local = {i for s in local_stages for i in plan.layers_of(s)}
         remove_remote_layers(module, names, plan, local_stages)
@@ -392,14 +397,9 @@ class PipelineParallelStrategy(DDPStrategy):
         self._all_layers, self._layer_names = layers, names
         self._local_parameter_names = {name for name, _ in module.named_parameters()}
         kept_layers = [layer if i in local else None for i, layer in enumerate(layers)]
-        # First collectives: every check above ran on every rank.
-        if self._dims is None:
-            dims.build_groups()
-        check_same_plan(plan, self.world_size)
         self._dims, self._plan = dims, plan
         self.precision_plugin.convert_module(module)
         self.model_to_device()
-        broadcast_replica_weights(module, dims)
         self._engine = PipelineEngine(
             module,
             layers=kept_layers,

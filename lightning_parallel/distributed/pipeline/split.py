@@ -19,9 +19,8 @@ from lightning_parallel.distributed.pipeline.partition import (
     measure_layer_times,
     plan_for_example,
 )
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 
-__all__ = ["broadcast_replica_weights", "check_same_plan", "plan_on_every_rank"]
+__all__ = ["broadcast_from_rank0", "check_same_plan", "plan_on_every_rank"]
 
 
 def plan_on_every_rank(
@@ -68,9 +67,22 @@ def check_same_plan(plan: StagePlan, world_size: int) -> None:
         )
 
 
-def broadcast_replica_weights(module: nn.Module, dims: ParallelDims) -> None:
-    """Collective: replicas of a stage start from replica 0's weights (as DDP does when it wraps a module)."""
-    if dims.data_parallel_size == 1:
-        return
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module, device: torch.device) -> None:
+    """Collective, before the split: every rank takes global rank 0's parameters and buffers (the whole model).
+
+    Under the re-launching start method each rank builds its own module; one built without a common seed (or with
+    weights loaded on rank 0 only) differs per rank, and each stage would start from the weights of the rank that
+    holds it: a model that exists nowhere. DDP and ZeRO broadcast rank 0's weights for the same reason. The whole
+    model is sent once, tensor by tensor through ``device`` (NCCL needs device tensors), while every rank still holds
+    all of it; replicas of a stage then start equal too.
+    """
+    seen: set[int] = set()
     for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.data, src=dims.pipeline_rank, group=dims.data_parallel_group)
+        if id(tensor) in seen or tensor.is_meta:
+            continue
+        seen.add(id(tensor))
+        on_device = tensor.data.to(device)
+        dist.broadcast(on_device, src=0)
+        if on_device is not tensor.data:
+            tensor.data.copy_(on_device)
