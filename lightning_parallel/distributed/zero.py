@@ -101,19 +101,18 @@ class MemoryReport:
         }
 
 
-# torch 2.12 renamed the flat collectives and deprecates the old names with a FutureWarning on every call.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
+# torch 2.12 renamed the flat collectives and deprecates the old names with a FutureWarning on every call. Looked up
+# at each call, not bound at import, so that counting shims installed on `torch.distributed` (the benchmarks') see us.
 def _reduce_scatter(output: Tensor, full: Tensor, *, group: dist.ProcessGroup | None) -> dist.Work:
     """Async sum of ``full`` over ranks, this rank's ``1/N`` slice into ``output``."""
-    return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return collective(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def _all_gather(output: Tensor, shard: Tensor, *, group: dist.ProcessGroup | None) -> dist.Work:
     """Async concatenation of every rank's ``shard`` into ``output``."""
-    return _all_gather_single(output, shard, group=group, async_op=True)
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return collective(output, shard, group=group, async_op=True)
 
 
 def _storage_bytes(tensors: Iterator[Tensor]) -> int:
