@@ -23,13 +23,13 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 import lightning_parallel  # noqa: F401  (registers our strategy names with Lightning)
-from lightning_parallel.demos import GPTLightningModule, TextDataModule
 from lightning_parallel.strategies.registry import STRATEGY_CLASSES, registered_names
 
 __all__ = ["DEFAULT_DATAMODULE", "ParallelCLI", "main", "run_cli", "unknown_strategy_message"]
 
-DEFAULT_DATAMODULE = f"{TextDataModule.__module__}.{TextDataModule.__qualname__}"
-"""Data module used when ``--data`` is not given: the embedded text corpus (no download)."""
+DEFAULT_DATAMODULE = "lightning_parallel.demos.data.TextDataModule"
+"""Data module used when ``--data`` is not given: the embedded text corpus (no download). The demo is imported by
+:func:`run_cli` only, so importing this module (or ``lightning-parallel plan``) does not load it."""
 
 
 _DESCRIPTION = (
@@ -122,6 +122,8 @@ def run_cli(args: Sequence[str] | None = None, **cli_kwargs: Any) -> ParallelCLI
         "auto_configure_optimizers": False,
     }
     kwargs.update(cli_kwargs)
+    from lightning_parallel.demos import GPTLightningModule  # the command's model: loaded when the command runs
+
     # None: LightningCLI reads sys.argv itself (it warns when given a list while sys.argv holds arguments too).
     return ParallelCLI(GPTLightningModule, LightningDataModule, args=None if args is None else list(args), **kwargs)
 

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from lightning_parallel.demos.data import (
     RandomTokenDataModule,
     RandomTokenDataset,
@@ -26,6 +28,7 @@ from lightning_parallel.demos.gpt import (
 )
 from lightning_parallel.demos.module import GPTLightningModule, next_token_loss
 from lightning_parallel.demos.stats import RunStats, RunSummary, peak_memory_bytes, summarize
+from lightning_parallel.planner.shape import register_config_type, register_preset
 
 __all__ = [
     "GPT",
@@ -50,3 +53,9 @@ __all__ = [
     "peak_memory_bytes",
     "summarize",
 ]
+
+# The planner knows the demo only through these registrations (and the `transformer_shape()` hook of the models):
+# `plan("gpt-1.3b")` and `plan(GPTConfig(...))` work; the library itself never imports this package.
+register_config_type(GPTConfig, GPT)
+for _name in PRESETS:
+    register_preset(_name, partial(GPTLightningModule, _name))

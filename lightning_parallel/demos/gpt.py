@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from lightning_parallel.planner.shape import TransformerShape
 
 __all__ = [
     "GPT",
@@ -262,6 +265,21 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         """Total number of parameters (every parameter is counted once; nothing is shared)."""
         return sum(p.numel() for p in self.parameters())
+
+    def transformer_shape(self) -> TransformerShape:
+        """The planner's hook (:class:`~lightning_parallel.planner.ProvidesTransformerShape`): this model's shape."""
+        # Imported here: this module is plain torch and must stay importable without the library's Lightning layer.
+        from lightning_parallel.planner.shape import TransformerShape
+
+        c = self.config
+        return TransformerShape(
+            num_layers=c.n_layer,
+            hidden_size=c.n_embd,
+            num_heads=c.n_head,
+            vocab_size=c.vocab_size,
+            max_seq_len=c.block_size,
+            first_block_layer=1,  # pipeline_layers(): [embedding, *blocks, norm, head]
+        )
 
 
 def num_parameters(config: GPTConfig | str) -> int:

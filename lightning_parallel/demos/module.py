@@ -13,6 +13,7 @@ from torchmetrics.text import Perplexity
 from typing_extensions import override
 
 from lightning_parallel.demos.gpt import GPT, GPTConfig
+from lightning_parallel.planner.shape import TransformerShape
 
 __all__ = ["GPTLightningModule", "next_token_loss"]
 
@@ -90,6 +91,10 @@ class GPTLightningModule(LightningModule):
     def pipeline_layers(self) -> list[nn.Module]:
         """The model as a flat list of layers whose composition is :meth:`forward` (see :meth:`GPT.pipeline_layers`)."""
         return self.model.pipeline_layers()
+
+    def transformer_shape(self) -> TransformerShape:
+        """The planner's hook (:class:`~lightning_parallel.planner.ProvidesTransformerShape`): the GPT's shape."""
+        return self.model.transformer_shape()
 
     @staticmethod
     def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:

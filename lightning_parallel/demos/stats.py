@@ -14,13 +14,9 @@ back to the parent process, so after ``trainer.fit`` the parent reads them with 
 from __future__ import annotations
 
 import math
-import re
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, TypedDict
 
 import lightning.pytorch as pl
@@ -29,6 +25,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
+
+# Re-exported: the demo's programs import these names from here.
+from lightning_parallel.accounting import batch_inputs, peak_memory_bytes, reset_peak_memory
 
 __all__ = ["STATS_PREFIX", "RunStats", "RunSummary", "batch_inputs", "peak_memory_bytes", "summarize"]
 
@@ -50,7 +49,6 @@ _FIELDS = (
     "comm_calls",
     "final_loss",
 )
-_VM_HWM = re.compile(r"^VmHWM:\s+(\d+)\s+kB", re.MULTILINE)
 
 
 class RunSummary(TypedDict):
@@ -74,52 +72,6 @@ class RunSummary(TypedDict):
     comm_bytes_per_step: float | None
     """All-reduce payload bytes per optimizer step on one rank; ``None`` if the strategy counts no communication,
     NaN if it has counters but recorded nothing although several ranks trained (tracking was off)."""
-
-
-def peak_memory_bytes(device: torch.device | None = None) -> int:
-    """Peak memory of this process in bytes.
-
-    Args:
-        device: On a CUDA device, the peak of ``torch.cuda.max_memory_allocated``; otherwise (CPU) the process's peak
-            resident set size: ``VmHWM`` from ``/proc/self/status``, or ``resource.getrusage`` where there is no
-            ``/proc``.
-    """
-    if device is not None and device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    try:
-        match = _VM_HWM.search(Path("/proc/self/status").read_text())
-    except OSError:
-        match = None
-    if match is not None:
-        return int(match.group(1)) * 1024
-    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes.
-    return int(max_rss) if sys.platform == "darwin" else int(max_rss) * 1024
-
-
-def _reset_peak_memory(device: torch.device) -> None:
-    """Start the peak-memory window now, so peaks of earlier work in this process (or its parent) are not counted."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        # "5" resets VmHWM to the current RSS (Linux >= 4.0, see `man 5 proc`, /proc/pid/clear_refs).
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # getrusage's peak cannot be reset; the window then starts at process start
-
-
-def batch_inputs(batch: Any) -> Tensor | None:
-    """The input tensor of a batch: the first element of a tuple/list, ``input_ids``/``inputs`` of a dict, or itself."""
-    if isinstance(batch, Tensor):
-        return batch
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Tensor):
-        return batch[0]
-    if isinstance(batch, Mapping):
-        for key in ("input_ids", "inputs", "input"):
-            if isinstance(batch.get(key), Tensor):
-                return batch[key]
-    return None
 
 
 class RunStats(Callback):
@@ -166,7 +118,7 @@ class RunStats(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._reset_counters()
-            _reset_peak_memory(trainer.strategy.root_device)
+            reset_peak_memory(trainer.strategy.root_device)
             # Ranks that load the same batch (the stages of one pipeline) must count it once: weight each rank's
             # tokens by (distinct data shards) / (ranks).
             replicas = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}

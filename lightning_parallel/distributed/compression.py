@@ -12,20 +12,21 @@ Torch ships DDP communication hooks for fp16, bf16 and PowerSGD, but two of them
   bucket's PowerSGD exchange to finish before handing the bucket back, which makes the collective
   order identical on every rank (measured: multi-bucket PowerSGD on gloo runs instead of SIGABRT).
 
-Every hook here counts the bytes it hands to collectives in a :class:`CommunicationStats`, so the
-benchmark and the monitor report measured traffic, not arithmetic.
+Every hook here counts the bytes it hands to collectives in a
+:class:`~lightning_parallel.accounting.CommunicationStats`, so the benchmark and the monitor report measured
+traffic, not arithmetic.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+from lightning_parallel.accounting import CommunicationStats  # re-exported: the hooks' counter
 
 __all__ = [
     "COMPRESSION_CHOICES",
@@ -43,32 +44,6 @@ COMPRESSION_CHOICES: tuple[str, ...] = ("fp16", "bf16", "powersgd")
 _COMPRESSION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 DDPCommHook = Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-
-
-@dataclass
-class CommunicationStats:
-    """Bytes handed to collectives by our hooks, per collective type.
-
-    ``bytes_by_collective`` holds payload bytes (the size of the tensors passed to the collective on
-    this rank), which is what a backend's ring or tree algorithm then moves ``~2(N-1)/N`` times.
-    """
-
-    bytes_by_collective: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    """Payload bytes per collective name (``"all_reduce"``, ...) since the last :meth:`reset`."""
-    calls: int = 0
-    """Number of collective calls since the last :meth:`reset`."""
-
-    def record(self, collective: str, num_bytes: int) -> None:
-        self.bytes_by_collective[collective] += num_bytes
-        self.calls += 1
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes_by_collective.values())
-
-    def reset(self) -> None:
-        self.bytes_by_collective = defaultdict(int)
-        self.calls = 0
 
 
 def validate_compression(compression: str | None, *, powersgd_rank: int, powersgd_start_iter: int) -> None:

@@ -15,9 +15,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_parallel.demos.stats import batch_inputs, peak_memory_bytes
-from lightning_parallel.distributed.compression import CommunicationStats
-from lightning_parallel.distributed.zero import module_memory_report
+from lightning_parallel.accounting import (
+    BatchSizeFn,
+    CommunicationStats,
+    default_batch_size,
+    default_length,
+    module_memory_report,
+    peak_memory_bytes,
+)
 from lightning_parallel.monitor.figure import write_figure
 from lightning_parallel.monitor.ledger import CollectiveTap, PhaseTimes
 from lightning_parallel.monitor.report import format_table
@@ -79,6 +84,10 @@ class ParallelismMonitor(Callback):
             ``log_dir`` (or ``trainer.default_root_dir``). ``False``: no figure.
         summary_path: where to write the JSON summary; ``None``: next to the figure, ``parallelism_monitor.json``.
         log_every_n_steps: log the per-step metrics every this many steps.
+        batch_size_fn: ``fn(batch) -> int``, the samples of one local batch; ``None``: dim 0 of the batch's input
+            tensor (:func:`~lightning_parallel.accounting.default_batch_size`). As Lightning's ``ThroughputMonitor``.
+        length_fn: ``fn(batch) -> int``, the tokens of one local batch (0: no tokens/s); ``None``: the elements of
+            the input tensor when it is at least 2-D (:func:`~lightning_parallel.accounting.default_length`).
     """
 
     def __init__(
@@ -87,9 +96,14 @@ class ParallelismMonitor(Callback):
         figure_path: str | Path | bool | None = None,
         summary_path: str | Path | None = None,
         log_every_n_steps: int = 1,
+        batch_size_fn: BatchSizeFn | None = None,
+        length_fn: BatchSizeFn | None = None,
     ) -> None:
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(f"`log_every_n_steps={log_every_n_steps!r}` must be a positive integer.")
+        for name, fn in (("batch_size_fn", batch_size_fn), ("length_fn", length_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"`{name}={fn!r}` must be a function `fn(batch) -> int` or None.")
         if figure_path is True:
             raise ValueError(
                 "`figure_path=True` is invalid: pass a path, None (default location) or False (no figure)."
@@ -97,6 +111,8 @@ class ParallelismMonitor(Callback):
         self.figure_path = figure_path
         self.summary_path = summary_path
         self.log_every_n_steps = log_every_n_steps
+        self.batch_size_fn: BatchSizeFn = batch_size_fn or default_batch_size
+        self.length_fn: BatchSizeFn = length_fn or default_length
         self.steps: list[StepRecord] = []
         self.summary: dict[str, Any] | None = None
         """All ranks' measurements after fit (on rank 0; this rank's only elsewhere)."""
@@ -200,12 +216,11 @@ class ParallelismMonitor(Callback):
     def _step_record(self, trainer: pl.Trainer, batch: Any, elapsed: float, communication: Any) -> StepRecord:
         strategy = trainer.strategy
         kind = _strategy_kind(strategy)
-        inputs = batch_inputs(batch)
         replicas = trainer.world_size
         if kind == "pipeline":
             replicas = trainer.world_size // strategy.pipeline_parallel_size
-        samples = int(inputs.shape[0]) * replicas if inputs is not None and inputs.dim() > 0 else 0
-        tokens = int(inputs.numel()) * replicas if inputs is not None and inputs.dim() >= 2 else 0
+        samples = int(self.batch_size_fn(batch)) * replicas
+        tokens = int(self.length_fn(batch)) * replicas
         times = self._times
         exposed = times.exposed_communication if kind in ("pipeline", "sharded") and _measures_sync(strategy) else None
         idle = bubble = None

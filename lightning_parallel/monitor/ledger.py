@@ -5,6 +5,8 @@
 op. That is a property of the call, independent of the backend's algorithm. What a ring algorithm puts on the wire
 per rank is ``2(N-1)/N`` of it for all-reduce and ``(N-1)/N`` for reduce-scatter and all-gather, which is why
 reduce-scatter + all-gather (ZeRO) moves the same wire bytes as one all-reduce (DDP): :func:`ring_wire_bytes`.
+The definitions live in :mod:`lightning_parallel.accounting` (re-exported here); this module adds the scoped
+wrappers and the per-step phase times.
 
 **Where the numbers come from.** Our own code records at each call it makes (``CommunicationStats.record``):
 DDP's gradient all-reduce through a communication hook (``DataParallelStrategy(track_communication=True)``), the
@@ -25,23 +27,10 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.distributed.compression import CommunicationStats
+from lightning_parallel.accounting import COLLECTIVES, CommunicationStats, ring_wire_bytes, tensor_bytes
 from lightning_parallel.monitor import _compat
 
 __all__ = ["COLLECTIVES", "CollectiveTap", "PhaseTimes", "ring_wire_bytes"]
-
-COLLECTIVES: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "send", "recv")
-"""The collective names the ledger uses."""
-
-
-def ring_wire_bytes(collective: str, num_bytes: int, world_size: int) -> float:
-    """Bytes a rank puts on the wire for ``num_bytes`` of ``collective`` under a ring algorithm of ``world_size``."""
-    if collective in ("send", "recv"):
-        return float(num_bytes)
-    if world_size <= 1:
-        return 0.0
-    factor = 2.0 if collective == "all_reduce" else 1.0
-    return factor * (world_size - 1) / world_size * num_bytes
 
 
 @dataclass
@@ -58,10 +47,6 @@ class PhaseTimes:
     """Blocked in P2P waits (waiting for a neighbour stage)."""
     events: list[tuple[str, int, float, float]] = field(default_factory=list)
     """``(kind, stage, start, end)`` of every F/B/W chunk of the step (``time.perf_counter`` seconds)."""
-
-
-def _nbytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 class CollectiveTap:
@@ -125,7 +110,7 @@ class CollectiveTap:
                 source = kwargs.get("input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
                 full = output if collective == "all_gather" else source
                 if isinstance(full, Tensor):
-                    tap.stats.record(collective, _nbytes(full))
+                    tap.stats.record(collective, tensor_bytes(full))
             return original(*args, **kwargs)
 
         return wrapper
@@ -137,7 +122,7 @@ class CollectiveTap:
             if tap.active:
                 for op in p2p_ops:
                     kind = "send" if getattr(op.op, "__name__", "") == "isend" else "recv"
-                    tap.stats.record(kind, _nbytes(op.tensor))
+                    tap.stats.record(kind, tensor_bytes(op.tensor))
             return original(p2p_ops, *args, **kwargs)
 
         return wrapper

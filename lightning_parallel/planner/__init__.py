@@ -4,13 +4,21 @@ from lightning_parallel.planner.cli import main, parse_memory
 from lightning_parallel.planner.estimate import ConfigEstimate, RankEstimate, pipeline_bubble
 from lightning_parallel.planner.plan import Plan, format_bytes, plan
 from lightning_parallel.planner.recommend import recommend, trainer_line
+from lightning_parallel.planner.shape import (
+    ProvidesTransformerShape,
+    TransformerShape,
+    register_config_type,
+    register_preset,
+)
 from lightning_parallel.planner.spec import ModelSpec, model_spec
 
 __all__ = [
     "ConfigEstimate",
     "ModelSpec",
     "Plan",
+    "ProvidesTransformerShape",
     "RankEstimate",
+    "TransformerShape",
     "format_bytes",
     "main",
     "model_spec",
@@ -18,5 +26,7 @@ __all__ = [
     "pipeline_bubble",
     "plan",
     "recommend",
+    "register_config_type",
+    "register_preset",
     "trainer_line",
 ]

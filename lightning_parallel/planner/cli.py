@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     parser.add_argument("--precision", default="32-true", choices=sorted(PRECISION_BYTES))
     parser.add_argument("--batch-size", type=int, default=8, help="samples per batch of one data-parallel replica")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the GPT block size)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's longest)")
     parser.add_argument("--num-microbatches", type=int, default=None, help="pipeline micro-batches (default: stages)")
     parser.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"])
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ZeRO-1/2 bucket size in MiB")

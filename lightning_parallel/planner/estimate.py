@@ -8,8 +8,9 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   the 0-dim ``step`` counters are not counted). Optimizer state has the parameters' dtype.
 * Precision: ``"32-true"`` and the ``*-mixed`` precisions keep fp32 parameters and gradients (4 bytes; autocast
   only changes activations); ``"16-true"``/``"bf16-true"`` store 2 bytes per element.
-* Communication per step is the monitor's definition (``monitor/ledger.py``): the full buffer of each collective on
-  this rank; ring wire bytes are ``2(N-1)/N`` of an all-reduce and ``(N-1)/N`` of a reduce-scatter or all-gather.
+* Communication per step is the monitor's definition (:mod:`lightning_parallel.accounting`): the full buffer of
+  each collective on this rank; ring wire bytes are ``2(N-1)/N`` of an all-reduce and ``(N-1)/N`` of a
+  reduce-scatter or all-gather.
 * Data parallel: everything replicated; one all-reduce of all gradients (DDP's buckets hold exactly the gradients).
 * ZeRO-1/2 (ours): trainable parameters, in reverse registration order, fill flat buckets of ``bucket_cap_mb``;
   each bucket is padded to a multiple of N. Parameters: the padded buckets. Gradients: stage 1 keeps the padded
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_parallel.accounting import ring_wire_bytes
 from lightning_parallel.planner.spec import ModelSpec
 
 __all__ = [
@@ -118,8 +120,6 @@ class ConfigEstimate:
 
     def wire_bytes(self, world_size: int) -> float:
         """The most bytes one rank puts on the wire per step under ring algorithms."""
-        from lightning_parallel.monitor.ledger import ring_wire_bytes
-
         group = world_size
         if self.name.startswith("pipeline"):
             group = world_size // int(self.name.split("pp=")[1].split(",")[0])
@@ -144,13 +144,13 @@ class EstimateContext:
 
 
 def _activations(ctx: EstimateContext, *, blocks: float, samples: float, with_logits: bool) -> int | None:
-    gpt = ctx.spec.gpt
-    if gpt is None:
+    shape = ctx.spec.shape
+    if shape is None:
         return None
-    h, a, s = gpt.n_embd, gpt.n_head, ctx.seq_len
+    h, a, s = shape.hidden_size, shape.num_heads, ctx.seq_len
     per_token_block = (34 * h + 5 * a * s) * ctx.activation_bytes / 2
     tokens = samples * s
-    total = blocks * tokens * per_token_block + (8 * gpt.vocab_size * tokens if with_logits else 0)
+    total = blocks * tokens * per_token_block + (8 * shape.vocab_size * tokens if with_logits else 0)
     return int(total)
 
 
@@ -158,7 +158,7 @@ def estimate_data_parallel(ctx: EstimateContext) -> ConfigEstimate:
     numel = ctx.spec.num_parameters
     e = ctx.element_bytes
     comm = {"all_reduce": numel * e} if ctx.world_size > 1 else {}
-    layers = ctx.spec.gpt.n_layer if ctx.spec.gpt else 0
+    layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
     rank = RankEstimate(numel * e, numel * e, ctx.state_count * numel * e, comm, act)
     return ConfigEstimate("data_parallel", '"data_parallel"', [rank] * ctx.world_size)
@@ -186,7 +186,7 @@ def estimate_zero12(ctx: EstimateContext, *, stage: int, bucket_cap_mb: float) -
     ranks = []
     buckets = zero_buckets(ctx.spec, element_bytes=e, bucket_cap_mb=bucket_cap_mb)
     padded = [-(-b // n) * n for b in buckets]
-    layers = ctx.spec.gpt.n_layer if ctx.spec.gpt else 0
+    layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
     for r in range(n):
         owned = sum(max(0, min(b, (r + 1) * (p // n)) - r * (p // n)) for b, p in zip(buckets, padded, strict=True))
@@ -213,7 +213,7 @@ def estimate_zero3(ctx: EstimateContext) -> ConfigEstimate:
     gather = sum((1 if u.is_root else 2) * n * sum(padded_shard[i] for i in u.params) for u in units)
     scatter = sum(n * sum(padded_shard[i] for i in u.params) for u in units)
     comm = {"all_gather": gather * e, "reduce_scatter": scatter * e}
-    layers = ctx.spec.gpt.n_layer if ctx.spec.gpt else 0
+    layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
     ranks = []
     for r in range(n):
@@ -292,9 +292,9 @@ def estimate_pipeline(
 
 
 def _blocks_in(ctx: EstimateContext, plan: object, stages: list[int]) -> float:
-    """GPT blocks held by these stages (pipeline layers are ``[embedding, *blocks, norm, head]``)."""
-    gpt = ctx.spec.gpt
-    if gpt is None:
+    """Transformer blocks held by these stages (:meth:`TransformerShape.is_block` of their pipeline layers)."""
+    shape = ctx.spec.shape
+    if shape is None:
         return 0.0
     layers = [i for s in stages for i in plan.layers_of(s)]  # type: ignore[attr-defined]
-    return float(sum(1 for i in layers if 1 <= i <= gpt.n_layer))
+    return float(sum(1 for i in layers if shape.is_block(i)))

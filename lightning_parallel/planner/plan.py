@@ -133,7 +133,7 @@ def plan(
         optimizer: a key of :data:`~lightning_parallel.planner.estimate.OPTIMIZER_STATES`.
         precision: a Lightning precision string (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...).
         batch_size: samples per batch of one data-parallel replica (what its dataloader yields).
-        seq_len: tokens per sample; ``None``: the GPT's ``block_size``.
+        seq_len: tokens per sample; ``None``: the model's ``TransformerShape.max_seq_len`` (1 without one).
         num_microbatches: pipeline micro-batches; ``None``: :func:`default_microbatches` (the planner passes the
             count it chose in the ``Trainer`` line; bytes held and sent do not depend on it).
         schedule: pipeline schedule (``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"``).
@@ -145,7 +145,7 @@ def plan(
     _validate(world_size, num_nodes, optimizer, precision, batch_size, device_memory)
     spec = model_spec(model)
     if seq_len is None:
-        seq_len = spec.gpt.block_size if spec.gpt is not None else 1
+        seq_len = spec.shape.max_seq_len if spec.shape is not None else 1
     element, activation = PRECISION_BYTES[precision]
     ctx = EstimateContext(
         spec, world_size, OPTIMIZER_STATES[optimizer.lower()], element, activation, batch_size, seq_len
@@ -219,8 +219,8 @@ def _assumptions(spec: ModelSpec) -> list[str]:
         "wire bytes = the most bytes one rank puts on the wire per step under ring collectives (2(N-1)/N of an"
         " all-reduce, (N-1)/N of a reduce-scatter or all-gather; P2P as sent).",
     ]
-    if spec.gpt is None:
-        notes.append("Not a GPT: activations are not estimated ('?').")
+    if spec.shape is None:
+        notes.append("No transformer shape (no `transformer_shape()` hook): activations are not estimated ('?').")
     return notes + spec.notes
 
 

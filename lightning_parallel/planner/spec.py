@@ -1,8 +1,9 @@
-"""What the planner needs to know about a model: parameter shapes, pipeline layers, FSDP2 units, GPT shape.
+"""What the planner needs to know about a model: parameter shapes, pipeline layers, FSDP2 units, transformer shape.
 
-Built on the ``meta`` device (no memory, any size) from a preset name, a parameter count, a ``GPTConfig``, a
-``"package.module:Class"`` path or a module instance, using the same functions the strategies use to split the
-model (:func:`lightning_parallel.distributed.zero3.fsdp_units`, the pipeline partitioner).
+Built on the ``meta`` device (no memory, any size) from a registered preset name, a parameter count, a registered
+config object (the demo's ``GPTConfig``), a ``"package.module:Class"`` path or a module instance, using the same
+functions the strategies use to split the model (:func:`lightning_parallel.distributed.zero3.fsdp_units`, the
+pipeline partitioner). The transformer shape comes from the model's own hook (:mod:`.shape`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,19 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.demos.gpt import PRESETS, GPTConfig
 from lightning_parallel.distributed import zero3
 from lightning_parallel.distributed.pipeline.partition import (
     StagePlan,
     layer_parameter_costs,
     plan_for_example,
     resolve_pipeline_layers,
+)
+from lightning_parallel.planner.shape import (
+    TransformerShape,
+    build_from_config,
+    preset_builder,
+    preset_names,
+    transformer_shape_of,
 )
 
 __all__ = ["ModelSpec", "ParamSpec", "UnitSpec", "model_spec"]
@@ -64,8 +71,9 @@ class ModelSpec:
     """FSDP2 units as ``ShardedOptimizerStrategy(stage=3)`` would apply them; ``None``: unknown (one flat unit)."""
     module: nn.Module | None = None
     """The (meta) module, for the pipeline partitioner; ``None`` for a bare parameter count."""
-    gpt: GPTConfig | None = None
-    """The GPT shape, for the activation estimate; ``None`` for other models."""
+    shape: TransformerShape | None = None
+    """The transformer shape the model reports (``transformer_shape()``), for the activation estimate; ``None``:
+    the model has no such hook."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -77,9 +85,10 @@ class ModelSpec:
         return self.module is not None and callable(getattr(self.module, "pipeline_layers", None))
 
     def example_inputs(self, batch_size: int, seq_len: int) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """Example ``self(...)`` arguments (meta tensors): GPT token ids ``(B, T)``, else ``example_input_array``."""
-        if self.gpt is not None:
-            return (torch.empty(batch_size, seq_len, dtype=torch.long, device="meta"),), {}
+        """Example ``self(...)`` arguments (meta tensors): token ids ``(B, T)`` of a transformer that reports its
+        shape, else ``example_input_array``."""
+        if self.shape is not None:
+            return self.shape.example_inputs(batch_size, seq_len), {}
         example = getattr(self.module, "example_input_array", None)
         if isinstance(example, Tensor):
             return (example.to("meta"),), {}
@@ -120,32 +129,30 @@ class ModelSpec:
 
 
 def model_spec(model: Any) -> ModelSpec:
-    """Describe ``model``: a preset name (``"tiny"``, ``"gpt-125m"``, ...), a parameter count (``int`` or a string
-    like ``"1.3e9"``/``"350M"``), a ``GPTConfig``, a ``"package.module:Class"`` LightningModule path (constructed
-    without arguments on the meta device) or an ``nn.Module`` instance.
+    """Describe ``model``: a preset name (``"tiny"``, ``"gpt-125m"``, ... registered by the demo), a parameter count
+    (``int`` or a string like ``"1.3e9"``/``"350M"``), a registered config object (``GPTConfig``), a
+    ``"package.module:Class"`` LightningModule path (constructed without arguments on the meta device) or an
+    ``nn.Module`` instance.
 
     Raises:
         ValueError: for a string that is neither a preset, a count nor an importable class path.
     """
     if isinstance(model, nn.Module):
         return _from_module(type(model).__name__, model)
-    if isinstance(model, GPTConfig):
-        from lightning_parallel.demos.gpt import GPT
-
-        with torch.device("meta"):
-            return _from_module("GPT", GPT(model))
     if isinstance(model, int) and not isinstance(model, bool):
         return _from_count(model)
+    built = build_from_config(model)
+    if built is not None:
+        return _from_module(type(built).__name__, built)
     if not isinstance(model, str):
         raise ValueError(f"`model={model!r}` is invalid: pass a preset name, a parameter count or a class path.")
-    if model in PRESETS:
-        from lightning_parallel.demos.module import GPTLightningModule
-
-        with torch.device("meta"):
-            return _from_module(model, GPTLightningModule(model))
     count = _parse_count(model)
     if count is not None:
         return _from_count(count)
+    build = preset_builder(model)
+    if build is not None:
+        with torch.device("meta"):
+            return _from_module(model, build())
     return _from_module(model, _construct(model))
 
 
@@ -165,13 +172,12 @@ def _from_module(name: str, module: nn.Module) -> ModelSpec:
         own = tuple(index[id(p)] for p in unit.parameters() if id(p) not in nested and id(p) in index)
         is_root = not any(other is not unit and _contains(other, unit) for other in found)
         units.append(UnitSpec(params=own, is_root=is_root))
-    config = getattr(module, "config", None)
     return ModelSpec(
         name=name,
         params=[ParamSpec(n, tuple(p.shape)) for n, p in named],
         units=units,
         module=module,
-        gpt=config if isinstance(config, GPTConfig) else None,
+        shape=transformer_shape_of(module),
     )
 
 
@@ -213,7 +219,7 @@ def _construct(path: str) -> nn.Module:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as error:
         raise ValueError(
-            f"`model={path!r}` is not a preset ({', '.join(PRESETS)}), a parameter count (e.g. '350M') or an"
+            f"`model={path!r}` is not a preset ({', '.join(preset_names())}), a parameter count (e.g. '350M') or an"
             f" importable class path like 'my_package.models:MyModule' ({error})."
         ) from error
     with torch.device("meta"):

@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_parallel.accounting import CommunicationStats, MemoryReport, module_memory_report
 from lightning_parallel.distributed.compression import (
-    CommunicationStats,
     GradientCompression,
     SerializedPowerSGD,
     check_backend_supports_dtype,
@@ -32,7 +32,6 @@ from lightning_parallel.distributed.compression import (
     validate_compression,
 )
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
-from lightning_parallel.distributed.zero import MemoryReport, module_memory_report
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, load_module_state
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure

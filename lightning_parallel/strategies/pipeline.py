@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_parallel import _compat
+from lightning_parallel.accounting import CommunicationStats, MemoryReport, module_memory_report
 from lightning_parallel.distributed.checkpoint import replicated_pieces, save_sharded_checkpoint
-from lightning_parallel.distributed.compression import CommunicationStats
-from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.consolidate import (
     consolidate_buffers,
     consolidate_optimizer_state,
@@ -63,7 +63,6 @@ from lightning_parallel.distributed.pipeline.verify import (
     check_single_evaluation_optimizers,
     closure_evaluated_twice,
 )
-from lightning_parallel.distributed.zero import MemoryReport, module_memory_report
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, scalar_states_of
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure

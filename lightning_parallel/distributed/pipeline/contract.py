@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+
+# Not torch-only, but no Lightning either: torchmetrics depends on torch and lightning-utilities. A logged `Metric`
+# keeps its own state across micro-batches and must be recognised so it is not averaged like a value.
 from torchmetrics import Metric
 
 __all__ = [
@@ -32,10 +34,6 @@ __all__ = [
     "run_step_with_output",
     "step_loss",
 ]
-
-# `self.log`'s own signature tells where `reduce_fx` sits among positional arguments (after prog_bar, logger,
-# on_step, on_epoch), so a positional "sum" is honoured like a keyword one.
-_LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
 _CONTRACT = (
     "Under PipelineParallelStrategy a step must call `self(...)` exactly once (the pipeline answers it with the"
@@ -61,6 +59,9 @@ class LogRecord:
     value: Any
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    signature: inspect.Signature | None = field(default=None, repr=False, compare=False)
+    """The signature of the module's ``log`` method (LightningModule's), which tells where ``reduce_fx`` sits among
+    positional arguments (after prog_bar, logger, on_step, on_epoch); ``None``: only a keyword ``reduce_fx`` counts."""
 
 
 @contextmanager
@@ -106,6 +107,8 @@ def run_step_with_output(
     """
     calls = 0
     records: list[LogRecord] = []
+    log_method = getattr(type(module), "log", None)
+    signature = inspect.signature(log_method) if callable(log_method) else None
 
     def forward(*fargs: Any, **fkwargs: Any) -> Any:
         nonlocal calls
@@ -115,7 +118,7 @@ def run_step_with_output(
         return output
 
     def log(name: str, value: Any, *largs: Any, **lkwargs: Any) -> None:
-        records.append(LogRecord(name, value, largs, lkwargs))
+        records.append(LogRecord(name, value, largs, lkwargs, signature))
 
     with _patched(module, forward, log):
         result = getattr(module, step)(*args, **kwargs)
@@ -137,8 +140,10 @@ def step_loss(output: Any, step: str = "training_step") -> Tensor:
 
 def _reduce_fx(record: LogRecord) -> Any:
     """The ``reduce_fx`` of a ``self.log(name, value, *args, **kwargs)`` call, positional or by keyword."""
+    if "reduce_fx" in record.kwargs or record.signature is None:
+        return record.kwargs.get("reduce_fx", "mean")
     try:
-        bound = _LOG_SIGNATURE.bind_partial(None, record.name, record.value, *record.args, **record.kwargs)
+        bound = record.signature.bind_partial(None, record.name, record.value, *record.args, **record.kwargs)
     except TypeError:  # not a valid `self.log` call: Lightning raises its own error when the call is replayed
         return "mean"
     return bound.arguments.get("reduce_fx", "mean")
@@ -177,7 +182,7 @@ def aggregate_logs(per_microbatch: Sequence[Sequence[LogRecord]], weights: Seque
             w = torch.tensor([wt for _, wt in entries], dtype=torch.float64)
             value = (torch.stack(values) * w).sum() / w.sum()
         dtype = last.value.dtype if isinstance(last.value, Tensor) and last.value.is_floating_point() else None
-        result.append(LogRecord(name, value.to(dtype or torch.float32), last.args, last.kwargs))
+        result.append(LogRecord(name, value.to(dtype or torch.float32), last.args, last.kwargs, last.signature))
     return result
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.distributed.compression import CommunicationStats
+from lightning_parallel.accounting import CommunicationStats
 
 __all__ = ["average_across_replicas", "clip_by_global_norm"]
 

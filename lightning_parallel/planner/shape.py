@@ -1,0 +1,141 @@
+"""How a model tells the planner its shape: the :class:`TransformerShape` hook, presets and config types.
+
+The planner reads parameters, FSDP2 units and pipeline layers from any module itself. What it cannot read from the
+parameters is the activation size: for that a model implements :class:`ProvidesTransformerShape` (one method,
+``transformer_shape()``), as torchtitan's models report their own parameter and FLOP counts. Models without it are
+planned without an activation estimate.
+
+Names and config objects map to modules through two small registries, filled by the package that defines the model
+(``lightning_parallel.demos`` registers its GPT presets and ``GPTConfig``); the planner never imports a model package
+at import time. A preset name it does not know yet makes it import :data:`PRESET_PACKAGES` once, which registers them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "PRESET_PACKAGES",
+    "ProvidesTransformerShape",
+    "TransformerShape",
+    "build_from_config",
+    "preset_builder",
+    "preset_names",
+    "register_config_type",
+    "register_preset",
+    "transformer_shape_of",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerShape:
+    """A decoder-only transformer as the planner's activation estimate sees it."""
+
+    num_layers: int
+    """Transformer blocks."""
+    hidden_size: int
+    """Width of the residual stream (``n_embd``)."""
+    num_heads: int
+    """Attention heads per block."""
+    vocab_size: int
+    """Rows of the output head (the logits are ``vocab_size`` wide)."""
+    max_seq_len: int
+    """The longest sequence the model takes; the planner's default ``seq_len``."""
+    first_block_layer: int = 1
+    """Index of the first block in ``pipeline_layers()`` (blocks are contiguous: ``[embedding, *blocks, ...]``)."""
+
+    def example_inputs(self, batch_size: int, seq_len: int) -> tuple[Tensor, ...]:
+        """Token ids ``(batch_size, seq_len)`` on the meta device: the input of ``forward``."""
+        return (torch.empty(batch_size, seq_len, dtype=torch.long, device="meta"),)
+
+    def is_block(self, layer_index: int) -> bool:
+        """Whether pipeline layer ``layer_index`` is a transformer block."""
+        return self.first_block_layer <= layer_index < self.first_block_layer + self.num_layers
+
+
+@runtime_checkable
+class ProvidesTransformerShape(Protocol):
+    """The planner's hook: a module (the LightningModule or a plain ``nn.Module``) that reports its shape.
+
+    .. code-block:: python
+
+        class MyModel(LightningModule):
+            def transformer_shape(self) -> TransformerShape:
+                return TransformerShape(
+                    num_layers=12, hidden_size=768, num_heads=12, vocab_size=50304, max_seq_len=1024
+                )
+    """
+
+    def transformer_shape(self) -> TransformerShape: ...
+
+
+def transformer_shape_of(module: nn.Module | None) -> TransformerShape | None:
+    """The shape ``module`` reports through :class:`ProvidesTransformerShape`, or ``None``.
+
+    Raises:
+        TypeError: If ``transformer_shape()`` returns something other than a :class:`TransformerShape`.
+    """
+    if not isinstance(module, ProvidesTransformerShape):
+        return None
+    shape = module.transformer_shape()
+    if not isinstance(shape, TransformerShape):
+        raise TypeError(
+            f"`{type(module).__name__}.transformer_shape()` returned {type(shape).__name__}; it must return a"
+            " `lightning_parallel.planner.TransformerShape`."
+        )
+    return shape
+
+
+# ------------------------------------------------------------------------------------------------------ registries
+PRESET_PACKAGES: tuple[str, ...] = ("lightning_parallel.demos",)
+"""Packages imported (once, on the first unknown name, never at import time) to register their presets."""
+
+_PRESETS: dict[str, Callable[[], nn.Module]] = {}
+_CONFIG_TYPES: dict[type, Callable[[Any], nn.Module]] = {}
+_loaded_preset_packages = False
+
+
+def register_preset(name: str, build: Callable[[], nn.Module]) -> None:
+    """Let ``plan(name)`` plan the module ``build()`` returns (called under ``torch.device("meta")``)."""
+    _PRESETS[name] = build
+
+
+def register_config_type(config_type: type, build: Callable[[Any], nn.Module]) -> None:
+    """Let ``plan(config)`` take instances of ``config_type``: ``build(config)`` returns the module (on meta)."""
+    _CONFIG_TYPES[config_type] = build
+
+
+def _load_preset_packages() -> None:
+    global _loaded_preset_packages
+    if not _loaded_preset_packages:
+        _loaded_preset_packages = True
+        for package in PRESET_PACKAGES:
+            importlib.import_module(package)
+
+
+def preset_builder(name: str) -> Callable[[], nn.Module] | None:
+    """The builder registered for preset ``name``, or ``None``."""
+    if name not in _PRESETS:
+        _load_preset_packages()
+    return _PRESETS.get(name)
+
+
+def preset_names() -> list[str]:
+    """Every registered preset name."""
+    _load_preset_packages()
+    return list(_PRESETS)
+
+
+def build_from_config(config: Any) -> nn.Module | None:
+    """The module a registered config type builds from ``config`` on the meta device, or ``None`` if unregistered."""
+    for config_type, build in _CONFIG_TYPES.items():
+        if isinstance(config, config_type):
+            with torch.device("meta"):
+                return build(config)
+    return None
