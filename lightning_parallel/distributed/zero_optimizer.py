@@ -11,12 +11,13 @@ parameter's shape. It loads into plain single-device training and into any of ou
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader
@@ -37,8 +38,11 @@ _SHAPE_DEPENDENT = {
 }
 
 
-def check_shardable(optimizer: torch.optim.Optimizer) -> None:
-    """Raise ``TypeError`` for an optimizer whose update is not element-wise (stages 1-2 split parameters)."""
+def check_shardable(optimizer: torch.optim.Optimizer, *, warn: Callable[[str], Any] = warnings.warn) -> None:
+    """Raise ``TypeError`` for an optimizer whose update is not element-wise (stages 1-2 split parameters).
+
+    An optimizer we do not know is accepted with a ``warn`` (a strategy passes its rank-zero warning).
+    """
     name = type(optimizer).__name__
     if name in _SHAPE_DEPENDENT:
         raise TypeError(
@@ -47,7 +51,7 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
             " or `DataParallelStrategy`, which keeps whole parameters on every rank."
         )
     if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        rank_zero_warn(
+        warn(
             f"ShardedOptimizerStrategy assumes `{name}` updates each element independently (as AdamW or SGD do)."
             " If its update needs a parameter's whole shape, results will be wrong: use DataParallelStrategy."
         )

@@ -18,34 +18,16 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel._compat import optimizers_to_device, sync_module_states
-from lightning_parallel.distributed import zero3
-from lightning_parallel.distributed.checkpoint import (
-    ShardedCheckpointReader,
-    add_aliases,
-    is_sharded_checkpoint,
-    replicated_pieces,
-)
+from lightning_parallel._compat import optimizers_to_device
+from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
 from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
-from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
-from lightning_parallel.distributed.zero_optimizer import (
-    ShardedOptimizer,
-    check_disjoint_optimizers,
-    check_shardable,
-    load_from_reader,
-)
+from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_disjoint_optimizers
 from lightning_parallel.strategies.batchnorm import check_layer_sync
-from lightning_parallel.strategies.checkpointing import (
-    load_checkpoint_any_format,
-    load_module_state,
-    save_sharded,
-    scalar_states_of,
-)
+from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, save_sharded
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
 from lightning_parallel.strategies.launch import (
     ConsolidatingLauncher,
@@ -56,7 +38,7 @@ from lightning_parallel.strategies.launch import (
     validate_start_method,
 )
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss, drop_gradients, should_skip_step, validate_nonfinite
-from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks
+from lightning_parallel.strategies.zero_backends import ZeroBackend, backend_type
 
 __all__ = ["ShardedOptimizerStrategy"]
 
@@ -143,10 +125,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.checkpoint_format = checkpoint_format
         self.nonfinite_loss = nonfinite_loss
-        self._buckets: ShardedParameterBuckets | None = None
-        self._sharded_optimizers: list[ShardedOptimizer] = []  # stages 1-2: one per optimizer, in order
-        self._fsdp_units: list[nn.Module] = []
-        self._access: ShardedModuleAccess | None = None
+        self._backend: ZeroBackend | None = None
         self._memory_logged = False
         self.track_communication = False
         """Count collective bytes in :attr:`communication_stats` (stages 1-2; ``ParallelismMonitor`` sets it, and
@@ -158,6 +137,13 @@ class ShardedOptimizerStrategy(DDPStrategy):
     def is_sharding(self) -> bool:
         """Whether states are sharded (world size > 1); at world size 1 training is plain single-device."""
         return self.world_size > 1
+
+    @property
+    def backend(self) -> ZeroBackend:
+        """How this run holds the model and optimizer state (chosen in ``setup``; see ``strategies.zero_backends``)."""
+        if self._backend is None:
+            raise RuntimeError("`ShardedOptimizerStrategy.backend` is chosen in `setup`; it was read before that.")
+        return self._backend
 
     @override
     def setup_environment(self) -> None:
@@ -177,8 +163,8 @@ class ShardedOptimizerStrategy(DDPStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        device = torch.device("meta") if (empty_init and self.stage == 3) else self.root_device
-        context = device if device.type == "meta" else nullcontext()
+        on_meta = empty_init and backend_type(self.stage, is_sharding=self.is_sharding).empty_init_on_meta
+        context = torch.device("meta") if on_meta else nullcontext()
         with context, self.precision_plugin.tensor_init_context():
             yield
 
@@ -187,22 +173,25 @@ class ShardedOptimizerStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._buckets, self._sharded_optimizers, self._fsdp_units = None, [], []
         if fitting and self._layer_sync:
             check_layer_sync(self._layer_sync, f"zero{self.stage}", self.root_device, supported=True)
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
-        if self.stage == 3 and self.is_sharding:
-            self._setup_stage3()
-        else:
-            zero3.materialize_meta_module(self.lightning_module, self.root_device)  # empty_init at world size 1
-            self.model_to_device()
-            sync_module_states(self.model)
+        self._backend = backend_type(self.stage, is_sharding=self.is_sharding)(
+            stage=self.stage,
+            bucket_cap_mb=self.bucket_cap_mb,
+            stats=self.communication_stats if self.track_communication else None,
+            callbacks=trainer.callbacks,
+            rank=self.global_rank,
+            world_size=self.world_size,
+        )
+        self._backend.setup_module(self.lightning_module, self.root_device)
         if fitting:
             self.setup_optimizers(trainer)
             self._validate_optimizers()
-            if self.stage in (1, 2) and self.is_sharding:
-                self._setup_stage12()
+            self._backend.setup_optimizers(self._unwrapped_optimizers())
+        # Lightning clips through the precision plugin: stages 1-2 need the norm over all shards.
+        self.precision_plugin = self._backend.wrap_precision(self.precision_plugin)
         self.setup_precision_plugin()
         self._use_sharded_grad_scaler()
         if fitting:
@@ -218,19 +207,6 @@ class ShardedOptimizerStrategy(DDPStrategy):
 
         self.precision_plugin.scaler = ShardedGradScaler(device=self.root_device.type)
 
-    def _setup_stage3(self) -> None:
-        check_parameter_callbacks(
-            self.lightning_module.trainer.callbacks, strategy_name="zero3", layout="each parameter as a DTensor shard"
-        )
-        mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        # Start from rank 0's weights, as stages 1-2 and DDP do.
-        zero3.broadcast_from_rank0(self.lightning_module, self.root_device)
-        self._fsdp_units = zero3.apply_fully_shard(self.lightning_module, mesh)
-        zero3.materialize_meta_module(self.lightning_module, self.root_device)
-        self.model_to_device()
-        self._access = ShardedModuleAccess(self.lightning_module, self._fsdp_units, world_size=self.world_size)
-        self._access.running = True
-
     @contextmanager
     def full_module(self) -> Generator[nn.Module, None, None]:
         """Collective on entry: the whole module on every rank until exit, so code that runs on one rank only
@@ -245,57 +221,51 @@ class ShardedOptimizerStrategy(DDPStrategy):
         full parameters in between; changes to them are dropped); stages 1-2 hold whole parameters anyway. Outside
         this block a stage-3 module called outside a Trainer raises a ``RuntimeError`` instead of hanging.
         """
-        if self._access is None:
+        if self._backend is None:  # never set up: the module as it is
             yield self.lightning_module
             return
-        with self._access.full_parameters() as module:
+        with self._backend.full_module() as module:
             yield module
 
-    def _setup_stage12(self) -> None:
-        optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
-        # Frozen parameters the optimizers hold are bucketed too: unfreezing them later needs no new layout.
-        held = [param for optimizer in optimizers for group in optimizer.param_groups for param in group["params"]]
-        self._buckets = ShardedParameterBuckets(
-            self.lightning_module, stage=self.stage, bucket_cap_mb=self.bucket_cap_mb, frozen=held
-        )
-        if self.track_communication:
-            self._buckets.stats = self.communication_stats
-        self._sharded_optimizers = [ShardedOptimizer(optimizer, self._buckets) for optimizer in optimizers]
-        # Lightning clips through the precision plugin; make it use the norm over all shards.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-
     def _validate_optimizers(self) -> None:
-        optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
+        optimizers = self._unwrapped_optimizers()
         check_disjoint_optimizers(optimizers, self.lightning_module)
         if len(optimizers) > 1 and self._writes_sharded:
             raise ValueError(
                 f"`checkpoint_format='sharded'` holds one optimizer, `configure_optimizers` returned"
                 f" {len(optimizers)}. Use `checkpoint_format='consolidated'` (the default) with several optimizers."
             )
-        if self.stage in (1, 2) and self.is_sharding:
-            for optimizer in optimizers:
-                check_shardable(optimizer)
+
+    def _unwrapped_optimizers(self) -> list[Optimizer]:
+        return [_unwrap(optimizer) for optimizer in self.optimizers]
 
     @override
     def configure_ddp(self) -> None:
-        pass  # no DDP wrapper: gradients are synchronised by our buckets (stages 1-2) or FSDP2 (stage 3)
+        pass  # no DDP wrapper: gradients are synchronised by the backend (our buckets or FSDP2)
+
+    # ------------------------------------------------------------------ private state (read-only, for the monitor)
+    @property
+    def _buckets(self) -> ShardedParameterBuckets | None:
+        """Stages 1-2: the flat buckets (``None`` otherwise). Read by ``ParallelismMonitor`` and tests."""
+        return getattr(self._backend, "buckets", None)
+
+    @property
+    def _sharded_optimizers(self) -> list[ShardedOptimizer]:
+        """Stages 1-2: one :class:`ShardedOptimizer` per optimizer, in order (empty otherwise)."""
+        return list(getattr(self._backend, "sharded_optimizers", []))
+
+    @property
+    def _fsdp_units(self) -> list[nn.Module]:
+        """Stage 3: the modules ``fully_shard`` was applied to (empty otherwise)."""
+        return list(getattr(self._backend, "units", []))
 
     # ------------------------------------------------------------------ training
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the non-final micro-batches of gradient accumulation."""
-        if self._buckets is not None:
-            self._buckets.sync_gradients = False
-        for unit in self._fsdp_units:
-            unit.set_requires_gradient_sync(False, recurse=False)
-        try:
+        with self.backend.no_sync():
             yield None
-        finally:
-            if self._buckets is not None:
-                self._buckets.sync_gradients = True
-            for unit in self._fsdp_units:
-                unit.set_requires_gradient_sync(True, recurse=False)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -310,27 +280,16 @@ class ShardedOptimizerStrategy(DDPStrategy):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._buckets is not None:
-            if self._buckets.sync_gradients:
-                self._buckets.finish_gradient_sync()
-            else:
-                for bucket in self._buckets.buckets:
-                    bucket.ready = 0
-        for unit in self._fsdp_units:
-            # A unit whose parameters got no gradient stays unsharded after backward, and FSDP2 copies each
-            # parameter's `requires_grad` (`toggle_optimizer`) only when it unshards: reshard (a no-op otherwise).
-            unit.reshard()
+        held = self.backend.after_backward()
         if self._skip_step:  # every rank decided the same: drop the (non-finite) gradients before the step
             drop_gradients(self.lightning_module.parameters())
-            if self._buckets is not None:
-                drop_gradients(view.tensor for view in self._buckets.views())
+            drop_gradients(held)
             self._skip_step = False
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._buckets is not None:  # the stepped optimizer's buckets: the same ones on every rank
-            self._buckets.all_gather_parameters(self._sharded_for(optimizer).bucket_indices)
+        self.backend.after_optimizer_step(_unwrap(optimizer))
         if not self._memory_logged:
             self._memory_logged = True
             self._log_memory_reports()
@@ -350,24 +309,10 @@ class ShardedOptimizerStrategy(DDPStrategy):
         ]
         rank_zero_info("\n".join(lines))
 
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        assert self._buckets is not None  # as torch's clip over `optimizer`'s parameters only
-        self._buckets.clip_grad_norm_(float(clip_val), views=self._sharded_for(optimizer).views)
-
-    def _sharded_for(self, optimizer: Any) -> ShardedOptimizer:
-        optimizer = _unwrap(optimizer)
-        return next(sharded for sharded in self._sharded_optimizers if sharded.optimizer is optimizer)
-
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state this rank really holds (measured from its tensors);
         optimizer state summed over every optimizer."""
-        optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
-        if self._buckets is not None:
-            return self._buckets.memory_report(optimizers)
-        report = zero3.memory_report(self.lightning_module, optimizers[0] if optimizers else None)
-        for optimizer in optimizers[1:]:  # disjoint parameters, so disjoint states
-            report.optimizer_state += zero3.memory_report(self.lightning_module, optimizer).optimizer_state
-        return report
+        return self.backend.memory_report(self._unwrapped_optimizers())
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -406,35 +351,17 @@ class ShardedOptimizerStrategy(DDPStrategy):
 
     def consolidated_state_dict(self) -> dict[str, Any]:
         """Collective. The whole model's plain state dict under its own names (complete on rank 0)."""
-        if self._fsdp_units:
-            return zero3.consolidated_model_state(self.lightning_module)
-        # Parameters are views into flat buckets: clone so the checkpoint holds plain, independent tensors.
-        return {name: tensor.clone() for name, tensor in self.lightning_module.state_dict().items()}
+        return self.backend.model_state()
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        reader = checkpoint["state_dict"]
-        if isinstance(reader, ShardedCheckpointReader):
-            if self._fsdp_units:
-                zero3.load_from_reader(self.lightning_module, None, reader, strict=strict)
-            else:
-                load_module_state(self.lightning_module, _full_state_from_reader(reader), strict=strict)
-            return
-        if self._fsdp_units:
-            zero3.load_consolidated_model_state(self.lightning_module, dict(checkpoint["state_dict"]), strict=strict)
-            return
-        load_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        self.backend.load_model_state(checkpoint["state_dict"], strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        optimizer = _unwrap(optimizer)
         if self._writes_sharded:
             return {}
-        if self._sharded_optimizers:
-            return self._sharded_for(optimizer).consolidated_state_dict()
-        if self._fsdp_units:
-            return zero3.consolidated_optimizer_state(self.lightning_module, optimizer)
-        return optimizer.state_dict()
+        return self.backend.optimizer_state(_unwrap(optimizer))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -443,19 +370,8 @@ class ShardedOptimizerStrategy(DDPStrategy):
             raise ValueError(
                 f"The checkpoint holds {len(states)} optimizer state(s), this run has {len(self.optimizers)}."
             )
-        for optimizer, state in zip(self.optimizers, states, strict=True):
-            optimizer = _unwrap(optimizer)
-            if isinstance(state, ShardedCheckpointReader):
-                if self._sharded_optimizers:
-                    load_from_reader(self._sharded_for(optimizer), state, self.lightning_module)
-                else:
-                    zero3.load_from_reader(self.lightning_module, optimizer, state, strict=False)
-            elif self._sharded_optimizers:
-                self._sharded_for(optimizer).load_consolidated_state_dict(state)
-            elif self._fsdp_units:
-                zero3.load_consolidated_optimizer_state(self.lightning_module, optimizer, state)
-            else:
-                optimizer.load_state_dict(state)
+        for optimizer, state in zip(self._unwrapped_optimizers(), states, strict=True):
+            self.backend.load_optimizer_state(optimizer, state)
         optimizers_to_device(self.optimizers, self.root_device)
 
     @override
@@ -463,28 +379,16 @@ class ShardedOptimizerStrategy(DDPStrategy):
         if not self._writes_sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
-        module = self.lightning_module
-        scalars_by_name = None
-        if self._sharded_optimizers:  # one optimizer: `_validate_optimizers` refuses several with this format
-            pieces = self._sharded_optimizers[0].sharded_pieces()
-            group_params = self._sharded_optimizers[0].group_params
-            scalars, scalars_by_name = {}, self._sharded_optimizers[0].scalar_states_by_name()
-        else:
-            if self._fsdp_units:
-                pieces = zero3.sharded_pieces(module, optimizer)
-            else:
-                pieces = replicated_pieces(module, optimizer, rank=self.global_rank, world_size=self.world_size)
-            group_params = [list(group["params"]) for group in optimizer.param_groups] if optimizer else None
-            scalars = scalar_states_of(optimizer)
+        parts = self.backend.sharded_pieces(optimizer)
         save_sharded(
             self,
             checkpoint,
             filepath,
-            pieces=pieces,
+            pieces=parts.pieces,
             optimizer=optimizer,
-            group_params=group_params,
-            scalars=scalars,
-            scalars_by_name=scalars_by_name,
+            group_params=parts.group_params,
+            scalars=parts.scalars,
+            scalars_by_name=parts.scalars_by_name,
         )
         return None
 
@@ -502,14 +406,8 @@ class ShardedOptimizerStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        # Keep the buckets (for `memory_report()` after fit) but stop hooking the module's gradients.
-        if self._buckets is not None:
-            self._buckets.remove_hooks()
-        # Local, no collective: an exception mid-step leaves FSDP2 half unsharded, and `module.cpu()` below would
-        # then fail with an unrelated AttributeError that hides the user's error.
-        reset_after_failure(self._fsdp_units)
-        if self._access is not None:
-            self._access.running = False
+        if self._backend is not None:  # setup may have failed before choosing it
+            self._backend.teardown()
         super().teardown()
 
     @classmethod
@@ -533,22 +431,6 @@ class ShardedOptimizerStrategy(DDPStrategy):
                 stage=stage,
                 start_method=start_method,
             )
-
-
-def _full_state_from_reader(reader: ShardedCheckpointReader) -> dict[str, torch.Tensor]:
-    """Collective. Whole parameters and buffers (stages 1-2 hold every parameter whole anyway)."""
-    shapes = reader.meta["shapes"]
-    values = reader.read([("param", name, 0, _numel(shape)) for name, shape in shapes.items()], with_buffers=True)
-    state = {name: values[("param", name, 0, _numel(shape))].view(shape) for name, shape in shapes.items()}
-    state.update({entry.removeprefix("buffer/"): t for entry, t in values.items() if isinstance(entry, str)})
-    return add_aliases(state, reader.meta)
-
-
-def _numel(shape: Any) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

@@ -1,0 +1,418 @@
+"""The three ways ``ShardedOptimizerStrategy`` holds a model, behind one protocol chosen once in ``setup``.
+
+* :class:`FlatBucketBackend` (stages 1-2): parameters live in flat buckets that are reduce-scattered as backward
+  produces gradients; the user's optimizer steps this rank's shard, then the buckets are all-gathered.
+* :class:`FullyShardBackend` (stage 3): torch's FSDP2 ``fully_shard`` per repeated block.
+* :class:`ReplicatedBackend` (world size 1): plain single-device training, nothing sharded.
+
+The strategy calls the :class:`ZeroBackend` protocol and never asks which backend it holds (DeepSpeed likewise
+picks its ZeRO optimizer once). Gradient clipping over shards goes through :func:`with_sharded_clipping`, a
+subclass of whichever precision plugin the Trainer chose (Lightning's ``FSDPPrecision`` pattern).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.optim import Optimizer
+
+from lightning_parallel._compat import sync_module_states
+from lightning_parallel.distributed import zero3
+from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, add_aliases, replicated_pieces
+from lightning_parallel.distributed.compression import CommunicationStats
+from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
+from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
+from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
+from lightning_parallel.strategies.checkpointing import load_module_state, scalar_states_of
+from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks
+
+__all__ = [
+    "FlatBucketBackend",
+    "FullyShardBackend",
+    "ReplicatedBackend",
+    "ShardedPieces",
+    "ZeroBackend",
+    "backend_type",
+    "with_sharded_clipping",
+]
+
+
+@dataclass(kw_only=True)
+class ShardedPieces:
+    """What this rank writes into a sharded checkpoint (see ``strategies.checkpointing.save_sharded``)."""
+
+    pieces: list[FlatPiece]
+    """The flat ranges of parameters and optimizer state this rank owns."""
+    group_params: list[list[nn.Parameter]] | None
+    """The optimizer's parameter lists in the single-device layout."""
+    scalars: dict[str, Any] = field(default_factory=dict)
+    """0-dim optimizer state shared by every parameter (used when ``scalars_by_name`` is ``None``)."""
+    scalars_by_name: dict[str, dict[str, Any]] | None = None
+    """Each parameter's own 0-dim optimizer state."""
+
+
+class ZeroBackend(Protocol):
+    """How the model, its gradients and the optimizers' state are held and synchronised; built once per ``setup``."""
+
+    empty_init_on_meta: ClassVar[bool]
+    """Whether ``init_module(empty_init=True)`` creates the model on the meta device (materialised in setup)."""
+
+    def setup_module(self, module: nn.Module, device: torch.device) -> None:
+        """Collective. Start from rank 0's weights, shard if this backend does, and move to ``device``."""
+
+    def setup_optimizers(self, optimizers: list[Optimizer]) -> None:
+        """Collective. Point the (unwrapped) optimizers at what this rank holds, before their first step."""
+
+    def wrap_precision(self, plugin: Precision) -> Precision:
+        """The precision plugin to train with: ``plugin`` or a subclass of it that clips over all shards."""
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Context: no gradient communication (non-final micro-batches of gradient accumulation)."""
+
+    def after_backward(self) -> Iterable[Tensor]:
+        """Finish the gradient sync; returns extra gradient holders to drop when the step is skipped."""
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Collective. Bring every rank's parameters up to date after ``optimizer`` stepped."""
+
+    def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
+        """Bytes this rank holds (optimizer state summed over ``optimizers``)."""
+
+    def model_state(self) -> dict[str, Any]:
+        """Collective. The whole model's plain state dict (complete on rank 0)."""
+
+    def load_model_state(self, state: Any, *, strict: bool) -> None:
+        """Collective. Load a plain state dict or a :class:`ShardedCheckpointReader`."""
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Collective. ``optimizer``'s plain single-device state dict (complete on rank 0)."""
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
+        """Collective. Load a plain optimizer state dict or a :class:`ShardedCheckpointReader`."""
+
+    def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
+        """What this rank writes into a sharded checkpoint (one optimizer at most)."""
+
+    def full_module(self) -> AbstractContextManager[nn.Module]:
+        """Collective on entry: the whole module on every rank until exit."""
+
+    def teardown(self) -> None:
+        """Local: stop hooking the module; keep what ``memory_report`` and ``full_module`` need after fit."""
+
+
+def backend_type(stage: int, *, is_sharding: bool) -> type[ZeroBackend]:
+    """The backend for ``stage`` (1, 2 or 3); world size 1 (``is_sharding=False``) trains plainly at any stage."""
+    if not is_sharding:
+        return ReplicatedBackend
+    return FullyShardBackend if stage == 3 else FlatBucketBackend
+
+
+class ReplicatedBackend:
+    """World size 1: the module and optimizers as they are."""
+
+    empty_init_on_meta: ClassVar[bool] = False
+
+    def __init__(self, *, rank: int = 0, world_size: int = 1, **_: Any) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.module: nn.Module | None = None
+
+    def setup_module(self, module: nn.Module, device: torch.device) -> None:
+        self.module = module
+        zero3.materialize_meta_module(module, device)  # `empty_init` of a stage-3 model at world size 1
+        module.to(device)
+        sync_module_states(module)
+
+    def setup_optimizers(self, optimizers: list[Optimizer]) -> None:
+        pass
+
+    def wrap_precision(self, plugin: Precision) -> Precision:
+        return plugin
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        yield
+
+    def after_backward(self) -> Iterable[Tensor]:
+        return ()
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        pass
+
+    def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
+        return _module_memory_report(self.module, optimizers)
+
+    def model_state(self) -> dict[str, Any]:
+        return _cloned_state(self.module)
+
+    def load_model_state(self, state: Any, *, strict: bool) -> None:
+        if isinstance(state, ShardedCheckpointReader):
+            state = full_state_from_reader(state)
+        load_module_state(self.module, state, strict=strict)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
+        if isinstance(state, ShardedCheckpointReader):
+            zero3.load_from_reader(self.module, optimizer, state, strict=False)
+        else:
+            optimizer.load_state_dict(state)
+
+    def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
+        pieces = replicated_pieces(self.module, optimizer, rank=self.rank, world_size=self.world_size)
+        return ShardedPieces(pieces=pieces, group_params=_group_params(optimizer), scalars=scalar_states_of(optimizer))
+
+    @contextmanager
+    def full_module(self) -> Generator[nn.Module, None, None]:
+        yield self.module
+
+    def teardown(self) -> None:
+        pass
+
+
+class FlatBucketBackend(ReplicatedBackend):
+    """Stages 1-2: flat buckets reduce-scattered during backward, each optimizer stepping this rank's shard.
+
+    The buckets' methods are looked up at call time, so the monitor's timing wrappers on them take effect.
+    """
+
+    def __init__(
+        self, *, stage: int, bucket_cap_mb: float, stats: CommunicationStats | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.stage, self.bucket_cap_mb, self.stats = stage, bucket_cap_mb, stats
+        self.buckets: ShardedParameterBuckets | None = None
+        self.sharded_optimizers: list[ShardedOptimizer] = []  # one per optimizer, in order
+
+    def setup_optimizers(self, optimizers: list[Optimizer]) -> None:
+        for optimizer in optimizers:
+            check_shardable(optimizer, warn=rank_zero_warn)
+        # Frozen parameters the optimizers hold are bucketed too: unfreezing them later needs no new layout.
+        held = [param for optimizer in optimizers for group in optimizer.param_groups for param in group["params"]]
+        self.buckets = ShardedParameterBuckets(
+            self.module, stage=self.stage, bucket_cap_mb=self.bucket_cap_mb, frozen=held
+        )
+        if self.stats is not None:
+            self.buckets.stats = self.stats
+        self.sharded_optimizers = [ShardedOptimizer(optimizer, self.buckets) for optimizer in optimizers]
+
+    def sharded_for(self, optimizer: Optimizer) -> ShardedOptimizer:
+        """The :class:`ShardedOptimizer` of ``optimizer`` (manual optimization clips with its wrapper)."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return next(sharded for sharded in self.sharded_optimizers if sharded.optimizer is optimizer)
+
+    def wrap_precision(self, plugin: Precision) -> Precision:
+        return with_sharded_clipping(plugin, self.clip_grad_norm) if self.buckets is not None else plugin
+
+    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
+        """Collective. As torch's clip over ``optimizer``'s parameters only, with the norm over every shard."""
+        assert self.buckets is not None
+        self.buckets.clip_grad_norm_(float(max_norm), views=self.sharded_for(optimizer).views)
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        buckets = self._set_up_buckets()
+        buckets.sync_gradients = False
+        try:
+            yield
+        finally:
+            buckets.sync_gradients = True
+
+    def after_backward(self) -> Iterable[Tensor]:
+        buckets = self._set_up_buckets()
+        if buckets.sync_gradients:
+            buckets.finish_gradient_sync()
+        else:
+            for bucket in buckets.buckets:
+                bucket.ready = 0
+        return (view.tensor for view in buckets.views())
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        # The stepped optimizer's buckets: the same ones on every rank.
+        self._set_up_buckets().all_gather_parameters(self.sharded_for(optimizer).bucket_indices)
+
+    def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
+        if self.buckets is None:  # not fitted (validate/test/predict): the module as it is
+            return super().memory_report(optimizers)
+        return self.buckets.memory_report(optimizers)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self.sharded_for(optimizer).consolidated_state_dict()
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
+        if isinstance(state, ShardedCheckpointReader):
+            load_from_reader(self.sharded_for(optimizer), state, self.module)
+        else:
+            self.sharded_for(optimizer).load_consolidated_state_dict(state)
+
+    def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
+        sharded = self.sharded_optimizers[0]  # one optimizer: the strategy refuses several with this format
+        return ShardedPieces(
+            pieces=sharded.sharded_pieces(),
+            group_params=sharded.group_params,
+            scalars_by_name=sharded.scalar_states_by_name(),
+        )
+
+    def teardown(self) -> None:
+        # Keep the buckets (for `memory_report()` after fit) but stop hooking the module's gradients.
+        if self.buckets is not None:
+            self.buckets.remove_hooks()
+
+    def _set_up_buckets(self) -> ShardedParameterBuckets:
+        if self.buckets is None:  # Lightning builds the optimizers before any of these hooks run
+            raise RuntimeError("ZeRO-1/2 buckets are built with the optimizers in `setup`; this ran before that.")
+        return self.buckets
+
+
+class FullyShardBackend(ReplicatedBackend):
+    """Stage 3: FSDP2 ``fully_shard`` per repeated block; parameters are DTensor shards between forward passes."""
+
+    empty_init_on_meta: ClassVar[bool] = True
+
+    def __init__(self, *, callbacks: Sequence[Any] = (), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.callbacks = callbacks
+        self.units: list[nn.Module] = []
+        self.access: ShardedModuleAccess | None = None
+
+    def setup_module(self, module: nn.Module, device: torch.device) -> None:
+        check_parameter_callbacks(self.callbacks, strategy_name="zero3", layout="each parameter as a DTensor shard")
+        self.module = module
+        mesh = init_device_mesh(device.type, (self.world_size,))
+        zero3.broadcast_from_rank0(module, device)  # start from rank 0's weights, as stages 1-2 and DDP do
+        self.units = zero3.apply_fully_shard(module, mesh)
+        zero3.materialize_meta_module(module, device)
+        module.to(device)
+        self.access = ShardedModuleAccess(module, self.units, world_size=self.world_size)
+        self.access.running = True
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        for unit in self.units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+
+    def after_backward(self) -> Iterable[Tensor]:
+        for unit in self.units:
+            # A unit whose parameters got no gradient stays unsharded after backward, and FSDP2 copies each
+            # parameter's `requires_grad` (`toggle_optimizer`) only when it unshards: reshard (a no-op otherwise).
+            unit.reshard()
+        return ()
+
+    def model_state(self) -> dict[str, Any]:
+        return zero3.consolidated_model_state(self.module)
+
+    def load_model_state(self, state: Any, *, strict: bool) -> None:
+        if isinstance(state, ShardedCheckpointReader):
+            zero3.load_from_reader(self.module, None, state, strict=strict)
+        else:
+            zero3.load_consolidated_model_state(self.module, dict(state), strict=strict)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return zero3.consolidated_optimizer_state(self.module, optimizer)
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
+        if isinstance(state, ShardedCheckpointReader):
+            zero3.load_from_reader(self.module, optimizer, state, strict=False)
+        else:
+            zero3.load_consolidated_optimizer_state(self.module, optimizer, state)
+
+    def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
+        pieces = zero3.sharded_pieces(self.module, optimizer)
+        return ShardedPieces(pieces=pieces, group_params=_group_params(optimizer), scalars=scalar_states_of(optimizer))
+
+    @contextmanager
+    def full_module(self) -> Generator[nn.Module, None, None]:
+        """Stage 3 all-gathers every parameter once on entry and frees the whole copies on exit."""
+        if self.access is None:
+            yield self.module
+            return
+        with self.access.full_parameters() as module:
+            yield module
+
+    def teardown(self) -> None:
+        # Local, no collective: an exception mid-step leaves FSDP2 half unsharded, and `module.cpu()` afterwards
+        # would fail with an unrelated AttributeError that hides the user's error.
+        reset_after_failure(self.units)
+        if self.access is not None:
+            self.access.running = False
+
+
+# ---------------------------------------------------------------------- clipping over shards
+class _ShardedClipping:
+    """Marks a precision plugin built by :func:`with_sharded_clipping`."""
+
+    _clip_over_shards: Callable[[Optimizer, float], None]
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        self._clip_over_shards(optimizer, float(clip_val))
+
+
+@functools.cache
+def _sharded_clipping_type(base: type[Precision]) -> type[Precision]:
+    return type(f"ShardedClipping{base.__name__}", (_ShardedClipping, base), {"__module__": __name__})
+
+
+def with_sharded_clipping(plugin: Precision, clip: Callable[[Optimizer, float], None]) -> Precision:
+    """A copy of ``plugin`` (``32-true``, ``16-mixed``, ``bf16-mixed``, ... as the Trainer chose it) whose class is a
+    subclass of the plugin's own, so all its behaviour stays, with ``clip_grad_by_norm`` calling ``clip``: Lightning
+    clips through the precision plugin, and each rank holds only its shard of the gradients.
+
+    The Trainer's plugin object is left as it is; the copy shares its attributes (the grad scaler, ...).
+    """
+    if isinstance(plugin, _ShardedClipping):  # a second fit on the same strategy: keep the type, new backend
+        wrapped = plugin
+    else:
+        cls = _sharded_clipping_type(type(plugin))
+        wrapped = cls.__new__(cls)
+        wrapped.__dict__.update(plugin.__dict__)
+    wrapped._clip_over_shards = clip  # type: ignore[attr-defined]
+    return wrapped
+
+
+# ---------------------------------------------------------------------- helpers
+def full_state_from_reader(reader: ShardedCheckpointReader) -> dict[str, Tensor]:
+    """Collective. Whole parameters and buffers (stages 1-2 hold every parameter whole anyway)."""
+    shapes = reader.meta["shapes"]
+    values = reader.read([("param", name, 0, _numel(shape)) for name, shape in shapes.items()], with_buffers=True)
+    state = {name: values[("param", name, 0, _numel(shape))].view(shape) for name, shape in shapes.items()}
+    state.update({entry.removeprefix("buffer/"): t for entry, t in values.items() if isinstance(entry, str)})
+    return add_aliases(state, reader.meta)
+
+
+def _cloned_state(module: nn.Module) -> dict[str, Any]:
+    # Parameters may be views into flat buckets: clone so the checkpoint holds plain, independent tensors.
+    return {name: tensor.clone() for name, tensor in module.state_dict().items()}
+
+
+def _module_memory_report(module: nn.Module, optimizers: list[Optimizer]) -> MemoryReport:
+    report = zero3.memory_report(module, optimizers[0] if optimizers else None)
+    for optimizer in optimizers[1:]:  # disjoint parameters, so disjoint states
+        report.optimizer_state += zero3.memory_report(module, optimizer).optimizer_state
+    return report
+
+
+def _group_params(optimizer: Optimizer | None) -> list[list[nn.Parameter]] | None:
+    return [list(group["params"]) for group in optimizer.param_groups] if optimizer is not None else None
+
+
+def _numel(shape: Iterator[int] | Sequence[int]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
