@@ -119,8 +119,8 @@ def _through_fsdp(rank: int, world_size: int, checkpoint_path: str) -> dict[str,
         )
         optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(fsdp, optimizer, state))
     # Lightning's FSDPStrategy (state_dict_type="full") writes the weights with this call, but with
-    # offload_to_cpu=True on several ranks, which makes torch 2.13's FSDP1 segfault on CPU tensors; hence False.
-    # (Its optimizer-state call, FSDP.optim_state_dict, returns exp_avg overwritten by exp_avg_sq on CPU: not used.)
+    # offload_to_cpu=True, which makes torch 2.13's FSDP1 segfault on CPU tensors; hence False. (Its optimizer call,
+    # FSDP.optim_state_dict, returns AdamW's exp_avg overwritten by exp_avg_sq on CPU with either setting: not used.)
     save = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
     with FullyShardedDataParallel.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, save):
         weights = fsdp.state_dict()
