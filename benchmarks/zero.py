@@ -32,7 +32,6 @@ from dataclasses import dataclass, field, replace
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, Strategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher  # private: see _MetricsOnlyLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from typing_extensions import override
@@ -40,6 +39,7 @@ from typing_extensions import override
 from benchmarks.results import update_section
 from benchmarks.trainers import benchmark_trainer
 from benchmarks.zero_probe import ZeroProbe, read_probe
+from lightning_parallel._compat import MultiProcessingLauncher
 from lightning_parallel.demos.data import TextDataModule
 from lightning_parallel.demos.gpt import PRESETS as GPT_PRESETS
 from lightning_parallel.demos.main import quiet_lightning
@@ -264,11 +264,10 @@ def _restored_environ() -> Iterator[None]:
         os.environ.update(saved)
 
 
-class _MetricsOnlyLauncher(_MultiProcessingLauncher):
+class _MetricsOnlyLauncher(MultiProcessingLauncher):
     """Lightning's fork launcher, except that the parent does not load rank 0's trained weights (the benchmark only
-    needs the metrics). Works around a bug: with ``ShardedOptimizerStrategy(stage=3)`` rank 0 sends its FSDP2
-    *shards* (DTensors) and ``torch.load`` fails in the parent ("Callable map_location not supported with
-    _rebuild_wrapper_subclass"). Used for every configuration alike; it acts after training, outside the figures."""
+    needs the metrics), for Lightning's own strategies (DDP, and FSDP made to fork). Ours keep their own launchers,
+    which bring the whole model back. It acts after training, outside the figures."""
 
     @override
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
@@ -293,7 +292,7 @@ def train_contender(contender: Contender, run: RunConfig) -> Run:
     )
     # FSDPStrategy always re-runs the script in every rank (here: the whole benchmark); on GPUs start it with fork
     # instead (on CPU Lightning refuses FSDP in the Trainer's constructor, above).
-    if type(trainer.strategy.launcher) is _MultiProcessingLauncher or isinstance(trainer.strategy, FSDPStrategy):
+    if type(trainer.strategy.launcher) is MultiProcessingLauncher or isinstance(trainer.strategy, FSDPStrategy):
         trainer.strategy._launcher = _MetricsOnlyLauncher(trainer.strategy, start_method="fork")  # type: ignore[attr-defined]
     overrides = {"n_layer": run.n_layer, "n_embd": run.n_embd}
     # At world size 1 stage 3 trains unsharded, and the strategy then cannot take a meta-device model (it calls

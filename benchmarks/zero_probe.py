@@ -24,9 +24,7 @@ the optimizer's state tensors (the local optimizer's for ``ZeroRedundancyOptimiz
 from __future__ import annotations
 
 import functools
-import re
-from collections.abc import Callable, Iterable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,12 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
+
+from lightning_parallel.accounting import module_memory_report, resident_memory_bytes, tensor_bytes
 
 __all__ = ["PROBE_FIELDS", "PROBE_PREFIX", "ZeroProbe", "read_probe"]
 
@@ -78,10 +76,6 @@ class _Counter:
             self.bytes["received_bytes"] += received
 
 
-def _nbytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _counting(name: str, original: Callable[..., Any], counter: _Counter) -> Callable[..., Any]:
     """Wrap collective ``name`` so that each call adds its payload and received bytes to ``counter``."""
 
@@ -92,40 +86,21 @@ def _counting(name: str, original: Callable[..., Any], counter: _Counter) -> Cal
         world_size = dist.get_world_size(group)
         share = (world_size - 1) / world_size
         if name == "all_reduce":
-            size = _nbytes(args[0] if args else kwargs["tensor"])
+            size = tensor_bytes(args[0] if args else kwargs["tensor"])
             counter.add("all_reduce_bytes", size, 2 * share * size)
         elif name == "broadcast":
-            size = _nbytes(args[0] if args else kwargs["tensor"])
+            size = tensor_bytes(args[0] if args else kwargs["tensor"])
             src = args[1] if len(args) > 1 else kwargs.get("src")
             counter.add("broadcast_bytes", size, 0 if src == dist.get_rank() else size)
         elif name == "all_gather_single":
-            size = _nbytes(args[0] if args else kwargs["output_tensor"])  # the gathered (full) tensor
+            size = tensor_bytes(args[0] if args else kwargs["output_tensor"])  # the gathered (full) tensor
             counter.add("all_gather_bytes", size, share * size)
         else:  # reduce_scatter_single
-            size = _nbytes(args[1] if len(args) > 1 else kwargs["input"])  # the full tensor before scattering
+            size = tensor_bytes(args[1] if len(args) > 1 else kwargs["input"])  # the full tensor before scattering
             counter.add("reduce_scatter_bytes", size, share * size)
         return original(*args, **kwargs)
 
     return wrapper
-
-
-def _resident_bytes() -> int:
-    """This process's resident set size (``VmRSS``), or 0 where there is no ``/proc``."""
-    try:
-        match = re.search(r"^VmRSS:\s+(\d+)\s+kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    except OSError:
-        return 0
-    return int(match.group(1)) * 1024 if match else 0
-
-
-def _storage_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (local shards of DTensors)."""
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = local.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def held_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[int, int, int]:
@@ -138,12 +113,8 @@ def held_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[int,
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer = optimizer.optim  # the local optimizer over this rank's partition
-    states = []
-    if optimizer is not None:
-        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0]
-    params = list(pl_module.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    return _storage_bytes(params), _storage_bytes(grads), _storage_bytes(states)
+    measured = module_memory_report(pl_module, optimizer)
+    return measured.parameters, measured.gradients, measured.optimizer_state
 
 
 class ZeroProbe(Callback):
@@ -169,7 +140,7 @@ class ZeroProbe(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._saved:
             return
-        self._rss_at_setup = _resident_bytes()
+        self._rss_at_setup = resident_memory_bytes()
         self._counter, self._batches_seen = _Counter(), 0
         for name in _COLLECTIVES:
             original = getattr(c10d, name)

@@ -16,9 +16,7 @@ from lightning_parallel.distributed.pipeline.consolidate import (
     consolidate_optimizer_state,
     consolidate_state_dict,
     optimizer_layout,
-    optimizer_state_bytes,
     slice_optimizer_state,
-    state_dict_bytes,
 )
 from lightning_parallel.distributed.pipeline.contract import ContractError
 from lightning_parallel.distributed.pipeline.partition import (
@@ -57,13 +55,11 @@ __all__ = [
     "layer_compute_costs",
     "layer_parameter_costs",
     "optimizer_layout",
-    "optimizer_state_bytes",
     "plan_for_example",
     "plan_stages",
     "reassemble",
     "resolve_pipeline_layers",
     "resolve_schedule",
     "slice_optimizer_state",
-    "state_dict_bytes",
     "validate_schedule_config",
 ]

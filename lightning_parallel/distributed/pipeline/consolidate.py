@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 
+from lightning_parallel.distributed.pipeline.microbatch import detached_cpu
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 
 __all__ = [
@@ -27,10 +28,8 @@ __all__ = [
     "load_local_state",
     "local_optimizer_state",
     "optimizer_layout",
-    "optimizer_state_bytes",
     "sharded_meta",
     "slice_optimizer_state",
-    "state_dict_bytes",
 ]
 
 OptimizerLayout = list[list[str]]
@@ -52,20 +51,12 @@ def _gather_to_pipeline_root(obj: Any, dims: ParallelDims) -> list[Any] | None:
     return gathered
 
 
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
-
-
 def consolidate_state_dict(module: nn.Module, full_keys: Sequence[str], dims: ParallelDims) -> dict[str, Any] | None:
     """The whole model's ``state_dict`` in its original key order, on pipeline rank 0 (a collective).
 
     Keys not held by any layer (buffers of metrics, ...) exist on every rank; pipeline rank 0's copy is used.
     """
-    local = _to_cpu(dict(module.state_dict()))
+    local = detached_cpu(dict(module.state_dict()))
     gathered = _gather_to_pipeline_root(local, dims)
     if gathered is None:
         return None
@@ -88,7 +79,7 @@ def local_optimizer_state(optimizer: Optimizer, names: Mapping[int, str]) -> dic
             index_to_name[index] = names[id(param)]
             index += 1
     return {
-        "state": {index_to_name[i]: _to_cpu(s) for i, s in state_dict["state"].items()},
+        "state": {index_to_name[i]: detached_cpu(s) for i, s in state_dict["state"].items()},
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]],
     }
 
@@ -153,25 +144,10 @@ def slice_optimizer_state(
     return {"state": state, "param_groups": param_groups}
 
 
-def state_dict_bytes(module: nn.Module) -> int:
-    """Bytes of ``module``'s parameters on this rank."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def optimizer_state_bytes(optimizer: Optimizer) -> int:
-    """Bytes of the tensors in ``optimizer``'s state on this rank."""
-    return sum(
-        value.numel() * value.element_size()
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, Tensor)
-    )
-
-
 def consolidate_buffers(module: nn.Module, dims: ParallelDims) -> dict[str, Any] | None:
     """Every state entry that is not a parameter (buffers of all stages, metric states), on pipeline rank 0."""
     parameters = {name for name, _ in module.named_parameters()}
-    local = {k: v for k, v in _to_cpu(dict(module.state_dict())).items() if k not in parameters}
+    local = {k: v for k, v in detached_cpu(dict(module.state_dict())).items() if k not in parameters}
     gathered = _gather_to_pipeline_root(local, dims)
     if gathered is None:
         return None

@@ -25,7 +25,7 @@ from lightning_parallel.distributed.pipeline.contract import (
     step_loss,
     to_portable,
 )
-from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, pad_batch, slice_batch
+from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, detached_cpu, pad_batch, slice_batch
 from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims, PipelineRuntime, build_runtime
 
@@ -155,7 +155,7 @@ class PipelineEngine:
             outcome = StepOutcome(
                 logs=self._portable_logs(state, [rows] * m),
                 loss=torch.stack(losses).mean().float().cpu(),
-                extra=_detached_cpu(extra),
+                extra=detached_cpu(extra),
             )
         return self._broadcast(outcome)
 
@@ -255,15 +255,7 @@ class PipelineEngine:
         self._runtimes.clear()
 
 
-def _detached_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _detached_cpu(v) for k, v in value.items()}
-    return value
-
-
 def _merge_results(results: list[Any]) -> Any:
     if results and all(isinstance(r, Tensor) for r in results):
         return torch.cat([r.detach().cpu() for r in results])
-    return [_detached_cpu(r) for r in results]
+    return [detached_cpu(r) for r in results]

@@ -1,4 +1,8 @@
-"""Splitting a batch into micro-batches along dim 0, and padding evaluation batches to a divisible size."""
+"""Splitting a batch into micro-batches along dim 0, and padding evaluation batches to a divisible size.
+
+Batches are walked with ``apply_to_collection`` from ``lightning_utilities`` (Lightning's own tree walker; a small
+torch-free package, not ``lightning.pytorch``): tuples, lists, namedtuples, mappings and dataclasses keep their type.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-__all__ = ["DivisibleBatches", "batch_size_of", "pad_batch", "slice_batch", "split_batch"]
+__all__ = ["DivisibleBatches", "batch_size_of", "detached_cpu", "pad_batch", "slice_batch", "split_batch"]
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -50,29 +55,24 @@ def split_batch(value: Any, num_microbatches: int) -> list[Any]:
 
 def pad_batch(value: Any, size: int) -> Any:
     """Pad every tensor of ``value`` along dim 0 to ``size`` rows by repeating its last row."""
-    if isinstance(value, Tensor) and value.dim() > 0:
-        missing = size - value.size(0)
+
+    def pad(tensor: Tensor) -> Tensor:
+        missing = size - tensor.size(0) if tensor.dim() > 0 else 0
         if missing <= 0:
-            return value
-        return torch.cat([value, value[-1:].expand(missing, *value.shape[1:])])
-    if isinstance(value, tuple | list):
-        padded = [pad_batch(v, size) for v in value]
-        return type(value)(*padded) if hasattr(value, "_fields") else type(value)(padded)
-    if isinstance(value, Mapping):
-        return {k: pad_batch(v, size) for k, v in value.items()}
-    return value
+            return tensor
+        return torch.cat([tensor, tensor[-1:].expand(missing, *tensor.shape[1:])])
+
+    return apply_to_collection(value, Tensor, pad)
 
 
 def slice_batch(value: Any, start: int, stop: int) -> Any:
     """Rows ``start:stop`` (dim 0) of every tensor of ``value``; other values unchanged."""
-    if isinstance(value, Tensor) and value.dim() > 0:
-        return value[start:stop]
-    if isinstance(value, tuple | list):
-        parts = [slice_batch(v, start, stop) for v in value]
-        return type(value)(*parts) if hasattr(value, "_fields") else type(value)(parts)
-    if isinstance(value, Mapping):
-        return {k: slice_batch(v, start, stop) for k, v in value.items()}
-    return value
+    return apply_to_collection(value, Tensor, lambda t: t[start:stop] if t.dim() > 0 else t)
+
+
+def detached_cpu(value: Any) -> Any:
+    """``value`` with every tensor detached and on the CPU (results and states sent between ranks or saved)."""
+    return apply_to_collection(value, Tensor, lambda t: t.detach().cpu())
 
 
 class DivisibleBatches:

@@ -76,7 +76,6 @@ def validate_schedule_config(
             f"`schedule={schedule!r}` runs one stage per rank, but `stages_per_rank={stages_per_rank}`. Use"
             f" `stages_per_rank=1` or a multi-stage schedule: {', '.join(sorted(MULTI_STAGE_SCHEDULES))}."
         )
-    num_stages = pipeline_parallel_size * stages_per_rank
     if schedule in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble") and num_microbatches < pipeline_parallel_size:
         raise ValueError(
             f"`schedule={schedule!r}` needs at least as many micro-batches as pipeline ranks, but"
@@ -88,7 +87,6 @@ def validate_schedule_config(
             f"`schedule={schedule!r}` needs `num_microbatches` to be a multiple of the pipeline size"
             f" {pipeline_parallel_size}, got {num_microbatches}."
         )
-    del num_stages
 
 
 def check_count(name: str, value: Any) -> None:
