@@ -19,6 +19,7 @@ previous checkpoint.
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections import defaultdict
 from collections.abc import Iterable
@@ -236,7 +237,7 @@ def read_sharded_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[tupl
         flat[(key, name)].append((start, stop, tensor))
     assembled = {}
     for (key, name), parts in flat.items():
-        numel = _numel(meta["shapes"][name])
+        numel = math.prod(meta["shapes"][name])
         full = torch.empty(numel, dtype=parts[0][2].dtype)
         covered = 0
         for start, stop, tensor in sorted(parts, key=lambda part: part[0]):
@@ -257,13 +258,6 @@ def _dcp_load(entries: dict[str, Tensor], path: Path) -> None:
             f"Cannot read sharded checkpoint {path}: a data file is missing or damaged ({type(error).__name__})."
             " Nothing was loaded; resume from an earlier checkpoint."
         ) from error
-
-
-def _numel(shape: Iterable[int]) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
 
 
 def sharded_to_consolidated(path: str | Path) -> dict[str, Any]:
