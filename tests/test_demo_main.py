@@ -1,9 +1,11 @@
-"""Integration: the main demo and the data-parallel benchmark, each forking 2 CPU ranks from this process."""
+"""Integration: the main demo (in a subprocess, as `make demo` runs it) and the data-parallel benchmark."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,15 +24,60 @@ from benchmarks import data_parallel as bench  # noqa: E402
 
 
 def _table_rows(output: str) -> dict[str, list[str]]:
-    """The demo table's rows by label, from the header line on, as stripped cells."""
+    """The demo table's rows by label, from the header line to the first line that is not a row, as stripped cells."""
     lines = output.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("strategy "))
-    return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.split("|")] for line in lines[start + 2 :])}
+    rows = {}
+    for line in lines[start + 2 :]:
+        if " | " not in line:
+            break
+        cells = [c.strip() for c in line.split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def _cell(text: str) -> float:
+    return math.nan if text in ("-", "n/a") else float(text.replace(",", ""))
+
+
+def test_demo_main_equal_losses_exact_memory_and_no_noise(tmp_path: Path) -> None:
+    png = tmp_path / "demo.png"
+    env = {**os.environ, "PYTHONWARNINGS": "default"}  # a warning anywhere in the run would show in the output
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_parallel.demos.main", "--preset", "tiny", "--steps", "3", "--png", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    # No noise: no warnings, no Lightning tips, no per-rank progress bars; the table and its notes only.
+    for noise in ("Warning", "Tip", "it/s]", "Epoch 0", "Training:", "GPU available"):
+        assert noise not in output, (noise, output)
+    assert proc.stderr == "", proc.stderr
+    rows = _table_rows(proc.stdout)
+    assert list(rows) == [row.label for row in demo.STRATEGY_ROWS]
+    values = {label: [_cell(c) for c in cells] for label, cells in rows.items()}
+    for label, (loss, _tokens, _comm, state0, state1, rss0, rss1) in values.items():
+        assert math.isfinite(loss) and rss0 > 0 and rss1 > 0, label
+        assert state0 > 0 and state1 > 0, label
+    # Same global batch, same steps: every row's loss equals data parallel's up to rounding.
+    reference = values["data_parallel"][0]
+    for label, cells in values.items():
+        assert cells[0] == pytest.approx(reference, abs=2e-4), (label, cells[0], reference)
+    # State bytes per rank shrink with each ZeRO stage (the loss columns above cannot tell the strategies apart).
+    dp_state, zero3_state = values["data_parallel"][3], values["zero3 (+ parameters sharded)"][3]
+    assert zero3_state < values["zero2 (+ gradients sharded)"][3] < values["zero1 (optimizer state sharded)"][3]
+    assert values["zero1 (optimizer state sharded)"][3] < dp_state
+    assert "losses are equal up to floating-point rounding" in " ".join(proc.stdout.split())
+    assert png.is_file() and png.stat().st_size > 10_000
 
 
 @pytest.fixture
 def restore_log_levels() -> Iterator[None]:
-    """The demo quietens two Lightning loggers in this process; put their levels back."""
+    """`quiet_lightning` quietens two Lightning loggers in this process; put their levels back."""
     loggers = [
         logging.getLogger(name)
         for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.distributed")
@@ -42,19 +89,27 @@ def restore_log_levels() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("restore_log_levels")
-def test_demo_main_prints_one_row_per_strategy(capsys: pytest.CaptureFixture[str]) -> None:
-    status = demo.main(["--preset", "tiny", "--steps", "3"])
-    output = capsys.readouterr().out
-    assert status == 0, output
-    rows = _table_rows(output)
-    assert list(rows) == [row.label for row in demo.STRATEGY_ROWS]
-    for label, cells in rows.items():
-        # "-": the strategy counts no all-reduce bytes (pipeline, ZeRO rows).
-        loss, _tokens_per_s, _comm, peak_rank0, peak_rank1 = (
-            math.nan if c == "-" else float(c.replace(",", "")) for c in cells
+def test_demo_losses_are_equal_per_step_across_rows() -> None:
+    """Every row's per-step loss curve equals data parallel's (fp32: rounding; fp16 compression: fp16 rounding)."""
+    torch.set_num_threads(1)
+    config = demo.DemoConfig(preset="tiny", steps=3, warmup_steps=1, batch_size=4, seq_len=32)
+    demo.quiet_lightning()
+    curves = {}
+    for row in demo.STRATEGY_ROWS:
+        _, recording = demo.train_once(
+            row.make_strategy(config.devices), config, num_replicas=row.num_replicas(config.devices)
         )
-        assert math.isfinite(loss), label
-        assert peak_rank0 > 0 and peak_rank1 > 0, label
+        curves[row.name] = torch.tensor(recording.losses, dtype=torch.float64)
+        assert len(recording.losses) == config.steps, row.name
+    for name, curve in curves.items():
+        rtol = 1e-3 if name == "data_parallel_fp16" else 1e-5
+        torch.testing.assert_close(curve, curves["data_parallel"], rtol=rtol, atol=1e-6, msg=name)
+
+
+def test_train_once_refuses_a_global_batch_that_does_not_split() -> None:
+    config = demo.DemoConfig(preset="tiny", steps=1, batch_size=3, devices=1)
+    with pytest.raises(ValueError, match="does not split over `num_replicas=2`"):
+        demo.train_once(demo.STRATEGY_ROWS[0].make_strategy(1), config, num_replicas=2)
 
 
 def test_benchmark_measures_ratios_and_fp16_halves_bytes() -> None:

@@ -2,12 +2,17 @@
 
 Run it as ``python -m lightning_parallel.demos.main`` (``make demo``). Each strategy trains the same model, from the
 same initial weights, on the Python standard library's source code for ``--steps`` optimizer steps on ``--devices``
-CPU processes started with ``fork``, so that every run's numbers come back to this process. The table shows the
-training loss at the end, the throughput in tokens per second (summed over processes, after a warm-up), the
-all-reduce payload per optimizer step and the peak memory of each process.
+CPU processes started with ``fork``, so that every run's numbers come back to this process. Every row trains the
+same global batch (``batch_size x devices`` sequences, split over the row's data-parallel replicas: a 2-stage
+pipeline on 2 processes is one replica and takes the whole global batch) for the same number of optimizer steps, so
+the losses agree up to floating-point rounding. The table shows the training loss at the end, the throughput in
+tokens per second (summed over processes, after a warm-up), the all-reduce payload per optimizer step, the bytes of
+parameters + gradients + optimizer state each process holds (exact, from the strategy's ``memory_report()``) and,
+last, each process's peak RSS. A PNG beside it plots every row's loss curve and the bytes per process.
 
-A strategy is a row of :data:`STRATEGY_ROWS`: a CLI name, a table label and a function that builds a fresh strategy.
-A row that fails prints its error in the table; the others still run and the program exits with status 1.
+A strategy is a row of :data:`STRATEGY_ROWS`: a CLI name, a table label, a function that builds a fresh strategy for
+a number of processes and the number of data-parallel replicas it makes of them. A row that fails prints its error
+in the table; the others still run and the program exits with status 1.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import logging
 import math
 import os
 import sys
+import textwrap
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +37,7 @@ from lightning.pytorch.strategies import Strategy
 from lightning_parallel.demos.data import TextDataModule
 from lightning_parallel.demos.gpt import PRESETS
 from lightning_parallel.demos.module import GPTLightningModule
+from lightning_parallel.demos.report import DemoRecorder, Recording, read_recording, write_demo_figure
 from lightning_parallel.demos.stats import RunStats, RunSummary, summarize
 from lightning_parallel.strategies import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 
@@ -42,6 +50,7 @@ __all__ = [
     "main",
     "quiet_lightning",
     "run_demo",
+    "table_notes",
     "train_once",
 ]
 
@@ -56,9 +65,17 @@ class StrategyRow:
     """Name for ``--strategies``."""
     label: str
     """Text of the table's first column."""
-    make_strategy: Callable[[], Strategy]
-    """Builds a fresh strategy (a Trainer takes ownership of its strategy, so every run needs a new one). Use
-    ``start_method="fork"`` so the run's results come back to this process."""
+    make_strategy: Callable[[int], Strategy]
+    """Builds a fresh strategy for a number of processes (a Trainer takes ownership of its strategy, so every run
+    needs a new one). Use ``start_method="fork"`` so the run's results come back to this process."""
+    num_replicas: Callable[[int], int] = lambda devices: devices
+    """Data-parallel replicas the strategy makes of a number of processes (each takes an equal part of the global
+    batch); every process by default."""
+
+
+def _pipeline_stages(devices: int) -> int:
+    """The demo's pipeline depth: 2 stages when the processes split evenly into pairs, else 1."""
+    return 2 if devices % 2 == 0 else 1
 
 
 STRATEGY_ROWS: tuple[StrategyRow, ...] = (
@@ -66,21 +83,24 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
         "data_parallel",
         "data_parallel",
         # track_communication counts the fp32 all-reduce bytes, to compare with the compressed row below.
-        lambda: DataParallelStrategy(start_method="fork", track_communication=True),
+        lambda devices: DataParallelStrategy(start_method="fork", track_communication=True),
     ),
     StrategyRow(
         "data_parallel_fp16",
         "data_parallel + fp16 compression",
-        lambda: DataParallelStrategy(start_method="fork", gradient_compression="fp16"),
+        lambda devices: DataParallelStrategy(start_method="fork", gradient_compression="fp16"),
     ),
     StrategyRow(
         "pipeline",
         "pipeline 1F1B",
-        lambda: PipelineParallelStrategy(start_method="fork", schedule="1F1B", num_microbatches=4),
+        lambda devices: PipelineParallelStrategy(
+            pipeline_parallel_size=_pipeline_stages(devices), start_method="fork", schedule="1F1B", num_microbatches=4
+        ),
+        num_replicas=lambda devices: devices // _pipeline_stages(devices),
     ),
-    StrategyRow("zero1", "zero1 (optimizer state sharded)", lambda: ShardedOptimizerStrategy(1, start_method="fork")),
-    StrategyRow("zero2", "zero2 (+ gradients sharded)", lambda: ShardedOptimizerStrategy(2, start_method="fork")),
-    StrategyRow("zero3", "zero3 (+ parameters sharded)", lambda: ShardedOptimizerStrategy(3, start_method="fork")),
+    StrategyRow("zero1", "zero1 (optimizer state sharded)", lambda d: ShardedOptimizerStrategy(1, start_method="fork")),
+    StrategyRow("zero2", "zero2 (+ gradients sharded)", lambda d: ShardedOptimizerStrategy(2, start_method="fork")),
+    StrategyRow("zero3", "zero3 (+ parameters sharded)", lambda d: ShardedOptimizerStrategy(3, start_method="fork")),
 )
 """The strategies the demo compares, in table order. Later strategies add a row here."""
 
@@ -91,20 +111,26 @@ class DemoConfig:
 
     preset: str = "small"
     """Model size, a key of :data:`~lightning_parallel.demos.gpt.PRESETS`."""
-    steps: int = 40
+    steps: int = 25
     """Optimizer steps per strategy."""
     devices: int = 2
     """CPU processes per strategy."""
     warmup_steps: int = 3
     """Steps before throughput is measured."""
     batch_size: int = 8
-    """Sequences per batch per process."""
+    """Sequences per batch per process when every process is a data-parallel replica; the global batch of every row
+    is ``batch_size * devices`` (see :attr:`global_batch_size`)."""
     seq_len: int = 128
     """Tokens per sequence; capped at the preset's ``block_size``."""
     max_bytes: int = 400_000
     """Bytes of the standard library's source to train on (the demo needs few)."""
     seed: int = 0
     """Seed of the initial weights and of the data split."""
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step, the same in every row."""
+        return self.batch_size * self.devices
 
 
 @dataclass
@@ -115,6 +141,8 @@ class RowResult:
     """The row's table label."""
     summary: RunSummary | None = None
     """The :class:`~lightning_parallel.demos.stats.RunStats` numbers of a finished run."""
+    recording: Recording | None = None
+    """Per-step losses and per-rank state bytes of a finished run."""
     error: str | None = None
     """One line describing why the run failed."""
 
@@ -131,18 +159,29 @@ def _restored_environ() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def train_once(strategy: Strategy, config: DemoConfig) -> RunSummary:
-    """Train the demo model with ``strategy`` and return the numbers :class:`RunStats` measured.
+def train_once(
+    strategy: Strategy, config: DemoConfig, *, num_replicas: int | None = None, label: str = ""
+) -> tuple[RunSummary, Recording]:
+    """Train the demo model with ``strategy``; return what :class:`RunStats` and :class:`DemoRecorder` measured.
 
     Args:
         strategy: A fresh strategy; a fork or spawn start method brings the results back to this process.
         config: Model size, data and steps.
+        num_replicas: Data-parallel replicas the strategy makes of ``config.devices`` processes; each loads
+            ``config.global_batch_size // num_replicas`` sequences per step. ``None``: every process is a replica.
+        label: Text of the progress line.
     """
+    replicas = config.devices if num_replicas is None else num_replicas
+    if replicas < 1 or config.global_batch_size % replicas:
+        raise ValueError(
+            f"The global batch of {config.global_batch_size} sequences does not split over `num_replicas={replicas}`"
+            " data-parallel replicas; choose a batch size and number of devices it divides."
+        )
     seq_len = min(config.seq_len, PRESETS[config.preset]["block_size"])
     torch.manual_seed(config.seed)
     model = GPTLightningModule(config.preset)
     datamodule = TextDataModule(
-        seq_len=seq_len, batch_size=config.batch_size, max_bytes=config.max_bytes, seed=config.seed
+        seq_len=seq_len, batch_size=config.global_batch_size // replicas, max_bytes=config.max_bytes, seed=config.seed
     )
     datamodule.setup("fit")  # once here: forked processes inherit the loaded corpus
     trainer = pl.Trainer(
@@ -155,23 +194,33 @@ def train_once(strategy: Strategy, config: DemoConfig) -> RunSummary:
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
-        callbacks=[RunStats(warmup_steps=config.warmup_steps)],
+        enable_progress_bar=False,  # one bar per rank would interleave; DemoRecorder draws one line on rank 0
+        callbacks=[RunStats(warmup_steps=config.warmup_steps), DemoRecorder(label, config.steps)],
     )
     with _restored_environ():
         trainer.fit(model, datamodule=datamodule)
-    return summarize(trainer)
+    return summarize(trainer), read_recording(trainer)
 
 
 def run_demo(rows: Sequence[StrategyRow], config: DemoConfig) -> list[RowResult]:
-    """Train once per row; a failing row records its error and the next row still runs."""
+    """Train once per row, printing one line per row; a failing row records its error and the next row still runs."""
     results = []
     for row in rows:
-        print(f"\n=== {row.label} ===", flush=True)
+        start = time.perf_counter()
         try:
-            results.append(RowResult(row.label, summary=train_once(row.make_strategy(), config)))
+            replicas = row.num_replicas(config.devices)
+            summary, recording = train_once(
+                row.make_strategy(config.devices), config, num_replicas=replicas, label=row.label
+            )
         except Exception as error:  # one broken strategy must not hide the others' results
+            print(f"\r{row.label:<34} FAILED", flush=True)
             traceback.print_exc()
             results.append(RowResult(row.label, error=_one_line(error)))
+            continue
+        elapsed = time.perf_counter() - start
+        loss = recording.losses[-1] if recording.losses else math.nan
+        print(f"\r{row.label:<34} {config.steps} steps in {elapsed:5.1f} s, loss {loss:.4f}", flush=True)
+        results.append(RowResult(row.label, summary=summary, recording=recording))
     return results
 
 
@@ -189,27 +238,46 @@ def _number(value: float | None, digits: int) -> str:
 def format_table(results: Sequence[RowResult], *, devices: int) -> str:
     """The results as a plain-text table with ``|`` separated columns, one row per strategy.
 
-    Columns: strategy, loss at the end, tokens/s, all-reduce MiB per optimizer step and peak memory (MiB) per rank.
+    Columns: strategy, loss at the end, tokens/s, all-reduce MiB per optimizer step, then per rank the MiB of
+    parameters + gradients + optimizer state it holds (exact, ``n/a`` for a strategy without ``memory_report()``)
+    and, last, per rank the peak RSS (MiB) of the process.
     """
-    header = ["strategy", "loss", "tokens/s", "all-reduce MiB/step"] + [f"peak MiB rank{r}" for r in range(devices)]
+    header = ["strategy", "loss", "tokens/s", "all-reduce MiB/step"]
+    header += [f"state MiB rank{r}" for r in range(devices)] + [f"peak RSS MiB rank{r}" for r in range(devices)]
     lines = [header]
     for result in results:
-        summary = result.summary
-        if summary is None:
+        summary, recording = result.summary, result.recording
+        if summary is None or recording is None:
             lines.append([result.label, f"FAILED: {result.error}"])
             continue
         comm = summary["comm_bytes_per_step"]
+        state = recording.state_bytes
+        states = ["n/a"] * devices if state is None else [_number(b / _MIB, 2) for b in state]
         peaks = [_number(m / _MIB, 1) for m in summary["peak_mem"]]
         lines.append(
             [
                 result.label,
-                _number(summary["final_loss"], 3),
+                _number(summary["final_loss"], 4),
                 _number(summary["tokens_per_s"], 0),
                 _number(None if comm is None else comm / _MIB, 2),
+                *states,
                 *peaks,
             ]
         )
     return _render(lines)
+
+
+def table_notes(config: DemoConfig) -> str:
+    """The lines printed under the table: what is equal across rows and what each memory column measures."""
+    text = (
+        f"Every row trains the same {config.global_batch_size} sequences per step for {config.steps} optimizer steps"
+        " from the same weights, so the losses are equal up to floating-point rounding (the fp16 row also rounds its"
+        " gradients to fp16 for the all-reduce). state MiB: parameters + gradients + optimizer state held by each"
+        " process (exact, from the strategy's memory_report()). Peak RSS comes last: it includes the Python/torch"
+        " runtime and memory the allocator keeps after freeing, which hide the differences between strategies at"
+        " this size; peak tensor bytes are not measured here (n/a)."
+    )
+    return textwrap.fill(text, width=118)
 
 
 def _render(lines: list[list[str]]) -> str:
@@ -243,6 +311,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(names),
         help=f"comma-separated rows to run (default: all): {', '.join(names)}",
     )
+    parser.add_argument(
+        "--png",
+        default="lightning_logs/demo.png",
+        help="where to write the loss curves and memory bars ('' for none; default: lightning_logs/demo.png)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps} must be at least 1.")
@@ -263,7 +336,7 @@ def quiet_lightning() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the demo and print its table.
+    """Run the demo, print its table and write its PNG.
 
     Sets this process to one intra-op thread before forking (forking a process whose OpenMP pool has run is unsafe);
     the forked ranks choose their own thread count.
@@ -281,9 +354,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     config.warmup_steps = min(config.warmup_steps, max(0, config.steps - 1))
     torch.set_num_threads(1)
     quiet_lightning()
+    print(
+        f"{config.devices} CPU processes, preset {config.preset!r}, {config.steps} steps per strategy,"
+        f" {config.global_batch_size} sequences per step:",
+        flush=True,
+    )
     results = run_demo(rows, config)
-    print(f"\n{config.devices} CPU processes, preset {config.preset!r}, {config.steps} steps per strategy:")
+    print()
     print(format_table(results, devices=config.devices))
+    print(table_notes(config))
+    finished = [(r.label, r.recording) for r in results if r.recording is not None]
+    if args.png and finished:
+        if write_demo_figure(finished, args.png):
+            print(f"Loss curves and memory per process: {args.png}")
+        else:
+            print("No PNG: matplotlib is not installed (pip install 'lightning-parallel[plots]').")
     return 0 if all(r.error is None for r in results) else 1
 
 

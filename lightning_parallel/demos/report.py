@@ -1,0 +1,145 @@
+"""What the main demo records beyond :class:`~lightning_parallel.demos.stats.RunStats`, and its PNG.
+
+:class:`DemoRecorder` keeps the loss of every optimizer step and the bytes of parameters + gradients + optimizer
+state each rank holds (the strategy's exact ``memory_report()``), gathers both to every rank at the end of fit and
+writes them into ``trainer.callback_metrics`` (Lightning's fork and spawn launchers bring those back to the parent,
+where :func:`read_recording` reads them). On global rank 0 it also draws one progress line on a terminal, so the
+demo shows a single progress display instead of one progress bar per rank.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from typing_extensions import override
+
+__all__ = ["RECORD_PREFIX", "DemoRecorder", "Recording", "read_recording", "write_demo_figure"]
+
+RECORD_PREFIX = "demo/"
+"""Prefix of the keys :class:`DemoRecorder` writes into ``trainer.callback_metrics``."""
+
+_MIB = 1024**2
+
+
+@dataclass
+class Recording:
+    """What :func:`read_recording` returns for one finished run."""
+
+    losses: list[float]
+    """Training loss of every optimizer step, averaged over ranks (each rank's mean over its own batch)."""
+    state_bytes: list[int] | None
+    """Bytes of parameters + gradients + optimizer state held by each rank after the last step, indexed by global
+    rank; ``None`` if the strategy has no ``memory_report()``."""
+
+
+class DemoRecorder(Callback):
+    """Record per-step losses and per-rank state bytes; show one progress line on rank 0 (on a terminal only).
+
+    Args:
+        label: Text in front of the progress line.
+        total_steps: Optimizer steps the run will take (for ``step i/N``).
+    """
+
+    def __init__(self, label: str = "", total_steps: int = 0) -> None:
+        self.label = label
+        self.total_steps = total_steps
+        self._losses: list[float] = []
+        self._state: tuple[int, int, int] | None = None
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        value = float(loss.detach().float().item()) if isinstance(loss, Tensor) and loss.numel() == 1 else math.nan
+        self._losses.append(value)
+        report = getattr(trainer.strategy, "memory_report", None)
+        if callable(report):
+            held = report()
+            self._state = (held.parameters, held.gradients, held.optimizer_state)
+        if trainer.is_global_zero and sys.stdout.isatty():
+            print(
+                f"\r{self.label:<34} step {len(self._losses)}/{self.total_steps}  loss {value:.4f}", end="", flush=True
+            )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = self._state if self._state is not None else (-1, -1, -1)
+        local = torch.tensor([*state, *self._losses], dtype=torch.float64)  # float64: byte counts exact below 2**53
+        gathered = _gather(local, trainer.world_size)  # (world_size, 3 + steps)
+        metrics = trainer.callback_metrics
+        metrics[RECORD_PREFIX + "losses"] = gathered[:, 3:].mean(dim=0)
+        if self._state is not None:
+            metrics[RECORD_PREFIX + "state_bytes"] = gathered[:, :3].sum(dim=1)
+
+
+def _gather(local: Tensor, world_size: int) -> Tensor:
+    """Every rank's ``local`` stacked, ``(world_size, n)``. Collective when ``world_size > 1``."""
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return local.unsqueeze(0)
+    parts = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(parts, local)  # gloo on CPU; the list form has no deprecation warning
+    return torch.stack(parts)
+
+
+def read_recording(trainer: pl.Trainer) -> Recording:
+    """The numbers :class:`DemoRecorder` left in ``trainer.callback_metrics`` (also in the parent of a fork launch).
+
+    Raises:
+        RuntimeError: If no :class:`DemoRecorder` finished in this trainer's fit.
+    """
+    metrics = trainer.callback_metrics
+    losses = metrics.get(RECORD_PREFIX + "losses")
+    if losses is None:
+        raise RuntimeError("No DemoRecorder results in `trainer.callback_metrics`: add `DemoRecorder()` to callbacks.")
+    state = metrics.get(RECORD_PREFIX + "state_bytes")
+    return Recording(
+        losses=[float(v) for v in torch.as_tensor(losses).reshape(-1)],
+        state_bytes=None if state is None else [int(v) for v in torch.as_tensor(state).reshape(-1)],
+    )
+
+
+def write_demo_figure(runs: Sequence[tuple[str, Recording]], path: str | Path) -> bool:
+    """Draw every run's loss curve on one plot and its state bytes per rank as bars; ``False`` without matplotlib.
+
+    Args:
+        runs: ``(label, recording)`` of each finished row, in table order.
+        path: Where to write the PNG (parent folders are created).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, (curves, bars) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for label, recording in runs:
+        curves.plot(range(1, len(recording.losses) + 1), recording.losses, label=label, alpha=0.8)
+    curves.set(xlabel="optimizer step", ylabel="training loss", title="Loss (same batches, same steps)")
+    curves.legend(fontsize=8)
+    with_state = [(label, r.state_bytes) for label, r in runs if r.state_bytes]
+    world_size = max((len(s) for _, s in with_state), default=0)
+    width = 0.8 / max(world_size, 1)
+    for rank in range(world_size):
+        heights = [s[rank] / _MIB if rank < len(s) else 0.0 for _, s in with_state]
+        bars.bar([i + rank * width for i in range(len(with_state))], heights, width, label=f"rank {rank}")
+    bars.set_xticks([i + 0.4 - width / 2 for i in range(len(with_state))])
+    bars.set_xticklabels([label.split(" (")[0] for label, _ in with_state], rotation=20, fontsize=8)
+    bars.set(ylabel="MiB", title="Parameters + gradients + optimizer state per rank")
+    bars.legend(fontsize=8)
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
