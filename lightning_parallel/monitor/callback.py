@@ -276,6 +276,11 @@ class ParallelismMonitor(Callback):
         if trainer.global_rank != 0:
             return
         rank_zero_info(format_table(self.summary))
+        # Every rank's bytes held and peak, once, through the loggers (the per-step series above is rank 0's).
+        per_rank = {f"monitor/rank{r['rank']}/held_{k}_bytes": float(v) for r in ranks for k, v in r["memory"].items()}
+        per_rank |= {f"monitor/rank{r['rank']}/peak_memory_bytes": float(r["peak_memory_bytes"]) for r in ranks}
+        for logger in trainer.loggers:
+            logger.log_metrics(per_rank, step=self.steps[-1].step if self.steps else 0)
         figure = self._figure_path(trainer)
         summary_path = (
             Path(self.summary_path)
