@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
+
+# On a machine with a CUDA GPU and a CUDA build of torch (`make gpu-check TORCH_SPEC=torch`): every strategy on NCCL
+# with bf16-mixed and 16-mixed against one device; writes the gpu_check section of benchmarks/RESULTS.md.
+gpu-check: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
