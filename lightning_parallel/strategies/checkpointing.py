@@ -6,6 +6,7 @@ A strategy supplies its pieces (what this rank owns); everything about files liv
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,21 @@ from lightning_parallel.distributed.checkpoint import (
     sharded_to_consolidated,
 )
 
-__all__ = ["load_checkpoint_any_format", "load_module_state", "save_sharded", "scalar_states_of"]
+__all__ = ["ShardedPieces", "load_checkpoint_any_format", "load_module_state", "save_sharded", "scalar_states_of"]
+
+
+@dataclass(kw_only=True)
+class ShardedPieces:
+    """What this rank writes into a sharded checkpoint: its pieces and the optimizer's layout."""
+
+    pieces: list[FlatPiece]
+    """The flat ranges of parameters and optimizer state this rank owns."""
+    group_params: list[list[nn.Parameter]] | None
+    """The optimizer's parameter lists in the single-device layout (before any sharding)."""
+    scalars: dict[str, Any] = field(default_factory=dict)
+    """0-dim optimizer state shared by every parameter (used when ``scalars_by_name`` is ``None``)."""
+    scalars_by_name: dict[str, dict[str, Any]] | None = None
+    """Each parameter's own 0-dim optimizer state."""
 
 
 def scalar_states_of(optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -40,31 +55,25 @@ def save_sharded(
     checkpoint: dict[str, Any],
     filepath: _PATH,
     *,
-    pieces: list[FlatPiece],
+    parts: ShardedPieces,
     optimizer: torch.optim.Optimizer | None,
-    group_params: list[list[nn.Parameter]] | None,
-    scalars: dict[str, Any],
-    scalars_by_name: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """Collective. Write ``checkpoint`` (Lightning's dict, minus weights and optimizer state) as a sharded directory.
-
-    ``group_params`` are the optimizer's parameter lists in the single-device layout (before any sharding).
-    ``scalars_by_name`` gives each parameter its own 0-dim optimizer state (default: ``scalars`` for every one).
-    """
+    """Collective. Write ``checkpoint`` (Lightning's dict, minus weights and optimizer state) as a sharded directory,
+    with this rank's ``parts`` of the weights and of ``optimizer``'s state."""
     checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     module = strategy.lightning_module
     path = Path(strategy.broadcast(str(filepath)))
     groups = None
-    if optimizer is not None and group_params is not None:
-        groups = param_groups_by_name(module, group_params, optimizer.param_groups)
+    if optimizer is not None and parts.group_params is not None:
+        groups = param_groups_by_name(module, parts.group_params, optimizer.param_groups)
     names = [name for name, _ in module.named_parameters()]
     meta, buffers = build_meta(
         module,
         lightning_checkpoint=checkpoint,
         param_groups=groups,
-        scalars=scalars_by_name if scalars_by_name is not None else dict.fromkeys(names, scalars),
+        scalars=parts.scalars_by_name if parts.scalars_by_name is not None else dict.fromkeys(names, parts.scalars),
     )
-    save_sharded_checkpoint(path, pieces, buffers=buffers, meta=meta)
+    save_sharded_checkpoint(path, parts.pieces, buffers=buffers, meta=meta)
 
 
 def load_checkpoint_any_format(strategy: Any, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:

@@ -190,22 +190,10 @@ class ShardedOptimizerStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             self._validate_optimizers()
             self._backend.setup_optimizers(self._unwrapped_optimizers())
-        # Lightning clips through the precision plugin: stages 1-2 need the norm over all shards.
-        self.precision_plugin = self._backend.wrap_precision(self.precision_plugin)
+        self.precision_plugin = self._backend.wrap_precision(self.precision_plugin, self.root_device)
         self.setup_precision_plugin()
-        self._use_sharded_grad_scaler()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
-
-    def _use_sharded_grad_scaler(self) -> None:
-        """`16-mixed`: each rank sees only its shard's gradients, so the inf/nan check that decides whether to skip
-        the step must be all-reduced, or ranks would diverge. Torch's ShardedGradScaler does exactly that."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is None or not self.is_sharding:
-            return
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        self.precision_plugin.scaler = ShardedGradScaler(device=self.root_device.type)
 
     @contextmanager
     def full_module(self) -> Generator[nn.Module, None, None]:
@@ -379,17 +367,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
         if not self._writes_sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
-        parts = self.backend.sharded_pieces(optimizer)
-        save_sharded(
-            self,
-            checkpoint,
-            filepath,
-            pieces=parts.pieces,
-            optimizer=optimizer,
-            group_params=parts.group_params,
-            scalars=parts.scalars,
-            scalars_by_name=parts.scalars_by_name,
-        )
+        save_sharded(self, checkpoint, filepath, parts=self.backend.sharded_pieces(optimizer), optimizer=optimizer)
         return None
 
     @override

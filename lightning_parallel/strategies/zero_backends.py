@@ -13,9 +13,9 @@ subclass of whichever precision plugin the Trainer chose (Lightning's ``FSDPPrec
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+import math
+from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -28,37 +28,23 @@ from torch.optim import Optimizer
 
 from lightning_parallel._compat import sync_module_states
 from lightning_parallel.distributed import zero3
-from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, add_aliases, replicated_pieces
+from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, add_aliases, replicated_pieces
 from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
-from lightning_parallel.strategies.checkpointing import load_module_state, scalar_states_of
+from lightning_parallel.strategies.checkpointing import ShardedPieces, load_module_state, scalar_states_of
 from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks
 
 __all__ = [
     "FlatBucketBackend",
     "FullyShardBackend",
     "ReplicatedBackend",
-    "ShardedPieces",
     "ZeroBackend",
     "backend_type",
     "with_sharded_clipping",
+    "with_sharded_grad_scaler",
 ]
-
-
-@dataclass(kw_only=True)
-class ShardedPieces:
-    """What this rank writes into a sharded checkpoint (see ``strategies.checkpointing.save_sharded``)."""
-
-    pieces: list[FlatPiece]
-    """The flat ranges of parameters and optimizer state this rank owns."""
-    group_params: list[list[nn.Parameter]] | None
-    """The optimizer's parameter lists in the single-device layout."""
-    scalars: dict[str, Any] = field(default_factory=dict)
-    """0-dim optimizer state shared by every parameter (used when ``scalars_by_name`` is ``None``)."""
-    scalars_by_name: dict[str, dict[str, Any]] | None = None
-    """Each parameter's own 0-dim optimizer state."""
 
 
 class ZeroBackend(Protocol):
@@ -73,8 +59,8 @@ class ZeroBackend(Protocol):
     def setup_optimizers(self, optimizers: list[Optimizer]) -> None:
         """Collective. Point the (unwrapped) optimizers at what this rank holds, before their first step."""
 
-    def wrap_precision(self, plugin: Precision) -> Precision:
-        """The precision plugin to train with: ``plugin`` or a subclass of it that clips over all shards."""
+    def wrap_precision(self, plugin: Precision, device: torch.device) -> Precision:
+        """The precision plugin to train with: ``plugin``, or one that clips over all shards and agrees on inf/nan."""
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Context: no gradient communication (non-final micro-batches of gradient accumulation)."""
@@ -118,7 +104,11 @@ def backend_type(stage: int, *, is_sharding: bool) -> type[ZeroBackend]:
 
 
 class ReplicatedBackend:
-    """World size 1: the module and optimizers as they are."""
+    """World size 1: the module and optimizers as they are. The two sharded backends reuse its plain-module methods.
+
+    Keyword arguments meant for the other backends (``stage``, ``bucket_cap_mb``, ``stats``, ``callbacks``) are
+    ignored, so the strategy builds whichever backend :func:`backend_type` chose with one call.
+    """
 
     empty_init_on_meta: ClassVar[bool] = False
 
@@ -135,7 +125,7 @@ class ReplicatedBackend:
     def setup_optimizers(self, optimizers: list[Optimizer]) -> None:
         pass
 
-    def wrap_precision(self, plugin: Precision) -> Precision:
+    def wrap_precision(self, plugin: Precision, device: torch.device) -> Precision:
         return plugin
 
     @contextmanager
@@ -212,8 +202,10 @@ class FlatBucketBackend(ReplicatedBackend):
             optimizer = optimizer._optimizer
         return next(sharded for sharded in self.sharded_optimizers if sharded.optimizer is optimizer)
 
-    def wrap_precision(self, plugin: Precision) -> Precision:
-        return with_sharded_clipping(plugin, self.clip_grad_norm) if self.buckets is not None else plugin
+    def wrap_precision(self, plugin: Precision, device: torch.device) -> Precision:
+        if self.buckets is not None:  # fitting: Lightning clips through the precision plugin
+            plugin = with_sharded_clipping(plugin, self.clip_grad_norm)
+        return with_sharded_grad_scaler(plugin, device)
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
         """Collective. As torch's clip over ``optimizer``'s parameters only, with the norm over every shard."""
@@ -296,6 +288,9 @@ class FullyShardBackend(ReplicatedBackend):
         module.to(device)
         self.access = ShardedModuleAccess(module, self.units, world_size=self.world_size)
         self.access.running = True
+
+    def wrap_precision(self, plugin: Precision, device: torch.device) -> Precision:
+        return with_sharded_grad_scaler(plugin, device)
 
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
@@ -385,12 +380,22 @@ def with_sharded_clipping(plugin: Precision, clip: Callable[[Optimizer, float], 
     return wrapped
 
 
+def with_sharded_grad_scaler(plugin: Precision, device: torch.device) -> Precision:
+    """`16-mixed`: each rank sees only its shard's gradients, so the inf/nan check that decides whether to skip the
+    step must be all-reduced, or ranks would diverge. Torch's ``ShardedGradScaler`` does exactly that."""
+    if getattr(plugin, "scaler", None) is not None:  # only MixedPrecision("16-mixed") has one
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        plugin.scaler = ShardedGradScaler(device=device.type)  # type: ignore[attr-defined]
+    return plugin
+
+
 # ---------------------------------------------------------------------- helpers
 def full_state_from_reader(reader: ShardedCheckpointReader) -> dict[str, Tensor]:
     """Collective. Whole parameters and buffers (stages 1-2 hold every parameter whole anyway)."""
     shapes = reader.meta["shapes"]
-    values = reader.read([("param", name, 0, _numel(shape)) for name, shape in shapes.items()], with_buffers=True)
-    state = {name: values[("param", name, 0, _numel(shape))].view(shape) for name, shape in shapes.items()}
+    values = reader.read([("param", name, 0, math.prod(shape)) for name, shape in shapes.items()], with_buffers=True)
+    state = {name: values[("param", name, 0, math.prod(shape))].view(shape) for name, shape in shapes.items()}
     state.update({entry.removeprefix("buffer/"): t for entry, t in values.items() if isinstance(entry, str)})
     return add_aliases(state, reader.meta)
 
@@ -409,10 +414,3 @@ def _module_memory_report(module: nn.Module, optimizers: list[Optimizer]) -> Mem
 
 def _group_params(optimizer: Optimizer | None) -> list[list[nn.Parameter]] | None:
     return [list(group["params"]) for group in optimizer.param_groups] if optimizer is not None else None
-
-
-def _numel(shape: Iterator[int] | Sequence[int]) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
