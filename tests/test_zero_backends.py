@@ -1,0 +1,63 @@
+"""ZeRO backends: clipping over shards goes through a subclass of the Trainer's precision plugin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed_harness import run_distributed
+from lightning.pytorch import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
+from training_helpers import assert_weights_close, fit_tiny
+
+from lightning_parallel import ShardedOptimizerStrategy
+
+GLOBAL_BATCH = 8
+CLIP = 0.05  # far below the tiny GPT's gradient norm, so clipping changes every step
+
+
+class _PrecisionProbe(Callback):
+    """What the Trainer trains with, read inside the rank after fit."""
+
+    def __init__(self) -> None:
+        self.facts: dict = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        plugin = trainer.precision_plugin
+        self.facts = {
+            "mixed": isinstance(plugin, MixedPrecision),
+            "precision": plugin.precision,
+            "patched_on_instance": "clip_grad_by_norm" in vars(plugin),
+        }
+
+
+def _fit(rank: int, world_size: int, stage: int, clip: float | None) -> dict:
+    probe = _PrecisionProbe()
+    strategy = ShardedOptimizerStrategy(stage=stage) if stage else "auto"
+    weights = fit_tiny(
+        strategy,
+        devices=world_size,
+        per_device_batch=GLOBAL_BATCH // world_size,
+        optimizer="sgd",
+        precision="bf16-mixed",
+        gradient_clip_val=clip,
+        callbacks=[probe],
+    )
+    return {"weights": weights, **probe.facts}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_clipping_keeps_the_trainers_precision_plugin_and_matches_one_device(stage):
+    (reference,) = run_distributed(_fit, 1, args=(0, CLIP), init_process_group=False, timeout=180)
+    (unclipped,) = run_distributed(_fit, 1, args=(0, None), init_process_group=False, timeout=180)
+    results = run_distributed(_fit, 2, args=(stage, CLIP), init_process_group=False, timeout=180)
+    for result in results:
+        # bf16-mixed autocast kept, and clipping chosen by subclassing, not by replacing a method on the instance.
+        assert result["mixed"] and result["precision"] == "bf16-mixed"
+        assert not result["patched_on_instance"]
+    # bf16 autocast: the reduction order of the averaged gradient is the only difference.
+    assert_weights_close(results[0]["weights"], reference["weights"], rtol=1e-2, atol=1e-3)
+    moved = max(
+        (results[0]["weights"][name] - tensor).abs().max().item() for name, tensor in unclipped["weights"].items()
+    )
+    assert moved > 1e-2, "clipping had no effect: the test would not see a wrong norm"
+    assert all(torch.isfinite(tensor).all() for tensor in results[0]["weights"].values())
