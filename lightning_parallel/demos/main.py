@@ -111,7 +111,7 @@ class DemoConfig:
 
     preset: str = "small"
     """Model size, a key of :data:`~lightning_parallel.demos.gpt.PRESETS`."""
-    steps: int = 25
+    steps: int = 20
     """Optimizer steps per strategy."""
     devices: int = 2
     """CPU processes per strategy."""

@@ -68,9 +68,8 @@ class DemoRecorder(Callback):
             held = report()
             self._state = (held.parameters, held.gradients, held.optimizer_state)
         if trainer.is_global_zero and sys.stdout.isatty():
-            print(
-                f"\r{self.label:<34} step {len(self._losses)}/{self.total_steps}  loss {value:.4f}", end="", flush=True
-            )
+            # No loss here: rank 0's own batch loss is not the rank average the table shows.
+            print(f"\r{self.label:<34} step {len(self._losses)}/{self.total_steps}", end="", flush=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
