@@ -101,8 +101,11 @@ class MemoryReport:
         }
 
 
-def module_memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> MemoryReport:
-    """Bytes of ``module``'s parameters, their ``.grad`` and ``optimizer``'s per-element state on this rank."""
+def module_memory_report(
+    module: nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None
+) -> MemoryReport:
+    """Bytes of ``module``'s parameters, their ``.grad`` and the per-element state of ``optimizer`` (one or several)
+    on this rank; a sharded parameter (``DTensor``) counts its local shard."""
     params = list(module.parameters())
     grads = (p.grad for p in params if p.grad is not None)
     return MemoryReport(

@@ -22,7 +22,6 @@ from lightning_parallel.demos import GPT, GPTConfig, GPTLightningModule, RandomT
 from lightning_parallel.planner import TransformerShape
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "lightning_parallel"
-PENDING = ("lightning_parallel.distributed.zero_optimizer",)
 
 
 def _fresh_python(code: str) -> str:
@@ -64,16 +63,13 @@ def test_distributed_and_accounting_import_torch_only() -> None:
             names = ["lightning_parallel.accounting"]
             names += [".".join(("lightning_parallel", *f.relative_to(root).with_suffix("").parts)) for f in files]
             names = [n.removesuffix(".__init__") for n in names]
-            # Still imports Lightning's rank_zero_warn (issue 11, being moved): imported last and not judged, so it
-            # cannot hide another module's import. Remove this line once it is torch-only.
-            names = [n for n in names if n not in {PENDING!r}] + [n for n in names if n in {PENDING!r}]
             forbidden = ("lightning.", "lightning_parallel.strategies", "lightning_parallel.monitor",
                          "lightning_parallel.planner", "lightning_parallel.demos")
             offenders, seen = {{}}, set()
             for name in names:
                 importlib.import_module(name)
                 new = sorted(m for m in set(sys.modules) - seen if m == "lightning" or m.startswith(forbidden))
-                if new and name not in {PENDING!r}:
+                if new:
                     offenders[name] = new[:3]
                 seen |= set(sys.modules)
             print(json.dumps(offenders))

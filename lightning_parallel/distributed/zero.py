@@ -28,14 +28,20 @@ owned views: ``K * Psi / N``. Neither stage ever holds a second full copy of gra
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parallel.distributed.compression import CommunicationStats
+from lightning_parallel.accounting import (
+    CommunicationStats,
+    MemoryReport,
+    module_memory_report,
+    optimizer_state_tensors,
+    storage_bytes,
+)
 
 __all__ = ["MemoryReport", "ShardView", "ShardedParameterBuckets", "module_memory_report"]
 
@@ -80,27 +86,6 @@ class _Bucket:
     views: list[ShardView] = field(default_factory=list)
 
 
-@dataclass
-class MemoryReport:
-    """Bytes this rank really holds, measured from its tensors' storages (each storage counted once)."""
-
-    parameters: int
-    gradients: int
-    optimizer_state: int
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "parameters": self.parameters,
-            "gradients": self.gradients,
-            "optimizer_state": self.optimizer_state,
-            "total": self.total,
-        }
-
-
 # torch 2.12 renamed the flat collectives and deprecates the old names with a FutureWarning on every call. Looked up
 # at each call, not bound at import, so that counting shims installed on `torch.distributed` (the benchmarks') see us.
 def _reduce_scatter(output: Tensor, full: Tensor, *, group: dist.ProcessGroup | None) -> dist.Work:
@@ -113,32 +98,6 @@ def _all_gather(output: Tensor, shard: Tensor, *, group: dist.ProcessGroup | Non
     """Async concatenation of every rank's ``shard`` into ``output``."""
     collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return collective(output, shard, group=group, async_op=True)
-
-
-def _storage_bytes(tensors: Iterator[Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor holds its local shard
-        storage = local.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def module_memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> MemoryReport:
-    """Bytes of ``module``'s parameters, their ``.grad`` and ``optimizer``'s per-element state on this rank.
-
-    Counted from tensor storages, each storage once (gradients that are views into a DDP bucket count the bucket).
-    Optimizer state counts tensors with at least one dim (``exp_avg``, ``momentum_buffer``, ...), not the 0-dim
-    ``step`` counters.
-    """
-    params = list(module.parameters())
-    grads = (p.grad for p in params if p.grad is not None)
-    states: Iterator[Tensor] = iter(())
-    if optimizer is not None:
-        states = (v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0)
-    return MemoryReport(
-        parameters=_storage_bytes(iter(params)), gradients=_storage_bytes(grads), optimizer_state=_storage_bytes(states)
-    )
 
 
 class ShardedParameterBuckets:
@@ -435,17 +394,10 @@ class ShardedParameterBuckets:
         """Bytes of the buckets' parameters and gradients and of ``optimizers``' per-element state on this rank."""
         params = (p for p in self.parameters)
         grads = (t for b in self.buckets for t in (b.shard_grads, b.full_grads) if t is not None)
-        if isinstance(optimizers, torch.optim.Optimizer):
-            optimizers = [optimizers]
-        states = (
-            v
-            for optimizer in optimizers or ()
-            for s in optimizer.state.values()
-            for v in s.values()
-            if isinstance(v, Tensor) and v.dim() > 0
-        )
         return MemoryReport(
-            parameters=_storage_bytes(params), gradients=_storage_bytes(grads), optimizer_state=_storage_bytes(states)
+            parameters=storage_bytes(params),
+            gradients=storage_bytes(grads),
+            optimizer_state=storage_bytes(optimizer_state_tensors(optimizers)),
         )
 
     def remove_hooks(self) -> None:

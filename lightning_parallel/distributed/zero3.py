@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
 from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, even_split
-from lightning_parallel.distributed.zero import MemoryReport
 
 __all__ = [
     "apply_fully_shard",
@@ -41,7 +40,6 @@ __all__ = [
     "load_consolidated_optimizer_state",
     "load_from_reader",
     "materialize_meta_module",
-    "memory_report",
     "sharded_pieces",
 ]
 
@@ -192,25 +190,6 @@ def _metric_tensors_on_meta(metric: Metric) -> Any:
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _storage_bytes(tensors: Any) -> int:
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        storage = _local(tensor).untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> MemoryReport:
-    params = [p for p in module.parameters()]
-    grads = [p.grad for p in params if p.grad is not None]
-    states = []
-    if optimizer is not None:
-        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0]
-    return MemoryReport(
-        parameters=_storage_bytes(params), gradients=_storage_bytes(grads), optimizer_state=_storage_bytes(states)
-    )
 
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

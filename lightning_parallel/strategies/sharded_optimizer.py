@@ -22,9 +22,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel._compat import optimizers_to_device
+from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
 from lightning_parallel.distributed.compression import CommunicationStats
-from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
+from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_disjoint_optimizers
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, save_sharded

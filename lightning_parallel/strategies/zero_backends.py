@@ -27,10 +27,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 
 from lightning_parallel._compat import sync_module_states
+from lightning_parallel.accounting import MemoryReport, module_memory_report
 from lightning_parallel.distributed import zero3
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, add_aliases, replicated_pieces
 from lightning_parallel.distributed.compression import CommunicationStats
-from lightning_parallel.distributed.zero import MemoryReport, ShardedParameterBuckets
+from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
 from lightning_parallel.strategies.checkpointing import ShardedPieces, load_module_state, scalar_states_of
@@ -139,7 +140,7 @@ class ReplicatedBackend:
         pass
 
     def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
-        return _module_memory_report(self.module, optimizers)
+        return module_memory_report(self.module, optimizers)
 
     def model_state(self) -> dict[str, Any]:
         return _cloned_state(self.module)
@@ -403,13 +404,6 @@ def full_state_from_reader(reader: ShardedCheckpointReader) -> dict[str, Tensor]
 def _cloned_state(module: nn.Module) -> dict[str, Any]:
     # Parameters may be views into flat buckets: clone so the checkpoint holds plain, independent tensors.
     return {name: tensor.clone() for name, tensor in module.state_dict().items()}
-
-
-def _module_memory_report(module: nn.Module, optimizers: list[Optimizer]) -> MemoryReport:
-    report = zero3.memory_report(module, optimizers[0] if optimizers else None)
-    for optimizer in optimizers[1:]:  # disjoint parameters, so disjoint states
-        report.optimizer_state += zero3.memory_report(module, optimizer).optimizer_state
-    return report
 
 
 def _group_params(optimizer: Optimizer | None) -> list[list[nn.Parameter]] | None:
