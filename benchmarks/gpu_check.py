@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -167,7 +168,7 @@ def _fit(settings: CheckSettings, config: Configuration | None) -> tuple[Outcome
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
-        default_root_dir="benchmarks/out",
+        default_root_dir=tempfile.mkdtemp(prefix="gpu-check-"),  # the monitor's JSON; nothing in the repository
         use_distributed_sampler=config is not None,
     )
     start = time.perf_counter()
