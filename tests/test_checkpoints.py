@@ -50,6 +50,11 @@ def _run(rank: int, world_size: int, spec: str, checkpoint_format: str, path: st
     module = make_module("adamw")
     strategy = _strategy(spec, checkpoint_format)
     if resume:
+        # Start from other weights than the saving run: a resume that ignored the checkpoint would otherwise train the
+        # same 4 steps on the same batch and still equal the uninterrupted run.
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.add_(0.5)
         trainer = _trainer(strategy, world_size, max_steps=4)
         trainer.fit(module, train_dataloaders=_loader(world_size, rank), ckpt_path=path)
     else:
