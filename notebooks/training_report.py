@@ -19,8 +19,8 @@ from IPython.display import Markdown
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
+from lightning_parallel.accounting import module_memory_report
 from lightning_parallel.demos import summarize
-from lightning_parallel.distributed.zero3 import memory_report
 
 __all__ = ["RankMemory", "csv_logger", "loss_curve", "memory_table", "plot_loss_curves"]
 
@@ -43,7 +43,7 @@ class RankMemory(Callback):
         if hasattr(strategy, "memory_report"):
             report = strategy.memory_report()
         else:
-            report = memory_report(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+            report = module_memory_report(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
         local = torch.tensor([getattr(report, field) for field in _FIELDS], dtype=torch.float64)
         gathered = [local] if trainer.world_size == 1 else [torch.empty_like(local) for _ in range(trainer.world_size)]
         if trainer.world_size > 1:
