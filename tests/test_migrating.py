@@ -191,23 +191,12 @@ def test_horovod_port_under_torchrun_variables_trains_like_one_device(tmp_path):
     _assert_horovod_port_trained_like_one_device(save)
 
 
-@pytest.fixture(scope="module")
-def mpirun() -> list[str]:
-    """``mpirun -np 2`` as tests/test_mpi.py runs it; skips (fails in CI) where Open MPI or mpi4py is missing."""
-    import os
-
-    from test_mpi import _mpi_missing
-
-    reason = _mpi_missing()
-    if reason is not None:
-        if os.environ.get("LIGHTNING_PARALLEL_REQUIRE_LAUNCHERS") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2"]
+# `mpirun -np 2` exactly as tests/test_mpi.py runs it (skips here, fails in CI, where Open MPI is missing).
+from test_mpi import mpirun  # noqa: E402, F401  (a pytest fixture, shared by import)
 
 
 @pytest.mark.slow
-def test_horovod_port_under_mpirun_trains_like_one_device(mpirun, tmp_path):
+def test_horovod_port_under_mpirun_trains_like_one_device(mpirun, tmp_path):  # noqa: F811
     save = tmp_path / "final.ckpt"
     command = [*mpirun, sys.executable, str(EXAMPLES / "from_horovod.py"), *HOROVOD_ARGS, "--save", str(save)]
     finished = run_together({"mpirun": command}, {"mpirun": clean_environment()})
