@@ -74,20 +74,20 @@ def _parse(args: list[str]) -> Any:
 @pytest.mark.parametrize(
     ("args", "expected_class", "expected"),
     [
-        (["--trainer.strategy=zero2"], ShardedOptimizerStrategy, {"stage": 2, "_start_method": "popen"}),
-        (["--trainer.strategy=zero3_notebook"], ShardedOptimizerStrategy, {"stage": 3, "_start_method": "fork"}),
+        (["--trainer.strategy=zero2"], ShardedOptimizerStrategy, {"stage": 2, "start_method": "popen"}),
+        (["--trainer.strategy=zero3_notebook"], ShardedOptimizerStrategy, {"stage": 3, "start_method": "fork"}),
         (["--trainer.strategy=data_parallel"], DataParallelStrategy, {"gradient_compression": None}),
         # A bare class path (no init_args), which jsonargparse would hand to the Trainer as a name.
         (
             ["--trainer.strategy=lightning_parallel.DataParallelStrategy"],
             DataParallelStrategy,
-            {"_start_method": "popen"},
+            {"start_method": "popen"},
         ),
         (["--trainer.strategy=ShardedOptimizerStrategy"], ShardedOptimizerStrategy, {"stage": 2}),
         (
             ["--trainer.strategy=pipeline_interleaved_spawn"],
             PipelineParallelStrategy,
-            {"schedule": "Interleaved1F1B", "_start_method": "spawn"},
+            {"schedule": "Interleaved1F1B", "start_method": "spawn"},
         ),
         (
             [
@@ -97,7 +97,7 @@ def _parse(args: list[str]) -> Any:
                 "--trainer.strategy.checkpoint_format=sharded",
             ],
             ShardedOptimizerStrategy,
-            {"stage": 1, "_timeout": timedelta(seconds=90), "checkpoint_format": "sharded"},
+            {"stage": 1, "timeout": timedelta(seconds=90), "checkpoint_format": "sharded"},
         ),
         (
             [
@@ -107,7 +107,7 @@ def _parse(args: list[str]) -> Any:
                 "--trainer.strategy.uneven_inputs=true",
             ],
             DataParallelStrategy,
-            {"gradient_compression": "fp16", "_timeout": timedelta(minutes=5), "uneven_inputs": True},
+            {"gradient_compression": "fp16", "timeout": timedelta(minutes=5), "uneven_inputs": True},
         ),
     ],
 )
@@ -139,8 +139,8 @@ def test_yaml_class_path_and_init_args(tmp_path):
     strategy = cli.trainer.strategy
     assert type(strategy) is PipelineParallelStrategy
     assert (strategy.pipeline_parallel_size, strategy.schedule, strategy.partition) == (2, "GPipe", [2])
-    assert strategy._num_microbatches_arg == 4
-    assert strategy._timeout == timedelta(minutes=30)  # as the generated configs write it
+    assert strategy.num_microbatches == 4
+    assert strategy.timeout == timedelta(minutes=30)  # as the generated configs write it
     assert cli.model.config.n_layer == 3
     assert type(cli.datamodule).__name__ == "TextDataModule"  # the default --data
 

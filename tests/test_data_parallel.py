@@ -211,4 +211,4 @@ def test_registry_names_resolve_to_our_strategy_with_their_start_method():
     for name, start_method in [("data_parallel", "popen"), ("data_parallel_spawn", "spawn")]:
         trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
         assert isinstance(trainer.strategy, DataParallelStrategy)
-        assert trainer.strategy._start_method == start_method
+        assert trainer.strategy.start_method == start_method

@@ -77,7 +77,8 @@ def _memory(rank: int, world_size: int, stage: int) -> dict:
     strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.05)
     fit_tiny(strategy, devices=world_size, per_device_batch=2, max_steps=1, optimizer="adamw")
     report = strategy.memory_report().as_dict()
-    report["num_buckets"] = len(strategy._buckets.buckets) if strategy._buckets is not None else 0
+    buckets = getattr(strategy.backend, "buckets", None)  # FlatBucketBackend's (stages 1-2)
+    report["num_buckets"] = len(buckets.buckets) if buckets is not None else 0
     return report
 
 

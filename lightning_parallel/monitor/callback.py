@@ -23,6 +23,7 @@ from lightning_parallel.accounting import (
     module_memory_report,
     peak_memory_bytes,
 )
+from lightning_parallel.instrumentation import Instrumentation, InstrumentedStrategy
 from lightning_parallel.monitor.figure import write_figure
 from lightning_parallel.monitor.ledger import CollectiveTap, PhaseTimes
 from lightning_parallel.monitor.report import format_table
@@ -77,7 +78,8 @@ class ParallelismMonitor(Callback):
     At the end of fit rank 0 prints a table, writes the summary of all ranks as JSON and a PNG figure (per-rank
     memory bars, throughput over steps, pipeline timeline; needs matplotlib, the ``plots`` extra, else skipped with
     a message). Attaching the monitor switches on the strategy's communication counting before the model is
-    wrapped; without a monitor nothing is counted or wrapped.
+    wrapped and subscribes to the strategy's timed phases (``lightning_parallel.instrumentation``); without a
+    monitor nothing is counted or timed.
 
     Args:
         figure_path: where to write the PNG; ``None``: ``parallelism_monitor.png`` in the first logger's
@@ -119,7 +121,8 @@ class ParallelismMonitor(Callback):
         self._stats: CommunicationStats | None = None
         self._times = PhaseTimes()
         self._tap: CollectiveTap | None = None
-        self._unwrap: list[tuple[Any, str]] = []
+        self._strategy: InstrumentedStrategy | None = None  # ours, while subscribed to its events
+        self._instrumentation: Instrumentation | None = None
         self._tracked_before: tuple[Any, bool] | None = None
         self._start = 0.0
         self._step = 0
@@ -132,52 +135,37 @@ class ParallelismMonitor(Callback):
         if stage != "fit":
             return
         self.steps, self.summary = [], None
+        self._stats, self._tap, self._instrumentation = None, None, None
         strategy = trainer.strategy
-        kind = _strategy_kind(strategy)
-        self._stats, self._tap = None, None
-        if kind != "other":
+        if isinstance(strategy, InstrumentedStrategy):
             # Read by the strategy's `setup` (wrapping/bucketing), which runs after the callbacks' `setup`.
             self._tracked_before = (strategy, strategy.track_communication)
             strategy.track_communication = True
             self._stats = strategy.communication_stats
-        fsdp = kind == "sharded" and getattr(strategy, "stage", None) == 3
-        if self._stats is not None and (fsdp or kind == "pipeline"):
-            self._tap = CollectiveTap(self._stats, self._times, fsdp=fsdp, pipeline=kind == "pipeline")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._tap is not None:
-            self._tap.install()
         strategy = trainer.strategy
-        buckets = getattr(strategy, "_buckets", None)
-        if buckets is not None:  # ZeRO-1/2: time the waits for the reduce-scatters and the parameter all-gather
-            self._time_method(buckets, "finish_gradient_sync")
-            self._time_method(buckets, "all_gather_parameters")
-        if _strategy_kind(strategy) == "pipeline":
-            self._time_method(strategy, "_average_replica_gradients")
-            self._time_method(strategy.engine, "train_step", phase="pipeline_step")
+        if not isinstance(strategy, InstrumentedStrategy) or self._stats is None:
+            return
+        self._instrumentation = instrumentation = strategy.instrumentation()
+        if instrumentation.tap is not None:
+            tap = instrumentation.tap
+            self._tap = CollectiveTap(self._stats, self._times, fsdp=tap == "fsdp", pipeline=tap == "pipeline")
+            self._tap.install()
+        self._strategy = strategy
+        strategy.events.subscribe(self)
 
-    def _time_method(self, owner: Any, name: str, phase: str = "exposed_communication") -> None:
-        original = getattr(owner, name)
-        monitor = self
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                times = monitor._times  # this step's
-                setattr(times, phase, getattr(times, phase) + time.perf_counter() - start)
-
-        setattr(owner, name, timed)  # an instance attribute shadowing the method; removed in `_restore`
-        self._unwrap.append((owner, name))
+    def on_phase(self, phase: str, seconds: float) -> None:
+        """A timed phase of the strategy (``lightning_parallel.instrumentation.PhaseListener``): this step's."""
+        setattr(self._times, phase, getattr(self._times, phase) + seconds)
 
     def _restore(self) -> None:
         if self._tap is not None:
             self._tap.remove()
-        for owner, name in self._unwrap:
-            owner.__dict__.pop(name, None)
-        self._unwrap.clear()
+        if self._strategy is not None:
+            self._strategy.events.unsubscribe(self)
+            self._strategy = None
 
     # ------------------------------------------------------------------ per step
     @override
@@ -214,18 +202,17 @@ class ParallelismMonitor(Callback):
             self._log(trainer, record)
 
     def _step_record(self, trainer: pl.Trainer, batch: Any, elapsed: float, communication: Any) -> StepRecord:
-        strategy = trainer.strategy
-        kind = _strategy_kind(strategy)
-        replicas = trainer.world_size
-        if kind == "pipeline":
-            replicas = trainer.world_size // strategy.pipeline_parallel_size
+        instrumentation = self._instrumentation
+        replicas = instrumentation.data_parallel_size if instrumentation is not None else trainer.world_size
+        is_pipeline = instrumentation is not None and instrumentation.is_pipeline
         samples = int(self.batch_size_fn(batch)) * replicas
         tokens = int(self.length_fn(batch)) * replicas
         times = self._times
-        exposed = times.exposed_communication if kind in ("pipeline", "sharded") and _measures_sync(strategy) else None
+        measures_sync = instrumentation is not None and instrumentation.times_exposed_communication
+        exposed = times.exposed_communication if measures_sync else None
         idle = bubble = None
         timeline: list[tuple[str, int, float, float]] = []
-        if kind == "pipeline":
+        if is_pipeline:
             idle = max(0.0, times.pipeline_step - times.pipeline_busy)
             bubble = idle / times.pipeline_step if times.pipeline_step > 0 else None
             timeline = [(k, s, a - self._start, b - self._start) for k, s, a, b in times.events]
@@ -331,24 +318,6 @@ class ParallelismMonitor(Callback):
             strategy, tracked = self._tracked_before
             strategy.track_communication = tracked
             self._tracked_before = None
-
-
-def _strategy_kind(strategy: Any) -> str:
-    """``"data_parallel"``, ``"sharded"``, ``"pipeline"`` (ours, with a ledger) or ``"other"``."""
-    from lightning_parallel.strategies import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
-
-    if isinstance(strategy, PipelineParallelStrategy):
-        return "pipeline"
-    if isinstance(strategy, ShardedOptimizerStrategy):
-        return "sharded"
-    if isinstance(strategy, DataParallelStrategy):
-        return "data_parallel"
-    return "other"
-
-
-def _measures_sync(strategy: Any) -> bool:
-    """Whether the gradient sync waits run in our Python code (ZeRO-1/2 buckets, pipeline replicas)."""
-    return getattr(strategy, "_buckets", None) is not None or _strategy_kind(strategy) == "pipeline"
 
 
 def _memory_report(trainer: pl.Trainer) -> dict[str, int]:

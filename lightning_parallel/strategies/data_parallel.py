@@ -14,7 +14,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -22,7 +21,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_parallel.accounting import CommunicationStats, MemoryReport, module_memory_report
 from lightning_parallel.distributed.compression import (
     GradientCompression,
     SerializedPowerSGD,
@@ -32,18 +30,11 @@ from lightning_parallel.distributed.compression import (
     validate_compression,
 )
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
+from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
-from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, load_module_state
-from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
-from lightning_parallel.strategies.fork_safety import ForkSafeLauncher
-from lightning_parallel.strategies.launch import (
-    StartMethod,
-    configure_launcher,
-    set_up_distributed_environment,
-    to_timeout,
-    validate_start_method,
-)
-from lightning_parallel.strategies.nonfinite import NonFiniteLoss, drop_gradients, should_skip_step, validate_nonfinite
+from lightning_parallel.strategies.checkpointing import load_module_state
+from lightning_parallel.strategies.launch import StartMethod
+from lightning_parallel.strategies.nonfinite import NonFiniteLoss
 
 __all__ = ["UNUSED_PARAMETERS_MESSAGE", "DataParallelStrategy"]
 
@@ -57,7 +48,7 @@ UNUSED_PARAMETERS_MESSAGE = (
 """The start of the error that replaces torch DDP's "Expected to have finished reduction ..." on every launcher."""
 
 
-class DataParallelStrategy(DDPStrategy):
+class DataParallelStrategy(LightningParallelStrategy):
     """Data parallel training on ``torch.distributed`` (gloo on CPU, NCCL on CUDA) via ``DistributedDataParallel``.
 
     Each process holds a full replica of the model, trains on its own shard of the global batch
@@ -129,22 +120,21 @@ class DataParallelStrategy(DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        validate_start_method(start_method)
-        validate_nonfinite(nonfinite_loss)
         validate_compression(gradient_compression, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter)
         if uneven_inputs not in _UNEVEN_CHOICES or not isinstance(uneven_inputs, str | bool):
             raise ValueError(f"`uneven_inputs={uneven_inputs!r}` is invalid. Valid options: 'auto', True, False.")
         if not bucket_cap_mb > 0:
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB (25 is DDP's).")
         super().__init__(
+            start_method=start_method,
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+            nonfinite_loss=nonfinite_loss,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=to_timeout(timeout),
-            start_method=start_method,
             bucket_cap_mb=bucket_cap_mb,
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
@@ -154,9 +144,7 @@ class DataParallelStrategy(DDPStrategy):
         self.powersgd_rank = powersgd_rank
         self.powersgd_start_iter = powersgd_start_iter
         self.uneven_inputs = uneven_inputs
-        self.nonfinite_loss = nonfinite_loss
         self.track_communication = track_communication
-        self.communication_stats = CommunicationStats()
         self._lockstep_batches: LockstepBatches | None = None
 
     @property
@@ -165,14 +153,6 @@ class DataParallelStrategy(DDPStrategy):
         return self._current_step_is_padding
 
     _current_step_is_padding = False
-
-    @override
-    def setup_environment(self) -> None:
-        self._peers: PeerTable | None = set_up_distributed_environment(self, super().setup_environment)
-
-    @override
-    def _configure_launcher(self) -> None:
-        configure_launcher(self, super()._configure_launcher, ForkSafeLauncher)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -269,12 +249,6 @@ class DataParallelStrategy(DDPStrategy):
             return low_precision_allreduce_hook(None, self.communication_stats)
         return None
 
-    def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, gradients and optimizer state this rank really holds (measured from its tensors'
-        storages: with ``gradient_as_bucket_view`` the gradients are DDP's buckets)."""
-        optimizer = self.optimizers[0] if self.optimizers else None
-        return module_memory_report(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
-
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -300,10 +274,7 @@ class DataParallelStrategy(DDPStrategy):
             output = super().training_step(*args, **kwargs)
         if is_padding:
             output = _zero_loss_weight(output)
-        step = self.lightning_module.trainer.global_step
-        self._skip_step = should_skip_step(
-            output, policy=self.nonfinite_loss, device=self.root_device, step=step, world_size=self.world_size
-        )
+        self._decide_skip_step(output)
         return output
 
     @contextmanager
@@ -323,7 +294,6 @@ class DataParallelStrategy(DDPStrategy):
         with self._explaining_unused_parameters():
             super().pre_backward(closure_loss)
 
-    _skip_step = False
     _ddp_trainable: tuple[bool, ...] | None = None
     _step_trainable: tuple[bool, ...] | None = None
     _ddp_parameter_names: tuple[str, ...] = ()
@@ -332,13 +302,11 @@ class DataParallelStrategy(DDPStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
         self._check_trainable_set_unchanged_in_step()
-        if self._skip_step:  # every rank decided the same: drop the (non-finite) averaged gradients
-            drop_gradients(self.lightning_module.parameters())
-            self._skip_step = False
+        self._drop_gradients_if_skipped()  # every rank decided the same: drop the (non-finite) averaged gradients
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        explain_peer_failure(exception, getattr(self, "_peers", None), self.global_rank)
+        super().on_exception(exception)
         text = str(exception)
         if _REDUCTION_NOT_FINISHED in text and not text.startswith(UNUSED_PARAMETERS_MESSAGE):
             # Raised outside `training_step` (manual optimization's `prepare_for_backward`), or the fork/spawn
@@ -362,11 +330,6 @@ class DataParallelStrategy(DDPStrategy):
         load_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a consolidated ``.ckpt`` or a sharded directory written by ``ShardedOptimizerStrategy``."""
-        return load_checkpoint_any_format(self, checkpoint_path, weights_only)
-
-    @override
     def teardown(self) -> None:
         self._lockstep_batches = None
         super().teardown()
@@ -374,18 +337,8 @@ class DataParallelStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (
-            ("data_parallel", "popen"),
-            ("data_parallel_spawn", "spawn"),
-            ("data_parallel_notebook", "fork"),
-        ):
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"lightning_parallel DataParallelStrategy with start_method={start_method!r}",
-                override=True,
-                start_method=start_method,
-            )
+        methods = {"data_parallel": "popen", "data_parallel_spawn": "spawn", "data_parallel_notebook": "fork"}
+        cls._register(strategy_registry, ((name, {"start_method": method}) for name, method in methods.items()))
 
 
 def _zero_loss_weight(output: STEP_OUTPUT) -> STEP_OUTPUT:

@@ -110,10 +110,10 @@ def configure_launcher(strategy: Any, configure_default: Callable[[], None], for
     """Every strategy's ``_configure_launcher``: refuse a fork/spawn start under an external launcher, let Lightning
     pick its launcher (``configure_default``: the parent's method), then use ``fork_launcher`` for fork/spawn (our
     launchers check for a CUDA context before forking and may send back the whole model)."""
-    check_start_method_fits_launcher(strategy.cluster_environment, strategy._start_method)
+    check_start_method_fits_launcher(strategy.cluster_environment, strategy.start_method)
     configure_default()
-    if strategy._start_method != "popen":
-        strategy._launcher = fork_launcher(strategy, start_method=strategy._start_method)
+    if strategy.start_method != "popen":
+        strategy._launcher = fork_launcher(strategy, start_method=strategy.start_method)
 
 
 class ConsolidatingLauncher(ForkSafeLauncher):
@@ -145,7 +145,7 @@ def init_process_group_after_restart(strategy: Any, backend: str) -> None:
         return
     strategy.set_world_ranks()
     environment = strategy.cluster_environment
-    timeout = strategy._timeout
+    timeout = strategy.timeout
     store = dist.TCPStore(
         environment.main_address, environment.main_port, strategy.world_size, is_master=False, timeout=timeout
     )
@@ -190,7 +190,7 @@ def explain_unreachable_main(error: Exception, strategy: Any) -> Exception:
         where = f"{environment.main_address}:{environment.main_port}"
     except Exception:  # an environment that cannot even tell its address
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    seconds = strategy._timeout.total_seconds() if isinstance(strategy._timeout, timedelta) else strategy._timeout
+    seconds = strategy.timeout.total_seconds()
     cause = f"{type(error).__name__}: {str(error).splitlines()[0]}"
     settings = (
         "MASTER_ADDR/MASTER_PORT (torchrun: --master-addr/--master-port or --rdzv-endpoint), and that no firewall"

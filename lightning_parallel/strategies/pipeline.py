@@ -9,9 +9,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -20,8 +18,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _compat
-from lightning_parallel.accounting import CommunicationStats, MemoryReport, module_memory_report
 from lightning_parallel.distributed.checkpoint import replicated_pieces, save_sharded_checkpoint
+from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.consolidate import (
     consolidate_buffers,
     consolidate_optimizer_state,
@@ -47,11 +45,9 @@ from lightning_parallel.distributed.pipeline.partition import (
 )
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, offload_layers, reassemble
 from lightning_parallel.distributed.pipeline.schedule import (
-    MULTI_STAGE_SCHEDULES,
     ParallelDims,
     check_count,
     resolve_schedule,
-    validate_schedule_config,
 )
 from lightning_parallel.distributed.pipeline.split import (
     broadcast_from_rank0,
@@ -63,17 +59,12 @@ from lightning_parallel.distributed.pipeline.verify import (
     check_single_evaluation_optimizers,
     closure_evaluated_twice,
 )
+from lightning_parallel.instrumentation import Instrumentation
+from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
-from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, scalar_states_of
-from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
-from lightning_parallel.strategies.launch import (
-    ConsolidatingLauncher,
-    StartMethod,
-    configure_launcher,
-    set_up_distributed_environment,
-    to_timeout,
-    validate_start_method,
-)
+from lightning_parallel.strategies.checkpointing import scalar_states_of
+from lightning_parallel.strategies.clipping import with_clipping
+from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks
 
 __all__ = ["PipelineParallelStrategy"]
@@ -87,7 +78,7 @@ _STEP_NAMES = {
 }
 
 
-class PipelineParallelStrategy(DDPStrategy):
+class PipelineParallelStrategy(LightningParallelStrategy):
     """Pipeline model parallelism for an unchanged LightningModule that adds ``pipeline_layers()``.
 
     The module's layers (``pipeline_layers()``: in order, each layer's output the next one's input, their composition
@@ -147,6 +138,7 @@ class PipelineParallelStrategy(DDPStrategy):
     """
 
     strategy_name = "pipeline"
+    launcher_type = ConsolidatingLauncher  # fork/spawn: the parent process gets the whole model, not rank 0's stage
 
     def __init__(
         self,
@@ -167,7 +159,6 @@ class PipelineParallelStrategy(DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        validate_start_method(start_method)
         self.schedule = resolve_schedule(schedule)
         for name, count in [
             ("pipeline_parallel_size", pipeline_parallel_size),
@@ -183,14 +174,15 @@ class PipelineParallelStrategy(DDPStrategy):
                 f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
             )
         super().__init__(
+            start_method=start_method,
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+            nonfinite_loss="ignore",  # not checked: the loss of a step exists on the last stage only
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=to_timeout(timeout),
-            start_method=start_method,
         )
         self._pipeline_parallel_size_arg = pipeline_parallel_size
         self._num_microbatches_arg = num_microbatches
@@ -198,6 +190,7 @@ class PipelineParallelStrategy(DDPStrategy):
         self.partition = partition
         self.verify_layers = verify_layers
         self.checkpoint_format = checkpoint_format
+        self._config: PipelineConfig | None = None
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._dims: ParallelDims | None = None
         self._engine: PipelineEngine | None = None
@@ -210,43 +203,44 @@ class PipelineParallelStrategy(DDPStrategy):
         self._optimizer_layouts: list[list[list[str]]] = []
         self._pending_grads: list[Tensor | None] | None = None
         self._skip_warned = False
-        self.track_communication = False
-        """Count the replicas' gradient all-reduce in :attr:`communication_stats` (``ParallelismMonitor`` sets it
-        and counts torch's P2P sends/receives with a scoped wrapper)."""
-        self.communication_stats = CommunicationStats()
 
     # ------------------------------------------------------------------ configuration
     @property
+    def pipeline_config(self) -> PipelineConfig:
+        """Ranks, stages and micro-batches with every ``"auto"`` resolved (fixed once the Trainer connects the model;
+        before that, resolved from the devices known so far)."""
+        if self._config is not None:
+            return self._config
+        return PipelineConfig.resolve(
+            world_size=self._world_size_before_init(),
+            pipeline_parallel_size=self._pipeline_parallel_size_arg,
+            schedule=self.schedule,
+            stages_per_rank=self._stages_per_rank_arg,
+            num_microbatches=self._num_microbatches_arg,
+        )
+
+    @property
     def pipeline_parallel_size(self) -> int:
-        """Ranks per pipeline (resolved from ``"auto"`` once the world size is known)."""
-        arg = self._pipeline_parallel_size_arg
-        return self._world_size_before_init() if arg == "auto" else int(arg)
+        """Ranks per pipeline (``"auto"``: the world size)."""
+        return self.pipeline_config.pipeline_parallel_size
 
     @property
     def stages_per_rank(self) -> int:
         """Virtual stages per rank; 1 when a pipeline has one rank (the whole model is then one stage)."""
-        arg = self._stages_per_rank_arg
-        if self.pipeline_parallel_size == 1:
-            return 1
-        if arg == "auto":
-            return 2 if self.schedule in MULTI_STAGE_SCHEDULES else 1
-        return int(arg)
+        return self.pipeline_config.stages_per_rank
 
     @property
     def effective_schedule(self) -> str:
-        """The schedule that runs: ``schedule``, or ``"1F1B"`` on a one-rank pipeline (a single stage, where every
-        schedule degenerates to forward and backward per micro-batch; torch's multi-stage runtimes also mishandle
-        several stages on one rank in forward-only runs)."""
-        return "1F1B" if self.pipeline_parallel_size == 1 else self.schedule
+        """The schedule that runs: ``schedule``, or ``"1F1B"`` on a one-rank pipeline."""
+        return self.pipeline_config.effective_schedule
 
     @property
     def num_stages(self) -> int:
-        return self.pipeline_parallel_size * self.stages_per_rank
+        return self.pipeline_config.num_stages
 
     @property
     def num_microbatches(self) -> int:
-        arg = self._num_microbatches_arg
-        return self.num_stages if arg == "auto" else int(arg)
+        return self.pipeline_config.num_microbatches
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -265,27 +259,19 @@ class PipelineParallelStrategy(DDPStrategy):
     def _world_size_before_init(self) -> int:
         return self.num_processes * self.num_nodes
 
-    def _validate_config(self) -> None:
-        world_size = self._world_size_before_init()
-        p = self.pipeline_parallel_size
-        if world_size % p:
-            raise ValueError(
-                f"The world size ({world_size}) is not divisible by `pipeline_parallel_size={p}`; the remaining ranks"
-                f" form data-parallel replicas of the pipeline. Use a divisor of {world_size}."
-            )
-        validate_schedule_config(
-            self.effective_schedule,
-            pipeline_parallel_size=p,
-            stages_per_rank=self.stages_per_rank,
-            num_microbatches=self.num_microbatches,
-        )
+    def _resolve_config(self) -> None:
+        """Fix the pipeline's counts for this run and check them (local: every rank reaches the same verdict)."""
+        self._config = None
+        config = self.pipeline_config
+        config.validate()
+        self._config = config
 
     @override
     def connect(self, model: Any) -> None:
         # Everything that can be checked without a process group is checked here, on every rank, so a bad
         # configuration raises everywhere instead of hanging a collective.
         super().connect(model)
-        self._validate_config()
+        self._resolve_config()
         # BatchNorm normalises each micro-batch on the rank of its stage; nothing here would synchronise it.
         check_layer_sync(_compat.layer_sync_of(self), self.strategy_name, self.root_device, supported=False)
         layers = resolve_pipeline_layers(model)
@@ -300,18 +286,12 @@ class PipelineParallelStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         assert self.cluster_environment is not None
-        self._validate_config()
-        self._peers: PeerTable | None = set_up_distributed_environment(self, super().setup_environment)
-
-    @override
-    def _configure_launcher(self) -> None:
-        # fork/spawn: the parent process gets the whole model back, not rank 0's stage.
-        configure_launcher(self, super()._configure_launcher, ConsolidatingLauncher)
+        self._resolve_config()
+        super().setup_environment()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._run_failed = True  # teardown then leaves the split module alone (no collective with failed peers)
-        explain_peer_failure(exception, getattr(self, "_peers", None), self.global_rank)
         super().on_exception(exception)
 
     @property
@@ -350,11 +330,11 @@ class PipelineParallelStrategy(DDPStrategy):
             self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
+        # Clipping by norm uses the norm over all stages.
+        self.precision_plugin = with_clipping(self.precision_plugin, self._clip_grad_by_global_norm)
         self.setup_precision_plugin()
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
-        # Clipping by norm must use the norm over all stages; the precision plugin is this strategy's own object.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
 
     def _split(self, trainer: Any, module: Any) -> None:
         """Check the layers, plan the stages, keep this rank's layers, create the process groups and the engine."""
@@ -386,7 +366,7 @@ class PipelineParallelStrategy(DDPStrategy):
         )
         # First collectives: every check above ran on every rank.
         if self._dims is None:
-            dims.build_groups()
+            dims.build_groups(self.root_device.type)
         check_same_plan(plan, self.world_size)
         broadcast_from_rank0(module, self.root_device)  # every stage and replica starts from rank 0's weights
         names = layer_qualified_names(module, layers)
@@ -474,13 +454,14 @@ class PipelineParallelStrategy(DDPStrategy):
             for p in params:
                 p.grad = None
             try:
-                outcome = engine.train_step(
-                    "training_step",
-                    args,
-                    kwargs,
-                    model_inputs=model_inputs,
-                    divisor=engine.num_microbatches * accumulate,
-                )
+                with self.events.timed("pipeline_step"):
+                    outcome = engine.train_step(
+                        "training_step",
+                        args,
+                        kwargs,
+                        model_inputs=model_inputs,
+                        divisor=engine.num_microbatches * accumulate,
+                    )
             finally:
                 # This batch's gradients are handed over in `backward`, after Lightning's `zero_grad`.
                 self._pending_grads = [p.grad for p in params]
@@ -554,7 +535,7 @@ class PipelineParallelStrategy(DDPStrategy):
             nonlocal calls
             calls += 1
             if calls > 1:  # an optimizer we do not know to refuse at setup, re-evaluating like LBFGS
-                raise closure_evaluated_twice(_unwrap(optimizer))
+                raise closure_evaluated_twice(unwrap_optimizer(optimizer))
             result = closure()
             self._average_replica_gradients(optimizer)
             return result
@@ -564,14 +545,19 @@ class PipelineParallelStrategy(DDPStrategy):
     def _average_replica_gradients(self, optimizer: Any) -> None:
         dims = self.parallel_dims
         stats = self.communication_stats if self.track_communication else None
-        average_across_replicas(
-            _grads(optimizer), group=dims.data_parallel_group, size=dims.data_parallel_size, stats=stats
-        )
+        with self.events.timed("exposed_communication"):
+            average_across_replicas(
+                _grads(optimizer), group=dims.data_parallel_group, size=dims.data_parallel_size, stats=stats
+            )
 
-    def memory_report(self) -> MemoryReport:
-        """Bytes of this rank's stages' parameters, gradients and optimizer state (measured from tensor storages)."""
-        optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
-        return module_memory_report(self.lightning_module, optimizer)
+    @override
+    def instrumentation(self) -> Instrumentation:
+        return Instrumentation(
+            data_parallel_size=self.world_size // self.pipeline_parallel_size,
+            tap="pipeline",
+            times_exposed_communication=True,
+            is_pipeline=True,
+        )
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` with the norm over the parameters of all stages."""
@@ -611,8 +597,8 @@ class PipelineParallelStrategy(DDPStrategy):
         """The single-device ``optimizer.state_dict()`` of the whole model on rank 0 (a collective)."""
         if self.checkpoint_format == "sharded":
             return {}
-        optimizer = _unwrap(optimizer)
-        index = [_unwrap(o) for o in self.optimizers].index(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
+        index = self.unwrapped_optimizers().index(optimizer)
         names = {id(p): name for name, p in self.lightning_module.named_parameters()}
         state = consolidate_optimizer_state(optimizer, names, self._optimizer_layouts[index], self.parallel_dims)
         return state if state is not None and self.is_global_zero else {}
@@ -625,7 +611,7 @@ class PipelineParallelStrategy(DDPStrategy):
         # evenly, so nothing is written twice. Names, not indices, so any layout can read it.
         dims = self.parallel_dims
         module = self.lightning_module
-        optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
+        optimizer = unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
         pieces = replicated_pieces(module, optimizer, rank=dims.data_parallel_rank, world_size=dims.data_parallel_size)
         # After teardown the module is whole again: each rank still writes only the stage it trained.
         pieces = [piece for piece in pieces if piece.name in self._local_parameter_names]
@@ -642,11 +628,6 @@ class PipelineParallelStrategy(DDPStrategy):
         return None
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A consolidated ``.ckpt`` or a sharded directory (reassembled on every rank)."""
-        return load_checkpoint_any_format(self, checkpoint_path, weights_only)
-
-    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.is_split:
             return super().load_model_state_dict(checkpoint, strict=strict)
@@ -659,7 +640,7 @@ class PipelineParallelStrategy(DDPStrategy):
         for optimizer, state, layout in zip(
             self.optimizers, checkpoint["optimizer_states"], self._optimizer_layouts, strict=True
         ):
-            optimizer.load_state_dict(slice_optimizer_state(state, _unwrap(optimizer), names, layout))
+            optimizer.load_state_dict(slice_optimizer_state(state, unwrap_optimizer(optimizer), names, layout))
         _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     @override
@@ -690,23 +671,15 @@ class PipelineParallelStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for schedule, suffix in (("1F1B", ""), ("GPipe", "_gpipe"), ("Interleaved1F1B", "_interleaved")):
-            for start_method, variant in (("popen", ""), ("spawn", "_spawn"), ("fork", "_notebook")):
-                name = f"pipeline{suffix}{variant}"
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"lightning_parallel PipelineParallelStrategy, schedule={schedule!r},"
-                    f" start_method={start_method!r}",
-                    override=True,
-                    schedule=schedule,
-                    start_method=start_method,
-                )
+        schedules = {"": "1F1B", "_gpipe": "GPipe", "_interleaved": "Interleaved1F1B"}
+        methods = {"": "popen", "_spawn": "spawn", "_notebook": "fork"}
+        entries = [
+            (f"pipeline{suffix}{variant}", {"schedule": schedule, "start_method": method})
+            for suffix, schedule in schedules.items()
+            for variant, method in methods.items()
+        ]
+        cls._register(strategy_registry, entries)
 
 
 def _grads(optimizer: Any) -> list[Tensor]:
-    return [p.grad for g in _unwrap(optimizer).param_groups for p in g["params"] if p.grad is not None]
-
-
-def _unwrap(optimizer: Any) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return [p.grad for g in unwrap_optimizer(optimizer).param_groups for p in g["params"] if p.grad is not None]

@@ -12,9 +12,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -24,21 +22,13 @@ from typing_extensions import override
 from lightning_parallel._compat import optimizers_to_device
 from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
-from lightning_parallel.distributed.compression import CommunicationStats
-from lightning_parallel.distributed.zero import ShardedParameterBuckets
-from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_disjoint_optimizers
+from lightning_parallel.distributed.zero_optimizer import check_disjoint_optimizers
+from lightning_parallel.instrumentation import Instrumentation
+from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
-from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format, save_sharded
-from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
-from lightning_parallel.strategies.launch import (
-    ConsolidatingLauncher,
-    StartMethod,
-    configure_launcher,
-    set_up_distributed_environment,
-    to_timeout,
-    validate_start_method,
-)
-from lightning_parallel.strategies.nonfinite import NonFiniteLoss, drop_gradients, should_skip_step, validate_nonfinite
+from lightning_parallel.strategies.checkpointing import save_sharded
+from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
+from lightning_parallel.strategies.nonfinite import NonFiniteLoss
 from lightning_parallel.strategies.zero_backends import ZeroBackend, backend_type
 
 __all__ = ["ShardedOptimizerStrategy"]
@@ -46,7 +36,7 @@ __all__ = ["ShardedOptimizerStrategy"]
 CheckpointFormat = Literal["consolidated", "sharded"]
 
 
-class ShardedOptimizerStrategy(DDPStrategy):
+class ShardedOptimizerStrategy(LightningParallelStrategy):
     """ZeRO data parallelism: shard optimizer state (stage 1), gradients (stage 2) or parameters too (stage 3).
 
     Every rank trains on its own slice of the global batch as in data parallel, with the same communication volume
@@ -82,6 +72,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
     """
 
     strategy_name = "sharded_optimizer"
+    launcher_type = ConsolidatingLauncher  # fork/spawn: the parent process gets the whole model, not rank 0's shard
 
     def __init__(
         self,
@@ -104,8 +95,6 @@ class ShardedOptimizerStrategy(DDPStrategy):
                 f"`stage={stage!r}` is invalid. Valid options: 1 (optimizer state sharded), 2 (+ gradients),"
                 " 3 (+ parameters)."
             )
-        validate_start_method(start_method)
-        validate_nonfinite(nonfinite_loss)
         if checkpoint_format not in ("consolidated", "sharded"):
             raise ValueError(
                 f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
@@ -113,25 +102,21 @@ class ShardedOptimizerStrategy(DDPStrategy):
         if not bucket_cap_mb > 0:
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB.")
         super().__init__(
+            start_method=start_method,
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+            nonfinite_loss=nonfinite_loss,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=to_timeout(timeout),
-            start_method=start_method,
         )
         self.stage = stage
         self.bucket_cap_mb = bucket_cap_mb
         self.checkpoint_format = checkpoint_format
-        self.nonfinite_loss = nonfinite_loss
         self._backend: ZeroBackend | None = None
         self._memory_logged = False
-        self.track_communication = False
-        """Count collective bytes in :attr:`communication_stats` (stages 1-2; ``ParallelismMonitor`` sets it, and
-        counts stage 3's FSDP2 collectives with a scoped wrapper)."""
-        self.communication_stats = CommunicationStats()
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -145,15 +130,6 @@ class ShardedOptimizerStrategy(DDPStrategy):
         if self._backend is None:
             raise RuntimeError("`ShardedOptimizerStrategy.backend` is chosen in `setup`; it was read before that.")
         return self._backend
-
-    @override
-    def setup_environment(self) -> None:
-        self._peers: PeerTable | None = set_up_distributed_environment(self, super().setup_environment)
-
-    @override
-    def _configure_launcher(self) -> None:
-        # fork/spawn: the parent process gets the whole model back, not rank 0's shard.
-        configure_launcher(self, super()._configure_launcher, ConsolidatingLauncher)
 
     @property
     @override
@@ -182,6 +158,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
             stage=self.stage,
             bucket_cap_mb=self.bucket_cap_mb,
             stats=self.communication_stats if self.track_communication else None,
+            events=self.events,
             callbacks=trainer.callbacks,
             rank=self.global_rank,
             world_size=self.world_size,
@@ -190,7 +167,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._validate_optimizers()
-            self._backend.setup_optimizers(self._unwrapped_optimizers())
+            self._backend.setup_optimizers(self.unwrapped_optimizers())
         self.precision_plugin = self._backend.wrap_precision(self.precision_plugin, self.root_device)
         self.setup_precision_plugin()
         if fitting:
@@ -217,7 +194,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
             yield module
 
     def _validate_optimizers(self) -> None:
-        optimizers = self._unwrapped_optimizers()
+        optimizers = self.unwrapped_optimizers()
         check_disjoint_optimizers(optimizers, self.lightning_module)
         if len(optimizers) > 1 and self._writes_sharded:
             raise ValueError(
@@ -225,28 +202,9 @@ class ShardedOptimizerStrategy(DDPStrategy):
                 f" {len(optimizers)}. Use `checkpoint_format='consolidated'` (the default) with several optimizers."
             )
 
-    def _unwrapped_optimizers(self) -> list[Optimizer]:
-        return [_unwrap(optimizer) for optimizer in self.optimizers]
-
     @override
     def configure_ddp(self) -> None:
         pass  # no DDP wrapper: gradients are synchronised by the backend (our buckets or FSDP2)
-
-    # ------------------------------------------------------------------ private state (read-only, for the monitor)
-    @property
-    def _buckets(self) -> ShardedParameterBuckets | None:
-        """Stages 1-2: the flat buckets (``None`` otherwise). Read by ``ParallelismMonitor`` and tests."""
-        return getattr(self._backend, "buckets", None)
-
-    @property
-    def _sharded_optimizers(self) -> list[ShardedOptimizer]:
-        """Stages 1-2: one :class:`ShardedOptimizer` per optimizer, in order (empty otherwise)."""
-        return list(getattr(self._backend, "sharded_optimizers", []))
-
-    @property
-    def _fsdp_units(self) -> list[nn.Module]:
-        """Stage 3: the modules ``fully_shard`` was applied to (empty otherwise)."""
-        return list(getattr(self._backend, "units", []))
 
     # ------------------------------------------------------------------ training
     @contextmanager
@@ -259,26 +217,18 @@ class ShardedOptimizerStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        step = self.lightning_module.trainer.global_step
-        self._skip_step = should_skip_step(
-            output, policy=self.nonfinite_loss, device=self.root_device, step=step, world_size=self.world_size
-        )
+        self._decide_skip_step(output)
         return output
-
-    _skip_step = False
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         held = self.backend.after_backward()
-        if self._skip_step:  # every rank decided the same: drop the (non-finite) gradients before the step
-            drop_gradients(self.lightning_module.parameters())
-            drop_gradients(held)
-            self._skip_step = False
+        self._drop_gradients_if_skipped(held)  # every rank decided the same: no step on non-finite gradients
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.backend.after_optimizer_step(_unwrap(optimizer))
+        self.backend.after_optimizer_step(unwrap_optimizer(optimizer))
         if not self._memory_logged:
             self._memory_logged = True
             self._log_memory_reports()
@@ -301,11 +251,15 @@ class ShardedOptimizerStrategy(DDPStrategy):
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state this rank really holds (measured from its tensors);
         optimizer state summed over every optimizer."""
-        return self.backend.memory_report(self._unwrapped_optimizers())
+        return self.backend.memory_report(self.unwrapped_optimizers())
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        explain_peer_failure(exception, getattr(self, "_peers", None), self.global_rank)
+    def instrumentation(self) -> Instrumentation:
+        return Instrumentation(
+            data_parallel_size=self.world_size,
+            tap=self.backend.collective_tap,
+            times_exposed_communication=self.backend.times_exposed_communication,
+        )
 
     @override
     def on_validation_start(self) -> None:
@@ -350,7 +304,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._writes_sharded:
             return {}
-        return self.backend.optimizer_state(_unwrap(optimizer))
+        return self.backend.optimizer_state(unwrap_optimizer(optimizer))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -359,7 +313,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
             raise ValueError(
                 f"The checkpoint holds {len(states)} optimizer state(s), this run has {len(self.optimizers)}."
             )
-        for optimizer, state in zip(self._unwrapped_optimizers(), states, strict=True):
+        for optimizer, state in zip(self.unwrapped_optimizers(), states, strict=True):
             self.backend.load_optimizer_state(optimizer, state)
         optimizers_to_device(self.optimizers, self.root_device)
 
@@ -367,7 +321,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if not self._writes_sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
+        optimizer = unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
         save_sharded(self, checkpoint, filepath, parts=self.backend.sharded_pieces(optimizer), optimizer=optimizer)
         return None
 
@@ -381,7 +335,7 @@ class ShardedOptimizerStrategy(DDPStrategy):
             if reader.meta.get("param_groups") is not None:
                 checkpoint["optimizer_states"] = [reader]
             return checkpoint
-        return load_checkpoint_any_format(self, checkpoint_path, weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def teardown(self) -> None:
@@ -392,25 +346,9 @@ class ShardedOptimizerStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        entries = [
-            ("zero1", 1, "popen"),
-            ("zero2", 2, "popen"),
-            ("zero3", 3, "popen"),
-            ("sharded_optimizer", 2, "popen"),
-            ("zero1_notebook", 1, "fork"),
-            ("zero2_notebook", 2, "fork"),
-            ("zero3_notebook", 3, "fork"),
-        ]
-        for name, stage, start_method in entries:
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"lightning_parallel ShardedOptimizerStrategy stage {stage}, start_method={start_method!r}",
-                override=True,
-                stage=stage,
-                start_method=start_method,
-            )
-
-
-def _unwrap(optimizer: Any) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        entries = [(f"zero{stage}", stage, "popen") for stage in (1, 2, 3)] + [("sharded_optimizer", 2, "popen")]
+        entries += [(f"zero{stage}_notebook", stage, "fork") for stage in (1, 2, 3)]
+        cls._register(
+            strategy_registry,
+            ((name, {"stage": stage, "start_method": method}) for name, stage, method in entries),
+        )

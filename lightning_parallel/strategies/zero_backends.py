@@ -6,20 +6,19 @@
 * :class:`ReplicatedBackend` (world size 1): plain single-device training, nothing sharded.
 
 The strategy calls the :class:`ZeroBackend` protocol and never asks which backend it holds (DeepSpeed likewise
-picks its ZeRO optimizer once). Gradient clipping over shards goes through :func:`with_sharded_clipping`, a
-subclass of whichever precision plugin the Trainer chose (Lightning's ``FSDPPrecision`` pattern).
+picks its ZeRO optimizer once). Gradient clipping over shards goes through ``strategies.clipping.with_clipping``, a
+subclass of whichever precision plugin the Trainer chose (Lightning's ``FSDPPrecision`` pattern). The waits of the
+stage 1-2 sync run inside ``events.timed("exposed_communication")`` for whoever listens (the monitor).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
@@ -34,7 +33,10 @@ from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
+from lightning_parallel.instrumentation import StrategyEvents
+from lightning_parallel.strategies.base import unwrap_optimizer
 from lightning_parallel.strategies.checkpointing import ShardedPieces, load_module_state, scalar_states_of
+from lightning_parallel.strategies.clipping import with_clipping
 from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks
 
 __all__ = [
@@ -43,7 +45,6 @@ __all__ = [
     "ReplicatedBackend",
     "ZeroBackend",
     "backend_type",
-    "with_sharded_clipping",
     "with_sharded_grad_scaler",
 ]
 
@@ -53,6 +54,12 @@ class ZeroBackend(Protocol):
 
     empty_init_on_meta: ClassVar[bool]
     """Whether ``init_module(empty_init=True)`` creates the model on the meta device (materialised in setup)."""
+    collective_tap: ClassVar[Literal["fsdp"] | None]
+    """Collectives issued by code we do not own that a monitor must tap to count (FSDP2's), else ``None``."""
+
+    @property
+    def times_exposed_communication(self) -> bool:
+        """Whether the gradient sync waits run in our code, inside ``events.timed("exposed_communication")``."""
 
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         """Collective. Start from rank 0's weights, shard if this backend does, and move to ``device``."""
@@ -112,10 +119,16 @@ class ReplicatedBackend:
     """
 
     empty_init_on_meta: ClassVar[bool] = False
+    collective_tap: ClassVar[Literal["fsdp"] | None] = None
 
-    def __init__(self, *, rank: int = 0, world_size: int = 1, **_: Any) -> None:
+    def __init__(self, *, rank: int = 0, world_size: int = 1, events: StrategyEvents | None = None, **_: Any) -> None:
         self.rank, self.world_size = rank, world_size
+        self.events = events or StrategyEvents()
         self.module: nn.Module | None = None
+
+    @property
+    def times_exposed_communication(self) -> bool:
+        return False
 
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         self.module = module
@@ -172,10 +185,7 @@ class ReplicatedBackend:
 
 
 class FlatBucketBackend(ReplicatedBackend):
-    """Stages 1-2: flat buckets reduce-scattered during backward, each optimizer stepping this rank's shard.
-
-    The buckets' methods are looked up at call time, so the monitor's timing wrappers on them take effect.
-    """
+    """Stages 1-2: flat buckets reduce-scattered during backward, each optimizer stepping this rank's shard."""
 
     def __init__(
         self, *, stage: int, bucket_cap_mb: float, stats: CommunicationStats | None = None, **kwargs: Any
@@ -184,6 +194,10 @@ class FlatBucketBackend(ReplicatedBackend):
         self.stage, self.bucket_cap_mb, self.stats = stage, bucket_cap_mb, stats
         self.buckets: ShardedParameterBuckets | None = None
         self.sharded_optimizers: list[ShardedOptimizer] = []  # one per optimizer, in order
+
+    @property
+    def times_exposed_communication(self) -> bool:
+        return self.buckets is not None  # fitting: the waits for reduce-scatter and all-gather are ours
 
     def setup_optimizers(self, optimizers: list[Optimizer]) -> None:
         for optimizer in optimizers:
@@ -199,13 +213,12 @@ class FlatBucketBackend(ReplicatedBackend):
 
     def sharded_for(self, optimizer: Optimizer) -> ShardedOptimizer:
         """The :class:`ShardedOptimizer` of ``optimizer`` (manual optimization clips with its wrapper)."""
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+        optimizer = unwrap_optimizer(optimizer)
         return next(sharded for sharded in self.sharded_optimizers if sharded.optimizer is optimizer)
 
     def wrap_precision(self, plugin: Precision, device: torch.device) -> Precision:
         if self.buckets is not None:  # fitting: Lightning clips through the precision plugin
-            plugin = with_sharded_clipping(plugin, self.clip_grad_norm)
+            plugin = with_clipping(plugin, self.clip_grad_norm)
         return with_sharded_grad_scaler(plugin, device)
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
@@ -225,7 +238,8 @@ class FlatBucketBackend(ReplicatedBackend):
     def after_backward(self) -> Iterable[Tensor]:
         buckets = self._set_up_buckets()
         if buckets.sync_gradients:
-            buckets.finish_gradient_sync()
+            with self.events.timed("exposed_communication"):
+                buckets.finish_gradient_sync()
         else:
             for bucket in buckets.buckets:
                 bucket.ready = 0
@@ -233,7 +247,8 @@ class FlatBucketBackend(ReplicatedBackend):
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         # The stepped optimizer's buckets: the same ones on every rank.
-        self._set_up_buckets().all_gather_parameters(self.sharded_for(optimizer).bucket_indices)
+        with self.events.timed("exposed_communication"):
+            self._set_up_buckets().all_gather_parameters(self.sharded_for(optimizer).bucket_indices)
 
     def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
         if self.buckets is None:  # not fitted (validate/test/predict): the module as it is
@@ -272,6 +287,7 @@ class FullyShardBackend(ReplicatedBackend):
     """Stage 3: FSDP2 ``fully_shard`` per repeated block; parameters are DTensor shards between forward passes."""
 
     empty_init_on_meta: ClassVar[bool] = True
+    collective_tap: ClassVar[Literal["fsdp"] | None] = "fsdp"  # FSDP2's all-gathers and reduce-scatters
 
     def __init__(self, *, callbacks: Sequence[Any] = (), **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -349,38 +365,7 @@ class FullyShardBackend(ReplicatedBackend):
             self.access.running = False
 
 
-# ---------------------------------------------------------------------- clipping over shards
-class _ShardedClipping:
-    """Marks a precision plugin built by :func:`with_sharded_clipping`."""
-
-    _clip_over_shards: Callable[[Optimizer, float], None]
-
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self._clip_over_shards(optimizer, float(clip_val))
-
-
-@functools.cache
-def _sharded_clipping_type(base: type[Precision]) -> type[Precision]:
-    return type(f"ShardedClipping{base.__name__}", (_ShardedClipping, base), {"__module__": __name__})
-
-
-def with_sharded_clipping(plugin: Precision, clip: Callable[[Optimizer, float], None]) -> Precision:
-    """A copy of ``plugin`` (``32-true``, ``16-mixed``, ``bf16-mixed``, ... as the Trainer chose it) whose class is a
-    subclass of the plugin's own, so all its behaviour stays, with ``clip_grad_by_norm`` calling ``clip``: Lightning
-    clips through the precision plugin, and each rank holds only its shard of the gradients.
-
-    The Trainer's plugin object is left as it is; the copy shares its attributes (the grad scaler, ...).
-    """
-    if isinstance(plugin, _ShardedClipping):  # a second fit on the same strategy: keep the type, new backend
-        wrapped = plugin
-    else:
-        cls = _sharded_clipping_type(type(plugin))
-        wrapped = cls.__new__(cls)
-        wrapped.__dict__.update(plugin.__dict__)
-    wrapped._clip_over_shards = clip  # type: ignore[attr-defined]
-    return wrapped
-
-
+# ---------------------------------------------------------------------- mixed precision over shards
 def with_sharded_grad_scaler(plugin: Precision, device: torch.device) -> Precision:
     """`16-mixed`: each rank sees only its shard's gradients, so the inf/nan check that decides whether to skip the
     step must be all-reduced, or ranks would diverge. Torch's ``ShardedGradScaler`` does exactly that."""

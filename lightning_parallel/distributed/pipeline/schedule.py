@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -103,7 +103,8 @@ def check_count(name: str, value: Any) -> None:
 
 @dataclass
 class ParallelDims:
-    """Ranks laid out as ``data_parallel_size x pipeline_parallel_size``; pipeline ranks of a replica are adjacent.
+    """Ranks laid out as a ``("dp", "pp")`` device mesh: ``data_parallel_size x pipeline_parallel_size``, the
+    pipeline ranks of a replica adjacent (torchtitan's ``ParallelDims`` layout).
 
     ``global_rank = data_parallel_rank * pipeline_parallel_size + pipeline_rank``.
     """
@@ -111,10 +112,23 @@ class ParallelDims:
     world_size: int
     global_rank: int
     pipeline_parallel_size: int
-    pipeline_group: Any = field(default=None, repr=False)
-    """Process group of this rank's pipeline (the ranks of one replica); ``None`` before :meth:`build_groups`."""
-    data_parallel_group: Any = field(default=None, repr=False)
-    """Process group of the replicas of this rank's stages; ``None`` before :meth:`build_groups`."""
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+    """The named mesh, axes ``("dp", "pp")``; ``None`` before :meth:`build_groups`."""
+
+    @property
+    def pipeline_group(self) -> Any:
+        """Process group of this rank's pipeline (the ranks of one replica): the mesh's ``"pp"`` axis."""
+        return self._mesh().get_group("pp")
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """Process group of the replicas of this rank's stages: the mesh's ``"dp"`` axis."""
+        return self._mesh().get_group("dp")
+
+    def _mesh(self) -> DeviceMesh:
+        if self.mesh is None:
+            raise RuntimeError("`ParallelDims` has no process groups before `build_groups` (a collective) ran.")
+        return self.mesh
 
     @property
     def data_parallel_size(self) -> int:
@@ -132,17 +146,10 @@ class ParallelDims:
         """Global rank of ``pipeline_rank`` in this rank's replica."""
         return self.data_parallel_rank * self.pipeline_parallel_size + pipeline_rank
 
-    def build_groups(self) -> None:
-        """Create the process groups (a collective: every rank creates every group, in the same order)."""
-        p, d = self.pipeline_parallel_size, self.data_parallel_size
-        for replica in range(d):
-            group = dist.new_group([replica * p + i for i in range(p)])
-            if replica == self.data_parallel_rank:
-                self.pipeline_group = group
-        for stage_rank in range(p):
-            group = dist.new_group([replica * p + stage_rank for replica in range(d)])
-            if stage_rank == self.pipeline_rank:
-                self.data_parallel_group = group
+    def build_groups(self, device_type: str) -> None:
+        """Collective: create the ``("dp", "pp")`` mesh and its process groups on every rank, in the same order."""
+        shape = (self.data_parallel_size, self.pipeline_parallel_size)
+        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "pp"))
 
 
 @dataclass

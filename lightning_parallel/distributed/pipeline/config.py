@@ -1,0 +1,92 @@
+"""The pipeline's settings as one frozen record, resolved from the user's arguments once the world size is known.
+
+Torch-only (no Lightning). ``PipelineParallelStrategy`` resolves it in ``connect`` (every rank, before any
+collective) and reads every count from it; :meth:`PipelineConfig.validate` raises the same ``ValueError`` on every
+rank for a layout torch's schedules cannot run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_parallel.distributed.pipeline.schedule import MULTI_STAGE_SCHEDULES, validate_schedule_config
+
+__all__ = ["PipelineConfig"]
+
+Count = int | Literal["auto"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """How many ranks, stages and micro-batches a pipeline has, with every ``"auto"`` resolved."""
+
+    world_size: int
+    """Ranks in the job (pipelines x replicas)."""
+    pipeline_parallel_size: int
+    """Ranks per pipeline; the other factor of the world size is the number of data-parallel replicas."""
+    schedule: str
+    """The schedule the user asked for (canonical torch name)."""
+    stages_per_rank: int
+    """Virtual stages per rank: 2 by default for the multi-stage schedules, else 1 (always 1 on a one-rank pipeline)."""
+    num_microbatches: int
+    """Micro-batches per batch (by default the number of stages: the minimum for 1F1B)."""
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        world_size: int,
+        pipeline_parallel_size: Count,
+        schedule: str,
+        stages_per_rank: Count,
+        num_microbatches: Count,
+    ) -> PipelineConfig:
+        """Replace every ``"auto"``: ``pipeline_parallel_size`` = the world size, ``stages_per_rank`` = 2 for the
+        multi-stage schedules (else 1), ``num_microbatches`` = the number of stages. Does not validate."""
+        p = world_size if pipeline_parallel_size == "auto" else int(pipeline_parallel_size)
+        if p == 1:
+            per_rank = 1
+        elif stages_per_rank == "auto":
+            per_rank = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+        else:
+            per_rank = int(stages_per_rank)
+        microbatches = p * per_rank if num_microbatches == "auto" else int(num_microbatches)
+        return cls(
+            world_size=world_size,
+            pipeline_parallel_size=p,
+            schedule=schedule,
+            stages_per_rank=per_rank,
+            num_microbatches=microbatches,
+        )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the pipeline."""
+        return self.world_size // self.pipeline_parallel_size
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+    @property
+    def effective_schedule(self) -> str:
+        """The schedule that runs: :attr:`schedule`, or ``"1F1B"`` on a one-rank pipeline (a single stage, where
+        every schedule degenerates to forward and backward per micro-batch; torch's multi-stage runtimes also
+        mishandle several stages on one rank in forward-only runs)."""
+        return "1F1B" if self.pipeline_parallel_size == 1 else self.schedule
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` (the bad values and the fix) for a layout the world size or torch cannot run."""
+        p = self.pipeline_parallel_size
+        if self.world_size % p:
+            raise ValueError(
+                f"The world size ({self.world_size}) is not divisible by `pipeline_parallel_size={p}`; the remaining"
+                f" ranks form data-parallel replicas of the pipeline. Use a divisor of {self.world_size}."
+            )
+        validate_schedule_config(
+            self.effective_schedule,
+            pipeline_parallel_size=p,
+            stages_per_rank=self.stages_per_rank,
+            num_microbatches=self.num_microbatches,
+        )

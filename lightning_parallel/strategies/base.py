@@ -1,0 +1,184 @@
+"""What all three strategies of this package do the same way, written once.
+
+``LightningParallelStrategy`` sits between Lightning's ``DDPStrategy`` (process groups, launchers, collectives,
+samplers: all three strategies use those as they are) and our strategies, each of which then shows only what makes
+it different:
+
+* launch: ``start_method`` and ``timeout`` validated on every rank; ``setup_environment`` checks the launch
+  against torchrun/SLURM/MPI, joins the group and records where the peers run (``strategies/launch.py``);
+  ``_configure_launcher`` refuses fork/spawn under an external launcher and uses our fork-safe launcher
+  (:attr:`launcher_type`: the ZeRO and pipeline strategies send the whole model back to the parent);
+* failures: ``on_exception`` names a dead peer (``strategies/failures.py``);
+* a non-finite loss: one decision on every rank (``strategies/nonfinite.py``), gradients dropped after backward;
+* instrumentation: :attr:`communication_stats`, :attr:`track_communication` and :attr:`events`, the protocol
+  ``ParallelismMonitor`` reads (``lightning_parallel.instrumentation``);
+* bytes held (:meth:`memory_report`), and checkpoints of either format loaded by every strategy.
+
+Three levels below Lightning's ``ParallelStrategy`` (``DDPStrategy`` -> this -> ours) instead of the two the house
+style suggests: ``DDPStrategy`` already gives the process-group set-up, launchers and collectives all three need,
+and re-implementing them (as Lightning's ``ModelParallelStrategy`` does) would copy ~300 lines of Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel.accounting import CommunicationStats, MemoryReport, module_memory_report
+from lightning_parallel.instrumentation import Instrumentation, StrategyEvents
+from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format
+from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
+from lightning_parallel.strategies.fork_safety import ForkSafeLauncher
+from lightning_parallel.strategies.launch import (
+    StartMethod,
+    configure_launcher,
+    set_up_distributed_environment,
+    to_timeout,
+    validate_start_method,
+)
+from lightning_parallel.strategies.nonfinite import NonFiniteLoss, drop_gradients, should_skip_step, validate_nonfinite
+
+__all__ = ["LightningParallelStrategy", "unwrap_optimizer"]
+
+
+class LightningParallelStrategy(DDPStrategy):
+    """The shared base of ``DataParallelStrategy``, ``ShardedOptimizerStrategy`` and ``PipelineParallelStrategy``.
+
+    Not registered and not meant to be used directly. Subclasses pass their own settings and the Trainer-injected
+    plugins through; ``ddp_options`` reach Lightning's ``DDPStrategy`` (and from there torch's
+    ``DistributedDataParallel``) only for the strategy that wraps the model in DDP.
+
+    Args:
+        start_method: ``"popen"``, ``"spawn"`` or ``"fork"`` (validated here, on every rank).
+        timeout: seconds or a ``timedelta`` a collective may wait.
+        process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
+        nonfinite_loss: ``"skip"``, ``"stop"`` or ``"ignore"`` (see ``strategies/nonfinite.py``).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
+        ddp_options: keyword arguments for ``DDPStrategy`` (bucket size, static graph, ...).
+    """
+
+    launcher_type: ClassVar[type[ForkSafeLauncher]] = ForkSafeLauncher
+    """The launcher for ``start_method="fork"``/``"spawn"``."""
+
+    def __init__(
+        self,
+        *,
+        start_method: StartMethod,
+        timeout: timedelta | float,
+        process_group_backend: str | None,
+        nonfinite_loss: NonFiniteLoss,
+        accelerator: Accelerator | None,
+        parallel_devices: list[torch.device] | None,
+        cluster_environment: ClusterEnvironment | None,
+        checkpoint_io: CheckpointIO | None,
+        precision_plugin: Precision | None,
+        **ddp_options: Any,
+    ) -> None:
+        validate_start_method(start_method)
+        validate_nonfinite(nonfinite_loss)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=to_timeout(timeout),
+            start_method=start_method,
+            **ddp_options,
+        )
+        self.nonfinite_loss = nonfinite_loss
+        self.track_communication = False
+        """Count collective bytes into :attr:`communication_stats` (``ParallelismMonitor`` switches it on before
+        ``setup``; ``DataParallelStrategy`` also takes it as an argument)."""
+        self.communication_stats = CommunicationStats()
+        self.events = StrategyEvents()
+        """Timed phases of the sync paths (``lightning_parallel.instrumentation``); the monitor subscribes."""
+        self._peers: PeerTable | None = None
+        self._skip_step = False
+
+    # ------------------------------------------------------------------ launch
+    @property
+    def start_method(self) -> StartMethod:
+        """How extra processes start: ``"popen"``, ``"spawn"`` or ``"fork"``."""
+        return self._start_method  # type: ignore[return-value]
+
+    @property
+    def timeout(self) -> timedelta:
+        """How long a collective may wait before the job fails."""
+        return self._timeout
+
+    @override
+    def setup_environment(self) -> None:
+        self._peers = set_up_distributed_environment(self, super().setup_environment)
+
+    @override
+    def _configure_launcher(self) -> None:
+        configure_launcher(self, super()._configure_launcher, self.launcher_type)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Not DDPStrategy's: its advice names `ddp_find_unused_parameters_true`, a strategy of Lightning's.
+        explain_peer_failure(exception, self._peers, self.global_rank)
+
+    # ------------------------------------------------------------------ non-finite loss
+    def _decide_skip_step(self, output: Any) -> None:
+        """Collective unless ``nonfinite_loss="ignore"``: every rank learns whether any rank's loss is non-finite."""
+        step = self.lightning_module.trainer.global_step
+        self._skip_step = should_skip_step(
+            output, policy=self.nonfinite_loss, device=self.root_device, step=step, world_size=self.world_size
+        )
+
+    def _drop_gradients_if_skipped(self, *holders: Iterable[Tensor]) -> None:
+        """After backward: drop every gradient (the module's and ``holders``) of a step every rank skips."""
+        if not self._skip_step:
+            return
+        drop_gradients(self.lightning_module.parameters())
+        for tensors in holders:
+            drop_gradients(tensors)
+        self._skip_step = False
+
+    # ------------------------------------------------------------------ reports
+    def instrumentation(self) -> Instrumentation:
+        """What a monitor can measure in this run (after ``setup``); subclasses say more."""
+        return Instrumentation(data_parallel_size=self.world_size)
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of parameters, gradients and optimizer state this rank really holds (measured from its tensors'
+        storages; the first optimizer's state)."""
+        optimizers = self.unwrapped_optimizers()
+        return module_memory_report(self.lightning_module, optimizers[0] if optimizers else None)
+
+    def unwrapped_optimizers(self) -> list[Optimizer]:
+        """The torch optimizers, without Lightning's ``LightningOptimizer`` wrapper, in order."""
+        return [unwrap_optimizer(optimizer) for optimizer in self.optimizers]
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A consolidated ``.ckpt`` or a sharded directory written by any strategy of this package."""
+        return load_checkpoint_any_format(self, checkpoint_path, weights_only)
+
+    @classmethod
+    def _register(cls, strategy_registry: Any, entries: Iterable[tuple[str, dict[str, Any]]]) -> None:
+        """Register ``(name, init_params)`` entries for this class (``override=True``: registering twice is fine)."""
+        for name, init_params in entries:
+            settings = ", ".join(f"{key}={value!r}" for key, value in init_params.items())
+            description = f"lightning_parallel {cls.__name__} with {settings}"
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+
+def unwrap_optimizer(optimizer: Any) -> Optimizer:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` (or ``optimizer`` itself)."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
