@@ -33,7 +33,7 @@ from lightning_parallel.distributed.pipeline.contract import (
     capture_model_inputs,
     run_step_with_output,
 )
-from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, pad_batch, slice_batch, split_batch
+from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, pad_batch, slice_batch
 from lightning_parallel.distributed.pipeline.partition import measure_layer_times
 
 BATCH = 8
@@ -130,10 +130,8 @@ def test_logs_are_aggregated_over_micro_batches_weighted_by_size():
     assert loss.value.item() == pytest.approx(2.0) and count.value.item() == 6.0 and acc.value is metric
 
 
-def test_batches_are_split_sliced_and_padded_along_dim_zero():
+def test_batches_are_sliced_and_padded_along_dim_zero():
     batch = {"x": torch.arange(10).view(5, 2), "tag": "same"}
-    parts = split_batch(batch, 5)
-    assert [p["x"].tolist() for p in parts[:2]] == [[[0, 1]], [[2, 3]]] and parts[4]["tag"] == "same"
     assert slice_batch(batch, 3, 5)["x"].tolist() == [[6, 7], [8, 9]]
     assert pad_batch(batch, 8)["x"][5:].tolist() == [[8, 9]] * 3
     loader = DataLoader(list(range(22)), batch_size=8)

@@ -13,7 +13,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-__all__ = ["DivisibleBatches", "batch_size_of", "detached_cpu", "pad_batch", "slice_batch", "split_batch"]
+__all__ = ["DivisibleBatches", "batch_size_of", "detached_cpu", "pad_batch", "slice_batch"]
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -32,25 +32,6 @@ def batch_size_of(value: Any) -> int | None:
         if tensor.dim() > 0:
             return tensor.size(0)
     return None
-
-
-def split_batch(value: Any, num_microbatches: int) -> list[Any]:
-    """Split every tensor of ``value`` into ``num_microbatches`` equal chunks along dim 0; other values repeat.
-
-    The caller checks divisibility; chunks are views (``torch.tensor_split``, as torch's pipelining splits inputs).
-    """
-    if isinstance(value, Tensor) and value.dim() > 0:
-        return list(torch.tensor_split(value, num_microbatches))
-    if isinstance(value, tuple | list):
-        parts = [split_batch(v, num_microbatches) for v in value]
-        chunks = [[p[i] for p in parts] for i in range(num_microbatches)]
-        if hasattr(value, "_fields"):  # namedtuple
-            return [type(value)(*chunk) for chunk in chunks]
-        return [type(value)(chunk) for chunk in chunks]
-    if isinstance(value, Mapping):
-        parts_by_key = {k: split_batch(v, num_microbatches) for k, v in value.items()}
-        return [{k: parts[i] for k, parts in parts_by_key.items()} for i in range(num_microbatches)]
-    return [value] * num_microbatches
 
 
 def pad_batch(value: Any, size: int) -> Any:
@@ -107,7 +88,7 @@ class DivisibleBatches:
         """Size of the last batch if the loader's sampler and batch size show it will be left out, else ``None``."""
         batch_size = getattr(self.loader, "batch_size", None)
         sampler = getattr(self.loader, "sampler", None)
-        if not batch_size or getattr(self.loader, "drop_last", False) or not hasattr(sampler, "__len__"):
+        if not batch_size or getattr(self.loader, "drop_last", False) or sampler is None or not hasattr(sampler, "__len__"):
             return None
         tail = len(sampler) % batch_size
         return tail if tail % self.num_microbatches else None
