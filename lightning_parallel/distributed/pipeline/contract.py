@@ -188,7 +188,7 @@ def aggregate_logs(per_microbatch: Sequence[Sequence[LogRecord]], weights: Seque
 
 def to_portable(records: Sequence[LogRecord], metric_names: dict[int, str]) -> list[tuple[Any, ...]]:
     """Records as picklable tuples: tensors on CPU, ``Metric`` objects by their attribute path."""
-    portable = []
+    portable: list[tuple[Any, ...]] = []
     for record in records:
         if isinstance(record.value, Metric):
             cache = record.value._forward_cache

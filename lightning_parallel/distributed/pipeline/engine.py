@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -137,6 +137,7 @@ class PipelineEngine:
         """
         m = self.num_microbatches
         size = batch_size_of(model_inputs)
+        assert size is not None  # model_inputs come from capture_inputs, which raises when there is no batch size
         rows = size // m
         state = _StepState(step, self._micro_batches(args, kwargs, rows, size), divisor)
         runtime = self._runtime("train", model_inputs)
@@ -183,6 +184,7 @@ class PipelineEngine:
         """
         m = self.num_microbatches
         size = batch_size_of(model_inputs)
+        assert size is not None  # model_inputs come from capture_inputs, which raises when there is no batch size
         rows = math.ceil(size / m)
         padded_args, padded_kwargs = pad_batch(model_inputs, rows * m)
         real_rows = [max(0, min(rows, size - i * rows)) for i in range(m)]
@@ -233,7 +235,8 @@ class PipelineEngine:
             self._runtimes[key] = build_runtime(
                 schedule=self.schedule,
                 plan=self.plan,
-                layers=self.layers,
+                # build_runtime reads only this rank's layers, which are never None.
+                layers=cast(Sequence[nn.Module], self.layers),
                 dims=self.dims,
                 num_microbatches=self.num_microbatches,
                 device=self.device,

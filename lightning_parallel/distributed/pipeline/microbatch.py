@@ -6,7 +6,7 @@ torch-free package, not ``lightning.pytorch``): tuples, lists, namedtuples, mapp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import torch
@@ -88,7 +88,7 @@ class DivisibleBatches:
         """Size of the last batch if the loader's sampler and batch size show it will be left out, else ``None``."""
         batch_size = getattr(self.loader, "batch_size", None)
         sampler = getattr(self.loader, "sampler", None)
-        if not batch_size or getattr(self.loader, "drop_last", False) or sampler is None or not hasattr(sampler, "__len__"):
+        if not batch_size or getattr(self.loader, "drop_last", False) or not isinstance(sampler, Sized):
             return None
         tail = len(sampler) % batch_size
         return tail if tail % self.num_microbatches else None

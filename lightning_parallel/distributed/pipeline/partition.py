@@ -100,7 +100,7 @@ def layer_qualified_names(module: nn.Module, layers: Sequence[nn.Module]) -> lis
     for name, submodule in module.named_modules(remove_duplicate=False):
         if name:
             names.setdefault(id(submodule), []).append(name)
-    result = []
+    result: list[list[str]] = []
     for index, layer in enumerate(layers):
         if id(layer) not in names and _is_stateless(layer):
             result.append([])
