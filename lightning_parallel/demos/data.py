@@ -40,7 +40,7 @@ def default_corpus_files() -> list[Path]:
         Paths under ``sysconfig.get_paths()["stdlib"]``; empty if this Python ships its standard library zipped.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
+    files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         # Prune in place so os.walk never descends into site-packages or the (large) test suites.
         dirnames[:] = [d for d in dirnames if not _is_excluded_dir(d)]

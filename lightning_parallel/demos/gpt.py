@@ -36,7 +36,7 @@ __all__ = [
     "num_parameters",
 ]
 
-PRESETS: dict[str, dict[str, int]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     # Unit tests and fast multi-process CPU tests (~0.1 M parameters).
     "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
     # The CPU demo (~3 M parameters).
@@ -236,6 +236,7 @@ class GPT(nn.Module):
                 module.reset_parameters()
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for block in self.blocks:
+            assert isinstance(block, Block)
             nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
 

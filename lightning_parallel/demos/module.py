@@ -142,12 +142,12 @@ class GPTLightningModule(LightningModule):
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
         groups = [
-            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": decay, "weight_decay": hp["weight_decay"]},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        if hp.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=hp.learning_rate, momentum=hp.momentum)
-        return torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+        if hp["optimizer"] == "sgd":
+            return torch.optim.SGD(groups, lr=hp["learning_rate"], momentum=hp["momentum"])
+        return torch.optim.AdamW(groups, lr=hp["learning_rate"], betas=tuple(hp["betas"]))
 
 
 def _validate_optimizer_args(

@@ -108,9 +108,9 @@ class RunStats(Callback):
         self._end_time: float | None = None
         self._step_times: list[float] = []
         self._start_global_step = 0
-        self._tokens = 0
+        self._tokens: float = 0  # an int until a fractional data share is added
         self._data_share = 1.0
-        self._samples = 0
+        self._samples: float = 0
         self._measured_batches = 0
         self._final_loss = math.nan
 
