@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = [
     "META_FILE",
@@ -222,7 +223,7 @@ def read_sharded_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[tupl
     entries = {
         key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
         for key, item in metadata.state_dict_metadata.items()
-        if hasattr(item, "size")
+        if isinstance(item, TensorStorageMetadata)
     }
     _dcp_load(entries, path)
     flat: dict[tuple[str, str], list[tuple[int, int, Tensor]]] = defaultdict(list)
@@ -326,7 +327,7 @@ class ShardedCheckpointReader:
         self.buffer_entries: dict[str, Any] = {}
         self.bytes_read = 0  # what this rank loaded so far: the test of "only the ranges it holds"
         for entry, item in metadata.state_dict_metadata.items():
-            if not hasattr(item, "size"):
+            if not isinstance(item, TensorStorageMetadata):  # bytes entries have no tensor size
                 continue
             if entry.startswith("buffer/"):
                 self.buffer_entries[entry] = item

@@ -104,6 +104,7 @@ def low_precision_allreduce_hook(
     # `from __future__ import annotations` turns them into strings it rejects.
     def hook(process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None  # DDP runs only inside an initialised process group
         buffer = bucket.buffer()
         compressed = buffer.to(dtype) if dtype is not None else buffer
         compressed.div_(group.size())

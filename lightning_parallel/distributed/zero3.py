@@ -8,7 +8,7 @@ meta-device models shard by shard, and convert state dicts to the plain (consoli
 from __future__ import annotations
 
 import itertools
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -223,7 +223,8 @@ def _names_by_index(module: nn.Module, optimizer: torch.optim.Optimizer) -> list
 
 def consolidated_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective. The plain ``optimizer.state_dict()`` layout (integer keys in param-group order) on rank 0."""
-    by_name = get_optimizer_state_dict(module, optimizer, options=_FULL)
+    # The full layout: "state" maps names to dicts, "param_groups" is a list (torch types both as one union).
+    by_name: dict[str, Any] = get_optimizer_state_dict(module, optimizer, options=_FULL)
     if dist.get_rank() != 0:
         return {}
     names = _names_by_index(module, optimizer)
@@ -299,7 +300,7 @@ def load_from_reader(
 
 
 def _load_parameters(
-    module: nn.Module, named: dict[str, Tensor], ranges: dict, reader: ShardedCheckpointReader, *, strict: bool
+    module: nn.Module, named: Mapping[str, Tensor], ranges: dict, reader: ShardedCheckpointReader, *, strict: bool
 ) -> None:
     shapes = reader.meta["shapes"]
     if strict and {n: tuple(p.shape) for n, p in named.items()} != {n: tuple(s) for n, s in shapes.items()}:
@@ -322,7 +323,7 @@ def _load_parameters(
 
 
 def _load_optimizer_state(
-    optimizer: torch.optim.Optimizer, named: dict[str, Tensor], ranges: dict, reader: ShardedCheckpointReader
+    optimizer: torch.optim.Optimizer, named: Mapping[str, Tensor], ranges: dict, reader: ShardedCheckpointReader
 ) -> None:
     name_of = {param: name for name, param in named.items()}
     for group, saved in zip(optimizer.param_groups, reader.meta["param_groups"], strict=True):
@@ -336,8 +337,9 @@ def _load_optimizer_state(
         state = {}
         for key in (k for k in reader.keys_of(name) if k != "param"):
             local = torch.zeros_like(_local(param))
-            if (key, name, *ranges[name]) in values:
-                local.view(-1).copy_(values[(key, name, *ranges[name])])
+            piece = (key, name, *ranges[name])
+            if piece in values:
+                local.view(-1).copy_(values[piece])
             state[key] = DTensor.from_local(
                 local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
             )

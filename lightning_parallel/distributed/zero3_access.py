@@ -62,6 +62,7 @@ class ShardedModuleAccess:
             del self.module.__dict__[_ATTRIBUTE]
 
     def _check(self, unit: nn.Module, args: Any) -> None:
+        assert isinstance(unit, FSDPModule)  # the hook is registered on FSDP units only
         if self.running:
             propagate_requires_grad(unit)  # a freeze/unfreeze since the last step trains as on one device
             return

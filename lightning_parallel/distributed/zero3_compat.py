@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 __all__ = ["is_initialised_root", "propagate_requires_grad", "reshard_after_forward_disabled"]
 
 
-def _saved_reshard_settings(unit: FSDPModule) -> tuple[Any, bool, list[tuple[Any, Any]]]:
+def _saved_reshard_settings(unit: FSDPModule) -> tuple[Any, bool | None, list[tuple[Any, Any]]]:
     try:
         state = unit._get_fsdp_state()
         groups = [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups]
