@@ -4,6 +4,7 @@ Lightning, and the demo reaches the monitor and the planner only through their p
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def test_distributed_and_accounting_import_torch_only() -> None:
             sys.modules["lightning_parallel"] = package
             root = pathlib.Path({str(PACKAGE_DIR)!r})
             files = sorted((root / "distributed").rglob("*.py"))  # listed without importing (unlike pkgutil)
-            names = ["lightning_parallel.accounting"]
+            names = ["lightning_parallel.accounting", "lightning_parallel.instrumentation"]
             names += [".".join(("lightning_parallel", *f.relative_to(root).with_suffix("").parts)) for f in files]
             names = [n.removesuffix(".__init__") for n in names]
             forbidden = ("lightning.", "lightning_parallel.strategies", "lightning_parallel.monitor",
@@ -77,6 +78,34 @@ def test_distributed_and_accounting_import_torch_only() -> None:
         )
     )
     assert offenders == {}
+
+
+def _branches_on(function: ast.FunctionDef, attributes: set[str]) -> list[int]:
+    """Lines of ``if``/conditional expressions/comparisons in ``function`` that read ``self.<attribute>``."""
+    lines = []
+    for node in ast.walk(function):
+        if isinstance(node, ast.If | ast.IfExp | ast.While | ast.Compare | ast.Match):
+            tested = node.test if isinstance(node, ast.If | ast.IfExp | ast.While) else node
+            for inner in ast.walk(tested):
+                if (
+                    isinstance(inner, ast.Attribute)
+                    and inner.attr in attributes
+                    and isinstance(inner.value, ast.Name)
+                    and inner.value.id == "self"
+                ):
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_no_sharded_optimizer_method_branches_on_the_zero_stage() -> None:
+    """The backend chosen once in `setup` decides; the strategy never asks which stage or backend it holds."""
+    tree = ast.parse((PACKAGE_DIR / "strategies" / "sharded_optimizer.py").read_text())
+    (strategy,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ShardedOptimizerStrategy"]
+    methods = [n for n in strategy.body if isinstance(n, ast.FunctionDef)]
+    assert len(methods) > 20
+    stage_state = {"stage", "_buckets", "_fsdp_units", "_sharded_optimizers"}
+    branches = {m.name: lines for m in methods if m.name != "__init__" and (lines := _branches_on(m, stage_state))}
+    assert branches == {}
 
 
 class _Counted(nn.Module):

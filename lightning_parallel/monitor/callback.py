@@ -255,7 +255,7 @@ class ParallelismMonitor(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore()
         local = self._rank_summary(trainer)
-        ranks = [local]
+        ranks: list[Any] = [local]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, local)
@@ -296,8 +296,9 @@ class ParallelismMonitor(Callback):
 
     def _default_dir(self, trainer: pl.Trainer) -> Path:
         for logger in trainer.loggers:
-            if getattr(logger, "log_dir", None):
-                return Path(logger.log_dir)
+            log_dir = getattr(logger, "log_dir", None)
+            if log_dir:
+                return Path(log_dir)
         return Path(trainer.default_root_dir)
 
     def _figure_path(self, trainer: pl.Trainer) -> Path | None:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -117,7 +118,17 @@ class LightningParallelStrategy(DDPStrategy):
     @property
     def timeout(self) -> timedelta:
         """How long a collective may wait before the job fails."""
+        assert self._timeout is not None  # `to_timeout` in `__init__` always sets one
         return self._timeout
+
+    @property
+    def module(self) -> LightningModule:
+        """The attached ``LightningModule`` (``lightning_module`` without the ``None`` of a strategy not yet
+        connected); raises ``RuntimeError`` before the Trainer connected one."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError(f"{type(self).__name__} has no LightningModule yet: the Trainer connects it in `fit`.")
+        return module
 
     @override
     def setup_environment(self) -> None:
@@ -135,7 +146,7 @@ class LightningParallelStrategy(DDPStrategy):
     # ------------------------------------------------------------------ non-finite loss
     def _decide_skip_step(self, output: Any) -> None:
         """Collective unless ``nonfinite_loss="ignore"``: every rank learns whether any rank's loss is non-finite."""
-        step = self.lightning_module.trainer.global_step
+        step = self.module.trainer.global_step
         self._skip_step = should_skip_step(
             output, policy=self.nonfinite_loss, device=self.root_device, step=step, world_size=self.world_size
         )
@@ -144,7 +155,7 @@ class LightningParallelStrategy(DDPStrategy):
         """After backward: drop every gradient (the module's and ``holders``) of a step every rank skips."""
         if not self._skip_step:
             return
-        drop_gradients(self.lightning_module.parameters())
+        drop_gradients(self.module.parameters())
         for tensors in holders:
             drop_gradients(tensors)
         self._skip_step = False
@@ -158,7 +169,7 @@ class LightningParallelStrategy(DDPStrategy):
         """Bytes of parameters, gradients and optimizer state this rank really holds (measured from its tensors'
         storages; the first optimizer's state)."""
         optimizers = self.unwrapped_optimizers()
-        return module_memory_report(self.lightning_module, optimizers[0] if optimizers else None)
+        return module_memory_report(self.module, optimizers[0] if optimizers else None)
 
     def unwrapped_optimizers(self) -> list[Optimizer]:
         """The torch optimizers, without Lightning's ``LightningOptimizer`` wrapper, in order."""

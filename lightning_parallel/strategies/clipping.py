@@ -9,8 +9,8 @@ own (``32-true``, ``16-mixed``, ``bf16-mixed``, ...), so all its other behaviour
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from typing import cast
 
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
@@ -29,9 +29,14 @@ class _ClippingOverRanks:
         self._clip_over_ranks(optimizer, float(clip_val))
 
 
-@functools.cache
+_CLIPPING_TYPES: dict[type[Precision], type[Precision]] = {}
+
+
 def _clipping_type(base: type[Precision]) -> type[Precision]:
-    return type(f"ClippingOverRanks{base.__name__}", (_ClippingOverRanks, base), {"__module__": __name__})
+    if base not in _CLIPPING_TYPES:
+        name = f"ClippingOverRanks{base.__name__}"
+        _CLIPPING_TYPES[base] = type(name, (_ClippingOverRanks, base), {"__module__": __name__})
+    return _CLIPPING_TYPES[base]
 
 
 def with_clipping(plugin: Precision, clip: ClipFunction) -> Precision:
@@ -41,10 +46,10 @@ def with_clipping(plugin: Precision, clip: ClipFunction) -> Precision:
     a plugin it built before (a second fit on the same strategy), it keeps the type and takes the new ``clip``.
     """
     if isinstance(plugin, _ClippingOverRanks):
-        wrapped = plugin
-    else:
-        cls = _clipping_type(type(plugin))
-        wrapped = cls.__new__(cls)
-        wrapped.__dict__.update(plugin.__dict__)
-    wrapped._clip_over_ranks = clip  # type: ignore[attr-defined]
+        plugin._clip_over_ranks = clip
+        return plugin
+    cls = _clipping_type(type(plugin))
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(plugin.__dict__)
+    cast(_ClippingOverRanks, wrapped)._clip_over_ranks = clip
     return wrapped

@@ -172,7 +172,7 @@ class DataParallelStrategy(LightningParallelStrategy):
 
     def _remember_ddp_parameters(self) -> None:
         """What DDP registered at wrapping: the ``requires_grad`` flags, and the names in DDP's parameter order."""
-        module = self.lightning_module
+        module = self.module
         self._ddp_trainable = _trainable_flags(module.parameters())
         self._step_trainable = self._ddp_trainable
         self._ddp_parameter_names = _ddp_parameter_names(module)
@@ -189,13 +189,13 @@ class DataParallelStrategy(LightningParallelStrategy):
         model = self.model
         if not isinstance(model, DistributedDataParallel):
             return
-        flags = _trainable_flags(self.lightning_module.parameters())
+        flags = _trainable_flags(self.module.parameters())
         self._step_trainable = flags
         if flags == self._ddp_trainable or not model.require_backward_grad_sync:
             return
         assert self._ddp_trainable is not None
-        unfrozen, frozen = _changed(self.lightning_module, self._ddp_trainable, flags)
-        self.model = self._setup_model(self.lightning_module)
+        unfrozen, frozen = _changed(self.module, self._ddp_trainable, flags)
+        self.model = self._setup_model(self.module)
         self._register_ddp_hooks()
         self._remember_ddp_parameters()
         restart = " PowerSGD restarts its warm-up." if self.gradient_compression == "powersgd" else ""
@@ -207,12 +207,12 @@ class DataParallelStrategy(LightningParallelStrategy):
 
     def _check_trainable_set_unchanged_in_step(self) -> None:
         """Automatic optimization: refuse a ``requires_grad`` change made after the step's forward started."""
-        if self._step_trainable is None or not self.lightning_module.automatic_optimization:
+        if self._step_trainable is None or not self.module.automatic_optimization:
             return
-        flags = _trainable_flags(self.lightning_module.parameters())
+        flags = _trainable_flags(self.module.parameters())
         if flags == self._step_trainable:
             return
-        unfrozen, frozen = _changed(self.lightning_module, self._step_trainable, flags)
+        unfrozen, frozen = _changed(self.module, self._step_trainable, flags)
         raise RuntimeError(
             "DataParallelStrategy: `requires_grad` changed during a training step (in `training_step` or"
             f" `on_before_backward`): now trainable: {_names(unfrozen)}; now frozen: {_names(frozen)}. DDP fixes"
@@ -251,11 +251,12 @@ class DataParallelStrategy(LightningParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self.module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or self.world_size == 1:
             return dataloader
         if self.uneven_inputs is False:
             return dataloader
+        assert isinstance(dataloader, Iterable)
         if self.uneven_inputs == "auto" and not needs_lockstep(dataloader, device=self.root_device):
             return dataloader
         rank_zero_info(
@@ -327,7 +328,7 @@ class DataParallelStrategy(LightningParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        load_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        load_module_state(self.module, checkpoint["state_dict"], strict=strict)
 
     @override
     def teardown(self) -> None:

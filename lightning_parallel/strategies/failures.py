@@ -12,6 +12,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch.distributed as dist
 
@@ -65,7 +66,8 @@ def record_peers() -> PeerTable | None:
         return None
     entries: list[tuple[str, int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(entries, (socket.gethostname(), os.getpid()))
-    return PeerTable(hosts=tuple(e[0] for e in entries), pids=tuple(e[1] for e in entries))
+    gathered = cast(list[tuple[str, int]], entries)  # every rank filled its entry
+    return PeerTable(hosts=tuple(e[0] for e in gathered), pids=tuple(e[1] for e in gathered))
 
 
 def explain_peer_failure(exception: BaseException, peers: PeerTable | None, global_rank: int) -> None:

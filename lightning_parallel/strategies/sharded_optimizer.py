@@ -163,7 +163,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             rank=self.global_rank,
             world_size=self.world_size,
         )
-        self._backend.setup_module(self.lightning_module, self.root_device)
+        self._backend.setup_module(self.module, self.root_device)
         if fitting:
             self.setup_optimizers(trainer)
             self._validate_optimizers()
@@ -188,14 +188,14 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         this block a stage-3 module called outside a Trainer raises a ``RuntimeError`` instead of hanging.
         """
         if self._backend is None:  # never set up: the module as it is
-            yield self.lightning_module
+            yield self.module
             return
         with self._backend.full_module() as module:
             yield module
 
     def _validate_optimizers(self) -> None:
         optimizers = self.unwrapped_optimizers()
-        check_disjoint_optimizers(optimizers, self.lightning_module)
+        check_disjoint_optimizers(optimizers, self.module)
         if len(optimizers) > 1 and self._writes_sharded:
             raise ValueError(
                 f"`checkpoint_format='sharded'` holds one optimizer, `configure_optimizers` returned"
@@ -237,7 +237,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     def _log_memory_reports(self) -> None:
         """Once, after the first step (optimizer state exists from then on): the bytes every rank holds."""
         report = self.memory_report().as_dict()
-        reports = [report]
+        reports: list[Any] = [report]
         if self.is_sharding:
             reports = [None] * self.world_size
             dist.all_gather_object(reports, report)
@@ -277,7 +277,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         """Evaluate with rank 0's buffers (e.g. BatchNorm running statistics) on every rank, as DDP does: each rank
         updates its own copy while training, and rank 0's is the one a checkpoint keeps."""
         if self.is_sharding and self.lightning_module is not None:
-            for buffer in self.lightning_module.buffers():
+            for buffer in self.module.buffers():
                 if not buffer.is_meta:
                     dist.broadcast(buffer, src=0)
 

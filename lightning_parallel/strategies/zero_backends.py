@@ -16,13 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Generator, Iterable, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, cast
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from lightning_parallel._compat import sync_module_states
@@ -56,6 +57,18 @@ class ZeroBackend(Protocol):
     """Whether ``init_module(empty_init=True)`` creates the model on the meta device (materialised in setup)."""
     collective_tap: ClassVar[Literal["fsdp"] | None]
     """Collectives issued by code we do not own that a monitor must tap to count (FSDP2's), else ``None``."""
+
+    def __init__(
+        self,
+        *,
+        stage: int,
+        bucket_cap_mb: float,
+        stats: CommunicationStats | None,
+        events: StrategyEvents,
+        callbacks: Sequence[Any],
+        rank: int,
+        world_size: int,
+    ) -> None: ...
 
     @property
     def times_exposed_communication(self) -> bool:
@@ -130,6 +143,13 @@ class ReplicatedBackend:
     def times_exposed_communication(self) -> bool:
         return False
 
+    @property
+    def held(self) -> nn.Module:
+        """The module given to :meth:`setup_module`."""
+        if self.module is None:
+            raise RuntimeError("The ZeRO backend holds no module: `setup_module` has not run.")
+        return self.module
+
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         self.module = module
         zero3.materialize_meta_module(module, device)  # `empty_init` of a stage-3 model at world size 1
@@ -153,32 +173,32 @@ class ReplicatedBackend:
         pass
 
     def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
-        return module_memory_report(self.module, optimizers)
+        return module_memory_report(self.held, optimizers)
 
     def model_state(self) -> dict[str, Any]:
-        return _cloned_state(self.module)
+        return _cloned_state(self.held)
 
     def load_model_state(self, state: Any, *, strict: bool) -> None:
         if isinstance(state, ShardedCheckpointReader):
             state = full_state_from_reader(state)
-        load_module_state(self.module, state, strict=strict)
+        load_module_state(self.held, state, strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return optimizer.state_dict()
 
     def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
         if isinstance(state, ShardedCheckpointReader):
-            zero3.load_from_reader(self.module, optimizer, state, strict=False)
+            zero3.load_from_reader(self.held, optimizer, state, strict=False)
         else:
             optimizer.load_state_dict(state)
 
     def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
-        pieces = replicated_pieces(self.module, optimizer, rank=self.rank, world_size=self.world_size)
+        pieces = replicated_pieces(self.held, optimizer, rank=self.rank, world_size=self.world_size)
         return ShardedPieces(pieces=pieces, group_params=_group_params(optimizer), scalars=scalar_states_of(optimizer))
 
     @contextmanager
     def full_module(self) -> Generator[nn.Module, None, None]:
-        yield self.module
+        yield self.held
 
     def teardown(self) -> None:
         pass
@@ -205,7 +225,7 @@ class FlatBucketBackend(ReplicatedBackend):
         # Frozen parameters the optimizers hold are bucketed too: unfreezing them later needs no new layout.
         held = [param for optimizer in optimizers for group in optimizer.param_groups for param in group["params"]]
         self.buckets = ShardedParameterBuckets(
-            self.module, stage=self.stage, bucket_cap_mb=self.bucket_cap_mb, frozen=held
+            self.held, stage=self.stage, bucket_cap_mb=self.bucket_cap_mb, frozen=held
         )
         if self.stats is not None:
             self.buckets.stats = self.stats
@@ -260,7 +280,7 @@ class FlatBucketBackend(ReplicatedBackend):
 
     def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
         if isinstance(state, ShardedCheckpointReader):
-            load_from_reader(self.sharded_for(optimizer), state, self.module)
+            load_from_reader(self.sharded_for(optimizer), state, self.held)
         else:
             self.sharded_for(optimizer).load_consolidated_state_dict(state)
 
@@ -292,7 +312,7 @@ class FullyShardBackend(ReplicatedBackend):
     def __init__(self, *, callbacks: Sequence[Any] = (), **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.callbacks = callbacks
-        self.units: list[nn.Module] = []
+        self.units: list[nn.Module] = []  # each also an `FSDPModule` (fully_shard changes their class)
         self.access: ShardedModuleAccess | None = None
 
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
@@ -306,53 +326,57 @@ class FullyShardBackend(ReplicatedBackend):
         self.access = ShardedModuleAccess(module, self.units, world_size=self.world_size)
         self.access.running = True
 
+    @property
+    def _fsdp_units(self) -> list[FSDPModule]:
+        return cast(list[FSDPModule], self.units)
+
     def wrap_precision(self, plugin: Precision, device: torch.device) -> Precision:
         return with_sharded_grad_scaler(plugin, device)
 
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
-        for unit in self.units:
+        for unit in self._fsdp_units:
             unit.set_requires_gradient_sync(False, recurse=False)
         try:
             yield
         finally:
-            for unit in self.units:
+            for unit in self._fsdp_units:
                 unit.set_requires_gradient_sync(True, recurse=False)
 
     def after_backward(self) -> Iterable[Tensor]:
-        for unit in self.units:
+        for unit in self._fsdp_units:
             # A unit whose parameters got no gradient stays unsharded after backward, and FSDP2 copies each
             # parameter's `requires_grad` (`toggle_optimizer`) only when it unshards: reshard (a no-op otherwise).
             unit.reshard()
         return ()
 
     def model_state(self) -> dict[str, Any]:
-        return zero3.consolidated_model_state(self.module)
+        return zero3.consolidated_model_state(self.held)
 
     def load_model_state(self, state: Any, *, strict: bool) -> None:
         if isinstance(state, ShardedCheckpointReader):
-            zero3.load_from_reader(self.module, None, state, strict=strict)
+            zero3.load_from_reader(self.held, None, state, strict=strict)
         else:
-            zero3.load_consolidated_model_state(self.module, dict(state), strict=strict)
+            zero3.load_consolidated_model_state(self.held, dict(state), strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return zero3.consolidated_optimizer_state(self.module, optimizer)
+        return zero3.consolidated_optimizer_state(self.held, optimizer)
 
     def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
         if isinstance(state, ShardedCheckpointReader):
-            zero3.load_from_reader(self.module, optimizer, state, strict=False)
+            zero3.load_from_reader(self.held, optimizer, state, strict=False)
         else:
-            zero3.load_consolidated_optimizer_state(self.module, optimizer, state)
+            zero3.load_consolidated_optimizer_state(self.held, optimizer, state)
 
     def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
-        pieces = zero3.sharded_pieces(self.module, optimizer)
+        pieces = zero3.sharded_pieces(self.held, optimizer)
         return ShardedPieces(pieces=pieces, group_params=_group_params(optimizer), scalars=scalar_states_of(optimizer))
 
     @contextmanager
     def full_module(self) -> Generator[nn.Module, None, None]:
         """Stage 3 all-gathers every parameter once on entry and frees the whole copies on exit."""
         if self.access is None:
-            yield self.module
+            yield self.held
             return
         with self.access.full_parameters() as module:
             yield module
