@@ -32,11 +32,17 @@ from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from torch import Tensor
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.accounting import CommunicationStats, MemoryReport, module_memory_report
+from lightning_parallel.distributed.activation_checkpointing import (
+    ActivationCheckpointing,
+    apply_activation_checkpointing,
+    validate_activation_checkpointing,
+)
 from lightning_parallel.instrumentation import Instrumentation, StrategyEvents
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
@@ -65,6 +71,8 @@ class LightningParallelStrategy(DDPStrategy):
         timeout: seconds or a ``timedelta`` a collective may wait.
         process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
         nonfinite_loss: ``"skip"``, ``"stop"`` or ``"ignore"`` (see ``strategies/nonfinite.py``).
+        activation_checkpointing: ``False``, ``True`` (every repeated block) or a set of module classes to recompute
+            in backward (``distributed/activation_checkpointing.py``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
         ddp_options: keyword arguments for ``DDPStrategy`` (bucket size, static graph, ...).
     """
@@ -79,6 +87,7 @@ class LightningParallelStrategy(DDPStrategy):
         timeout: timedelta | float,
         process_group_backend: str | None,
         nonfinite_loss: NonFiniteLoss,
+        activation_checkpointing: ActivationCheckpointing = False,
         accelerator: Accelerator | None,
         parallel_devices: list[torch.device] | None,
         cluster_environment: ClusterEnvironment | None,
@@ -88,6 +97,7 @@ class LightningParallelStrategy(DDPStrategy):
     ) -> None:
         validate_start_method(start_method)
         validate_nonfinite(nonfinite_loss)
+        validate_activation_checkpointing(activation_checkpointing)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -100,6 +110,7 @@ class LightningParallelStrategy(DDPStrategy):
             **ddp_options,
         )
         self.nonfinite_loss = nonfinite_loss
+        self.activation_checkpointing = activation_checkpointing
         self.track_communication = False
         """Count collective bytes into :attr:`communication_stats` (``ParallelismMonitor`` switches it on before
         ``setup``; ``DataParallelStrategy`` also takes it as an argument)."""
@@ -142,6 +153,17 @@ class LightningParallelStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Not DDPStrategy's: its advice names `ddp_find_unused_parameters_true`, a strategy of Lightning's.
         explain_peer_failure(exception, self._peers, self.global_rank)
+
+    # ------------------------------------------------------------------ activation checkpointing
+    def _apply_activation_checkpointing(self, module: nn.Module) -> None:
+        """Local, idempotent: recompute the chosen blocks of ``module`` in backward (names and keys unchanged).
+        Called in ``setup`` before the model is wrapped, sharded or split, so FSDP2's hooks and the pipeline's
+        stages run around the checkpointed forward."""
+        if self.activation_checkpointing is False:
+            return
+        names = apply_activation_checkpointing(module, self.activation_checkpointing)
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        rank_zero_debug(f"{type(self).__name__}: activation checkpointing recomputes {len(names)} blocks: {shown}")
 
     # ------------------------------------------------------------------ non-finite loss
     def _decide_skip_step(self, output: Any) -> None:

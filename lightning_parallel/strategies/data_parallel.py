@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.compression import (
     GradientCompression,
     SerializedPowerSGD,
@@ -87,6 +88,9 @@ class DataParallelStrategy(LightningParallelStrategy):
             ``Join``'s semantics), while every rank keeps taking the same steps.
         nonfinite_loss: what every rank does when the loss is NaN/inf on any rank: ``"skip"`` the step (default),
             ``"stop"`` (raise ``FloatingPointError``) or ``"ignore"`` (no check: plain DDP averages the NaN in).
+        activation_checkpointing: recompute blocks in backward instead of keeping their activations: ``False``,
+            ``True`` (every repeated block, e.g. transformer blocks) or a set of module classes such as ``{Block}``.
+            Parameter names and checkpoints are unchanged; see docs/memory.md.
         track_communication: count the bytes of uncompressed all-reduces too (adds a Python hook per bucket);
             compressed runs always count. Read them from :attr:`communication_stats`.
         accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.
@@ -114,6 +118,7 @@ class DataParallelStrategy(LightningParallelStrategy):
         uneven_inputs: Literal["auto"] | bool = "auto",
         nonfinite_loss: NonFiniteLoss = "skip",
         track_communication: bool = False,
+        activation_checkpointing: ActivationCheckpointing = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -130,6 +135,7 @@ class DataParallelStrategy(LightningParallelStrategy):
             timeout=timeout,
             process_group_backend=process_group_backend,
             nonfinite_loss=nonfinite_loss,
+            activation_checkpointing=activation_checkpointing,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -158,6 +164,7 @@ class DataParallelStrategy(LightningParallelStrategy):
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             check_layer_sync(self._layer_sync, self.strategy_name, self.root_device, supported=True)
+        self._apply_activation_checkpointing(self.module)  # before DDP wraps the module
         super().setup(trainer)
 
     @override

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_parallel._compat import optimizers_to_device
 from lightning_parallel.accounting import MemoryReport
+from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
 from lightning_parallel.distributed.zero_optimizer import check_disjoint_optimizers
 from lightning_parallel.instrumentation import Instrumentation
@@ -62,6 +63,9 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         checkpoint_format: ``"consolidated"`` writes one Lightning ``.ckpt`` whose model and optimizer state have the
             plain single-device layout (rank 0 gathers); ``"sharded"`` writes a directory in parallel from all ranks
             with ``torch.distributed.checkpoint``. Both load at any world size and under the other strategies.
+        activation_checkpointing: recompute blocks in backward instead of keeping their activations: ``False``,
+            ``True`` (every repeated block, the units stage 3 shards) or a set of module classes such as ``{Block}``.
+            Applied before FSDP2 wraps the units; parameter names and checkpoints are unchanged; see docs/memory.md.
         nonfinite_loss: what every rank does when the loss is NaN/inf on any rank: ``"skip"`` the step (default),
             ``"stop"`` (raise ``FloatingPointError``) or ``"ignore"`` (no check).
         accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.
@@ -84,6 +88,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         bucket_cap_mb: float = 25.0,
         checkpoint_format: CheckpointFormat = "consolidated",
         nonfinite_loss: NonFiniteLoss = "skip",
+        activation_checkpointing: ActivationCheckpointing = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -106,6 +111,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             timeout=timeout,
             process_group_backend=process_group_backend,
             nonfinite_loss=nonfinite_loss,
+            activation_checkpointing=activation_checkpointing,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -163,6 +169,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             rank=self.global_rank,
             world_size=self.world_size,
         )
+        self._apply_activation_checkpointing(self.module)  # before FSDP2 (stage 3) wraps its units
         self._backend.setup_module(self.module, self.root_device)
         if fitting:
             self.setup_optimizers(trainer)
