@@ -54,7 +54,13 @@ from lightning_parallel.strategies.launch import (
     to_timeout,
     validate_start_method,
 )
-from lightning_parallel.strategies.nonfinite import NonFiniteLoss, drop_gradients, should_skip_step, validate_nonfinite
+from lightning_parallel.strategies.nonfinite import (
+    FiniteCheck,
+    NonFiniteLoss,
+    drop_gradients,
+    start_finite_check,
+    validate_nonfinite,
+)
 
 __all__ = ["LightningParallelStrategy", "unwrap_optimizer"]
 
@@ -118,7 +124,7 @@ class LightningParallelStrategy(DDPStrategy):
         self.events = StrategyEvents()
         """Timed phases of the sync paths (``lightning_parallel.instrumentation``); the monitor subscribes."""
         self._peers: PeerTable | None = None
-        self._skip_step = False
+        self._finite_check: FiniteCheck | None = None
 
     # ------------------------------------------------------------------ launch
     @property
@@ -167,20 +173,24 @@ class LightningParallelStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ non-finite loss
     def _decide_skip_step(self, output: Any) -> None:
-        """Collective unless ``nonfinite_loss="ignore"``: every rank learns whether any rank's loss is non-finite."""
+        """Collective (asynchronous) unless ``nonfinite_loss="ignore"``: launch the check whether any rank's loss
+        is non-finite; :meth:`_drop_gradients_if_skipped` reads the answer after backward."""
+        if self._finite_check is not None and self._finite_check.work is not None:
+            self._finite_check.work.wait()  # a step without backward (manual optimization) left one unread
         step = self.module.trainer.global_step
-        self._skip_step = should_skip_step(
+        self._finite_check = start_finite_check(
             output, policy=self.nonfinite_loss, device=self.root_device, step=step, world_size=self.world_size
         )
 
     def _drop_gradients_if_skipped(self, *holders: Iterable[Tensor]) -> None:
-        """After backward: drop every gradient (the module's and ``holders``) of a step every rank skips."""
-        if not self._skip_step:
+        """After backward: if any rank's loss was non-finite, drop every gradient (the module's and ``holders``) on
+        every rank (they all read the same all-reduced flag), so the optimizer leaves parameters and state alone."""
+        check, self._finite_check = self._finite_check, None
+        if check is None or not check.should_skip():
             return
         drop_gradients(self.module.parameters())
         for tensors in holders:
             drop_gradients(tensors)
-        self._skip_step = False
 
     # ------------------------------------------------------------------ reports
     def instrumentation(self) -> Instrumentation:

@@ -1,8 +1,9 @@
 """One decision on every rank when a loss is NaN or infinite.
 
 Left alone, a non-finite loss on one rank is averaged into every rank's gradients and silently ruins the model on
-all of them. Here each rank contributes "my loss is finite" to one all-reduce (MIN) per training step, and every
-rank then takes the same decision:
+all of them. Here each rank contributes "my loss is finite" to one all-reduce (MIN) per training step, launched
+asynchronously before backward and awaited after it (so it overlaps backward), and every rank then takes the same
+decision:
 
 * ``"skip"`` (default): every rank drops this step's update: backward still runs (Lightning forbids skipping it in
   distributed training, and every rank's collectives must match), then every gradient is dropped, so the optimizer
@@ -16,13 +17,22 @@ Applies to automatic optimization; under manual optimization check ``torch.isfin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 
-__all__ = ["NONFINITE_CHOICES", "NonFiniteLoss", "drop_gradients", "should_skip_step", "validate_nonfinite"]
+__all__ = [
+    "NONFINITE_CHOICES",
+    "FiniteCheck",
+    "NonFiniteLoss",
+    "drop_gradients",
+    "start_finite_check",
+    "validate_nonfinite",
+]
 
 NonFiniteLoss = Literal["skip", "stop", "ignore"]
 NONFINITE_CHOICES: tuple[str, ...] = ("skip", "stop", "ignore")
@@ -44,28 +54,58 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return None
 
 
-def should_skip_step(output: Any, *, policy: str, device: torch.device, step: int, world_size: int) -> bool:
-    """Collective unless ``policy == "ignore"``. Whether every rank drops this step; raises for ``"stop"``."""
-    if policy == "ignore":
-        return False
-    loss = _loss_of(output)
-    finite = loss is None or bool(torch.isfinite(loss.detach()).all())
-    if world_size > 1:
-        flag = torch.tensor([int(finite)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        all_finite = bool(flag.item())
-    else:
-        all_finite = finite
-    if all_finite:
-        return False
-    where = "this rank" if not finite else "another rank"
-    if policy == "stop":
-        raise FloatingPointError(
-            f"The training loss at step {step} is NaN or infinite on {where}; every rank stops here"
-            " (`nonfinite_loss='stop'`). Lower the learning rate, clip gradients, or use `nonfinite_loss='skip'`."
+@dataclass
+class FiniteCheck:
+    """One step's "is every rank's loss finite?" all-reduce, launched before backward and read after it.
+
+    The flag is computed on the loss's device and all-reduced asynchronously, so neither the check nor the collective
+    stalls the step: on CUDA no host sync between forward and backward (the CPU keeps queuing backward kernels), on
+    gloo the all-reduce runs in gloo's thread while backward computes. It is awaited in ``post_backward``.
+    """
+
+    policy: str
+    step: int
+    finite_here: Tensor
+    """This rank's verdict (int32, 1 = finite), on the loss's device."""
+    all_finite: Tensor
+    """The MIN over ranks once :attr:`work` completed (the same tensor as ``finite_here`` at world size 1)."""
+    work: Any = None
+
+    def should_skip(self) -> bool:
+        """Wait for the all-reduce; whether every rank drops this step. Raises ``FloatingPointError`` for ``"stop"``."""
+        if self.work is not None:
+            self.work.wait()
+        if bool(self.all_finite.item()):
+            return False
+        where = "this rank" if not bool(self.finite_here.item()) else "another rank"
+        if self.policy == "stop":
+            raise FloatingPointError(
+                f"The training loss at step {self.step} is NaN or infinite on {where}; every rank stops here"
+                " (`nonfinite_loss='stop'`). Lower the learning rate, clip gradients, or use `nonfinite_loss='skip'`."
+            )
+        rank_zero_warn(
+            f"The training loss at step {self.step} is NaN or infinite on some rank: every rank skips this step."
         )
-    rank_zero_warn(f"The training loss at step {step} is NaN or infinite on some rank: every rank skips this step.")
-    return True
+        return True
+
+
+def start_finite_check(
+    output: Any, *, policy: str, device: torch.device, step: int, world_size: int
+) -> FiniteCheck | None:
+    """Collective (asynchronous) unless ``policy == "ignore"`` (then ``None``): launch the check of this step's loss.
+    Every rank must call it once per training step and later call :meth:`FiniteCheck.should_skip`."""
+    if policy == "ignore":
+        return None
+    loss = _loss_of(output)
+    if loss is None:
+        finite = torch.ones(1, dtype=torch.int32, device=device)
+    else:
+        finite = torch.isfinite(loss.detach()).all().to(device=device, dtype=torch.int32).reshape(1)
+    if world_size == 1:
+        return FiniteCheck(policy=policy, step=step, finite_here=finite, all_finite=finite)
+    all_finite = finite.clone()
+    work = dist.all_reduce(all_finite, op=dist.ReduceOp.MIN, async_op=True)
+    return FiniteCheck(policy=policy, step=step, finite_here=finite, all_finite=all_finite, work=work)
 
 
 def drop_gradients(tensors: Any) -> None:
