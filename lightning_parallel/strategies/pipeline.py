@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _compat
+from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.checkpoint import replicated_pieces, save_sharded_checkpoint
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.consolidate import (
@@ -53,6 +55,15 @@ from lightning_parallel.distributed.pipeline.split import (
     broadcast_from_rank0,
     check_same_plan,
     plan_on_every_rank,
+)
+from lightning_parallel.distributed.pipeline.tied import (
+    TiedGradientSync,
+    TiedLayout,
+    TiedParameter,
+    canonical_names,
+    find_tied_parameters,
+    parameter_aliases,
+    split_counted,
 )
 from lightning_parallel.distributed.pipeline.verify import (
     check_layers_compose_to_forward,
@@ -118,6 +129,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             batch (deterministic, the same on every rank), ``"measured"`` by each layer's forward + backward time on
             rank 0's device for that batch (shared with the other ranks), ``"parameters"`` by parameter count, or a
             list with the first layer index of every stage but the first.
+        activation_checkpointing: recompute blocks in backward instead of keeping their activations, on every
+            stage: ``False``, ``True`` (every repeated block, e.g. the transformer blocks ``pipeline_layers()``
+            returns) or a set of module classes such as ``{Block}``. With 1F1B a stage then holds each in-flight
+            micro-batch's block inputs instead of all its activations; names and checkpoints are unchanged.
         verify_layers: Before the split, on the first batch of every run, check on every rank that
             ``pipeline_layers()`` applied in order gives ``forward``'s result (a ``ValueError`` naming the first layer
             whose input differs). Costs two forward passes of the whole model on one batch, on the device the model
@@ -149,6 +164,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         stages_per_rank: int | Literal["auto"] = "auto",
         partition: PartitionMethod | list[int] = "compute",
         verify_layers: bool = True,
+        activation_checkpointing: ActivationCheckpointing = False,
         checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
         start_method: StartMethod = "popen",
         timeout: timedelta | float = default_pg_timeout,
@@ -183,6 +199,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            activation_checkpointing=activation_checkpointing,
         )
         self._pipeline_parallel_size_arg = pipeline_parallel_size
         self._num_microbatches_arg = num_microbatches
@@ -198,7 +215,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._full_state_keys: list[str] = []
         self._all_layers: list[nn.Module] = []  # every pipeline layer; other ranks' ones on `meta` during a run
         self._layer_names: list[list[str]] = []
-        self._local_parameter_names: set[str] = set()
+        self._local_parameter_names: set[str] = set()  # canonical names this rank writes in a sharded checkpoint
+        self._tied: list[TiedParameter] = []  # parameters used by several pipeline layers
+        self._aliases: dict[str, str] = {}  # other name -> canonical name of every parameter with several names
+        self._tied_sync: TiedGradientSync | None = None
         self._run_failed = False
         self._optimizer_layouts: list[list[list[str]]] = []
         self._pending_grads: list[Tensor | None] | None = None
@@ -248,6 +268,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         if self._dims is None:
             raise RuntimeError("`PipelineParallelStrategy.parallel_dims` is available after the Trainer set it up.")
         return self._dims
+
+    @property
+    def tied_layout(self) -> TiedLayout:
+        """Tied parameters and the pipeline ranks holding a copy of each; raises ``RuntimeError`` before ``setup``."""
+        if self._tied_sync is None:
+            raise RuntimeError("`PipelineParallelStrategy.tied_layout` is available after the Trainer set it up.")
+        return self._tied_sync.layout
 
     @property
     def stage_plan(self) -> StagePlan:
@@ -324,6 +351,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 trainer.callbacks, strategy_name="pipeline", layout="only its stage's layers on each rank"
             )
         if self._engine is None:
+            self._apply_activation_checkpointing(module)  # before the split: each stage keeps its wrapped blocks
             self._split(trainer, module)
         else:  # after a failed run of the same Trainer the module was left split: reuse that split
             mark_orphaned(module, orphaned=False)
@@ -360,6 +388,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         local_stages = plan.stages_of(dims.pipeline_rank)
         self._full_state_keys = list(module.state_dict().keys())
         self._full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        self._tied, self._aliases = find_tied_parameters(module, layers), parameter_aliases(module)
         # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
         self._optimizer_layouts = self._whole_model_optimizer_layouts(
             module, fitting=trainer.state.fn == TrainerFn.FITTING
@@ -369,12 +398,16 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             dims.build_groups(self.root_device.type)
         check_same_plan(plan, self.world_size)
         broadcast_from_rank0(module, self.root_device)  # every stage and replica starts from rank 0's weights
+        layout = TiedLayout(tuple(self._tied), plan)
+        if self._tied_sync is None or self._tied_sync.layout != layout:
+            self._tied_sync = TiedGradientSync(layout, dims)  # a collective when ranks hold copies (new groups)
         names = layer_qualified_names(module, layers)
         local = {i for s in local_stages for i in plan.layers_of(s)}
         remove_remote_layers(module, names, plan, local_stages)
         offload_layers(layers, [i for i in range(len(layers)) if i not in local])
         self._all_layers, self._layer_names = layers, names
-        self._local_parameter_names = {name for name, _ in module.named_parameters()}
+        held = set(canonical_names(module, self._aliases).values())
+        self._local_parameter_names = held - layout.uncounted(dims.pipeline_rank)
         kept_layers = [layer if i in local else None for i, layer in enumerate(layers)]
         self._dims, self._plan = dims, plan
         self.precision_plugin.convert_module(module)
@@ -550,6 +583,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             average_across_replicas(
                 _grads(optimizer), group=dims.data_parallel_group, size=dims.data_parallel_size, stats=stats
             )
+            if self._tied_sync is not None:  # after the replica average: the copies then stay bitwise equal
+                self._tied_sync.all_reduce(self.module, self._aliases, stats=stats)
 
     @override
     def instrumentation(self) -> Instrumentation:
@@ -561,10 +596,16 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         )
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` with the norm over the parameters of all stages."""
-        clip_by_global_norm(
-            _grads(optimizer), clip_val, group=self.parallel_dims.pipeline_group, device=self.root_device
+        """``torch.nn.utils.clip_grad_norm_`` with the norm over the parameters of all stages (a tied parameter
+        counted once, on the lowest pipeline rank holding a copy)."""
+        dims = self.parallel_dims
+        names = canonical_names(self.module, self._aliases)
+        uncounted = self.tied_layout.uncounted(dims.pipeline_rank)
+        params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"] if p.grad is not None]
+        counted, copies = split_counted(
+            [(p, p.grad) for p in params], {id(p) for p in params if names.get(id(p)) in uncounted}
         )
+        clip_by_global_norm(counted, clip_val, group=dims.pipeline_group, device=self.root_device, copies=copies)
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -589,8 +630,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         the model is split; after teardown every rank holds the whole model and nothing is exchanged)."""
         if not self.is_split:
             whole = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+            whole.update({alias: whole[name] for alias, name in self._aliases.items() if alias in whole})
             return whole if self.is_global_zero else {}
-        state = consolidate_state_dict(self.module, self._full_state_keys, self.parallel_dims)
+        state = consolidate_state_dict(self.module, self._full_state_keys, self.parallel_dims, aliases=self._aliases)
         return state if state is not None and self.is_global_zero else {}
 
     @override
@@ -600,7 +642,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             return {}
         optimizer = unwrap_optimizer(optimizer)
         index = self.unwrapped_optimizers().index(optimizer)
-        names = {id(p): name for name, p in self.module.named_parameters()}
+        names = canonical_names(self.module, self._aliases)
         state = consolidate_optimizer_state(optimizer, names, self._optimizer_layouts[index], self.parallel_dims)
         return state if state is not None and self.is_global_zero else {}
 
@@ -614,7 +656,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         module = self.module
         optimizer = unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
         pieces = replicated_pieces(module, optimizer, rank=dims.data_parallel_rank, world_size=dims.data_parallel_size)
-        # After teardown the module is whole again: each rank still writes only the stage it trained.
+        # After teardown the module is whole again: each rank still writes only the stage it trained. A tied
+        # parameter is written once, under its canonical name, by the lowest pipeline rank holding a copy.
+        pieces = [replace(piece, name=self._aliases.get(piece.name, piece.name)) for piece in pieces]
         pieces = [piece for piece in pieces if piece.name in self._local_parameter_names]
         buffers = consolidate_buffers(module, dims) or {}
         meta = sharded_meta(
@@ -624,6 +668,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             shapes=self._full_shapes,
             state_keys=self._full_state_keys,
             scalars=scalar_states_of(optimizer),
+            aliases=self._aliases,
         )
         save_sharded_checkpoint(self.broadcast(str(filepath)), pieces, buffers=buffers, meta=meta)
         return None
@@ -632,12 +677,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.is_split:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        load_local_state(self.module, checkpoint["state_dict"], self._full_state_keys, strict=strict)
+        load_local_state(
+            self.module, checkpoint["state_dict"], self._full_state_keys, strict=strict, aliases=self._aliases
+        )
         return None
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        names = {id(p): name for name, p in self.module.named_parameters()}
+        names = canonical_names(self.module, self._aliases)
         for optimizer, state, layout in zip(
             self.optimizers, checkpoint["optimizer_states"], self._optimizer_layouts, strict=True
         ):
@@ -666,6 +713,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             plan=self.stage_plan,
             dims=self.parallel_dims,
             device=self.root_device,
+            tied=self._tied,
         )
         self._engine, self._all_layers = None, []
 

@@ -51,10 +51,18 @@ def _gather_to_pipeline_root(obj: Any, dims: ParallelDims) -> list[Any] | None:
     return gathered
 
 
-def consolidate_state_dict(module: nn.Module, full_keys: Sequence[str], dims: ParallelDims) -> dict[str, Any] | None:
+def consolidate_state_dict(
+    module: nn.Module,
+    full_keys: Sequence[str],
+    dims: ParallelDims,
+    *,
+    aliases: Mapping[str, str] | None = None,
+) -> dict[str, Any] | None:
     """The whole model's ``state_dict`` in its original key order, on pipeline rank 0 (a collective).
 
     Keys not held by any layer (buffers of metrics, ...) exist on every rank; pipeline rank 0's copy is used.
+    ``aliases`` (other name -> canonical name of a tied parameter) makes every name of a tied parameter hold the
+    same tensor, as in a single-device ``state_dict`` (so ``torch.save`` writes it once), whichever stages held it.
     """
     local = detached_cpu(dict(module.state_dict()))
     gathered = _gather_to_pipeline_root(local, dims)
@@ -64,6 +72,9 @@ def consolidate_state_dict(module: nn.Module, full_keys: Sequence[str], dims: Pa
     for part in reversed(gathered):
         merged.update(part)
     merged.update(gathered[0])
+    for alias, canonical in (aliases or {}).items():
+        if canonical in merged:
+            merged[alias] = merged[canonical]
     missing = [key for key in full_keys if key not in merged]
     assert not missing, f"no stage holds {missing}"
     return {key: merged[key] for key in full_keys}
@@ -146,7 +157,7 @@ def slice_optimizer_state(
 
 def consolidate_buffers(module: nn.Module, dims: ParallelDims) -> dict[str, Any] | None:
     """Every state entry that is not a parameter (buffers of all stages, metric states), on pipeline rank 0."""
-    parameters = {name for name, _ in module.named_parameters()}
+    parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     local = {k: v for k, v in detached_cpu(dict(module.state_dict())).items() if k not in parameters}
     gathered = _gather_to_pipeline_root(local, dims)
     if gathered is None:
@@ -157,15 +168,26 @@ def consolidate_buffers(module: nn.Module, dims: ParallelDims) -> dict[str, Any]
     return merged
 
 
-def load_local_state(module: nn.Module, saved: Mapping[str, Any], full_keys: Sequence[str], *, strict: bool) -> None:
+def load_local_state(
+    module: nn.Module,
+    saved: Mapping[str, Any],
+    full_keys: Sequence[str],
+    *,
+    strict: bool,
+    aliases: Mapping[str, str] | None = None,
+) -> None:
     """Load this rank's entries of a whole-model ``state_dict`` into its (split) ``module``.
+
+    A tied parameter held here under another of its names (``aliases``: other name -> canonical name) is read from
+    that name, or from its canonical name when the checkpoint names it once.
 
     Raises:
         RuntimeError: With ``strict``, if a local entry is missing or the checkpoint has entries the model lacks.
     """
+    saved = {**{a: saved[c] for a, c in (aliases or {}).items() if a not in saved and c in saved}, **saved}
     local_keys = list(module.state_dict().keys())
     missing = [k for k in local_keys if k not in saved]
-    unexpected = [k for k in saved if k not in set(full_keys)]
+    unexpected = [k for k in saved if k not in set(full_keys) and k not in (aliases or {})]
     if strict and (missing or unexpected):
         raise RuntimeError(f"The checkpoint does not match the model: missing {missing}, unexpected {unexpected}.")
     module.load_state_dict({k: saved[k] for k in local_keys if k in saved}, strict=False)
@@ -179,11 +201,14 @@ def sharded_meta(
     shapes: Mapping[str, tuple[int, ...]],
     state_keys: Sequence[str],
     scalars: Mapping[str, Any],
+    aliases: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """``meta.pt`` of the package's sharded format (``lightning_parallel.distributed.checkpoint``) for the whole model.
 
     A pipeline rank's module holds one stage, so shapes, key order and param groups come from what was recorded on
-    the whole model before splitting; param groups name their parameters (any layout can read them).
+    the whole model before splitting; param groups name their parameters (any layout can read them). A tied
+    parameter is written once under its canonical name; ``aliases`` (other name -> canonical name) restores its other
+    names on reading.
     """
     groups = None
     if optimizer is not None and layout is not None:
@@ -192,6 +217,7 @@ def sharded_meta(
     return {
         "lightning": {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
         "shapes": dict(shapes),
+        "aliases": dict(aliases or {}),
         "state_dict_order": list(state_keys),
         "param_groups": groups,
         "scalars": {name: dict(scalars) for name in shapes},

@@ -32,12 +32,20 @@ def average_across_replicas(
         offset += g.numel()
 
 
-def clip_by_global_norm(grads: Sequence[Tensor], max_norm: float, *, group: Any, device: torch.device) -> Tensor:
+def clip_by_global_norm(
+    grads: Sequence[Tensor],
+    max_norm: float,
+    *,
+    group: Any,
+    device: torch.device,
+    copies: Sequence[Tensor] = (),
+) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the gradients of every stage; returns the global norm.
 
     Each rank sums the squares of its stage's gradients; one all-reduce over the pipeline gives the global norm
     (replicas of a stage hold equal, already averaged gradients, so the pipeline group suffices). The scaling is
-    torch's: ``max_norm / (norm + 1e-6)`` clamped to 1.
+    torch's: ``max_norm / (norm + 1e-6)`` clamped to 1. ``copies`` are gradients of tied-parameter copies that
+    another rank counts: scaled like the others, left out of the norm, so a tied parameter is counted once.
     """
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
@@ -46,6 +54,6 @@ def clip_by_global_norm(grads: Sequence[Tensor], max_norm: float, *, group: Any,
         dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     clip_coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
+    for g in [*grads, *copies]:
         g.detach().mul_(clip_coef.to(g.dtype))
     return norm

@@ -119,24 +119,20 @@ def _is_stateless(layer: nn.Module) -> bool:
 
 
 def check_parameter_ownership(module: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
-    """Map every parameter of ``module`` to the layer that holds it; return each layer's parameter count.
+    """Check that every parameter of ``module`` belongs to a layer; return each layer's parameter count.
+
+    A parameter may belong to several layers (tied weights, e.g. an embedding reused as the LM head): the stages
+    that use it each keep a copy (see :mod:`.tied`).
 
     Raises:
-        ValueError: If a parameter is shared by two layers (tied weights across stages) or belongs to no layer.
+        ValueError: If a parameter belongs to no layer.
     """
-    owner: dict[int, int] = {}
-    for index, layer in enumerate(layers):
-        for parameter in layer.parameters():
-            if owner.setdefault(id(parameter), index) != index:
-                raise ValueError(
-                    f"A parameter is shared by pipeline layers {owner[id(parameter)]} and {index} (tied weights)."
-                    " Pipeline stages cannot share parameters; untie them or put both uses in one layer."
-                )
+    owned = {id(parameter) for layer in layers for parameter in layer.parameters()}
     for name, parameter in module.named_parameters():
-        if id(parameter) not in owner:
+        if id(parameter) not in owned:
             raise ValueError(
                 f"Parameter `{name}` belongs to none of the modules returned by `pipeline_layers()`. Every"
-                " parameter used by `forward` must live in exactly one pipeline layer."
+                " parameter used by `forward` must live in a pipeline layer."
             )
     return layer_parameter_costs(layers)
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.distributed.pipeline.partition import RemoteLayer, StagePlan
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.tied import TiedParameter
 
 __all__ = ["TensorSignature", "mark_orphaned", "offload_layers", "reassemble"]
 
@@ -52,6 +53,7 @@ def reassemble(
     plan: StagePlan,
     dims: ParallelDims,
     device: torch.device,
+    tied: Sequence[TiedParameter] = (),
 ) -> None:
     """Give every rank of the pipeline the whole model back (a collective over the pipeline group).
 
@@ -59,11 +61,15 @@ def reassemble(
     Each layer's owner first tells the others what it holds (one ``all_gather_object``), then broadcasts every
     tensor; the receivers assign the tensors to the offloaded layer (``requires_grad`` as on the owner) and put
     it back under each of its names in ``module``, replacing the :class:`RemoteLayer` placeholders.
+
+    A parameter of ``tied`` is sent once, with its first user's layer; afterwards every user holds one and the same
+    ``nn.Parameter`` again: this rank's own copy where it held one, else the one received.
     """
     p = dims.pipeline_parallel_size
     local = {i for stage in plan.stages_of(dims.pipeline_rank) for i in plan.layers_of(stage)}
     if p == 1:
         return
+    later_users = {user for t in tied for user in t.users[1:]}  # sent with the first user's layer instead
     mine = {i: _signatures(layers[i]) for i in sorted(local)}
     gathered: list[Any] = [None] * p
     dist.all_gather_object(gathered, mine, group=dims.pipeline_group)
@@ -71,6 +77,7 @@ def reassemble(
         owner = plan.stage_of_layer(index) % p
         source = dims.pipeline_global_rank(owner)
         signatures: list[TensorSignature] = gathered[owner][index]
+        signatures = [s for s in signatures if (index, s.name) not in later_users]
         if index in local:
             tensors = _tensors(layer)
             for signature in signatures:
@@ -86,6 +93,18 @@ def reassemble(
         _assign(layer, signatures, received)
         for name in names[index]:
             module.set_submodule(name, layer)
+    for t in tied:
+        _retie(layers, t, local)
+
+
+def _retie(layers: Sequence[nn.Module], tied: TiedParameter, local: set[int]) -> None:
+    """Make every user of ``tied`` hold one ``nn.Parameter``: this rank's copy if it ran a user, else the first
+    user's (received)."""
+    holder = next(((i, n) for i, n in tied.users if i in local), tied.users[0])
+    parameter = layers[holder[0]].get_parameter(holder[1])
+    for index, inner in tied.users:
+        prefix, _, leaf = inner.rpartition(".")
+        setattr(layers[index].get_submodule(prefix), leaf, parameter)
 
 
 def _tensors(layer: nn.Module) -> dict[str, Tensor]:
