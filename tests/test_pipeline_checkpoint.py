@@ -138,5 +138,8 @@ def test_pipeline_checkpoint_is_the_single_device_checkpoint(first_epoch):
 )
 def test_resume_across_layouts_continues_exactly(first_epoch, two_epochs_single_device, saved_by, resumed_by):
     weights = _run(resumed_by, 2, ckpt_in=first_epoch[saved_by])
-    assert_weights_close(weights, two_epochs_single_device, rtol=1e-4, atol=1e-5)
+    # Adam divides by sqrt(v): an element with a near-zero gradient turns rounding into a visible step (seen on one
+    # machine: 1.3e-5 on one element of 16384, 2x2 sharded -> pipeline). A resume that lost the optimizer state or
+    # the weights is off by > 1e-3.
+    assert_weights_close(weights, two_epochs_single_device, rtol=1e-4, atol=2e-5)
     assert os.path.exists(first_epoch[saved_by])
