@@ -13,6 +13,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from distributed_harness import run_distributed
+from test_activation_checkpointing import BATCH as AC_BATCH
+from test_activation_checkpointing import SEQ as AC_SEQ
+from test_activation_checkpointing import _gpt, measure_gpt_saved_bytes
 from torch.utils.data import DataLoader
 from training_helpers import make_trainer
 
@@ -20,7 +23,7 @@ from lightning_parallel import PipelineParallelStrategy, ShardedOptimizerStrateg
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 from lightning_parallel.monitor import ParallelismMonitor, ring_wire_bytes
 from lightning_parallel.planner import main, parse_memory, pipeline_bubble, plan
-from lightning_parallel.planner.estimate import zero_buckets
+from lightning_parallel.planner.estimate import activation_estimate, zero_buckets
 from lightning_parallel.planner.spec import model_spec
 
 BATCH, SEQ = 4, 16
@@ -217,3 +220,70 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Recommended:" in out and "Trainer(devices=8" in out
     assert main(["no.such:Model", "--world-size", "2"]) == 2
     assert "not a preset" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- activations
+def test_activation_estimate_matches_saved_bytes() -> None:
+    """The activation estimate against the bytes autograd saves for backward, counted exactly
+    (tests/test_activation_checkpointing.py), for the demo GPT (2 blocks, h 64, 2 heads, V 256, fp32, batch 4 x 256).
+
+    Torch's CPU attention kernel is fused (no scores stored), so the estimate is taken without its ``5as`` term. The
+    estimate also counts the logits' gradient (``4V`` bytes per token), which exists in backward but is not saved;
+    with checkpointing it counts the block being recomputed, measured as one block's saved bytes. Tolerance 6%:
+    the formula's ``34h`` bytes per token and block (16-bit) is 17 elements, this GPT saves 16 (its attention output
+    feeds ``c_proj`` without a copy) plus LayerNorm statistics and the log-sum-exp, and the estimate leaves out the
+    few per-token tensors outside the blocks (final norm, head input, token ids).
+    """
+    measured = measure_gpt_saved_bytes()
+    shape = _gpt(block_size=AC_SEQ).transformer_shape()
+    logits_gradient = 4 * shape.vocab_size * AC_BATCH * AC_SEQ
+
+    def estimate(checkpointing: bool, attention_scores: bool = False) -> int:
+        return activation_estimate(
+            shape,
+            seq_len=AC_SEQ,
+            samples=AC_BATCH,
+            blocks=shape.num_layers,
+            activation_bytes=4,
+            stream_bytes=4,
+            with_logits=True,
+            checkpointing=checkpointing,
+            attention_scores=attention_scores,
+        )
+
+    assert estimate(False) == pytest.approx(measured["without"] + logits_gradient, rel=0.06)
+    assert estimate(True) == pytest.approx(measured["with"] + measured["one_block"] + logits_gradient, rel=0.06)
+    # plan() uses the same formula with the attention scores (an upper bound for fused kernels).
+    for checkpointing in (False, True):
+        planned = plan(
+            _gpt(block_size=AC_SEQ),
+            world_size=1,
+            batch_size=AC_BATCH,
+            seq_len=AC_SEQ,
+            activation_checkpointing=checkpointing,
+        )
+        activations = planned.configuration("data_parallel").ranks[0].activations
+        assert activations == estimate(checkpointing, attention_scores=True)
+
+
+def test_activation_checkpointing_option(capsys: pytest.CaptureFixture[str]) -> None:
+    kwargs = {"world_size": 2, "batch_size": 8, "precision": "bf16-mixed"}
+    plain, checkpointed = plan("small", **kwargs), plan("small", **kwargs, activation_checkpointing=True)
+    for config in plain.configurations:
+        other = checkpointed.configuration(config.name)
+        assert other.max_total < config.max_total
+        assert [r.held for r in other.ranks] == [r.held for r in config.ranks]  # only activations change
+    zero2 = checkpointed.configuration("zero2").strategy
+    assert zero2 == "ShardedOptimizerStrategy(stage=2, activation_checkpointing=True)"
+    assert checkpointed.configuration("data_parallel").strategy == "DataParallelStrategy(activation_checkpointing=True)"
+    assert checkpointed.configuration("pipeline pp=2, dp=1").strategy.endswith(", activation_checkpointing=True)")
+    # "small": 4 blocks x 8 x 128 tokens x 256 x 4 bytes (the residual stream stays fp32 under autocast), one block
+    # in 16-bit, the logits and their gradient in fp32.
+    h, a, s, v, tokens = 256, 4, 128, 256, 8 * 128
+    expected = 4 * tokens * h * 4 + tokens * (34 * h + 5 * a * s) + 8 * v * tokens
+    assert checkpointed.configuration("zero3").ranks[0].activations == expected
+    with pytest.raises(TypeError, match="activation_checkpointing=1"):
+        plan("tiny", world_size=2, activation_checkpointing=1)
+    assert main(["tiny", "--world-size", "2", "--activation-checkpointing"]) == 0
+    out = capsys.readouterr().out
+    assert "activation checkpointing. Per rank" in out and "activation_checkpointing=True)" in out

@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-microbatches", type=int, default=None, help="pipeline micro-batches (default: stages)")
     parser.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"])
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ZeRO-1/2 bucket size in MiB")
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute every transformer block in backward (the strategies' activation_checkpointing=True)",
+    )
     return parser
 
 
@@ -66,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             num_microbatches=args.num_microbatches,
             schedule=args.schedule,
             bucket_cap_mb=args.bucket_cap_mb,
+            activation_checkpointing=args.activation_checkpointing,
         )
     except ValueError as error:
         print(f"lightning-parallel plan: error: {error}", file=sys.stderr)

@@ -40,6 +40,8 @@ class Plan:
     recommended: ConfigEstimate | None
     trainer_line: str | None
     assumptions: list[str] = field(default_factory=list)
+    activation_checkpointing: bool = False
+    """Whether the activation estimates assume every transformer block recomputed in backward."""
 
     def configuration(self, name: str) -> ConfigEstimate:
         """The configuration called ``name`` (``"zero2"``, ``"pipeline pp=2, dp=2"``, ...)."""
@@ -76,7 +78,8 @@ class Plan:
         lines = [
             f"Model {self.model}: {self.num_parameters:,} parameters; world size {self.world_size} on"
             f" {self.num_nodes} node(s), {memory} per device, {self.optimizer}, precision {self.precision},"
-            f" batch {self.batch_size} x {self.seq_len} tokens per replica. Per rank, worst rank shown:",
+            f" batch {self.batch_size} x {self.seq_len} tokens per replica"
+            f"{', activation checkpointing' if self.activation_checkpointing else ''}. Per rank, worst rank shown:",
             "",
             self.table(),
             "",
@@ -117,6 +120,7 @@ def plan(
     num_microbatches: int | None = None,
     schedule: str = "1F1B",
     bucket_cap_mb: float = 25.0,
+    activation_checkpointing: bool = False,
 ) -> Plan:
     """Predict bytes held per rank and bytes communicated per step for every strategy configuration, and pick one.
 
@@ -138,17 +142,34 @@ def plan(
             count it chose in the ``Trainer`` line; bytes held and sent do not depend on it).
         schedule: pipeline schedule (``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"``).
         bucket_cap_mb: the ZeRO-1/2 bucket size (``ShardedOptimizerStrategy(bucket_cap_mb=...)``).
+        activation_checkpointing: every transformer block recomputed in backward, as the strategies'
+            ``activation_checkpointing=True`` does: each block keeps only its input, plus one block's activations
+            while it is recomputed (:func:`~lightning_parallel.planner.estimate.activation_estimate`). The
+            recommended ``Trainer`` line then turns it on.
 
     Raises:
         ValueError: for an unknown optimizer or precision, or a world size / node count that does not divide.
+        TypeError: for an ``activation_checkpointing`` that is not a bool.
     """
     _validate(world_size, num_nodes, optimizer, precision, batch_size, device_memory)
+    if not isinstance(activation_checkpointing, bool):
+        raise TypeError(
+            f"`activation_checkpointing={activation_checkpointing!r}` must be True or False: the planner models"
+            " checkpointing of every transformer block (`True`), which is what a set naming the block class does."
+        )
     spec = model_spec(model)
     if seq_len is None:
         seq_len = spec.shape.max_seq_len if spec.shape is not None else 1
     element, activation = PRECISION_BYTES[precision]
     ctx = EstimateContext(
-        spec, world_size, OPTIMIZER_STATES[optimizer.lower()], element, activation, batch_size, seq_len
+        spec,
+        world_size,
+        OPTIMIZER_STATES[optimizer.lower()],
+        element,
+        activation,
+        batch_size,
+        seq_len,
+        activation_checkpointing=activation_checkpointing,
     )
     configs = [estimate_data_parallel(ctx)]
     if world_size > 1:
@@ -172,7 +193,8 @@ def plan(
         configurations=configs,
         recommended=chosen,
         trainer_line=line,
-        assumptions=_assumptions(spec),
+        assumptions=_assumptions(spec, activation_checkpointing=activation_checkpointing),
+        activation_checkpointing=activation_checkpointing,
     )
 
 
@@ -209,7 +231,7 @@ def default_microbatches(batch_size: int, pipeline_parallel_size: int, stages_pe
     return None
 
 
-def _assumptions(spec: ModelSpec) -> list[str]:
+def _assumptions(spec: ModelSpec, *, activation_checkpointing: bool) -> list[str]:
     notes = [
         "Bytes held and bytes per step are exact for our strategies (checked against ParallelismMonitor);"
         " activations are an estimate (34h + 5as bytes per token and block in 16-bit, Korthikanti et al. 2022).",
@@ -219,6 +241,12 @@ def _assumptions(spec: ModelSpec) -> list[str]:
         "wire bytes = the most bytes one rank puts on the wire per step under ring collectives (2(N-1)/N of an"
         " all-reduce, (N-1)/N of a reduce-scatter or all-gather; P2P as sent).",
     ]
+    if activation_checkpointing:
+        notes.append(
+            "Activation checkpointing: each block keeps its input (h elements per token in the parameters' dtype);"
+            " backward adds one block's activations for one (micro-)batch while recomputing it, and ~1/3 more"
+            " compute (each block's forward runs twice)."
+        )
     if spec.shape is None:
         notes.append("No transformer shape (no `transformer_shape()` hook): activations are not estimated ('?').")
     return notes + spec.notes
