@@ -1,40 +1,24 @@
-"""PNG figures of the benchmark suite, drawn with matplotlib (the optional ``plots`` extra), saved under
-``benchmarks/figures/`` and linked from ``benchmarks/RESULTS.md``.
-
-Every function takes plain numbers (no benchmark result objects), so the figures can be redrawn from a table.
-"""
+"""The suite's PNG figures (matplotlib, the optional ``plots`` extra) and the pipeline's Chrome trace, from plain
+numbers and the monitor's per-rank records."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import json
+import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "MemoryBar",
-    "RatioBar",
-    "pyplot",
-    "save_communication_chart",
-    "save_memory_chart",
-    "save_ratio_chart",
-    "save_timeline",
-]
+__all__ = ["chrome_trace", "ratio_chart", "scaling_chart", "timeline_chart"]
 
-_MIB = 1024**2
-TIMELINE_COLORS = {"F": "#4285f4", "B": "#34a853", "W": "#fbbc05"}
-"""Forward blue, backward (or input-gradient half) green, weight-gradient half yellow."""
+_MIB = 2**20
+_CHUNK_COLORS = {"F": "#4285f4", "B": "#34a853", "W": "#fbbc05"}
 
 
-def pyplot() -> Any:
-    """``matplotlib.pyplot`` with the file-only ``Agg`` backend (no display needed).
-
-    Raises:
-        ImportError: If matplotlib is not installed, naming the extra that installs it.
-    """
+def _pyplot() -> Any:
     try:
         import matplotlib
-    except ImportError as error:  # matplotlib is optional for the library, required for the figures
+    except ImportError as error:  # optional for the library, required for the figures
         raise ImportError("The benchmark figures need matplotlib: `pip install -e '.[plots]'`.") from error
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -42,130 +26,93 @@ def pyplot() -> Any:
     return plt
 
 
-@dataclass(frozen=True)
-class RatioBar:
-    """One comparison of the ratio chart."""
-
-    label: str
-    """Text beside the bar, e.g. ``"zero2 / Lightning DDP"``."""
-    median: float
-    """Median over repeats of ours / anchor."""
-    per_repeat: tuple[float, ...] = ()
-    """The ratio of each repeat (drawn as dots)."""
+def _save(plt: Any, fig: Any, path: Path, rect: tuple[float, ...] = (0, 0, 1, 1)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-@dataclass(frozen=True)
-class MemoryBar:
-    """One configuration of the memory chart, in bytes on the largest rank."""
-
-    label: str
-    """Configuration name."""
-    parameter_bytes: float
-    """Bytes of parameters the rank holds."""
-    gradient_bytes: float
-    """Bytes of gradients the rank holds."""
-    optimizer_state_bytes: float
-    """Bytes of optimizer state the rank holds."""
-    peak_rss_growth: float = float("nan")
-    """Peak RSS during ``fit`` minus the RSS at setup (NaN: not drawn)."""
-
-
-def save_ratio_chart(bars: Sequence[RatioBar], path: Path, *, title: str) -> None:
-    """Horizontal bars of throughput ratios ours / anchor, a line at 1.0 (parity) and each repeat as a dot."""
-    plt = pyplot()
+def ratio_chart(bars: Mapping[str, Sequence[float]], path: Path) -> None:
+    """Throughput ours / anchor: a bar per comparison at the median, a dot per repeat, a line at parity."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(bars) + 1.4))
     y = list(range(len(bars)))[::-1]
-    colors = ["#34a853" if bar.median >= 1.0 else "#ea4335" for bar in bars]
-    ax.barh(y, [bar.median for bar in bars], color=colors, alpha=0.75)
-    for yy, bar in zip(y, bars, strict=True):
-        ax.plot(bar.per_repeat, [yy] * len(bar.per_repeat), "k.", markersize=5)
-        ax.text(bar.median, yy, f" {bar.median:.3f}", va="center", fontsize=8)
+    medians = [statistics.median(values) for values in bars.values()]
+    ax.barh(y, medians, color=["#34a853" if m >= 1 else "#ea4335" for m in medians], alpha=0.75)
+    for yy, median, values in zip(y, medians, bars.values(), strict=True):
+        ax.plot(values, [yy] * len(values), "k.", markersize=5)
+        ax.text(median, yy, f" {median:.3f}", va="center", fontsize=8)
     ax.axvline(1.0, color="black", linewidth=1)
-    ax.set_xlim(0, 1.15 * max([1.0, *(bar.median for bar in bars), *(r for bar in bars for r in bar.per_repeat)]))
-    ax.set_yticks(y, [bar.label for bar in bars], fontsize=8)
+    ax.set_yticks(y, list(bars), fontsize=8)
     ax.set_xlabel("throughput ours / anchor (> 1: ours faster); bars: medians, dots: repeats")
-    ax.set_title(title, fontsize=10)
-    _save(fig, path)
+    _save(plt, fig, path)
 
 
-def save_memory_chart(bars: Sequence[MemoryBar], path: Path, *, title: str) -> None:
-    """Stacked bars of parameter, gradient and optimizer-state MiB per rank, with the peak RSS growth as a marker."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(bars) + 2.0))
-    y = list(range(len(bars)))[::-1]
-    left = [0.0] * len(bars)
-    for name, color in (("parameter", "#4285f4"), ("gradient", "#34a853"), ("optimizer_state", "#fbbc05")):
-        widths = [getattr(bar, f"{name}_bytes") / _MIB for bar in bars]
-        ax.barh(y, widths, left=left, color=color, label=name.replace("_", " "))
-        left = [a + b for a, b in zip(left, widths, strict=True)]
-    growth = [(yy, bar.peak_rss_growth / _MIB) for yy, bar in zip(y, bars, strict=True) if bar.peak_rss_growth >= 0]
-    if growth:
-        ax.plot([g for _, g in growth], [yy for yy, _ in growth], "kD", markersize=5, label="peak RSS growth in fit")
-    ax.set_yticks(y, [bar.label for bar in bars], fontsize=8)
-    ax.set_xlabel("MiB held by the largest rank (less is better)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4)
-    _save(fig, path)
+def scaling_chart(
+    series: Mapping[str, tuple[Mapping[int, tuple[float, float]], Mapping[int, tuple[float, float]]]], path: Path
+) -> None:
+    """Bytes held per rank and wire bytes per rank per step against the world size (log 2): measured solid with
+    markers, the planner's prediction dashed in the same colour. ``series``: label -> (measured, predicted), each
+    world size -> (held, wire)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for color, (label, (measured, predicted)) in zip(colors, series.items(), strict=False):
+        for index, ax in enumerate(axes):
+            for points, style, name in ((measured, "o-", label), (predicted, "x--", None)):
+                sizes = sorted(points)
+                ax.plot(sizes, [points[ws][index] / _MIB for ws in sizes], style, color=color, label=name)
+    for ax, what, scale in (
+        (axes[0], "MiB held per rank", "log"),
+        (axes[1], "MiB on the wire per rank per step", "symlog"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale(scale, **({"linthresh": 0.01} if scale == "symlog" else {}))
+        ax.set_xlabel("world size")
+        ax.set_ylabel(what)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_title("measured (solid), planner (dashed)", fontsize=9)
+    axes[1].set_ylim(bottom=0)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8)
+    _save(plt, fig, path, rect=(0, 0.15, 1, 1))
 
 
-def save_communication_chart(bars: Sequence[tuple[str, float]], path: Path, *, title: str) -> None:
-    """Horizontal bars of bytes communicated per rank per optimizer step (MiB), one per configuration."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(bars) + 1.4))
-    y = list(range(len(bars)))[::-1]
-    values = [value / _MIB for _, value in bars]
-    ax.barh(y, values, color="#4285f4", alpha=0.8)
-    ax.set_xlim(0, 1.15 * max([*values, 1e-3]))
-    for yy, value in zip(y, values, strict=True):
-        ax.text(value, yy, f" {value:.2f}", va="center", fontsize=8)
-    ax.set_yticks(y, [label for label, _ in bars], fontsize=8)
-    ax.set_xlabel("MiB received per rank per optimizer step (bandwidth-optimal algorithms)")
-    ax.set_title(title, fontsize=10)
-    _save(fig, path)
-
-
-def save_timeline(rows: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: Path) -> None:
-    """One panel per run (schedule), one band per rank: the forward/backward blocks of one training step.
-
-    Args:
-        rows: ``(title, ranks)`` per run; each rank is a record with ``"rank"`` and ``"events"``
-            ``(kind, stage, micro-batch, start, end, step)`` as written by :mod:`benchmarks.pipeline`. Each run is
-            drawn on its own time axis (milliseconds from its first block).
-        path: Where to save the PNG.
-    """
-    plt = pyplot()
-    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 1.1 * sum(len(r) for _, r in rows) + 0.6 * len(rows)))
-    axes = axes if len(rows) > 1 else [axes]
-    for ax, (title, ranks) in zip(axes, rows, strict=True):
-        origin = min(e[3] for r in ranks for e in r["events"])
-        for r in ranks:
-            for kind in TIMELINE_COLORS:
-                blocks = [((e[3] - origin) * 1e3, (e[4] - e[3]) * 1e3) for e in r["events"] if e[0] == kind]
-                ax.broken_barh(blocks, (r["rank"] - 0.4, 0.8), facecolors=TIMELINE_COLORS[kind], edgecolor="black")
-            for kind, stage, chunk, start, end, _step in r["events"]:
-                if (end - start) * 1e3 > 0:
-                    mid = (start + end) / 2 - origin
-                    ax.text(
-                        mid * 1e3,
-                        r["rank"],
-                        f"{kind}{chunk}" + ("" if stage == r["rank"] else f"s{stage}"),
-                        ha="center",
-                        va="center",
-                        fontsize=5,
-                    )
+def timeline_chart(runs: Mapping[str, Sequence[dict[str, Any]]], path: Path) -> None:
+    """One panel per run, one band per rank: the chunks of the rank's first measured step (the monitor's timeline)."""
+    plt = _pyplot()
+    ranks_total = sum(len(ranks) for ranks in runs.values())
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.1 * ranks_total + 0.6 * len(runs)), squeeze=False)
+    for ax, (title, ranks) in zip(axes[:, 0], runs.items(), strict=True):
+        for rank in ranks:
+            for kind, stage, start, end in rank["steps"][0]["timeline"]:
+                ax.broken_barh(
+                    [(start * 1e3, (end - start) * 1e3)], (rank["rank"] - 0.4, 0.8), color=_CHUNK_COLORS[kind]
+                )
+                ax.text((start + end) / 2 * 1e3, rank["rank"], f"{kind}s{stage}", ha="center", va="center", fontsize=5)
         ax.set_yticks([r["rank"] for r in ranks], [f"rank {r['rank']}" for r in ranks], fontsize=8)
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9, loc="left")
-        ax.tick_params(axis="x", labelsize=7)
-    axes[-1].set_xlabel("ms from the step's first block (forward blue, backward green, weight gradients yellow)")
-    _save(fig, path)
+    axes[-1, 0].set_xlabel("ms from the rank's step start (forward blue, backward green, weight gradients yellow)")
+    _save(plt, fig, path)
 
 
-def _save(fig: Any, path: Path) -> None:
+def chrome_trace(ranks: Sequence[dict[str, Any]], path: Path) -> None:
+    """The first measured step of every rank as a Chrome trace (one thread per rank, one slice per chunk)."""
+    events: list[dict[str, Any]] = []
+    for rank in ranks:
+        tid = rank["rank"]
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": f"rank {tid}"}})
+        for kind, stage, start, end in rank["steps"][0]["timeline"]:
+            events.append(
+                {
+                    "name": f"{kind} stage {stage}",
+                    "ph": "X",
+                    "ts": start * 1e6,
+                    "dur": (end - start) * 1e6,
+                    "pid": 0,
+                    "tid": tid,
+                }
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    fig.clf()
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

@@ -23,7 +23,6 @@ says why; ``--device cpu --tiny`` runs one configuration end to end on CPU (what
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -39,7 +38,8 @@ from lightning.pytorch.strategies import Strategy
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from benchmarks.results import RESULTS_PATH, update_section
+from benchmarks.harness import one_line
+from benchmarks.report import RESULTS_PATH, markdown_table, mib, update_section
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 from lightning_parallel.demos.main import quiet_lightning
 from lightning_parallel.demos.report import DemoRecorder, read_recording
@@ -225,41 +225,44 @@ def run_check(settings: CheckSettings, configs: Sequence[Configuration]) -> tupl
             outcome, state = _fit(settings, config)
             _compare(outcome, state, references[config.precision])
         except Exception as error:  # one failing configuration must not hide the others
-            outcome = Outcome(config, error=f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}")
+            outcome = Outcome(config, error=one_line(error))
         print("ok" if outcome.passed else outcome.error, flush=True)
         outcomes.append(outcome)
     return outcomes, check_fork_refusal(settings)
 
 
-def _mib(value: float | None) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value / 2**20:,.0f}"
-
-
 def render_markdown(outcomes: Sequence[Outcome], fork_refusal: str, *, settings: CheckSettings, device: str) -> str:
     """The RESULTS.md section: one row per configuration, then the fork refusal."""
-    lines = [
-        "## gpu_check: every strategy on NCCL with mixed precision, against one device",
-        "",
-        f"`make gpu-check` on {device}: preset `{settings.preset}`, {settings.steps} steps, global batch"
-        f" {settings.batch_size} x {settings.seq_len} tokens. Equivalence: per-step losses (and final weights at"
-        f" world size 1) against Lightning's single-device run at the same precision, rtol {_RTOL}, atol {_ATOL}.",
-        "",
-        "| strategy | ranks | precision | result | max loss diff | max weight diff | max_memory_allocated MiB"
-        " per rank | monitor peak MiB | monitor held MiB | s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+    header = ["strategy", "ranks", "precision", "result", "max loss diff", "max weight diff"]
+    header += ["max_memory_allocated MiB per rank", "monitor peak MiB", "monitor held MiB", "s"]
+    rows = [
+        [
+            o.config.strategy,
+            str(o.config.world_size),
+            o.config.precision,
+            "ok" if o.passed else f"FAILED: {o.error}",
+            "-" if o.loss_diff is None else f"{o.loss_diff:.2e}",
+            "-" if o.weight_diff is None else f"{o.weight_diff:.2e}",
+            " / ".join(mib(m, 0) for m in o.max_memory_allocated) or "-",
+            mib(o.monitor_peak, 0),
+            mib(o.monitor_held, 0),
+            f"{o.seconds:.1f}",
+        ]
+        for o in outcomes
     ]
-    for o in outcomes:
-        c = o.config
-        diff = "-" if o.loss_diff is None else f"{o.loss_diff:.2e}"
-        wdiff = "-" if o.weight_diff is None else f"{o.weight_diff:.2e}"
-        peaks = " / ".join(_mib(m) for m in o.max_memory_allocated) or "-"
-        result = "ok" if o.passed else f"FAILED: {o.error}"
-        lines.append(
-            f"| {c.strategy} | {c.world_size} | {c.precision} | {result} | {diff} | {wdiff} | {peaks} |"
-            f" {_mib(o.monitor_peak)} | {_mib(o.monitor_held)} | {o.seconds:.1f} |"
-        )
-    lines += ["", f"CUDA-before-fork refusal of the `*_notebook` strategies: {fork_refusal}."]
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            "## gpu_check: every strategy on NCCL with mixed precision, against one device",
+            "",
+            f"`make gpu-check` on {device}: preset `{settings.preset}`, {settings.steps} steps, global batch"
+            f" {settings.batch_size} x {settings.seq_len} tokens. Equivalence: per-step losses (and final weights at"
+            f" world size 1) against Lightning's single-device run at the same precision, rtol {_RTOL}, atol {_ATOL}.",
+            "",
+            markdown_table(header, rows),
+            "",
+            f"CUDA-before-fork refusal of the `*_notebook` strategies: {fork_refusal}.",
+        ]
+    )
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -2,60 +2,53 @@
 
 Usage::
 
-    python -m benchmarks.run_all [--preset small|large|tiny] [--repeats N] [--steps N] [--only zero,pipeline]
+    python -m benchmarks.run_all [--preset tiny|small|large] [--repeats N] [--steps N] [--only zero,pipeline]
                                  [--output benchmarks/RESULTS.md]
 
-* ``small`` (default): the CPU suite at world size 2 (the scaling part at 1, 2, 4), a few minutes on 2 cores.
-* ``large``: GPU sizes (``gpt-125m``, NCCL, one process per GPU); for a machine with >= 4 GPUs. Not run by us yet.
-* ``tiny``: seconds; what the tests run.
-
-A benchmark is a module with ``NAME``, ``configure(preset, *, repeats, steps)``, ``measure(config)`` and
-``render_markdown(results, *, command)`` (and optionally ``write_figures(results, figures_dir)``); add new ones to
-:data:`BENCHMARKS`. Each writes its own section of RESULTS.md; the summary section (ratios ours / anchor of every
-comparison, figures, scaling) comes first. A benchmark that raises is reported and the others still run; the exit
-status is then 1.
+``small`` (default) is the CPU suite at world size 2 (scaling at 1, 2, 4); ``large`` the GPU sizes (``gpt-125m``,
+NCCL), not run by us yet; ``tiny`` takes a minute (what the tests run). A benchmark is a module with ``NAME``,
+``PRESETS`` (preset -> a config with ``workload`` and ``repeats``), ``measure(config)`` returning results with
+``comparisons``, ``render(results, *, command)`` and optionally ``write_figures(results, folder)``. The summary (every
+comparison's ratios, in one table and one figure) is the first section. A benchmark that raises is reported, the
+others still run, and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
-import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from benchmarks import data_parallel, pipeline, scaling, summary, zero
-from benchmarks.results import RESULTS_PATH, update_section
+from benchmarks import data_parallel, figures, pipeline, zero
+from benchmarks.report import RESULTS_PATH, comparison_table, section, update_section
 from lightning_parallel.demos.main import quiet_lightning
 
-__all__ = ["BENCHMARKS", "PRESET_NAMES", "SuiteConfig", "SuiteResults", "main", "run_suite"]
+__all__ = ["BENCHMARKS", "PRESET_NAMES", "SuiteConfig", "SuiteResults", "configure", "main", "run_suite"]
 
 BENCHMARKS: dict[str, ModuleType] = {module.NAME: module for module in (data_parallel, zero, pipeline)}
-"""Benchmark name -> module, in the order they run."""
 PRESET_NAMES = ("tiny", "small", "large")
-"""Values of ``--preset``; every benchmark module has a configuration for each."""
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class SuiteConfig:
     """What one run of the suite does."""
 
     preset: str = "small"
-    """Size of every benchmark, one of :data:`PRESET_NAMES`."""
     repeats: int | None = None
-    """Repeats of every timed comparison; ``None``: each benchmark's preset value."""
+    """Repeats of every interleaved comparison; ``None``: each preset's."""
     steps: int | None = None
-    """Optimizer steps of every timed run; ``None``: each benchmark's preset value."""
+    """Optimizer steps of every compared fit (the warm-up is kept shorter); ``None``: each preset's."""
     only: tuple[str, ...] = tuple(BENCHMARKS)
-    """Benchmarks to run, names of :data:`BENCHMARKS`."""
     results_path: Path = RESULTS_PATH
-    """The markdown file to update; figures go to ``figures/`` beside it."""
+    """The Markdown file to update; figures go to ``figures/`` beside it."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESET_NAMES:
@@ -68,11 +61,6 @@ class SuiteConfig:
             if value is not None and value < 1:
                 raise ValueError(f"`{name}={value}` must be at least 1 (or None for the preset's value).")
 
-    @property
-    def figures_dir(self) -> Path:
-        """Where the PNG figures go: ``figures/`` beside :attr:`results_path`."""
-        return self.results_path.parent / "figures"
-
     def command(self) -> str:
         """The command line that reproduces this run."""
         parts = ["python -m benchmarks.run_all", f"--preset {self.preset}"]
@@ -83,72 +71,89 @@ class SuiteConfig:
         return " ".join(parts)
 
 
+def configure(module: ModuleType, suite: SuiteConfig) -> Any:
+    """``module``'s preset with the suite's ``repeats`` and ``steps`` where given."""
+    config = module.PRESETS[suite.preset]
+    if suite.steps is not None:
+        warmup = min(config.workload.warmup_steps, suite.steps - 1)
+        config = replace(config, workload=replace(config.workload, steps=suite.steps, warmup_steps=warmup))
+    return config if suite.repeats is None else replace(config, repeats=suite.repeats)
+
+
 @dataclass
 class SuiteResults:
-    """What one run of the suite measured."""
-
     benchmarks: dict[str, Any] = field(default_factory=dict)
-    """Benchmark name -> its result object, for those that ran."""
+    """Benchmark name -> its results, for those that ran."""
     failed: dict[str, str] = field(default_factory=dict)
     """Benchmark name -> the error of those that raised."""
 
 
-def run_suite(config: SuiteConfig) -> SuiteResults:
-    """Run the chosen benchmarks, write their sections, the summary and the figures; return what was measured.
+def return_freed_memory_to_os() -> bool:
+    """Fix glibc's mmap threshold at 1 MiB before forking, so freed tensors leave the RSS at once (glibc otherwise
+    raises it after large frees and RSS shows the allocator's history); ``False`` where libc is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(-3, 2**20))  # M_MMAP_THRESHOLD from <malloc.h>
 
-    Sets this process to one intra-op thread before the first fork (a forked child of a process whose OpenMP pool
-    ran can hang) and never initialises CUDA here (the ranks do).
+
+def run_suite(suite: SuiteConfig) -> SuiteResults:
+    """Run the chosen benchmarks, write their sections, figures and the summary; return what was measured.
+
+    Sets one intra-op thread before the first fork (a forked child of a process whose OpenMP pool ran can hang) and
+    never initialises CUDA here (the ranks do).
     """
     torch.set_num_threads(1)
     quiet_lightning()
-    zero.return_freed_memory_to_os()  # before the first fork, so every configuration's ranks inherit it alike
-    command = config.command()
-    results = SuiteResults()
-    for name in config.only:
+    return_freed_memory_to_os()
+    folder, command, results = suite.results_path.parent / "figures", suite.command(), SuiteResults()
+    for name in suite.only:
         module = BENCHMARKS[name]
-        start = time.monotonic()
         try:
-            bench_config = module.configure(config.preset, repeats=config.repeats, steps=config.steps)
-            measured = module.measure(bench_config)
+            measured = module.measure(configure(module, suite))
             if hasattr(module, "write_figures"):
-                module.write_figures(measured, config.figures_dir)
-            update_section(name, module.render_markdown(measured, command=command), path=config.results_path)
+                module.write_figures(measured, folder)
+            update_section(name, module.render(measured, command=command), path=suite.results_path)
         except Exception as error:  # one broken benchmark must not hide the others' results
             traceback.print_exc()
             results.failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             continue
         results.benchmarks[name] = measured
-        print(f"\n=== {name}: {time.monotonic() - start:.0f} s ===", flush=True)
-    predicted = None
-    if "zero" in results.benchmarks:
-        try:
-            predicted = scaling.predicted_scaling(results.benchmarks["zero"].config.memory)
-        except Exception as error:  # the measured part is still worth writing
-            traceback.print_exc()
-            results.failed["planner"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-    section = summary.render_summary(
-        results.benchmarks,
+    comparisons = [c for measured in results.benchmarks.values() for c in measured.comparisons]
+    bars = {f"{c.ours} / {c.anchor}": c.throughput for c in comparisons if c.throughput}
+    blocks = {"": comparison_table(comparisons) if comparisons else "No comparison ran."}
+    if results.failed:
+        blocks["Benchmarks that failed"] = "\n".join(f"- `{n}`: `{e}`" for n, e in results.failed.items())
+    if bars:
+        figures.ratio_chart(bars, folder / "throughput_ratios.png")
+        blocks["Throughput ratios"] = "![throughput ratios](figures/throughput_ratios.png)"
+    summary = section(
+        "Summary: ours beside the anchors",
         command=command,
-        failed=results.failed,
-        figures_dir=config.figures_dir,
-        results_path=config.results_path,
-        predicted=predicted,
+        notes=[
+            "Each row pairs two configurations of one benchmark, run back to back in every repeat (alternating"
+            " order); ratios are ours / anchor. Bytes held and peak memory: largest rank; wire bytes: busiest rank per"
+            " step (1: the same traffic; ZeRO-3 needs 1.5x by design). Details in the sections below.",
+        ],
+        blocks=blocks,
     )
-    update_section(summary.NAME, section, path=config.results_path, first=True)
-    print("\n" + section)
+    update_section("summary", summary, path=suite.results_path, first=True)
+    print("\n" + summary)
     return results
 
 
-def _parse_args(argv: Sequence[str] | None) -> SuiteConfig:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the suite from the command line; 0 if every benchmark ran, 1 if one raised."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small", choices=PRESET_NAMES, help="benchmark size (default: small)")
-    parser.add_argument("--repeats", type=int, default=None, help="repeats of every timed comparison")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every timed run")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats of every interleaved comparison")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every compared fit")
     parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated subset of the benchmarks")
     parser.add_argument("--output", type=Path, default=RESULTS_PATH, help="RESULTS.md to update (figures beside it)")
     args = parser.parse_args(argv)
     try:
-        return SuiteConfig(
+        suite = SuiteConfig(
             preset=args.preset,
             repeats=args.repeats,
             steps=args.steps,
@@ -157,18 +162,7 @@ def _parse_args(argv: Sequence[str] | None) -> SuiteConfig:
         )
     except ValueError as error:
         parser.error(str(error))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the suite from the command line.
-
-    Args:
-        argv: Command-line arguments; ``None`` reads ``sys.argv``.
-
-    Returns:
-        0 if every benchmark ran (whether or not it met its goals: the tables say so), 1 if one raised.
-    """
-    results = run_suite(_parse_args(argv))
+    results = run_suite(suite)
     if results.failed:
         print(f"Failed benchmarks: {', '.join(results.failed)}", file=sys.stderr)
     return 1 if results.failed else 0

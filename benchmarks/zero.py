@@ -1,434 +1,233 @@
-"""ShardedOptimizerStrategy (ZeRO stages 1-3) against Lightning's DDP, DDP + ZeroRedundancyOptimizer, FSDP, DeepSpeed.
+"""ShardedOptimizerStrategy (ZeRO 1/2/3) against Lightning's DDP, DDP + ZeroRedundancyOptimizer, FSDP and DeepSpeed.
 
-Every configuration trains the demo GPT with AdamW in fp32 on the same data, started with ``fork``. Two parts:
+* **Throughput** (``workload``): every contender in interleaved repeats; ratios ours / anchor per repeat, and the
+  bytes held, peak memory and bytes on the wire of the same runs.
+* **Scaling** (``scaling``, a model whose AdamW state dominates): ours and DDP once at each of ``world_sizes``;
+  bytes held by the largest rank and on the wire per step, beside ``lightning_parallel.planner.plan``'s prediction
+  for those and larger world sizes.
 
-* **Throughput** (``devices`` ranks, default 2): each repeat runs every configuration once, in alternating order
-  (forwards, then backwards); the ratios ours / anchor are taken per repeat (the two ran close together) and the
-  table reports medians. The same runs give the bytes communicated per optimizer step and the bytes of parameters,
-  gradients and optimizer state each rank holds (measured in the ranks by :mod:`benchmarks.zero_probe`).
-* **Memory** (a model sized so that optimizer state dominates): peak RSS per rank of every configuration at the
-  largest world size (default 4), and of ours and DDP at each world size (1, 2, 4), which should fall for ours.
-
-Stage 3 creates the model under ``trainer.init_module(empty_init=True)`` (meta device, sharded before it is
-materialised): that is how a user gets stage 3's memory benefit. Anchors that cannot run here (Lightning's
-``FSDPStrategy`` and ``DeepSpeedStrategy`` on CPU) are attempted once and their exact error is recorded.
-
-Run it with ``python -m benchmarks.zero [--preset small|large|tiny] [--repeats N]`` or through
-``python -m benchmarks.run_all``. It updates its section of ``benchmarks/RESULTS.md``.
+ZeRO-3 creates the model under ``trainer.init_module(empty_init=True)`` (meta device, sharded before it is
+materialised), as a user does to get its memory benefit; its initial weights, and so its loss, differ from the others'.
+To add an anchor: a :class:`~benchmarks.harness.Contender` in :data:`CONTENDERS` and its pairs in :data:`PAIRS`.
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
-import gc
-import os
-import statistics
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-import lightning.pytorch as pl
-import torch
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, Strategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from typing_extensions import override
-
-from benchmarks.results import update_section
-from benchmarks.trainers import benchmark_trainer
-from benchmarks.zero_probe import ZeroProbe, read_probe
-from lightning_parallel._compat import MultiProcessingLauncher
-from lightning_parallel.demos.data import TextDataModule
-from lightning_parallel.demos.gpt import PRESETS as GPT_PRESETS
-from lightning_parallel.demos.main import quiet_lightning
-from lightning_parallel.demos.module import GPTLightningModule
-from lightning_parallel.demos.stats import RunStats, RunSummary, summarize
+from benchmarks import figures
+from benchmarks.anchors import MeasuredDDPStrategy, ZeroRedundancyGPT, deepspeed, fsdp_shard_grad_op
+from benchmarks.harness import Comparison, Contender, Outcome, Workload, compare, run_interleaved
+from benchmarks.report import comparison_table, markdown_table, mib, outcome_table, section
+from lightning_parallel.demos.gpt import GPTConfig
+from lightning_parallel.planner import plan
 from lightning_parallel.strategies import ShardedOptimizerStrategy
 
-__all__ = [
-    "CONTENDERS",
-    "OPTIONAL_ANCHORS",
-    "PRESETS",
-    "BenchmarkConfig",
-    "Contender",
-    "Run",
-    "RunConfig",
-    "ZeroResults",
-    "configure",
-    "main",
-    "measure",
-    "render_markdown",
-    "return_freed_memory_to_os",
-    "train_contender",
-]
+__all__ = ["CONTENDERS", "NAME", "PAIRS", "PRESETS", "Config", "ZeroResults", "measure", "render", "write_figures"]
 
 NAME = "zero"
-"""This benchmark's section name in RESULTS.md."""
-
-DDP, ZERO_REDUNDANCY = "lightning_ddp", "ddp_zero_redundancy"
-OURS = ("zero1", "zero2", "zero3")
+DDP = "lightning_ddp"
 
 
-class ZeroRedundancyGPT(GPTLightningModule):
-    """The demo module with its AdamW wrapped in torch's ``ZeroRedundancyOptimizer`` (optimizer state sharded)."""
-
-    @override
-    def configure_optimizers(self) -> ZeroRedundancyOptimizer:
-        adamw = super().configure_optimizers()
-        groups = [{"params": group["params"], "weight_decay": group["weight_decay"]} for group in adamw.param_groups]
-        defaults = {key: adamw.defaults[key] for key in ("lr", "betas", "eps")}
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **defaults)
-
-
-@dataclass(frozen=True)
-class Contender:
-    """One configuration of the benchmark."""
-
-    label: str
-    """Text of the table's first column."""
-    stage: int
-    """ZeRO stage it shards up to (0: nothing sharded); ours are compared with the anchors of their stage."""
-    make_strategy: Callable[[], Strategy]
-    """Builds a fresh strategy that starts its ranks with ``fork``."""
-    module_class: type[GPTLightningModule] = GPTLightningModule
-    """The LightningModule (it chooses the optimizer)."""
-    empty_init: bool = False
-    """Create the model under ``trainer.init_module(empty_init=True)``."""
+def _ours(stage: int) -> Contender:
+    return Contender(
+        name=f"zero{stage}",
+        label=f"ours: ShardedOptimizerStrategy(stage={stage})",
+        make_strategy=lambda: ShardedOptimizerStrategy(stage, start_method="fork"),
+        empty_init=stage == 3,
+        is_ours=True,
+    )
 
 
-def _ddp() -> DDPStrategy:
-    return DDPStrategy(start_method="fork")  # ZeroProbe gives it torch's stock allreduce_hook (counted)
-
-
-def _forked(strategy: Strategy) -> Strategy:
-    # These strategies take no `start_method`; their default (popen) would re-run this script in every rank.
-    strategy._start_method = "fork"  # type: ignore[attr-defined]
-    return strategy
-
-
-CONTENDERS: dict[str, Contender] = {
-    "zero1": Contender(
-        "ours: ShardedOptimizerStrategy(stage=1)", 1, lambda: ShardedOptimizerStrategy(1, start_method="fork")
+CONTENDERS: tuple[Contender, ...] = (
+    _ours(1),
+    _ours(2),
+    _ours(3),
+    Contender(name=DDP, label="anchor: Lightning DDPStrategy", make_strategy=MeasuredDDPStrategy),
+    Contender(
+        name="ddp_zero_redundancy",
+        label="anchor: Lightning DDP + ZeroRedundancyOptimizer",
+        make_strategy=MeasuredDDPStrategy,
+        make_module=lambda w: ZeroRedundancyGPT(w.preset, **w.overrides),
     ),
-    "zero2": Contender(
-        "ours: ShardedOptimizerStrategy(stage=2)", 2, lambda: ShardedOptimizerStrategy(2, start_method="fork")
+    Contender(
+        name="fsdp_shard_grad_op",
+        label="anchor: Lightning FSDPStrategy(SHARD_GRAD_OP)",
+        make_strategy=fsdp_shard_grad_op,
     ),
-    "zero3": Contender(
-        "ours: ShardedOptimizerStrategy(stage=3), empty_init",
-        3,
-        lambda: ShardedOptimizerStrategy(3, start_method="fork"),
-        empty_init=True,
+    Contender(
+        name="deepspeed_stage1",
+        label="anchor: Lightning DeepSpeedStrategy(stage=1)",
+        make_strategy=lambda: deepspeed(1),
     ),
-    DDP: Contender("anchor: Lightning DDPStrategy", 0, _ddp),
-    ZERO_REDUNDANCY: Contender("anchor: Lightning DDP + ZeroRedundancyOptimizer", 1, _ddp, ZeroRedundancyGPT),
-}
-"""Configurations that run on CPU, in the order of the first repeat."""
-
-OPTIONAL_ANCHORS: dict[str, Contender] = {
-    "fsdp_shard_grad_op": Contender(
-        "anchor: Lightning FSDPStrategy(SHARD_GRAD_OP)",
-        2,
-        lambda: FSDPStrategy(sharding_strategy="SHARD_GRAD_OP"),
+    Contender(
+        name="deepspeed_stage2",
+        label="anchor: Lightning DeepSpeedStrategy(stage=2)",
+        make_strategy=lambda: deepspeed(2),
     ),
-    "deepspeed_stage1": Contender(
-        "anchor: Lightning DeepSpeedStrategy(stage=1)", 1, lambda: _forked(DeepSpeedStrategy(stage=1))
-    ),
-    "deepspeed_stage2": Contender(
-        "anchor: Lightning DeepSpeedStrategy(stage=2)", 2, lambda: _forked(DeepSpeedStrategy(stage=2))
-    ),
-}
-"""Anchors that join :data:`CONTENDERS` if a one-step attempt succeeds; otherwise their error is recorded."""
+)
+"""Every configuration of the throughput part, in the order of the first repeat."""
+PAIRS: tuple[tuple[str, str], ...] = (
+    *((f"zero{stage}", anchor) for stage in (1, 2, 3) for anchor in (DDP, "ddp_zero_redundancy")),
+    ("zero1", "deepspeed_stage1"),
+    ("zero2", "fsdp_shard_grad_op"),
+    ("zero2", "deepspeed_stage2"),
+)
+"""(ours, anchor) compared in the summary."""
+SCALED: tuple[str, ...] = ("zero1", "zero2", "zero3", DDP)
+"""Configurations of the scaling part."""
+PLANNED = {"zero1": "zero1", "zero2": "zero2", "zero3": "zero3", DDP: "data_parallel"}
+"""Our configuration -> the planner's name for it (Lightning's DDP holds and sends what ``data_parallel`` does)."""
+PREDICTED_WORLD_SIZES: tuple[int, ...] = tuple(2**k for k in range(11))
 
 
-@dataclass(kw_only=True)
-class RunConfig:
-    """What one training run does."""
-
-    preset: str = "small"
-    """Model size, a key of :data:`~lightning_parallel.demos.gpt.PRESETS`."""
-    n_layer: int | None = None
-    """Override of the preset's number of blocks."""
-    n_embd: int | None = None
-    """Override of the preset's width."""
-    steps: int = 15
-    """Optimizer steps per run."""
-    warmup_steps: int = 3
-    """Steps before throughput and communication are measured."""
-    devices: int = 2
-    """CPU processes (world size)."""
-    batch_size: int = 8
-    """Sequences per batch per process."""
-    seq_len: int = 128
-    """Tokens per sequence (at most the preset's ``block_size``)."""
-    accelerator: str = "cpu"
-    """Lightning accelerator: ``"cpu"`` (gloo) or ``"gpu"`` (NCCL, one process per GPU)."""
-
-
-@dataclass(kw_only=True)
-class BenchmarkConfig:
-    """The throughput part, the memory part and the number of repeats."""
-
-    throughput: RunConfig = field(default_factory=RunConfig)
-    """Runs of the throughput part (world size ``throughput.devices``)."""
-    memory: RunConfig = field(default_factory=RunConfig)
-    """Runs of the memory part; ``memory.devices`` is replaced by each of :attr:`memory_world_sizes`."""
-    memory_world_sizes: tuple[int, ...] = (1, 2, 4)
-    """World sizes of the memory part; every configuration runs at the largest, ours and DDP at each."""
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    workload: Workload
+    """The throughput part."""
+    scaling: Workload
+    """The scaling part (12.7 M parameters: AdamW's state is the largest block per rank); ``devices`` is replaced."""
+    world_sizes: tuple[int, ...] = (1, 2, 4)
     repeats: int = 3
-    """Repeats of the throughput part (medians reported); the memory part runs once."""
 
 
-PRESETS: dict[str, BenchmarkConfig] = {
-    # Unit tests: seconds.
-    "tiny": BenchmarkConfig(
-        throughput=RunConfig(preset="tiny", steps=4, warmup_steps=2, batch_size=4, seq_len=32),
-        memory=RunConfig(preset="tiny", steps=2, warmup_steps=1, batch_size=2, seq_len=32),
-        memory_world_sizes=(1, 2),
+PRESETS: dict[str, Config] = {
+    "tiny": Config(
+        workload=Workload(preset="tiny", steps=4, warmup_steps=2, batch_size=4, seq_len=32),
+        scaling=Workload(preset="tiny", steps=2, warmup_steps=1, batch_size=2, seq_len=32),
+        world_sizes=(1, 2),
         repeats=1,
     ),
-    # A few minutes on a 2-core machine; the memory model (12.7 M parameters, 51 MB) makes AdamW's state (101 MB)
-    # the largest block of state per rank.
-    "small": BenchmarkConfig(
-        throughput=RunConfig(preset="small", steps=15, warmup_steps=3),
-        memory=RunConfig(preset="small", n_layer=4, n_embd=512, steps=3, warmup_steps=1, batch_size=2),
-    ),
-    # The issue's size (~86 M parameters with the byte vocabulary) on GPUs (NCCL): 2 for the throughput part, 1, 2
-    # and 4 for the memory part. Not run by us yet (no GPU machine).
-    "large": BenchmarkConfig(
-        throughput=RunConfig(
-            preset="gpt-125m", steps=30, warmup_steps=5, batch_size=8, seq_len=1024, accelerator="gpu"
+    "small": Config(
+        workload=Workload(),
+        scaling=Workload(
+            preset="small", overrides={"n_layer": 4, "n_embd": 512}, steps=3, warmup_steps=1, batch_size=2
         ),
-        memory=RunConfig(preset="gpt-125m", steps=4, warmup_steps=2, batch_size=4, seq_len=1024, accelerator="gpu"),
+    ),
+    "large": Config(  # GPUs, not run by us yet
+        workload=Workload(preset="gpt-125m", steps=30, warmup_steps=5, seq_len=1024, accelerator="gpu"),
+        scaling=Workload(preset="gpt-125m", steps=4, warmup_steps=2, batch_size=4, seq_len=1024, accelerator="gpu"),
     ),
 }
-"""Named benchmark sizes for ``--preset``."""
-
-
-@dataclass
-class Run:
-    """The numbers of one finished run."""
-
-    summary: RunSummary
-    """Throughput, loss and peak memory from :class:`~lightning_parallel.demos.stats.RunStats`."""
-    probe: dict[str, list[float]]
-    """Per-rank communication and held bytes from :class:`~benchmarks.zero_probe.ZeroProbe`."""
-
-    def peak(self) -> float:
-        """The largest rank's peak RSS in bytes."""
-        return max(self.summary["peak_mem"])
-
-    def held(self, field_name: str) -> float:
-        """The largest rank's value of a probe field."""
-        return max(self.probe[field_name])
 
 
 @dataclass
 class ZeroResults:
-    """Every run's numbers."""
+    config: Config
+    outcomes: dict[str, Outcome]
+    comparisons: list[Comparison]
+    scaling: dict[int, dict[str, Outcome]] = field(default_factory=dict)
+    """World size -> configuration -> its one run."""
+    predicted: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    """Configuration -> world size -> the planner's (bytes held by the largest rank, wire bytes of the busiest)."""
 
-    config: BenchmarkConfig
-    """What was run."""
-    contenders: dict[str, Contender]
-    """What ran: :data:`CONTENDERS` plus the optional anchors that worked."""
-    unavailable: dict[str, str] = field(default_factory=dict)
-    """Optional anchor -> the error that stopped it."""
-    throughput: dict[str, list[Run]] = field(default_factory=dict)
-    """Configuration -> one run per repeat (world size ``config.throughput.devices``)."""
-    memory: dict[tuple[str, int], Run] = field(default_factory=dict)
-    """(configuration, world size) -> its memory run."""
+    def measured(self, name: str) -> dict[int, tuple[float, float]]:
+        """World size -> measured (bytes held by the largest rank, wire bytes of the busiest rank per step)."""
+        runs = {ws: outcomes[name].runs[0] for ws, outcomes in self.scaling.items()}
+        return {ws: (float(run.max_held), run.wire or 0.0) for ws, run in runs.items()}
 
-    def median(self, name: str, key: str) -> float:
-        """Median over repeats of a ``RunSummary`` field of configuration ``name``."""
-        return statistics.median(float(run.summary[key]) for run in self.throughput[name])  # type: ignore[literal-required]
-
-    def ratios(self, name: str, anchor: str, key: str = "tokens_per_s") -> list[float]:
-        """``name`` / ``anchor`` of ``key`` per repeat."""
-        pairs = zip(self.throughput[name], self.throughput[anchor], strict=True)
-        return [float(a.summary[key]) / float(b.summary[key]) for a, b in pairs]  # type: ignore[literal-required]
-
-    def comm(self, name: str, field_name: str = "received_bytes") -> float:
-        """Per-rank mean of a communication field per step, median over repeats."""
-        return statistics.median(statistics.fmean(run.probe[field_name]) for run in self.throughput[name])
+    def planner_agreement(self) -> float:
+        """The largest relative difference between planner and measurement where both exist."""
+        return max(
+            abs(m - p) / max(abs(m), 1.0)
+            for name in SCALED
+            for ws, measured in self.measured(name).items()
+            if ws in self.predicted[name]
+            for m, p in zip(measured, self.predicted[name][ws], strict=True)
+        )
 
 
-@contextmanager
-def _restored_environ() -> Iterator[None]:
-    """Lightning's fork launcher writes MASTER_PORT into this process; undo it so every run picks a fresh port."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+def predict(workload: Workload, world_sizes: tuple[int, ...]) -> dict[str, dict[int, tuple[float, float]]]:
+    """The planner's bytes held (largest rank) and wire bytes (busiest rank) per step for :data:`SCALED`."""
+    model = GPTConfig.from_preset(workload.preset, **workload.overrides)
+    predicted: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in SCALED}
+    for ws in world_sizes:
+        planned = plan(model, world_size=ws, batch_size=workload.batch_size, seq_len=workload.tokens_per_sequence)
+        names = {c.name for c in planned.configurations}
+        for name in SCALED:
+            if PLANNED[name] in names:  # ZeRO is planned from two ranks on
+                config = planned.configuration(PLANNED[name])
+                predicted[name][ws] = (float(max(r.held for r in config.ranks)), config.wire_bytes(ws))
+    return predicted
 
 
-class _MetricsOnlyLauncher(MultiProcessingLauncher):
-    """Lightning's fork launcher, except that the parent does not load rank 0's trained weights (the benchmark only
-    needs the metrics), for Lightning's own strategies (DDP, and FSDP made to fork). Ours keep their own launchers,
-    which bring the whole model back. It acts after training, outside the figures."""
-
-    @override
-    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
-        if worker_output.weights_path is not None:
-            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
-        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
-
-
-def train_contender(contender: Contender, run: RunConfig) -> Run:
-    """Train the demo model once with ``contender`` and return what ``RunStats`` and ``ZeroProbe`` measured."""
-    gc.collect()  # the previous run's model (held in reference cycles) would otherwise be inherited by the ranks
-    seq_len = min(run.seq_len, GPT_PRESETS[run.preset]["block_size"])
-    torch.manual_seed(0)
-    datamodule = TextDataModule(seq_len=seq_len, batch_size=run.batch_size, max_bytes=400_000, seed=0)
-    datamodule.setup("fit")  # once here: the forked ranks inherit the corpus
-    trainer = benchmark_trainer(
-        accelerator=run.accelerator,
-        devices=run.devices,
-        strategy=contender.make_strategy(),
-        max_steps=run.steps,
-        callbacks=[RunStats(warmup_steps=run.warmup_steps), ZeroProbe(warmup_steps=run.warmup_steps)],
-    )
-    # FSDPStrategy always re-runs the script in every rank (here: the whole benchmark); on GPUs start it with fork
-    # instead (on CPU Lightning refuses FSDP in the Trainer's constructor, above).
-    if type(trainer.strategy.launcher) is MultiProcessingLauncher or isinstance(trainer.strategy, FSDPStrategy):
-        trainer.strategy._launcher = _MetricsOnlyLauncher(trainer.strategy, start_method="fork")  # type: ignore[attr-defined]
-    overrides = {"n_layer": run.n_layer, "n_embd": run.n_embd}
-    # At world size 1 stage 3 trains unsharded, and the strategy then cannot take a meta-device model (it calls
-    # `module.to(device)`): create it normally there.
-    empty_init = contender.empty_init and run.devices > 1
-    context = trainer.init_module(empty_init=True) if empty_init else nullcontext()
-    with context:
-        model = contender.module_class(run.preset, **{k: v for k, v in overrides.items() if v is not None})
-    with _restored_environ():
-        trainer.fit(model, datamodule=datamodule)
-    return Run(summary=summarize(trainer), probe=read_probe(trainer))
-
-
-def _one_line(error: BaseException) -> str:
-    """The last non-empty line of an error's message (a forked rank's traceback ends with its real error)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
-
-
-def _try_optional_anchors(run: RunConfig) -> tuple[dict[str, Contender], dict[str, str]]:
-    """Attempt each optional anchor for one step; return those that worked and the errors of the others."""
-    attempt = replace(run, steps=1, warmup_steps=0)
-    working, errors = {}, {}
-    for name, contender in OPTIONAL_ANCHORS.items():
-        print(f"\n=== attempting {contender.label} ===", flush=True)
-        try:
-            train_contender(contender, attempt)
-        except Exception as error:  # recorded in RESULTS.md: the anchor does not run here
-            errors[name] = _one_line(error)
-            continue
-        working[name] = contender
-    return working, errors
-
-
-def measure(config: BenchmarkConfig) -> ZeroResults:
-    """Run the throughput part (``config.repeats`` times, alternating order) and the memory part.
-
-    Call it with one intra-op thread in this process (``torch.set_num_threads(1)``): it forks the ranks.
-
-    Raises:
-        ValueError: If ``config.repeats < 1``.
-        RuntimeError: If a run of :data:`CONTENDERS` failed (the rank's error is chained).
-    """
-    if config.repeats < 1:
-        raise ValueError(f"`repeats={config.repeats}` must be at least 1.")
-    working, unavailable = _try_optional_anchors(replace(config.throughput, preset="tiny", seq_len=32, batch_size=2))
-    contenders = {**CONTENDERS, **working}
-    results = ZeroResults(config=config, contenders=contenders, unavailable=unavailable)
-    results.throughput = {name: [] for name in contenders}
-    for repeat in range(config.repeats):
-        order = list(contenders) if repeat % 2 == 0 else list(reversed(contenders))
-        for name in order:
-            print(f"\n=== throughput, repeat {repeat + 1}/{config.repeats}: {contenders[name].label} ===", flush=True)
-            results.throughput[name].append(train_contender(contenders[name], config.throughput))
-    largest = max(config.memory_world_sizes)
-    for world_size in config.memory_world_sizes:
-        for name, contender in contenders.items():
-            if world_size == largest or name in (*OURS, DDP):
-                print(f"\n=== memory, world size {world_size}: {contender.label} ===", flush=True)
-                run = replace(config.memory, devices=world_size)
-                results.memory[(name, world_size)] = train_contender(contender, run)
+def measure(config: Config) -> ZeroResults:
+    """Run the throughput part (interleaved repeats), then the scaling part (one run per world size)."""
+    outcomes = run_interleaved(CONTENDERS, config.workload, repeats=config.repeats)
+    results = ZeroResults(config, outcomes, [compare(outcomes[a], outcomes[b]) for a, b in PAIRS])
+    scaled = [c for c in CONTENDERS if c.name in SCALED]
+    for ws in config.world_sizes:
+        results.scaling[ws] = run_interleaved(scaled, replace(config.scaling, devices=ws), repeats=1)
+    results.predicted = predict(config.scaling, tuple(sorted({*config.world_sizes, *PREDICTED_WORLD_SIZES})))
     return results
 
 
-def render_markdown(results: ZeroResults, *, command: str) -> str:
-    """The RESULTS.md section (:func:`benchmarks.zero_report.render_markdown`)."""
-    from benchmarks.zero_report import render_markdown as render  # zero_report imports this module
-
-    return render(results, command=command)
-
-
-def configure(preset: str, *, repeats: int | None = None, steps: int | None = None) -> BenchmarkConfig:
-    """The configuration of ``preset`` with ``repeats`` and the throughput part's ``steps`` replaced where given.
-
-    The memory part keeps its few steps: its figures (bytes held, bytes per step, peak RSS) do not need more.
-    """
-    if preset not in PRESETS:
-        raise ValueError(f"`preset={preset!r}` is not one of {', '.join(PRESETS)}.")
-    config = PRESETS[preset]
-    if steps is not None:
-        warmup = min(config.throughput.warmup_steps, steps - 1)
-        config = replace(config, throughput=replace(config.throughput, steps=steps, warmup_steps=warmup))
-    return config if repeats is None else replace(config, repeats=repeats)
+def _scaling_table(results: ZeroResults) -> str:
+    measured_sizes = results.config.world_sizes
+    planned_sizes = [ws for ws in PREDICTED_WORLD_SIZES if ws not in measured_sizes]
+    header = ["configuration", *(f"ws {ws}" for ws in measured_sizes), *(f"ws {ws} (planner)" for ws in planned_sizes)]
+    rows = []
+    for contender in (c for c in CONTENDERS if c.name in SCALED):
+        values = {**results.predicted[contender.name], **results.measured(contender.name)}
+        rows.append(
+            [contender.label]
+            + [f"{mib(values[ws][0])} / {mib(values[ws][1])}" if ws in values else "-" for ws in measured_sizes]
+            + [f"{mib(values[ws][0], 1)} / {mib(values[ws][1], 1)}" if ws in values else "-" for ws in planned_sizes]
+        )
+    return markdown_table(header, rows)
 
 
-def return_freed_memory_to_os() -> bool:
-    """Make glibc return freed tensors of 1 MiB and more to the OS at once; return whether it could be set.
+def render(results: ZeroResults, *, command: str) -> str:
+    cfg = results.config
+    peaks = markdown_table(
+        ["configuration", *(f"peak MiB/rank, ws {ws}" for ws in cfg.world_sizes)],
+        [
+            [c.label, *(mib(max(results.scaling[ws][c.name].runs[0].peak), 1) for ws in cfg.world_sizes)]
+            for c in CONTENDERS
+            if c.name in SCALED
+        ],
+    )
+    return section(
+        f"{NAME}: ShardedOptimizerStrategy (ZeRO 1/2/3) vs Lightning DDP, ZeroRedundancyOptimizer, FSDP, DeepSpeed",
+        command=command,
+        notes=[
+            f"Throughput part: {cfg.workload.describe()}; {cfg.repeats} interleaved repeats.",
+            f"Scaling part: {cfg.scaling.describe().split(';')[0]}, {cfg.scaling.batch_size} x"
+            f" {cfg.scaling.tokens_per_sequence} tokens per rank, once at world sizes"
+            f" {', '.join(map(str, cfg.world_sizes))}.",
+            "Measured by `ParallelismMonitor` in every rank: step time (slowest rank, steps after the warm-up), bytes"
+            " held from `memory_report()` (ours; the anchors' parameters, `.grad` and local optimizer state), peak"
+            " memory (RSS on CPU: it includes torch and what the forked rank inherits), payload bytes per collective"
+            " from the strategies' ledger (FSDP2's collectives through the monitor's `CollectiveTap`). Wire bytes: ring"
+            " algorithms, all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of the payload. Lightning's DDP"
+            " all-reduces through the library's counting hook; ZeroRedundancyOptimizer's parameter broadcast is not"
+            " counted (its wire bytes are a lower bound).",
+            "DeepSpeed 0.19.8 in a throw-away venv (torch 2.13, lightning 2.6.6) refuses a CPU Trainer:"
+            " `RuntimeError: The DeepSpeed strategy is only supported on CUDA GPUs` (checked 2026-11-30).",
+        ],
+        blocks={
+            "Ours / anchor": comparison_table(results.comparisons),
+            f"Throughput part, world size {cfg.workload.devices}: medians over repeats": outcome_table(
+                results.outcomes.values()
+            ),
+            "Scaling: MiB held by the largest rank / MiB on the wire per rank per step": (
+                _scaling_table(results)
+                + f"\n\nPlanner vs measurement, largest relative difference: {results.planner_agreement():.1e}."
+                + "\n\n![scaling](figures/scaling.png)"
+            ),
+            "Peak memory per rank by world size": peaks,
+        },
+    )
 
-    glibc raises its mmap threshold dynamically (up to 32 MiB) after large frees, so the 25 MiB gradient buckets and
-    optimizer tensors freed and allocated again each step stay in the heap and RSS shows the allocator's history
-    rather than live memory. A fixed threshold (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``) disables that. Set it in the
-    parent before forking: the ranks inherit it, every configuration alike.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): RSS figures then include the allocator's retention
-        return False
-    m_mmap_threshold = -3  # from <malloc.h>
-    return bool(libc.mallopt(m_mmap_threshold, 2**20))
 
-
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.zero", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small", choices=sorted(PRESETS), help="benchmark size (default: small)")
-    parser.add_argument("--repeats", type=int, default=None, help="throughput repeats (default: the preset's)")
-    args = parser.parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats={args.repeats} must be at least 1.")
-    return args
-
-
-def main(argv: Sequence[str] | None = None, *, command: str | None = None) -> int:
-    """Run the benchmark, print its section and write it into ``benchmarks/RESULTS.md``.
-
-    Args:
-        argv: Command-line arguments; ``None`` reads ``sys.argv``.
-        command: The command to record in RESULTS.md; defaults to this module's command with ``argv``.
-
-    Returns:
-        0 once the results are written (whether or not they meet their goals: the tables say so); a failed run
-        raises instead.
-    """
-    args = _parse_args(argv)
-    config = configure(args.preset, repeats=args.repeats)
-    if command is None:
-        command = f"python -m benchmarks.zero --preset {args.preset}"
-        command += "" if args.repeats is None else f" --repeats {args.repeats}"
-    torch.set_num_threads(1)  # before forking: a forked child of a process whose OpenMP pool ran can hang
-    quiet_lightning()
-    return_freed_memory_to_os()
-    results = measure(config)
-    section = render_markdown(results, command=command)
-    print("\n" + section)
-    update_section(NAME, section)
-    return 0
+def write_figures(results: ZeroResults, folder: Path) -> None:
+    series = {c.label: (results.measured(c.name), results.predicted[c.name]) for c in CONTENDERS if c.name in SCALED}
+    figures.scaling_chart(series, folder / "scaling.png")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.run_all import main
+
+    sys.exit(main(["--only", NAME, *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""Integration: the main demo (in a subprocess, as `make demo` runs it) and the data-parallel benchmark."""
+"""Integration: the main demo (in a subprocess, as `make demo` runs it). The benchmarks: test_benchmark_suite.py."""
 
 from __future__ import annotations
 
@@ -15,12 +15,6 @@ import pytest
 import torch
 
 from lightning_parallel.demos import main as demo
-
-_REPO_ROOT = str(Path(__file__).resolve().parents[1])
-if _REPO_ROOT not in sys.path:  # `benchmarks` is a folder at the repository root, not an installed package
-    sys.path.insert(0, _REPO_ROOT)
-
-from benchmarks import data_parallel as bench  # noqa: E402
 
 
 def _table_rows(output: str) -> dict[str, list[str]]:
@@ -110,22 +104,3 @@ def test_train_once_refuses_a_global_batch_that_does_not_split() -> None:
     config = demo.DemoConfig(preset="tiny", steps=1, batch_size=3, devices=1)
     with pytest.raises(ValueError, match="does not split over `num_replicas=2`"):
         demo.train_once(demo.STRATEGY_ROWS[0].make_strategy(1), config, num_replicas=2)
-
-
-def test_benchmark_measures_ratios_and_fp16_halves_bytes() -> None:
-    torch.set_num_threads(1)
-    config = bench.BenchmarkConfig(preset="tiny", steps=4, warmup_steps=2, repeats=1, batch_size=4, seq_len=32)
-    results = bench.measure(config)
-    assert set(results.runs) == set(bench.CONFIGS)
-    assert all(len(runs) == 1 for runs in results.runs.values())
-    for ratio in (results.throughput_ratio, results.median_step_ratio):
-        assert math.isfinite(ratio) and ratio > 0
-    assert results.fp32_bytes_per_step > 0
-    assert results.fp16_bytes_per_step * 2 == results.fp32_bytes_per_step
-    assert results.bytes_ratio == 0.5
-    for name in bench.CONFIGS:
-        peaks = results.median_peak_mem(name)
-        assert len(peaks) == 2 and min(peaks) > 0, name
-    # The anchor has no communication counters; ours counts nothing unless asked to.
-    assert results.runs[bench.ANCHOR][0]["comm_bytes_per_step"] is None
-    assert "| throughput ours / Lightning DDP" in bench.render_markdown(results, command="pytest")

@@ -1,0 +1,86 @@
+"""The anchors: Lightning's and torch's own ways of doing what our strategies do, measured like ours.
+
+:class:`MeasuredDDPStrategy` is Lightning's ``DDPStrategy`` plus the small protocol ``ParallelismMonitor`` reads
+(:class:`~lightning_parallel.instrumentation.InstrumentedStrategy`), so the monitor counts its bytes as it counts
+ours: the gradient all-reduce goes through the library's counting hook (the one ``DataParallelStrategy`` uses while a
+monitor is attached, so both sides run the same Python hook), and ``memory_report()`` measures the local optimizer of
+a ``ZeroRedundancyOptimizer``. ``ZeroRedundancyOptimizer``'s parameter broadcast is outside the ledger (it counts
+all-reduce, reduce-scatter, all-gather and P2P), so that anchor's bytes on the wire are a lower bound.
+
+Lightning's ``FSDPStrategy`` and ``DeepSpeedStrategy`` re-run the script in every rank by default; :func:`forked`
+starts them with ``fork`` instead. On CPU they refuse to start (or DeepSpeed is not installed): the harness then
+reports them as not available, with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, Strategy
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from typing_extensions import override
+
+from lightning_parallel._compat import MultiProcessingLauncher
+from lightning_parallel.accounting import CommunicationStats, MemoryReport, module_memory_report
+from lightning_parallel.demos import GPTLightningModule
+from lightning_parallel.distributed.compression import low_precision_allreduce_hook
+from lightning_parallel.instrumentation import Instrumentation, StrategyEvents
+
+__all__ = ["MeasuredDDPStrategy", "ZeroRedundancyGPT", "deepspeed", "forked", "fsdp_shard_grad_op"]
+
+
+class MeasuredDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` (fork), counted and measured by ``ParallelismMonitor`` like our strategies."""
+
+    def __init__(self) -> None:
+        super().__init__(start_method="fork")
+        self.track_communication = False
+        self.communication_stats = CommunicationStats()
+        self.events = StrategyEvents()  # never emits: DDP's waits run inside autograd
+
+    def instrumentation(self) -> Instrumentation:
+        return Instrumentation(data_parallel_size=self.world_size)
+
+    def memory_report(self) -> MemoryReport:
+        """Parameters, ``.grad`` and the state of the optimizer this rank steps (the local one of ZeRO's)."""
+        optimizer = self.optimizers[0] if self.optimizers else None
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer = optimizer.optim
+        assert self.lightning_module is not None
+        return module_memory_report(self.lightning_module, optimizer)
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()  # Lightning registers comm hooks on CUDA only, and none unless given one
+        if self.track_communication:
+            self.model.register_comm_hook(None, low_precision_allreduce_hook(None, self.communication_stats))  # type: ignore[union-attr]
+
+
+class ZeroRedundancyGPT(GPTLightningModule):
+    """The demo module with its AdamW wrapped in torch's ``ZeroRedundancyOptimizer`` (optimizer state sharded)."""
+
+    @override
+    def configure_optimizers(self) -> ZeroRedundancyOptimizer:
+        adamw = super().configure_optimizers()
+        groups = [{"params": group["params"], "weight_decay": group["weight_decay"]} for group in adamw.param_groups]
+        defaults = {key: adamw.defaults[key] for key in ("lr", "betas", "eps")}
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **defaults)
+
+
+def forked(strategy_class: type[Strategy]) -> type[Strategy]:
+    """A subclass of a Lightning strategy that starts its ranks with ``fork`` (its own launcher re-runs the script)."""
+
+    class Forked(strategy_class):  # type: ignore[valid-type,misc]
+        @override
+        def _configure_launcher(self) -> None:  # Lightning's hook for choosing the launcher
+            self._launcher = MultiProcessingLauncher(self, start_method="fork")
+
+    Forked.__name__ = Forked.__qualname__ = f"Forked{strategy_class.__name__}"
+    return Forked
+
+
+def fsdp_shard_grad_op() -> Strategy:
+    return forked(FSDPStrategy)(sharding_strategy="SHARD_GRAD_OP")
+
+
+def deepspeed(stage: int) -> Strategy:
+    return forked(DeepSpeedStrategy)(stage=stage)

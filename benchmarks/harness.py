@@ -1,0 +1,287 @@
+"""The one way every benchmark trains and measures: contenders, workloads, interleaved repeats, ratios.
+
+A :class:`Contender` is a strategy (ours or an anchor) plus the LightningModule it trains; a :class:`Workload` is the
+model size, world size, batch and number of steps. :func:`run_interleaved` trains every contender once per repeat,
+in alternating order (forwards, then backwards), so that slow drift of a shared machine affects each side alike.
+Every fit carries the library's :class:`~lightning_parallel.monitor.ParallelismMonitor` and nothing else: step times,
+tokens, bytes held per rank, peak memory and bytes per collective all come from its summary (which rank 0 writes as
+JSON, read back here), so ours and the anchors are measured by the same code. An anchor that raises (not installed,
+refuses the CPU) is kept with the reason as :attr:`Outcome.unavailable`; one of ours that raises fails the benchmark.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import Strategy
+
+from lightning_parallel.accounting import ring_wire_bytes
+from lightning_parallel.demos import GPTLightningModule, TextDataModule
+from lightning_parallel.demos.gpt import PRESETS as GPT_PRESETS
+from lightning_parallel.demos.gpt import GPTConfig, num_parameters
+from lightning_parallel.demos.main import _restored_environ  # Lightning's launchers write MASTER_PORT here
+from lightning_parallel.monitor import ParallelismMonitor
+from lightning_parallel.monitor.report import steady_communication
+
+__all__ = ["Comparison", "Contender", "Outcome", "Run", "Workload", "compare", "one_line", "run_interleaved", "train"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one fit trains: the demo GPT on the demo corpus with AdamW in fp32."""
+
+    preset: str = "small"
+    """Model size, a key of :data:`~lightning_parallel.demos.gpt.PRESETS`."""
+    overrides: dict[str, int] = field(default_factory=dict)
+    """``GPTConfig`` fields that replace the preset's (``n_layer``, ``n_embd``, ``vocab_size``, ...)."""
+    devices: int = 2
+    """Processes (world size), one per CPU process or GPU."""
+    batch_size: int = 8
+    """Sequences per batch of one data-parallel replica (a pipeline takes the whole batch)."""
+    seq_len: int = 128
+    """Tokens per sequence (at most the preset's ``block_size``)."""
+    steps: int = 15
+    """Optimizer steps per fit."""
+    warmup_steps: int = 3
+    """Steps left out of every figure."""
+    accelerator: str = "cpu"
+    """``"cpu"`` (gloo) or ``"gpu"`` (NCCL, one process per GPU)."""
+
+    def __post_init__(self) -> None:
+        GPTConfig.from_preset(self.preset, **self.overrides)  # raises for an unknown preset or field
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"`warmup_steps={self.warmup_steps}` must be in [0, steps={self.steps}).")
+
+    @property
+    def tokens_per_sequence(self) -> int:
+        return min(self.seq_len, GPT_PRESETS[self.preset]["block_size"])
+
+    def describe(self) -> str:
+        """One sentence for RESULTS.md."""
+        params = num_parameters(GPTConfig.from_preset(self.preset, **self.overrides))
+        shape = "".join(f", {k}={v}" for k, v in self.overrides.items())
+        backend = "gloo" if self.accelerator == "cpu" else "NCCL"
+        return (
+            f"GPT `{self.preset}`{shape} ({params / 1e6:.2f} M parameters), AdamW, fp32; {self.devices}"
+            f" {self.accelerator.upper()} processes (fork, {backend}); {self.batch_size} x {self.tokens_per_sequence}"
+            f" tokens per replica per step; {self.steps} steps of which {self.warmup_steps} warm-up"
+        )
+
+
+def _gpt(workload: Workload) -> pl.LightningModule:
+    return GPTLightningModule(workload.preset, **workload.overrides)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Contender:
+    """One side of a comparison."""
+
+    name: str
+    """Key in results and tables' pairs."""
+    label: str
+    """Text of the tables' first column."""
+    make_strategy: Callable[[], Strategy] | None = None
+    """A fresh strategy that starts its ranks with ``fork`` (a re-launch would re-run the benchmark)."""
+    run: Callable[[Workload], Run] | None = None
+    """Trains without a Trainer (a raw torch loop) and measures itself, instead of :func:`train`'s fit."""
+    make_module: Callable[[Workload], pl.LightningModule] = _gpt
+    """The LightningModule (it chooses the optimizer)."""
+    empty_init: bool = False
+    """Create the model under ``trainer.init_module(empty_init=True)`` (how a user gets ZeRO-3's memory benefit)."""
+    is_ours: bool = False
+    """Ours must run; an anchor that raises is reported as not available."""
+
+
+@dataclass
+class Run:
+    """One fit, as the monitor measured it (steps after the warm-up)."""
+
+    step_s: list[float]
+    """Per measured step: the slowest rank's step time (``on_train_batch_start`` to ``on_train_batch_end``)."""
+    tokens: int
+    """Tokens of the global batch."""
+    held: list[dict[str, int]]
+    """Per rank: bytes of ``parameters``, ``gradients``, ``optimizer_state`` after the last step."""
+    peak: list[int]
+    """Per rank: peak memory (RSS on CPU, max allocated on CUDA)."""
+    payload: list[dict[str, int]] | None = None
+    """Per rank: payload bytes per collective of the last step; ``None``: not measured."""
+    world_size: int = 1
+    loss: float | None = None
+    """Rank 0's last logged ``train_loss``."""
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """The monitor's per-rank records (steps after the warm-up), for bubble and timeline."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / statistics.median(self.step_s)
+
+    @property
+    def max_held(self) -> int:
+        return max(sum(rank.values()) for rank in self.held)
+
+    @property
+    def max_peak(self) -> int:
+        return max(self.peak)
+
+    @property
+    def wire(self) -> float | None:
+        """Bytes the busiest rank puts on the wire per step under ring algorithms (``None``: not measured)."""
+        if self.payload is None:
+            return None
+        return max(sum(ring_wire_bytes(k, v, self.world_size) for k, v in rank.items()) for rank in self.payload)
+
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any], *, warmup_steps: int, loss: Any = None) -> Run:
+        """Build from :attr:`ParallelismMonitor.summary` (the JSON rank 0 wrote)."""
+        ranks = [{**rank, "steps": rank["steps"][warmup_steps:]} for rank in summary["ranks"]]
+        step_s = [max(steps) for steps in zip(*([s["step_time_s"] for s in r["steps"]] for r in ranks), strict=True)]
+        payload = [steady_communication(rank) for rank in ranks]
+        return cls(
+            step_s=step_s,
+            tokens=ranks[0]["steps"][0]["tokens"],
+            held=[rank["memory"] for rank in ranks],
+            peak=[rank["peak_memory_bytes"] for rank in ranks],
+            payload=None if None in payload else payload,  # type: ignore[arg-type]
+            world_size=summary["world_size"],
+            loss=None if loss is None else float(loss),
+            ranks=ranks,
+        )
+
+
+def train(contender: Contender, workload: Workload) -> Run:
+    """Fit the demo model once with ``contender`` under a :class:`ParallelismMonitor`; return what it measured."""
+    if contender.run is not None:
+        return contender.run(workload)
+    assert contender.make_strategy is not None, f"{contender.name} has neither `make_strategy` nor `run`"
+    gc.collect()  # the previous fit's model (held in reference cycles) would otherwise be inherited by the ranks
+    torch.manual_seed(0)
+    data = TextDataModule(seq_len=workload.tokens_per_sequence, batch_size=workload.batch_size, max_bytes=400_000)
+    data.setup("fit")  # once here: the forked ranks inherit the corpus
+    with tempfile.TemporaryDirectory(prefix="lp-bench-") as folder:
+        summary_path = Path(folder, "monitor.json")
+        trainer = pl.Trainer(
+            accelerator=workload.accelerator,
+            devices=workload.devices,
+            strategy=contender.make_strategy(),
+            max_steps=workload.steps,
+            callbacks=[ParallelismMonitor(figure_path=False, summary_path=summary_path)],
+            default_root_dir=folder,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+        )
+        # At world size 1 ZeRO-3 trains unsharded and cannot take a meta-device model: create it normally there.
+        empty_init = contender.empty_init and workload.devices > 1
+        with trainer.init_module(empty_init=True) if empty_init else nullcontext():
+            model = contender.make_module(workload)
+        with _restored_environ():
+            trainer.fit(model, datamodule=data)
+        summary = json.loads(summary_path.read_text())
+    return Run.from_summary(
+        summary, warmup_steps=workload.warmup_steps, loss=trainer.callback_metrics.get("train_loss")
+    )
+
+
+def one_line(error: BaseException) -> str:
+    """The last non-empty line of an error's message (a forked rank's traceback ends with its real error)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+@dataclass
+class Outcome:
+    """Every repeat of one contender, or why it could not run."""
+
+    contender: Contender
+    runs: list[Run] = field(default_factory=list)
+    unavailable: str | None = None
+    """Why the anchor did not run (its error, one line)."""
+
+    def median(self, metric: Callable[[Run], float | None]) -> float | None:
+        values = [metric(run) for run in self.runs]
+        return None if not values or None in values else statistics.median(values)  # type: ignore[type-var]
+
+
+def run_interleaved(
+    contenders: Sequence[Contender],
+    workload: Workload,
+    *,
+    repeats: int,
+    train_fn: Callable[[Contender, Workload], Run] = train,
+) -> dict[str, Outcome]:
+    """Train every contender ``repeats`` times in alternating order; returns name -> outcome.
+
+    Raises:
+        RuntimeError: If one of ours failed (its error is chained).
+    """
+    if repeats < 1:
+        raise ValueError(f"`repeats={repeats}` must be at least 1.")
+    outcomes = {c.name: Outcome(c) for c in contenders}
+    for repeat in range(repeats):
+        for contender in contenders if repeat % 2 == 0 else contenders[::-1]:
+            outcome = outcomes[contender.name]
+            if outcome.unavailable is not None:
+                continue
+            start = time.monotonic()
+            try:
+                outcome.runs.append(train_fn(contender, workload))
+            except Exception as error:  # an anchor that cannot run here is a result, not a failure
+                if contender.is_ours:
+                    raise RuntimeError(f"{contender.label} failed: {one_line(error)}") from error
+                outcome.unavailable = one_line(error)
+            print(
+                f"{contender.label}, {workload.devices} ranks, repeat {repeat + 1}/{repeats}:"
+                f" {time.monotonic() - start:.1f} s",
+                flush=True,
+            )
+    return outcomes
+
+
+@dataclass
+class Comparison:
+    """Ours against one anchor: ratios ours / anchor (``None``: not measured on both sides)."""
+
+    ours: str
+    anchor: str
+    throughput: list[float] = field(default_factory=list)
+    """Tokens/s per repeat (the two ran back to back); > 1: ours faster."""
+    held: float | None = None
+    """Bytes of parameters + gradients + optimizer state on the largest rank; < 1: ours holds less."""
+    peak: float | None = None
+    """Peak memory of the largest rank; < 1: ours peaks lower."""
+    wire: float | None = None
+    """Bytes on the wire per step of the busiest rank; 1: the same traffic."""
+    unavailable: str | None = None
+    """Why the anchor did not run."""
+
+
+def _ratio(ours: float | None, anchor: float | None) -> float | None:
+    return None if ours is None or not anchor else ours / anchor
+
+
+def compare(ours: Outcome, anchor: Outcome) -> Comparison:
+    """Paired ratios of two outcomes of the same :func:`run_interleaved` call."""
+    result = Comparison(ours.contender.label, anchor.contender.label, unavailable=anchor.unavailable)
+    if anchor.unavailable is None:
+        pairs = zip(ours.runs, anchor.runs, strict=True)
+        result.throughput = [a.tokens_per_s / b.tokens_per_s for a, b in pairs]
+        for name in ("held", "peak", "wire"):
+            metric = attrgetter("wire" if name == "wire" else f"max_{name}")
+            setattr(result, name, _ratio(ours.median(metric), anchor.median(metric)))
+    return result
