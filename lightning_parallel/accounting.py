@@ -9,6 +9,9 @@ Every layer counts through this module: the torch-only building blocks (``distri
   Optimizer state counts tensors with at least one dim (``exp_avg``, ``momentum_buffer``, ...), not the 0-dim
   ``step`` counters (:func:`optimizer_state_tensors`).
 * **Peak memory** (:func:`peak_memory_bytes`, :func:`reset_peak_memory`): max allocated on CUDA, peak RSS on CPU.
+  RSS depends on the C allocator (glibc keeps freed memory unless ``MALLOC_MMAP_THRESHOLD_`` is set), so on CPU
+  :class:`LiveTensorPeak` measures what training really holds: the peak bytes of live tensor storages over a region
+  of code, with what held them at that moment (:class:`PeakMemory`).
 * **Communication** (:class:`CommunicationStats`, :func:`ring_wire_bytes`): ``bytes`` of a collective is its *full*
   buffer on this rank (the all-reduced tensor, the unsharded input of a reduce-scatter, the gathered output of an
   all-gather, the tensor of a P2P op); a ring algorithm puts ``2(N-1)/N`` of it on the wire for an all-reduce and
@@ -19,9 +22,13 @@ Every layer counts through this module: the torch-only building blocks (``distri
 
 from __future__ import annotations
 
+import functools
+import gc
 import re
 import resource
 import sys
+import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -31,11 +38,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+# Private torch names, here rather than in a `_compat` module because this module may import no other part of the
+# package: `TorchDispatchMode` (torch.utils._python_dispatch) sees every op's tensors, which is how
+# `LiveTensorPeak` learns of each new storage (torch's own `torch.distributed._tools.MemTracker` does the same);
+# `tree_flatten` (torch.utils._pytree) walks an op's nested arguments.
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
 __all__ = [
     "COLLECTIVES",
     "BatchSizeFn",
     "CommunicationStats",
+    "LiveTensorPeak",
     "MemoryReport",
+    "PeakMemory",
     "batch_inputs",
     "default_batch_size",
     "default_length",
@@ -161,6 +177,206 @@ def reset_peak_memory(device: torch.device) -> None:
 def resident_memory_bytes() -> int:
     """This process's current resident set size (``VmRSS``), or 0 where there is no ``/proc``."""
     return _proc_status_bytes(_VM_RSS) or 0
+
+
+# ------------------------------------------------------------------------------------------ peak of live tensors
+TensorCategories = Callable[[], Mapping[str, Iterable[Tensor]]]
+"""``fn() -> {"parameters": tensors, "gradients": tensors, ...}``: what holds memory, asked at each new peak."""
+
+
+@dataclass
+class PeakMemory:
+    """The peak bytes of live tensor storages over a region (:class:`LiveTensorPeak`), and what held them then."""
+
+    peak_bytes: int
+    """Largest sum of live storage bytes seen in the region, counting storages that existed before it."""
+    start_bytes: int
+    """Live storage bytes when the region began (found by the garbage collector or first used in the region)."""
+    end_bytes: int
+    """Live storage bytes when the region ended."""
+    breakdown: dict[str, int] = field(default_factory=dict)
+    """Bytes at the moment of the peak per category of ``categories``, plus ``"other"`` for the rest (activations,
+    autograd's saved tensors, temporaries, communication buffers); they sum to ``peak_bytes``. Empty without
+    ``categories``."""
+    cuda_max_allocated: int | None = None
+    """``torch.cuda.max_memory_allocated`` over the region on a CUDA device (allocator blocks), else ``None``."""
+    phase: str | None = None
+    """What the code was doing at the peak: the :attr:`LiveTensorPeak.phase` label set then (``None``: none set)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "start_bytes": self.start_bytes,
+            "end_bytes": self.end_bytes,
+            "breakdown": dict(self.breakdown),
+            "cuda_max_allocated": self.cuda_max_allocated,
+            "phase": self.phase,
+        }
+
+
+def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages behind ``tensor``: its own, or its inner tensors' for a wrapper subclass (``DTensor``)."""
+    if type(tensor) not in (Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
+        inner_names, _ = tensor.__tensor_flatten__()
+        for name in inner_names:
+            inner = getattr(tensor, name, None)
+            if isinstance(inner, Tensor):
+                yield from _storages(inner)
+        return
+    if tensor.device.type != "meta":
+        yield tensor.untyped_storage()
+
+
+class LiveTensorPeak(TorchDispatchMode):
+    """Context manager: the peak bytes of live tensor storages while it is entered, exact and allocator-independent.
+
+    Every storage is counted once with its full size (a view counts its base; a ``DTensor`` its local shard), from
+    the moment an op creates it until it is freed (a weak reference on the storage says when). Storages alive at
+    entry that the garbage collector finds (tensors and their ``.grad``) count from the start; one held only in C++
+    (DDP's buckets) counts from the first op that uses it. Not counted: memory that never becomes a tensor seen by
+    a torch op on this thread (a communication library's internal buffers, the C allocator's overhead). On CUDA,
+    ``torch.cuda.max_memory_allocated`` over the region is reported next to it.
+
+    It sees each op through a ``TorchDispatchMode``, a Python call per op: cheap around a few training steps
+    (forward, backward and optimizer step), not meant to stay on for a whole run.
+
+    Args:
+        categories: asked at each new peak for the tensors of each category (e.g. ``"parameters"``, ``"gradients"``,
+            ``"optimizer_state"``); the bytes of live storages in each are the :attr:`PeakMemory.breakdown` at the
+            peak (a storage in several categories counts in the first). ``None``: no breakdown, no extra cost.
+        device: a CUDA device also resets and reads its allocator's peak.
+
+    Set :attr:`phase` (``"forward"``, ``"backward"``, ``"optimizer_step"``, ...) while inside the region to learn
+    in which phase the peak happened (:attr:`PeakMemory.phase`).
+
+    Example::
+
+        with LiveTensorPeak(categories=lambda: {"parameters": model.parameters()}) as peak:
+            loss = model(x).sum()
+            loss.backward()
+        print(peak.result().peak_bytes)
+    """
+
+    def __init__(self, *, categories: TensorCategories | None = None, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.categories = categories
+        self.device = device
+        self._live: dict[int, tuple[int, weakref.ref]] = {}  # storage key -> (bytes, weak reference)
+        self._current = self._peak = self._start = 0
+        self._breakdown: dict[str, int] = {}
+        self._result: PeakMemory | None = None
+        self._scanning = False
+        self.phase: str | None = None
+        """A label of what runs now; the one set at the moment of the peak is reported."""
+        self._peak_phase: str | None = None
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _add(self, storage: torch.UntypedStorage, *, existed: bool) -> None:
+        key = storage._cdata  # the StorageImpl's address: one per storage, whichever Python object wraps it
+        nbytes = storage.nbytes()
+        known = self._live.get(key)
+        if known is not None:
+            if known[0] != nbytes:  # resized in place (`resize_`, an `out=` op)
+                self._current += nbytes - known[0]
+                self._live[key] = (nbytes, known[1])
+            return
+        self._live[key] = (nbytes, weakref.ref(storage, functools.partial(self._on_free_ref, key)))
+        self._current += nbytes
+        if existed:  # found at entry: part of every moment of the region
+            self._start += nbytes
+            self._peak += nbytes
+
+    def _on_free_ref(self, key: int, _ref: weakref.ref) -> None:
+        self._on_free(key)
+
+    def _on_free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._current -= entry[0]
+
+    def _attribute(self, keys: Iterable[int]) -> dict[str, int]:
+        """Bytes of the live storages ``keys`` per category (first category wins), the rest under ``"other"``."""
+        assert self.categories is not None
+        remaining = {key: self._live[key][0] for key in keys if key in self._live}
+        breakdown: dict[str, int] = {}
+        for name, tensors in self.categories().items():
+            total = 0
+            for tensor in tensors:
+                for storage in _storages(tensor):
+                    total += remaining.pop(storage._cdata, 0)
+            breakdown[name] = breakdown.get(name, 0) + total
+        breakdown["other"] = sum(remaining.values())
+        return breakdown
+
+    def _record_peak(self) -> None:
+        if self._current > self._peak:
+            self._peak = self._current
+            self._peak_phase = self.phase
+            if self.categories is not None:
+                self._breakdown = self._attribute(self._live)
+
+    # ------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # A storage first seen here (input or output) counts from now on. One seen first as an input was made
+        # where no op of this thread shows it (C++-held buffers such as DDP's buckets, a communication library's
+        # copies on its own thread): counting it from now rather than from the region's start never overstates the
+        # peak with a temporary made mid-region.
+        for tensor in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(tensor, Tensor):
+                for storage in _storages(tensor):
+                    self._add(storage, existed=False)
+        self._record_peak()
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, Tensor):
+                for storage in _storages(tensor):
+                    self._add(storage, existed=False)
+        self._record_peak()
+        return out
+
+    def __enter__(self) -> LiveTensorPeak:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        gc.collect()
+        self._scanning = True
+        with warnings.catch_warnings():  # `isinstance` on some module objects warns (torch.distributed.reduce_op)
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                try:
+                    if not isinstance(obj, Tensor):
+                        continue
+                    grad = obj.grad if obj.is_leaf else None  # a non-leaf's `.grad` warns and is None
+                    for tensor in (obj,) if grad is None else (obj, grad):
+                        for storage in _storages(tensor):
+                            self._add(storage, existed=True)
+                except (RuntimeError, AttributeError, TypeError, NotImplementedError):
+                    continue  # a tensor without storage (sparse, functional or fake tensors)
+        self._scanning = False
+        self._result = None
+        if self.categories is not None:
+            self._breakdown = self._attribute(self._live)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        cuda_peak = None
+        if self.device is not None and self.device.type == "cuda":
+            cuda_peak = int(torch.cuda.max_memory_allocated(self.device))
+        self._result = PeakMemory(
+            peak_bytes=self._peak,
+            start_bytes=self._start,
+            end_bytes=self._current,
+            breakdown=dict(self._breakdown),
+            cuda_max_allocated=cuda_peak,
+            phase=self._peak_phase,
+        )
+        self._live = {}  # dropping the weak references stops their callbacks: nothing counts after the region
+
+    def result(self) -> PeakMemory:
+        """The region's :class:`PeakMemory`; available once the context has exited."""
+        if self._result is None:
+            raise RuntimeError("LiveTensorPeak.result() is available after the `with` block has exited.")
+        return self._result
 
 
 # ------------------------------------------------------------------------------------------------- communication

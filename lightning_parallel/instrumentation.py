@@ -15,7 +15,7 @@ import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from lightning_parallel.accounting import CommunicationStats
@@ -93,3 +93,7 @@ class InstrumentedStrategy(Protocol):
     events: StrategyEvents
 
     def instrumentation(self) -> Instrumentation: ...
+
+    def gradient_tensors(self) -> list[Any]:
+        """Every gradient tensor the rank holds now (``.grad`` and the strategy's own gradient buffers)."""
+        ...

@@ -18,9 +18,12 @@ from typing_extensions import override
 from lightning_parallel.accounting import (
     BatchSizeFn,
     CommunicationStats,
+    LiveTensorPeak,
+    PeakMemory,
     default_batch_size,
     default_length,
     module_memory_report,
+    optimizer_state_tensors,
     peak_memory_bytes,
 )
 from lightning_parallel.instrumentation import Instrumentation, InstrumentedStrategy
@@ -90,6 +93,14 @@ class ParallelismMonitor(Callback):
             tensor (:func:`~lightning_parallel.accounting.default_batch_size`). As Lightning's ``ThroughputMonitor``.
         length_fn: ``fn(batch) -> int``, the tokens of one local batch (0: no tokens/s); ``None``: the elements of
             the input tensor when it is at least 2-D (:func:`~lightning_parallel.accounting.default_length`).
+        peak_tensors_step: a training step (``trainer.global_step`` when it starts, e.g. ``2``: after the optimizer
+            state exists) whose peak bytes of live tensors each rank measures exactly with
+            :class:`~lightning_parallel.accounting.LiveTensorPeak`, independent of the C allocator: the peak, the
+            phase it happened in (``forward``, ``backward``, ``optimizer_step``; a pipeline's forward and backward
+            both run in ``forward``, inside its schedule) and what held it then (``parameters``, ``gradients``,
+            ``optimizer_state``, ``other``: activations, autograd's saved tensors, temporaries and communication
+            buffers such as ZeRO-2's full gradient buckets in flight). In the summary as ``peak_tensors`` per rank.
+            It sees every op of that step through a Python dispatch mode: slower, so one step. ``None``: off.
     """
 
     def __init__(
@@ -100,9 +111,17 @@ class ParallelismMonitor(Callback):
         log_every_n_steps: int = 1,
         batch_size_fn: BatchSizeFn | None = None,
         length_fn: BatchSizeFn | None = None,
+        peak_tensors_step: int | None = None,
     ) -> None:
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(f"`log_every_n_steps={log_every_n_steps!r}` must be a positive integer.")
+        if peak_tensors_step is not None and (
+            isinstance(peak_tensors_step, bool) or not isinstance(peak_tensors_step, int) or peak_tensors_step < 0
+        ):
+            raise ValueError(
+                f"`peak_tensors_step={peak_tensors_step!r}` must be a step index >= 0 (e.g. 2, once the optimizer"
+                " state exists) or None."
+            )
         for name, fn in (("batch_size_fn", batch_size_fn), ("length_fn", length_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"`{name}={fn!r}` must be a function `fn(batch) -> int` or None.")
@@ -115,6 +134,9 @@ class ParallelismMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.batch_size_fn: BatchSizeFn = batch_size_fn or default_batch_size
         self.length_fn: BatchSizeFn = length_fn or default_length
+        self.peak_tensors_step = peak_tensors_step
+        self._peak_tracker: LiveTensorPeak | None = None
+        self._peak_tensors: PeakMemory | None = None
         self.steps: list[StepRecord] = []
         self.summary: dict[str, Any] | None = None
         """All ranks' measurements after fit (on rank 0; this rank's only elsewhere)."""
@@ -136,6 +158,7 @@ class ParallelismMonitor(Callback):
             return
         self.steps, self.summary = [], None
         self._stats, self._tap, self._instrumentation = None, None, None
+        self._peak_tracker, self._peak_tensors = None, None
         strategy = trainer.strategy
         if isinstance(strategy, InstrumentedStrategy):
             # Read by the strategy's `setup` (wrapping/bucketing), which runs after the callbacks' `setup`.
@@ -178,8 +201,47 @@ class ParallelismMonitor(Callback):
             self._tap.active = True
         self._before = dict(self._stats.bytes_by_collective) if self._stats is not None else {}
         self._step = trainer.global_step
+        if self.peak_tensors_step is not None and trainer.global_step == self.peak_tensors_step:
+            self._start_peak_tracking(trainer)
         _synchronize(pl_module.device)
         self._start = time.perf_counter()
+
+    def _start_peak_tracking(self, trainer: pl.Trainer) -> None:
+        module, optimizers, strategy = trainer.lightning_module, trainer.optimizers, trainer.strategy
+
+        def categories() -> dict[str, list[torch.Tensor]]:
+            parameters = list(module.parameters())
+            if isinstance(strategy, InstrumentedStrategy):  # ours: with its own gradient buffers (ZeRO-1/2 buckets)
+                gradients = strategy.gradient_tensors()
+            else:
+                gradients = [p.grad for p in parameters if p.grad is not None]
+            return {
+                "parameters": parameters,
+                "gradients": gradients,
+                "optimizer_state": list(optimizer_state_tensors(_unwrapped(optimizers))),
+            }
+
+        tracker = LiveTensorPeak(categories=categories, device=trainer.strategy.root_device)
+        tracker.phase = "forward"
+        self._peak_tracker = tracker.__enter__()
+
+    def _stop_peak_tracking(self) -> None:
+        tracker, self._peak_tracker = self._peak_tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            self._peak_tensors = tracker.result()
+
+    def _set_peak_phase(self, phase: str) -> None:
+        if self._peak_tracker is not None:
+            self._peak_tracker.phase = phase
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._set_peak_phase("backward")
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._set_peak_phase("optimizer_step")
 
     @override
     def on_train_batch_end(
@@ -187,6 +249,7 @@ class ParallelismMonitor(Callback):
     ) -> None:
         _synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._start
+        self._stop_peak_tracking()
         if self._tap is not None:
             self._tap.active = False
         communication = None
@@ -290,6 +353,7 @@ class ParallelismMonitor(Callback):
             "rank": trainer.global_rank,
             "memory": dict(self._memory),
             "peak_memory_bytes": peak_memory_bytes(trainer.strategy.root_device),
+            "peak_tensors": self._peak_tensors.as_dict() if self._peak_tensors is not None else None,
             "communication_measured": self._stats is not None,
             "steps": [asdict(s) for s in self.steps],
         }
@@ -310,6 +374,7 @@ class ParallelismMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_peak_tracking()
         self._restore()
 
     @override
@@ -333,6 +398,11 @@ def _memory_report(trainer: pl.Trainer) -> dict[str, int]:
         "gradients": measured.gradients,
         "optimizer_state": measured.optimizer_state,
     }
+
+
+def _unwrapped(optimizers: list[Any]) -> list[torch.optim.Optimizer]:
+    """Lightning's ``LightningOptimizer`` wrappers unwrapped (the optimizer whose ``state`` holds the tensors)."""
+    return [getattr(o, "_optimizer", o) for o in optimizers]
 
 
 def _synchronize(device: torch.device) -> None:

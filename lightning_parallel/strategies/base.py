@@ -203,6 +203,11 @@ class LightningParallelStrategy(DDPStrategy):
         optimizers = self.unwrapped_optimizers()
         return module_memory_report(self.module, optimizers[0] if optimizers else None)
 
+    def gradient_tensors(self) -> list[Tensor]:
+        """Every gradient tensor this rank holds now: the parameters' ``.grad``; a strategy with gradient buffers of
+        its own (ZeRO-1/2 buckets) adds them. What the monitor's peak breakdown counts as ``gradients``."""
+        return [p.grad for p in self.module.parameters() if p.grad is not None]
+
     def unwrapped_optimizers(self) -> list[Optimizer]:
         """The torch optimizers, without Lightning's ``LightningOptimizer`` wrapper, in order."""
         return [unwrap_optimizer(optimizer) for optimizer in self.optimizers]
