@@ -28,6 +28,7 @@ from lightning_parallel.distributed.pipeline.contract import (
 from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, detached_cpu, pad_batch, slice_batch
 from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims, PipelineRuntime, build_runtime
+from lightning_parallel.distributed.pipeline.side_inputs import side_input_names
 
 __all__ = ["PipelineEngine", "StepOutcome"]
 
@@ -241,6 +242,7 @@ class PipelineEngine:
                 num_microbatches=self.num_microbatches,
                 device=self.device,
                 loss_fn=self._loss_fn if mode == "train" else None,
+                side_names=side_input_names(model_inputs[1]),
             )
         return self._runtimes[key]
 

@@ -17,6 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_parallel.distributed.pipeline.side_inputs import accepted_side_inputs, call_layer, split_side_inputs
+
 __all__ = [
     "PartitionMethod",
     "RemoteLayer",
@@ -184,14 +186,15 @@ def layer_compute_costs(
         TypeError: If a layer returns something other than a tensor or a tuple of tensors.
     """
     costs = []
-    current_args, current_kwargs = _to_meta(tuple(args)), _to_meta(kwargs or {})
+    side, extra = split_side_inputs(_to_meta(kwargs or {}))
+    current_args: tuple[Any, ...] = _to_meta(tuple(args))
     for index, layer in enumerate(layers):
         meta_layer = copy.deepcopy(layer).to("meta")
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            output = meta_layer(*current_args, **current_kwargs)
+            output = call_layer(meta_layer, current_args, side, extra if index == 0 else None)
         outputs = check_layer_output(index, layer, output)
         costs.append(int(counter.get_total_flops()) + sum(o.numel() for o in outputs))
-        current_args, current_kwargs = outputs, {}
+        current_args = outputs
     return costs
 
 
@@ -221,7 +224,8 @@ def measure_layer_times(
     times, so measure on one rank and share the result.
     """
     times = []
-    current_args, current_kwargs = tuple(args), dict(kwargs or {})
+    side, extra = split_side_inputs(kwargs or {})
+    current_args: tuple[Any, ...] = tuple(args)
     # Saved and restored by hand: `torch.random.fork_rng` asks for the current accelerator, which initialises CUDA
     # even for a CPU measurement (and a process that did so can no longer fork CUDA-using children).
     cpu_state = torch.get_rng_state()
@@ -229,7 +233,8 @@ def measure_layer_times(
     try:
         for index, layer in enumerate(layers):
             probe = copy.deepcopy(layer).to(device)
-            inputs, kw = _on(current_args, device), _on(current_kwargs, device)
+            kw = {**accepted_side_inputs(probe, side), **(extra if index == 0 else {})}
+            inputs, kw = _on(current_args, device), _on(kw, device)
             _forward_backward(index, probe, inputs, kw)  # warm-up: allocator, kernels, lazy initialisation
             _synchronize(device)
             start = time.perf_counter()
@@ -237,7 +242,7 @@ def measure_layer_times(
                 outputs = _forward_backward(index, probe, inputs, kw)
             _synchronize(device)
             times.append((time.perf_counter() - start) / repeats)
-            current_args, current_kwargs = tuple(o.detach() for o in outputs), {}
+            current_args = tuple(o.detach() for o in outputs)
     finally:
         torch.set_rng_state(cpu_state)
         if cuda_state is not None:
@@ -424,19 +429,42 @@ def remove_remote_layers(
 
 
 class StageModule(nn.Module):
-    """The layers of one stage applied in order; the module a ``PipelineStage`` runs."""
+    """The layers of one stage applied in order; the module a ``PipelineStage`` runs.
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    With side inputs (:mod:`.side_inputs`, ``side_names``): the first stage takes them by keyword from the model
+    call, a later stage as the last ``len(side_names)`` positional inputs (what the previous stage sent after its
+    outputs); every layer gets those it takes by name, and every stage but the last sends them on after its outputs.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        *,
+        side_names: Sequence[str] = (),
+        is_first: bool = True,
+        is_last: bool = True,
+    ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.side_names = tuple(side_names)
+        self.is_first, self.is_last = is_first, is_last
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.layers[0](*args, **kwargs)
+        if self.is_first:
+            side, kwargs = split_side_inputs(kwargs)
+        else:  # torch's multi-stage schedules hand the model call's kwargs to every stage of the first rank: unused
+            count = len(self.side_names)
+            side = dict(zip(self.side_names, args[len(args) - count :], strict=True)) if count else {}
+            args, kwargs = args[: len(args) - count], {}
+        output = call_layer(self.layers[0], args, side, kwargs)
         for layer in self.layers[1:]:
-            output = layer(*output) if isinstance(output, tuple) else layer(output)
-        if not torch.is_grad_enabled():
+            output = call_layer(layer, output if isinstance(output, tuple) else (output,), side)
+        if torch.is_grad_enabled():
+            output = tuple(_requiring_grad(o) for o in output) if isinstance(output, tuple) else _requiring_grad(output)
+        if self.is_last or not self.side_names:
             return output
-        return tuple(_requiring_grad(o) for o in output) if isinstance(output, tuple) else _requiring_grad(output)
+        outputs = output if isinstance(output, tuple) else (output,)
+        return (*outputs, *(side[name].detach().contiguous() for name in self.side_names))  # P2P sends need it
 
 
 def _requiring_grad(tensor: Tensor) -> Tensor:

@@ -204,18 +204,25 @@ def build_runtime(
     num_microbatches: int,
     device: torch.device,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    side_names: Sequence[str] = (),
 ) -> PipelineRuntime:
     """Wrap this rank's stages in ``PipelineStage`` objects and build the schedule.
 
     ``loss_fn=None`` builds a forward-only schedule (evaluation): GPipe's forward phase for one stage per rank,
     LoopedBFS's for several. Gradients are never scaled by torch (``scale_grads=False``): the caller's loss already
     divides by the number of micro-batches and accumulation steps (torch's scaling would also rescale gradients
-    accumulated in earlier steps, pytorch/torchtitan#1733).
+    accumulated in earlier steps, pytorch/torchtitan#1733). ``side_names``: the model call's side inputs
+    (:mod:`.side_inputs`), which every stage carries along.
     """
     stage_class = _side_effect_free_stage_class()
     stages = [
         stage_class(
-            StageModule([layers[i] for i in plan.layers_of(stage_index)]),
+            StageModule(
+                [layers[i] for i in plan.layers_of(stage_index)],
+                side_names=side_names,
+                is_first=stage_index == 0,
+                is_last=stage_index == plan.num_stages - 1,
+            ),
             stage_index,
             plan.num_stages,
             device,

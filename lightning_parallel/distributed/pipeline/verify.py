@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.distributed.pipeline.partition import check_layer_output
 from lightning_parallel.distributed.pipeline.side_effects import preserved_state
+from lightning_parallel.distributed.pipeline.side_inputs import accepted_side_inputs, split_side_inputs
 
 __all__ = ["check_layers_compose_to_forward", "check_single_evaluation_optimizers", "closure_evaluated_twice"]
 
@@ -23,9 +24,10 @@ _REEVALUATING_OPTIMIZERS: tuple[type, ...] = (torch.optim.LBFGS,)
 
 _FIX = (
     " `forward` must be exactly the layers applied in order, each to the previous one's output (a residual"
-    " connection, reshape or extra argument between layers belongs inside a layer); otherwise the pipeline trains a"
-    " different model. Fix `pipeline_layers()`, or pass `verify_layers=False` to PipelineParallelStrategy to skip"
-    " this check."
+    " connection, reshape or extra argument between layers belongs inside a layer; a tensor passed to the model by"
+    " keyword, such as `attention_mask=`, is given by that name to every layer whose forward takes it); otherwise"
+    " the pipeline trains a different model. Fix `pipeline_layers()`, or pass `verify_layers=False` to"
+    " PipelineParallelStrategy to skip this check."
 )
 
 
@@ -57,7 +59,11 @@ def check_layers_compose_to_forward(
     with torch.no_grad(), preserved_state(module, devices=[device]):
         with preserved_state(module, devices=[device]):
             recorded, expected = _run_forward(module, layers, args, kwargs)
-        current: tuple[tuple[Any, ...], dict[str, Any]] = (tuple(args), dict(kwargs))
+        side, extra = split_side_inputs(kwargs)
+        current: tuple[tuple[Any, ...], dict[str, Any]] = (
+            tuple(args),
+            {**accepted_side_inputs(layers[0], side), **extra},
+        )
         for index, layer in enumerate(layers):
             label = f"pipeline layer {index} (`{type(layer).__name__}`{_named(names, layer)})"
             if index in recorded:
@@ -76,7 +82,12 @@ def check_layers_compose_to_forward(
                     f"`pipeline_layers()` of `{type(module).__name__}` does not compose to `forward`: calling {label}"
                     f" on the output of the previous layer failed with {type(error).__name__}: {error}.{_FIX}"
                 ) from error
-            current = (check_layer_output(index, layer, output), {})
+            following = layers[index + 1] if index + 1 < len(layers) else None
+            current = (
+                check_layer_output(index, layer, output),
+                accepted_side_inputs(following, side) if following else {},
+            )
+    current = (current[0], {})
     difference = _difference(current, ((expected if isinstance(expected, tuple) else (expected,)), {}), rtol, atol)
     if difference is not None:
         raise ValueError(
