@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from distributed_harness import run_distributed
-from training_helpers import _loader_for, assert_weights_close, make_module, make_trainer
+from torch.utils.data import DataLoader
+from training_helpers import SEED, _loader_for, assert_weights_close, make_module, make_trainer
 
 from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 from lightning_parallel.demos.gpt import Block
 from lightning_parallel.distributed.activation_checkpointing import is_checkpointed
+from lightning_parallel.monitor import ParallelismMonitor
 
 STEPS = 3
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
@@ -65,3 +69,33 @@ def test_a_bad_value_is_refused_when_the_strategy_is_built() -> None:
         ShardedOptimizerStrategy(2, activation_checkpointing={"Block"})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be True"):
         DataParallelStrategy(activation_checkpointing="yes")  # type: ignore[arg-type]
+
+
+def _peak_rank(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    """Each strategy with and without checkpointing: this rank's peak live tensor bytes over step 1 (monitor)."""
+    torch.set_num_threads(1)
+    results: dict[str, dict[str, Any]] = {}
+    for name in ("data_parallel", "zero3", "pipeline"):
+        for policy in (False, True):
+            # Activations dominate: 4 blocks of width 64 over 8 sequences of 64 tokens per rank, a small vocabulary.
+            pl.seed_everything(SEED, verbose=False)
+            module = GPTLightningModule("tiny", n_layer=4, block_size=64, bias=False, optimizer="sgd")
+            monitor = ParallelismMonitor(peak_tensors_step=1, figure_path=False)
+            trainer = make_trainer(_strategy(name, policy), devices=world_size, max_steps=2, callbacks=[monitor])
+            data = RandomTokenDataset(64, 64, seed=7)
+            trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=8, shuffle=False))
+            assert monitor.summary is not None
+            own = next(r for r in monitor.summary["ranks"] if r["rank"] == rank)
+            results[f"{name}-{policy}"] = own["peak_tensors"]
+    return results
+
+
+def test_checkpointing_lowers_the_activation_bytes_at_the_peak(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)  # the monitor's JSON goes to the default root dir
+    for result in run_distributed(_peak_rank, 2, init_process_group=False, timeout=240):
+        for name in ("data_parallel", "zero3", "pipeline"):
+            without, with_it = result[f"{name}-False"], result[f"{name}-True"]
+            # The same weights, gradients and optimizer state either way: what falls is what autograd saves. Measured
+            # (bytes are deterministic): data parallel 0.68x, zero3 0.47x, pipeline 0.71x / 0.85x (the last stage
+            # also holds the logits, which no block checkpoint covers).
+            assert with_it["peak_bytes"] < 0.9 * without["peak_bytes"], (name, with_it, without)
