@@ -23,7 +23,14 @@ from lightning_parallel import PipelineParallelStrategy, ShardedOptimizerStrateg
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 from lightning_parallel.monitor import ParallelismMonitor, ring_wire_bytes
 from lightning_parallel.planner import main, parse_memory, pipeline_bubble, plan
-from lightning_parallel.planner.estimate import activation_estimate, zero_buckets
+from lightning_parallel.planner.estimate import (
+    OPTIMIZER_STATES,
+    PRECISION_BYTES,
+    EstimateContext,
+    activation_estimate,
+    estimate_pipeline,
+    zero_buckets,
+)
 from lightning_parallel.planner.spec import model_spec
 
 BATCH, SEQ = 4, 16
@@ -51,6 +58,10 @@ CASES = {
         {"bucket_cap_mb": 0.1},
     ),
     "zero3": (lambda ws: "zero3_notebook", lambda ws: "zero3", {}),
+    # bf16-true: bf16 parameters, fp32 master weights in the shard, gradients reduced in fp32 (the default).
+    "zero1_bf16_true": (lambda ws: "zero1_notebook", lambda ws: "zero1", {"precision": "bf16-true"}),
+    "zero2_bf16_true": (lambda ws: "zero2_notebook", lambda ws: "zero2", {"precision": "bf16-true"}),
+    "zero3_bf16_true": (lambda ws: "zero3_notebook", lambda ws: "zero3", {"precision": "bf16-true"}),
     "pipeline": (
         lambda ws: PipelineParallelStrategy(pipeline_parallel_size=2, start_method="fork"),
         lambda ws: f"pipeline pp=2, dp={ws // 2}",
@@ -117,7 +128,7 @@ def _check_step_facts(case: str, world_size: int, steps: list[dict]) -> None:
     for step in steps:
         assert (step["samples"], step["tokens"]) == (BATCH * replicas, BATCH * replicas * SEQ)
         assert step["step_time_s"] > 0 and step["compute_s"] >= 0
-        measurable = case in ("zero1", "zero2", "zero2_small_buckets") or is_pipeline
+        measurable = case.startswith(("zero1", "zero2")) or is_pipeline
         assert (step["exposed_communication_s"] is not None) == measurable
         assert (step["pipeline_idle_s"] is not None) == is_pipeline
     if case == "pipeline":  # 1F1B, 2 micro-batches, one stage per rank: 2 forward and 2 backward chunks per step
@@ -127,6 +138,51 @@ def _check_step_facts(case: str, world_size: int, steps: list[dict]) -> None:
     if case == "pipeline_interleaved":  # 4 micro-batches through each of the rank's 2 stages
         kinds = sorted(kind for kind, *_ in steps[-1]["timeline"])
         assert kinds == ["B"] * 8 + ["F"] * 8
+
+
+def _measure_pipeline_zero(rank: int, world_size: int, zero_stage: int, devices: int) -> dict:
+    """As :func:`_measure`, for ``PipelineParallelStrategy(pipeline_parallel_size=2, zero_stage=...)``."""
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, zero_stage=zero_stage, start_method="fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        monitor = ParallelismMonitor(summary_path=Path(tmp, "summary.json"), figure_path=False)
+        trainer = make_trainer(strategy, devices=devices, max_steps=STEPS, callbacks=[monitor])
+        loader = DataLoader(RandomTokenDataset(64, SEQ, seed=3), batch_size=BATCH)
+        trainer.fit(_module(), train_dataloaders=loader)
+        return json.loads(Path(tmp, "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_planner_equals_monitor_for_zero_inside_the_pipeline(zero_stage: int) -> None:
+    """2 x 2: each stage's bucket (63,860 and 62,930 parameters) sharded over its 2 replicas, to the byte."""
+    world_size = 4
+    (summary,) = run_distributed(
+        _measure_pipeline_zero,
+        world_size=1,
+        args=(zero_stage, world_size),
+        init_process_group=False,
+        launcher_env=False,
+        timeout=240,
+    )
+    spec = model_spec(_module())
+    element, activation = PRECISION_BYTES["32-true"]
+    ctx = EstimateContext(spec, world_size, OPTIMIZER_STATES["adamw"], element, activation, BATCH, SEQ)
+    predicted = estimate_pipeline(
+        ctx, pipeline_parallel_size=2, num_microbatches=None, schedule="1F1B", stages_per_rank=1, zero_stage=zero_stage
+    )
+    assert predicted.name == f"pipeline pp=2, dp=2, zero{zero_stage}"
+    plain = plan(_module(), world_size=world_size, batch_size=BATCH, seq_len=SEQ).configuration("pipeline pp=2, dp=2")
+    for measured, expected, unsharded in zip(summary["ranks"], predicted.ranks, plain.ranks, strict=True):
+        assert measured["memory"] == {
+            "parameters": expected.parameters,
+            "gradients": expected.gradients,
+            "optimizer_state": expected.optimizer_state,
+        }, f"rank {measured['rank']}"
+        assert expected.optimizer_state < unsharded.optimizer_state  # half the stage's, up to the padding
+        assert measured["steps"][-1]["communication"] == expected.communication, f"rank {measured['rank']}"
+        assert set(expected.communication) == {"send", "recv", "reduce_scatter", "all_gather"}
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic

@@ -24,10 +24,25 @@ Layout (Megatron's distributed optimizer / DeepSpeed ZeRO):
 Stage 1 keeps the full flat gradient buffers (``Psi`` bytes) between steps; stage 2 frees each bucket's full buffer
 as soon as its reduce-scatter completes and keeps only the ``Psi / N`` shard. Optimizer state exists only for the
 owned views: ``K * Psi / N``. Neither stage ever holds a second full copy of gradients or optimizer state.
+
+Peak memory, not only the steady state: at stage 2 at most ``max_buckets_in_flight`` reduce-scatters are in flight
+(launching one more first waits for the oldest and frees its full buffer), so the full-size gradient bytes alive
+during backward are bounded by about ``(max_buckets_in_flight + 1) * bucket_cap_mb`` (plus the bucket being filled
+and autograd's gradient of the parameter at hand) instead of growing to ``Psi`` when the collectives finish late.
+The all-gather after the step likewise keeps at most ``max_buckets_in_flight`` shard copies alive at both stages.
+
+16-bit parameters with fp32 master weights (``master_dtype=torch.float32``; ``Trainer(precision="bf16-true")``, ZeRO
+paper section 3.1): the module's parameters stay bf16 views of the bf16 flat buckets (``2 Psi``). Each rank also
+keeps an fp32 copy of its shard of every bucket, the master (``4 Psi / N``), and the optimizer steps 1-D views of
+*that* (so its state is fp32 too). Gradients are accumulated in the bf16 bucket as autograd produces them, upcast to
+fp32 when the bucket is launched and reduce-scattered in fp32 into an fp32 shard (``4 Psi / N``; the fp32 copy of
+the bucket lives only while its collective is in flight). After the step the updated master shard is rounded to
+bf16 into the flat buffer, which is then all-gathered (in bf16, ``2 Psi`` bytes as before).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -43,7 +58,10 @@ from lightning_parallel.accounting import (
     storage_bytes,
 )
 
-__all__ = ["MemoryReport", "ShardView", "ShardedParameterBuckets", "module_memory_report"]
+__all__ = ["DEFAULT_BUCKETS_IN_FLIGHT", "MemoryReport", "ShardView", "ShardedParameterBuckets", "module_memory_report"]
+
+DEFAULT_BUCKETS_IN_FLIGHT = 2
+"""Collectives of stage-1/2 buckets that may be in flight at once (each holds a full bucket, or a shard copy)."""
 
 
 @dataclass
@@ -65,7 +83,7 @@ class ShardView:
     param: nn.Parameter
     start: int
     stop: int
-    tensor: Tensor  # view into the bucket's flat parameters; what the optimizer steps
+    tensor: Tensor  # view into the bucket's fp32 master shard if it has one, else its flat parameters; stepped
     grad: Tensor  # view into the bucket's reduced gradient shard
     grad_offset: int = 0  # where `grad` starts in that shard
 
@@ -84,6 +102,8 @@ class _Bucket:
     launched: bool = False
     work: dist.Work | None = None
     views: list[ShardView] = field(default_factory=list)
+    master: Tensor | None = None  # fp32 copy of this rank's shard of `flat_params` (16-bit parameters)
+    send: Tensor | None = None  # fp32 copy of `full_grads` for the reduce-scatter while it is in flight
 
 
 # torch 2.12 renamed the flat collectives and deprecates the old names with a FutureWarning on every call. Looked up
@@ -110,6 +130,12 @@ class ShardedParameterBuckets:
         bucket_cap_mb: bucket size in MiB.
         frozen: parameters to bucket although ``requires_grad`` is off (those the optimizers hold, so unfreezing
             them later needs no new layout). Other frozen parameters stay outside the buckets, never communicated.
+        max_buckets_in_flight: reduce-scatters (stage 2) and all-gathers (both stages) in flight at once; one more
+            waits for the oldest first. Bounds the full-size gradient buffers alive during a stage-2 backward.
+        master_dtype: ``torch.float32`` keeps an fp32 master copy of this rank's shard of every bucket of 16-bit
+            parameters, which the optimizer steps, and reduces their gradients in fp32 (module docstring). No effect
+            on buckets whose parameters already have at least that precision. ``None``: step the parameters
+            themselves and reduce in their dtype.
     """
 
     def __init__(
@@ -120,10 +146,17 @@ class ShardedParameterBuckets:
         group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
         frozen: Iterable[nn.Parameter] = (),
+        max_buckets_in_flight: int = DEFAULT_BUCKETS_IN_FLIGHT,
+        master_dtype: torch.dtype | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"`stage={stage!r}` is invalid for ShardedParameterBuckets: use 1 or 2.")
+        if max_buckets_in_flight < 1:
+            raise ValueError(f"`max_buckets_in_flight={max_buckets_in_flight!r}` is invalid: use 1 or more.")
         self.stage = stage
+        self.master_dtype = master_dtype
+        self.max_buckets_in_flight = max_buckets_in_flight
+        self._in_flight: deque[_Bucket] = deque()  # stage 2: launched reduce-scatters whose full buffer is alive
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -179,17 +212,42 @@ class ShardedParameterBuckets:
             segments.append(_Segment(param=param, name=name, offset=offset, numel=numel))
             offset += numel
         shard_numel = padded // self.world_size
+        master = None
+        if self._keeps_master(flat.dtype):
+            assert self.master_dtype is not None
+            master = torch.empty(shard_numel, dtype=self.master_dtype, device=flat.device)
         bucket = _Bucket(
             segments=segments,
             numel=padded,
             shard_numel=shard_numel,
             flat_params=flat,
-            shard_grads=torch.zeros(shard_numel, dtype=flat.dtype, device=flat.device),
+            # The reduced gradient shard has the dtype of what the optimizer steps: fp32 beside an fp32 master.
+            shard_grads=torch.zeros(
+                shard_numel, dtype=flat.dtype if master is None else master.dtype, device=flat.device
+            ),
+            master=master,
         )
+        self._copy_to_master(bucket)
         if self.stage == 1:
             bucket.full_grads = torch.zeros_like(flat)
         bucket.views = self._owned_views(bucket)
         return bucket
+
+    def _keeps_master(self, dtype: torch.dtype) -> bool:
+        master = self.master_dtype
+        return master is not None and dtype.is_floating_point and torch.finfo(dtype).bits < torch.finfo(master).bits
+
+    def _copy_to_master(self, bucket: _Bucket) -> None:
+        if bucket.master is not None:
+            start = self.rank * bucket.shard_numel
+            bucket.master.copy_(bucket.flat_params[start : start + bucket.shard_numel])
+
+    @torch.no_grad()
+    def reset_master_weights(self) -> None:
+        """Local. Set every master shard to this rank's shard of the (16-bit) parameters, e.g. after loading
+        weights into the module; the upcast is exact."""
+        for bucket in self.buckets:
+            self._copy_to_master(bucket)
 
     def _owned_views(self, bucket: _Bucket) -> list[ShardView]:
         shard_start = self.rank * bucket.shard_numel
@@ -206,7 +264,11 @@ class ShardedParameterBuckets:
                     param=segment.param,
                     start=lo - segment.offset,
                     stop=hi - segment.offset,
-                    tensor=bucket.flat_params[lo:hi],
+                    tensor=(
+                        bucket.flat_params[lo:hi]
+                        if bucket.master is None
+                        else bucket.master[lo - shard_start : hi - shard_start]
+                    ),
                     grad=bucket.shard_grads[lo - shard_start : hi - shard_start],
                     grad_offset=lo - shard_start,
                 )
@@ -262,7 +324,12 @@ class ShardedParameterBuckets:
             bucket.full_grads = torch.zeros(
                 bucket.numel, dtype=bucket.flat_params.dtype, device=bucket.flat_params.device
             )
-        bucket.full_grads.div_(self.world_size)
+        send = bucket.full_grads
+        if bucket.master is not None:  # reduce in the master's precision: an fp32 copy while the collective runs
+            send = bucket.send = bucket.full_grads.to(bucket.master.dtype)
+            if self.stage == 2:  # the fp32 copy is what is reduced: free the 16-bit bucket now
+                bucket.full_grads = None
+        send.div_(self.world_size)
         # torch's `.grad` semantics: a sync after the optimizer's `zero_grad()` starts from zero, a sync without it
         # (manual optimization accumulating over several synchronised backwards) adds to the previous gradients.
         # A view without `.grad` (cleared, or never used) holds no gradient: its slot restarts from zero.
@@ -275,25 +342,32 @@ class ShardedParameterBuckets:
                 view.grad.zero_()
         bucket.pending_shard = None if output is bucket.shard_grads else output
         if self.stats is not None:  # bytes of the full (unsharded) buffer, as for all-reduce
-            self.stats.record("reduce_scatter", bucket.full_grads.numel() * bucket.full_grads.element_size())
-        bucket.work = _reduce_scatter(output, bucket.full_grads, group=self.group)
+            self.stats.record("reduce_scatter", send.numel() * send.element_size())
+        bucket.work = _reduce_scatter(output, send, group=self.group)
         bucket.launched = True
         if self.stage == 2:
-            self._release_finished_buckets()
+            self._in_flight.append(bucket)
+            self._release_reduced_buckets()
 
-    def _release_finished_buckets(self) -> None:
-        """Stage 2: drop the full gradient buffer of every bucket whose reduce-scatter already finished, so the
-        full-size buffers alive during backward are only those still in flight."""
-        for bucket in self.buckets:
-            if bucket.work is not None and bucket.pending_shard is None and bucket.work.is_completed():
-                bucket.work.wait()
-                bucket.work = None
-                bucket.full_grads = None
+    def _release_reduced_buckets(self) -> None:
+        """Stage 2: free the full gradient buffer of each bucket whose reduce-scatter finished, oldest first; while
+        more than ``max_buckets_in_flight`` are in flight, wait for the oldest. The reduced values are in the shard
+        (or in ``pending_shard``), so the full buffer is not needed once its collective completed."""
+        while self._in_flight:
+            oldest = self._in_flight[0]
+            assert oldest.work is not None
+            if len(self._in_flight) <= self.max_buckets_in_flight and not oldest.work.is_completed():
+                return
+            oldest.work.wait()
+            oldest.work = None
+            oldest.full_grads = oldest.send = None
+            self._in_flight.popleft()
 
     def finish_gradient_sync(self) -> None:
         """Collective. Launch what backward left (unused parameters), wait for every reduce-scatter, agree on which
         parameters got a gradient, and give the optimizer's views their ``.grad`` (``None``: not stepped)."""
         self._launch_ready_buckets(flush=True)
+        self._in_flight.clear()  # waited for below
         device = self.buckets[0].flat_params.device if self.buckets else torch.device("cpu")
         used = torch.frombuffer(self._used, dtype=torch.uint8).to(device, copy=True) if self._used else None
         used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True) if self._used else None
@@ -301,6 +375,7 @@ class ShardedParameterBuckets:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
+            bucket.send = None
             bucket.ready = 0
             bucket.launched = False
         if used_work is not None:
@@ -344,15 +419,21 @@ class ShardedParameterBuckets:
                 rank must pass the same ones. ``None``: all of them.
         """
         chosen = self.buckets if buckets is None else [self.buckets[index] for index in buckets]
-        works = []
+        works: deque[tuple[dist.Work, Tensor]] = deque()
         for bucket in chosen:
+            if len(works) >= self.max_buckets_in_flight:  # bound the shard copies alive at once
+                works.popleft()[0].wait()
             start = self.rank * bucket.shard_numel
-            shard = bucket.flat_params[start : start + bucket.shard_numel].clone()
+            owned = bucket.flat_params[start : start + bucket.shard_numel]
+            if bucket.master is not None:  # the optimizer stepped the fp32 master: round it into the 16-bit buffer
+                owned.copy_(bucket.master)
+            # A copy: the collective writes into `flat_params`, which holds the input shard.
+            shard = owned.clone()
             if self.stats is not None:  # bytes of the full (gathered) buffer
                 self.stats.record("all_gather", bucket.flat_params.numel() * bucket.flat_params.element_size())
             works.append((_all_gather(bucket.flat_params, shard, group=self.group), shard))
-        for work, _ in works:
-            work.wait()
+        while works:
+            works.popleft()[0].wait()
 
     def bucket_indices(self, params: Iterable[nn.Parameter]) -> list[int]:
         """Indices of the buckets holding any of ``params`` (the same on every rank: the layout is)."""
@@ -391,16 +472,38 @@ class ShardedParameterBuckets:
     def memory_report(
         self, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None
     ) -> MemoryReport:
-        """Bytes of the buckets' parameters and gradients and of ``optimizers``' per-element state on this rank."""
+        """Bytes of the buckets' parameters and gradients and of ``optimizers``' per-element state on this rank.
+
+        The fp32 master shards count as optimizer state, as in the ZeRO paper (``K = 12`` bytes per parameter for
+        mixed-precision Adam: fp32 master, momentum and variance), since only the optimizer step reads them.
+        """
         params = (p for p in self.parameters)
-        grads = (t for b in self.buckets for t in (b.shard_grads, b.full_grads) if t is not None)
+        masters = [bucket.master for bucket in self.buckets if bucket.master is not None]
         return MemoryReport(
             parameters=storage_bytes(params),
-            gradients=storage_bytes(grads),
-            optimizer_state=storage_bytes(optimizer_state_tensors(optimizers)),
+            gradients=storage_bytes(self.gradient_buffers()),
+            optimizer_state=storage_bytes([*optimizer_state_tensors(optimizers), *masters]),
         )
+
+    def gradient_buffers(self) -> list[Tensor]:
+        """The gradient tensors this rank holds now: each bucket's reduced shard, and its full buffer while alive
+        (stage 1: always; stage 2: from its first gradient until its reduce-scatter completed)."""
+        held = (t for bucket in self.buckets for t in (bucket.shard_grads, bucket.full_grads, bucket.send))
+        return [t for t in held if t is not None]
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+    def add_gradients(self) -> None:
+        """Local (launches reduce-scatters when ``sync_gradients``). Take the ``.grad`` every bucketed parameter holds
+        now into its bucket, as the backward hook does for each gradient.
+
+        For a caller whose backward bypasses autograd's gradient accumulation (a pipeline schedule's split weight
+        gradients): it calls :meth:`remove_hooks` once, lets backward fill ``.grad``, then this and
+        :meth:`finish_gradient_sync` (``PipelineParallelStrategy(zero_stage=...)``).
+        """
+        for param in self._bucket_of:
+            if param.grad is not None:
+                self._on_gradient(param)

@@ -3,6 +3,11 @@
 FSDP2 is torch's maintained engine for parameter sharding (DTensor parameters sharded on dim 0, all-gathered per
 block for forward/backward, gradients reduce-scattered), so we only decide *where* to apply it, materialise
 meta-device models shard by shard, and convert state dicts to the plain (consolidated) layout.
+
+fp32 master weights for 16-bit training (ZeRO paper section 3.1): the sharded parameters are fp32 (the masters, what
+the optimizer steps, so its state is fp32) and FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+all-gathers them in bf16 for forward/backward and reduce-scatters the gradients in fp32
+(:func:`upcast_16bit_parameters`, :func:`master_weight_policy`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
@@ -32,6 +37,7 @@ from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpoi
 __all__ = [
     "apply_fully_shard",
     "broadcast_from_rank0",
+    "cast_parameters",
     "consolidated_model_state",
     "consolidated_optimizer_state",
     "find_repeated_blocks",
@@ -39,8 +45,12 @@ __all__ = [
     "load_consolidated_model_state",
     "load_consolidated_optimizer_state",
     "load_from_reader",
+    "master_weight_policy",
     "materialize_meta_module",
+    "refresh_gradient_dtypes",
+    "round_parameters",
     "sharded_pieces",
+    "upcast_16bit_parameters",
 ]
 
 
@@ -59,7 +69,9 @@ def find_repeated_blocks(module: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
+def apply_fully_shard(
+    module: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None
+) -> list[nn.Module]:
     """Shard each repeated block, then each top-level child holding the remaining parameters; return the units.
 
     A unit that holds only some of the names of a tied parameter (e.g. an embedding whose weight is also the LM
@@ -71,8 +83,72 @@ def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     units = fsdp_units(module)
     for unit in units:
         if not isinstance(unit, FSDPModule):
-            fully_shard(unit, mesh=mesh)
+            fully_shard(unit, mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     return units
+
+
+# ---------------------------------------------------------------------- fp32 master weights
+def _is_16bit(tensor: Tensor) -> bool:
+    return tensor.dtype in (torch.bfloat16, torch.float16)
+
+
+@torch.no_grad()
+def upcast_16bit_parameters(module: nn.Module) -> torch.dtype | None:
+    """Local. Make every 16-bit floating-point parameter fp32 (exact) before sharding, so the shards are the fp32
+    masters; buffers keep their dtype (FSDP2 does not cast buffers). Returns the 16-bit dtype found (the dtype to
+    compute in), ``None`` when no parameter is 16-bit (``32-true``, ``*-mixed``: nothing changes)."""
+    found = None
+    for param in module.parameters():
+        if _is_16bit(param) and not isinstance(param, DTensor):
+            found = found or param.dtype
+            param.data = param.data.to(torch.float32)
+    return found
+
+
+def master_weight_policy(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """FSDP2 computes in ``compute_dtype`` from the fp32 sharded parameters and reduces gradients in fp32."""
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def refresh_gradient_dtypes(unit: nn.Module) -> None:
+    """Local; call before each forward of a unit sharded with :func:`master_weight_policy`, while training.
+
+    FSDP2 fixes a unit's gradient dtypes (``FSDPParamGroup._orig_dtype``/``_reduce_dtype``) at its first forward,
+    from the parameters that require grad at that moment: a unit frozen then (``toggle_optimizer`` in a GAN's first
+    step, a backbone unfrozen later) gets none, and once it trains its bf16 gradients are neither reduced in fp32 nor
+    cast to the fp32 shard ("attempting to assign a gradient with dtype BFloat16 to a tensor with grad_dtype
+    Float"). This recomputes them from the parameters that require grad now, with FSDP2's own ``_init_mp_dtypes``.
+    Private FSDP2 names (no public API; checked against torch 2.13); a version without them fails here by name.
+    """
+    if not isinstance(unit, FSDPModule):
+        return
+    try:
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            group._init_mp_dtypes()
+    except AttributeError as error:  # pragma: no cover - only on a torch version that moved these fields
+        raise RuntimeError(
+            f"This torch version's FSDP2 has no `{error.name}` where lightning_parallel expects it (written for torch"
+            " 2.13): ZeRO-3 with fp32 master weights cannot follow `requires_grad` changes. Use"
+            " `ShardedOptimizerStrategy(stage=3, master_weights=None)` or stage 2."
+        ) from error
+
+
+@torch.no_grad()
+def round_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Local. Round each fp32 parameter shard to ``dtype`` and back, as if it had been initialised in ``dtype``."""
+    for param in module.parameters():
+        local = _local(param)
+        if local.dtype == torch.float32:
+            local.copy_(local.to(dtype))
+
+
+def cast_parameters(module: nn.Module, state: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """``state`` with the fp32 entries of ``module``'s parameters cast to ``dtype`` (buffers as they are)."""
+    names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return {
+        name: value.to(dtype) if name in names and isinstance(value, Tensor) and value.dtype == torch.float32 else value
+        for name, value in state.items()
+    }
 
 
 def fsdp_units(module: nn.Module) -> list[nn.Module]:
@@ -221,10 +297,17 @@ def _names_by_index(module: nn.Module, optimizer: torch.optim.Optimizer) -> list
     return [name_of[param] for group in optimizer.param_groups for param in group["params"]]
 
 
-def consolidated_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective. The plain ``optimizer.state_dict()`` layout (integer keys in param-group order) on rank 0."""
+def consolidated_optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, *, with_master_weights: bool = False
+) -> dict[str, Any]:
+    """Collective. The plain ``optimizer.state_dict()`` layout (integer keys in param-group order) on rank 0.
+
+    ``with_master_weights``: the sharded parameters are fp32 masters of a 16-bit model; add them, whole, as
+    ``"master_weights": {index: fp32 tensor}`` (the layout of ``distributed/zero_optimizer.py``).
+    """
     # The full layout: "state" maps names to dicts, "param_groups" is a list (torch types both as one union).
     by_name: dict[str, Any] = get_optimizer_state_dict(module, optimizer, options=_FULL)
+    masters = get_model_state_dict(module, options=_FULL) if with_master_weights else {}
     if dist.get_rank() != 0:
         return {}
     names = _names_by_index(module, optimizer)
@@ -235,7 +318,10 @@ def consolidated_optimizer_state(module: nn.Module, optimizer: torch.optim.Optim
         saved = {key: value for key, value in group.items() if key != "params"}
         saved["params"] = [index_of[name] for name in group["params"]]
         groups.append(saved)
-    return {"state": state, "param_groups": groups}
+    consolidated: dict[str, Any] = {"state": state, "param_groups": groups}
+    if with_master_weights:
+        consolidated["master_weights"] = {index: masters[name] for index, name in enumerate(names) if name in masters}
+    return consolidated
 
 
 def load_consolidated_optimizer_state(
@@ -251,6 +337,10 @@ def load_consolidated_optimizer_state(
         groups.append(saved)
     options = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups}, options=options)
+    masters = state_dict.get("master_weights")
+    if masters:  # saved with fp32 masters: they replace the upcast 16-bit weights the model state gave (exact resume)
+        named = {names[int(index)]: tensor for index, tensor in masters.items()}
+        set_model_state_dict(module, named, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def sharded_pieces(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[FlatPiece]:

@@ -7,6 +7,13 @@ update is element-wise; :func:`check_shardable` refuses the ones that need a par
 The *consolidated* layout is what ``optimizer.state_dict()`` of the unsharded optimizer would return: state indexed
 by the position of each parameter in ``configure_optimizers``' param groups, every per-element tensor in the
 parameter's shape. It loads into plain single-device training and into any of our strategies at any world size.
+
+With fp32 master weights (16-bit parameters, :class:`ShardedParameterBuckets` ``master_dtype``) the optimizer steps
+views of the master shard, so its state is fp32, and the consolidated state dict has one more top-level entry,
+``"master_weights"``: ``{index: fp32 tensor in the parameter's shape}`` for every parameter of the optimizer that
+has a master. ``torch.optim.Optimizer.load_state_dict`` ignores it (and casts the fp32 state to its parameters'
+dtype), so the state still loads into plain single-device training; our strategies restore the master from it,
+so a resume continues exactly. Without it (a plain bf16 checkpoint) the master is the upcast bf16 weights.
 """
 
 from __future__ import annotations
@@ -133,6 +140,7 @@ class ShardedOptimizer:
                         continue
                     piece = full[segment.offset : segment.offset + segment.numel]
                     state[index][key] = piece.view_as(segment.param).clone()
+        masters = self._gather_master_weights(destination, index_of)
         if not is_destination:
             return {}
         for index, (_, scalars) in state_of.items():
@@ -144,7 +152,34 @@ class ShardedOptimizer:
             saved["params"] = list(range(offset, offset + len(params)))
             offset += len(params)
             groups.append(saved)
-        return {"state": {index: state[index] for index in sorted(state)}, "param_groups": groups}
+        consolidated: dict[str, Any] = {
+            "state": {index: state[index] for index in sorted(state)},
+            "param_groups": groups,
+        }
+        if masters:
+            consolidated["master_weights"] = masters
+        return consolidated
+
+    def _gather_master_weights(self, destination: int, index_of: dict[nn.Parameter, int]) -> dict[int, Tensor]:
+        """Collective. The fp32 master of each of this optimizer's parameters, in its shape, on ``destination``."""
+        masters: dict[int, Tensor] = {}
+        for bucket_index in self.bucket_indices:
+            bucket = self.buckets.buckets[bucket_index]
+            if bucket.master is None:
+                continue
+            pieces = None
+            if self.buckets.rank == destination:
+                pieces = [torch.empty_like(bucket.master) for _ in range(self.buckets.world_size)]
+            dist.gather(bucket.master, pieces, group_dst=destination, group=self.buckets.group)
+            if pieces is None:
+                continue
+            full = torch.cat(pieces)
+            for segment in bucket.segments:
+                index = index_of.get(segment.param)
+                if index is not None:
+                    piece = full[segment.offset : segment.offset + segment.numel]
+                    masters[index] = piece.view(segment.param.shape).clone()
+        return masters
 
     def sharded_pieces(self) -> list[FlatPiece]:
         """This rank's pieces of parameters and per-element optimizer state, for a sharded checkpoint."""
@@ -186,7 +221,8 @@ class ShardedOptimizer:
         return dict(sorted(merged.items()))
 
     def _gather_bucket_state(self, bucket: Any, key: str, destination: int) -> Tensor:
-        shard = torch.zeros(bucket.shard_numel, dtype=bucket.flat_params.dtype, device=bucket.flat_params.device)
+        # The state has the dtype of what the optimizer steps: the fp32 master's, else the parameters'.
+        shard = torch.zeros(bucket.shard_numel, dtype=bucket.shard_grads.dtype, device=bucket.flat_params.device)
         for view in bucket.views:
             value = self.optimizer.state.get(view.tensor, {}).get(key)
             if value is not None:
@@ -194,7 +230,7 @@ class ShardedOptimizer:
         pieces = None
         if self.buckets.rank == destination:
             pieces = [torch.empty_like(shard) for _ in range(self.buckets.world_size)]
-        dist.gather(shard, pieces, dst=destination, group=self.buckets.group)
+        dist.gather(shard, pieces, group_dst=destination, group=self.buckets.group)
         return torch.cat(pieces) if pieces is not None else shard
 
     # ------------------------------------------------------------------ load
@@ -211,6 +247,15 @@ class ShardedOptimizer:
                 continue
             for view in self.views_of[param]:
                 self.optimizer.state[view.tensor] = {key: _slice_state(value, view) for key, value in entry.items()}
+        masters = state_dict.get("master_weights") or {}
+        for index, param in enumerate(self._indexed_params()):
+            master = masters.get(index, masters.get(str(index)))
+            if master is None:
+                continue
+            for view in self.views_of[param]:
+                if _is_master(view):
+                    with torch.no_grad():
+                        view.tensor.copy_(master.reshape(-1)[view.start : view.stop])
 
 
 def load_from_reader(sharded: ShardedOptimizer, reader: ShardedCheckpointReader, module: nn.Module) -> None:
@@ -223,7 +268,13 @@ def load_from_reader(sharded: ShardedOptimizer, reader: ShardedCheckpointReader,
     requests = [
         (key, view.name, view.start, view.stop) for view in views for key in reader.keys_of(view.name) if key != "param"
     ]
-    values = reader.read(requests)
+    # With fp32 master weights the sharded checkpoint's "param" pieces are the masters (see `sharded_pieces`).
+    masters = [("param", view.name, view.start, view.stop) for view in views if _is_master(view)]
+    values = reader.read(requests + masters)
+    with torch.no_grad():
+        for key in masters:
+            view = next(v for v in views if (v.name, v.start, v.stop) == key[1:])
+            view.tensor.copy_(values[key])
     sharded.optimizer.state.clear()
     for view in views:
         state = {
@@ -250,6 +301,11 @@ def check_matching_groups(saved_groups: list[dict] | None, group_names: list[lis
 
 def _first(groups: list[list[str]]) -> str:
     return next((group[0] for group in groups if group), "none")
+
+
+def _is_master(view: ShardView) -> bool:
+    """Whether ``view`` is a piece of an fp32 master (the parameter itself is 16-bit)."""
+    return view.tensor.dtype != view.param.dtype
 
 
 def _slice_state(value: Any, view: ShardView) -> Any:

@@ -17,6 +17,14 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   full bucket plus its reduced shard, stage 2 the shard only. Optimizer state: only the elements of rank r's shard
   that are real parameters (the padding is never stepped). Per step: one reduce-scatter and one all-gather of every
   padded bucket.
+* ZeRO with 16-bit parameters (``"bf16-true"``/``"16-true"``) keeps fp32 master weights by default
+  (``ShardedOptimizerStrategy(master_weights="fp32")``; ``master_weights=False`` here models ``None``). Stages 1-2:
+  parameters are the 2-byte padded buckets; gradients stage 1 the 2-byte full bucket plus a 4-byte reduced shard,
+  stage 2 the 4-byte shard; optimizer state the 4-byte master shard (padding included) plus 4-byte state of the owned
+  real elements (``12 Psi / N`` bytes for AdamW, ZeRO paper section 3.1); per step a 4-byte reduce-scatter and a
+  2-byte all-gather of every padded bucket. Stage 3: the sharded parameters and gradients are the 4-byte masters and
+  their 4-byte gradients, optimizer state 4 bytes; FSDP2 all-gathers 2-byte parameters and reduce-scatters 4-byte
+  gradients.
 * ZeRO-3 (FSDP2): every parameter is sharded on dim 0 into ``ceil(d0/N)``-row shards; each rank stores a padded
   shard (parameters) and a padded gradient shard per unit, while optimizer state follows the unpadded local rows
   (``torch.chunk``). Per step every unit is all-gathered in forward and reduce-scattered once; non-root units are
@@ -26,7 +34,10 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   activations of the batch forward and their gradients backward (same shape, in the parameters' dtype: under
   autocast the residual stream between blocks stays fp32); replicas all-reduce their stage's gradients. Bubble:
   ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v*m+p-1)`` for interleaved 1F1B with v stages per rank
-  (Narayanan et al., 2021).
+  (Narayanan et al., 2021). With ``zero_stage`` 1 or 2 (dp > 1) each stage's parameters are bucketed as ZeRO-1/2
+  buckets them (:func:`zero_buckets` of the stage's parameters, each bucket padded to a multiple of dp) and the
+  replicas reduce-scatter and all-gather them instead of the all-reduce: ZeRO-1/2's arithmetic per stage, over dp
+  ranks (the all-reduce of tied-weight copies is not modelled).
 * Activations are an *estimate* (see :func:`activation_estimate`): per transformer block and token ``34*h + 5*a*s``
   bytes in 16-bit precision (Korthikanti et al., 2022, no recomputation, sequence length s, hidden h, heads a;
   doubled in fp32), plus the logits and their gradient in fp32 (``8*V`` bytes per token). A pipeline stage holds the
@@ -43,8 +54,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_parallel.accounting import ring_wire_bytes
+from lightning_parallel.distributed.pipeline.partition import resolve_pipeline_layers
 from lightning_parallel.planner.shape import TransformerShape
-from lightning_parallel.planner.spec import ModelSpec
+from lightning_parallel.planner.spec import ModelSpec, ParamSpec
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -251,8 +263,22 @@ def zero_buckets(spec: ModelSpec, *, element_bytes: int, bucket_cap_mb: float) -
     return buckets
 
 
-def estimate_zero12(ctx: EstimateContext, *, stage: int, bucket_cap_mb: float) -> ConfigEstimate:
+MASTER_BYTES = 4
+"""Bytes per element of ZeRO's master weights, their gradients (reduced in fp32) and optimizer state."""
+
+
+def _keeps_master(ctx: EstimateContext, master_weights: bool | None) -> bool:
+    """Whether ZeRO keeps fp32 master weights: only of 16-bit parameters, and unless ``master_weights=False``."""
+    return master_weights is not False and ctx.element_bytes < MASTER_BYTES
+
+
+def estimate_zero12(
+    ctx: EstimateContext, *, stage: int, bucket_cap_mb: float, master_weights: bool | None = None
+) -> ConfigEstimate:
+    """ZeRO-1/2 (ours). ``master_weights``: fp32 masters of 16-bit parameters; ``None``: when they are 16-bit."""
     n, e = ctx.world_size, ctx.element_bytes
+    master = _keeps_master(ctx, master_weights)
+    g = s = MASTER_BYTES if master else e  # reduced gradient shard and optimizer state
     ranks = []
     buckets = zero_buckets(ctx.spec, element_bytes=e, bucket_cap_mb=bucket_cap_mb)
     padded = [-(-b // n) * n for b in buckets]
@@ -261,15 +287,20 @@ def estimate_zero12(ctx: EstimateContext, *, stage: int, bucket_cap_mb: float) -
     for r in range(n):
         owned = sum(max(0, min(b, (r + 1) * (p // n)) - r * (p // n)) for b, p in zip(buckets, padded, strict=True))
         shards = sum(p // n for p in padded)
-        grads = sum(padded) + shards if stage == 1 else shards
-        comm = {"reduce_scatter": sum(padded) * e, "all_gather": sum(padded) * e}
-        ranks.append(RankEstimate(sum(padded) * e, grads * e, ctx.state_count * owned * e, comm, act))
+        grads = (sum(padded) * e if stage == 1 else 0) + shards * g
+        comm = {"reduce_scatter": sum(padded) * g, "all_gather": sum(padded) * e}
+        optimizer = ctx.state_count * owned * s + (shards * MASTER_BYTES if master else 0)
+        ranks.append(RankEstimate(sum(padded) * e, grads, optimizer, comm, act))
     strategy = _strategy_line(ctx, f"zero{stage}", "ShardedOptimizerStrategy", f"stage={stage}")
     return ConfigEstimate(f"zero{stage}", strategy, ranks)
 
 
-def estimate_zero3(ctx: EstimateContext) -> ConfigEstimate:
+def estimate_zero3(ctx: EstimateContext, *, master_weights: bool | None = None) -> ConfigEstimate:
+    """ZeRO-3 (FSDP2). ``master_weights``: fp32 sharded masters of 16-bit parameters; ``None``: when 16-bit."""
     n, e = ctx.world_size, ctx.element_bytes
+    compute = e  # bytes per element all-gathered for compute
+    if _keeps_master(ctx, master_weights):
+        e = MASTER_BYTES  # the shards, their gradients (reduced in fp32) and the optimizer state
     params = ctx.spec.params
     rows = [p.shape[0] if p.shape else 1 for p in params]
     row_numel = [p.numel // d0 if d0 else 0 for p, d0 in zip(params, rows, strict=True)]
@@ -283,7 +314,7 @@ def estimate_zero3(ctx: EstimateContext) -> ConfigEstimate:
         notes.append("FSDP2 units unknown: one unit gathered in forward and backward assumed.")
     gather = sum((1 if u.is_root else 2) * n * sum(padded_shard[i] for i in u.params) for u in units)
     scatter = sum(n * sum(padded_shard[i] for i in u.params) for u in units)
-    comm = {"all_gather": gather * e, "reduce_scatter": scatter * e}
+    comm = {"all_gather": gather * compute, "reduce_scatter": scatter * e}
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
     ranks = []
@@ -316,7 +347,11 @@ def estimate_pipeline(
     num_microbatches: int | None,
     schedule: str,
     stages_per_rank: int,
+    zero_stage: int = 0,
+    bucket_cap_mb: float = 25.0,
 ) -> ConfigEstimate:
+    """``PipelineParallelStrategy``; ``zero_stage`` 1 or 2 shards each stage's optimizer state (and gradients) over
+    its dp replicas as ZeRO-1/2 does (nothing is sharded at dp = 1)."""
     p, v, n, e = pipeline_parallel_size, stages_per_rank, ctx.world_size, ctx.element_bytes
     dp = n // p
     num_stages = p * v
@@ -340,7 +375,13 @@ def estimate_pipeline(
             sends = sum(boundary[s] for s in stages if s < num_stages - 1)
             sends += sum(boundary[s - 1] for s in stages if s > 0)
             comm = {"send": sends, "recv": sends} if sends else {}
-        if dp > 1:
+        held = (local * e, local * e, ctx.state_count * local * e)
+        if dp > 1 and zero_stage:
+            buckets = zero_buckets(_stage_spec(ctx, plan, stages), element_bytes=e, bucket_cap_mb=bucket_cap_mb)
+            params, grads, state, sharded = _stage_sharded(ctx, buckets, zero_stage=zero_stage, replica=r // p, dp=dp)
+            held = (params, grads, state)
+            comm.update(sharded)
+        elif dp > 1:
             comm["all_reduce"] = local * e
         blocks = _blocks_in(ctx, plan, stages)
         flight = in_flight if in_flight is not None else min(m, p - pr)
@@ -352,9 +393,15 @@ def estimate_pipeline(
             with_logits=has_head,
             recompute_samples=ctx.batch_size / m,
         )
-        ranks.append(RankEstimate(local * e, local * e, ctx.state_count * local * e, comm, act))
-    name = f"pipeline pp={p}, dp={dp}" + (f", v={v}" if v > 1 else "")
+        ranks.append(RankEstimate(held[0], held[1], held[2], comm, act))
+    name = (
+        f"pipeline pp={p}, dp={dp}"
+        + (f", v={v}" if v > 1 else "")
+        + (f", zero{zero_stage}" if zero_stage and dp > 1 else "")
+    )
     args = f"pipeline_parallel_size={p}, num_microbatches={m}, schedule={schedule!r}"
+    if zero_stage:
+        args += f", zero_stage={zero_stage}"
     if ctx.activation_checkpointing:
         args += ", activation_checkpointing=True"
     bubble = pipeline_bubble(schedule, pipeline_parallel_size=p, num_microbatches=m, stages_per_rank=v)
@@ -370,6 +417,33 @@ def estimate_pipeline(
         notes=notes,
         communication_complete=boundary is not None,
     )
+
+
+def _stage_spec(ctx: EstimateContext, plan: object, stages: list[int]) -> ModelSpec:
+    """The trainable parameters these stages hold, in the module's ``named_parameters()`` order (the split module's
+    order, which its ZeRO buckets follow)."""
+    module = ctx.spec.module
+    assert module is not None
+    layers = resolve_pipeline_layers(module)
+    local = {id(q) for s in stages for i in plan.layers_of(s) for q in layers[i].parameters()}  # type: ignore[attr-defined]
+    named = module.named_parameters()
+    return ModelSpec(
+        ctx.spec.name, [ParamSpec(n, tuple(q.shape)) for n, q in named if id(q) in local and q.requires_grad]
+    )
+
+
+def _stage_sharded(
+    ctx: EstimateContext, buckets: list[int], *, zero_stage: int, replica: int, dp: int
+) -> tuple[int, int, int, dict[str, int]]:
+    """Bytes of parameters, gradients and optimizer state, and communication, of one stage's ``replica`` when its
+    buckets are sharded over ``dp`` replicas (fp32 parameters: the pipeline supports 32-true and bf16-mixed)."""
+    e = ctx.element_bytes
+    padded = [-(-b // dp) * dp for b in buckets]
+    shards = [q // dp for q in padded]
+    owned = sum(max(0, min(b, (replica + 1) * s) - replica * s) for b, s in zip(buckets, shards, strict=True))
+    grads = (sum(padded) if zero_stage == 1 else 0) + sum(shards)
+    comm = {"reduce_scatter": sum(padded) * e, "all_gather": sum(padded) * e}
+    return sum(padded) * e, grads * e, ctx.state_count * owned * e, comm
 
 
 def _blocks_in(ctx: EstimateContext, plan: object, stages: list[int]) -> float:

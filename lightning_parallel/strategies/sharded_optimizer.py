@@ -14,8 +14,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -30,7 +30,7 @@ from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import save_sharded
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
-from lightning_parallel.strategies.zero_backends import ZeroBackend, backend_type
+from lightning_parallel.strategies.zero_backends import MasterWeights, ZeroBackend, backend_type
 
 __all__ = ["ShardedOptimizerStrategy"]
 
@@ -54,6 +54,12 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     one that needs a parameter's whole shape (LBFGS, Adafactor, SparseAdam, Muon) is refused at stages 1-2. Several
     optimizers (a GAN in manual optimization) work at every stage if no parameter is held by two of them.
 
+    ``Trainer(precision="bf16-true")`` trains as the ZeRO paper does (section 3.1): bf16 parameters and gradients for
+    compute, gradients reduced in fp32, and fp32 master weights in each rank's shard that the optimizer steps (so its
+    state is fp32 too). With ``Psi`` parameters and AdamW a rank holds ``2*Psi`` bytes of bf16 parameters, ``2*Psi``
+    of bf16 gradients (stage 1) and ``12*Psi/N`` of fp32 masters and moments; docs/zero.md gives each stage's exact
+    bytes. ``memory_report()`` counts the masters as optimizer state.
+
     Args:
         stage: 1, 2 or 3.
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
@@ -68,6 +74,12 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             Applied before FSDP2 wraps the units; parameter names and checkpoints are unchanged; see docs/memory.md.
         nonfinite_loss: what every rank does when the loss is NaN/inf on any rank: ``"skip"`` the step (default),
             ``"stop"`` (raise ``FloatingPointError``) or ``"ignore"`` (no check).
+        master_weights: with 16-bit parameters (``precision="bf16-true"`` or ``"16-true"``), ``"fp32"`` (default)
+            keeps an fp32 master copy of this rank's shard that the optimizer steps, rounded to the 16-bit weights
+            after each step, and reduces gradients in fp32; ``None`` steps the 16-bit parameters directly, as plain
+            Lightning does. No effect under ``32-true`` and the ``*-mixed`` precisions (the parameters are fp32
+            already), nor at world size 1 (plain single-device training). Consolidated checkpoints hold the 16-bit
+            ``state_dict`` and the masters under each optimizer state's ``"master_weights"`` entry.
         accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.
         parallel_devices: set by the Trainer from ``devices``.
         cluster_environment: set by the Trainer from the launcher it detects (torchrun, SLURM, MPI, ...).
@@ -89,6 +101,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         checkpoint_format: CheckpointFormat = "consolidated",
         nonfinite_loss: NonFiniteLoss = "skip",
         activation_checkpointing: ActivationCheckpointing = False,
+        master_weights: MasterWeights = "fp32",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -103,6 +116,11 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if checkpoint_format not in ("consolidated", "sharded"):
             raise ValueError(
                 f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
+            )
+        if master_weights not in ("fp32", None):
+            raise ValueError(
+                f"`master_weights={master_weights!r}` is invalid. Valid options: 'fp32' (step fp32 master weights of"
+                " 16-bit parameters, the default), None (step the 16-bit parameters directly)."
             )
         if not bucket_cap_mb > 0:
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB.")
@@ -121,6 +139,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self.stage = stage
         self.bucket_cap_mb = bucket_cap_mb
         self.checkpoint_format = checkpoint_format
+        self.master_weights = master_weights
         self._backend: ZeroBackend | None = None
         self._memory_logged = False
 
@@ -159,7 +178,6 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if fitting and self._layer_sync:
             check_layer_sync(self._layer_sync, f"zero{self.stage}", self.root_device, supported=True)
             self.model = self._layer_sync.apply(self.model)
-        self.precision_plugin.convert_module(self.model)
         self._backend = backend_type(self.stage, is_sharding=self.is_sharding)(
             stage=self.stage,
             bucket_cap_mb=self.bucket_cap_mb,
@@ -168,7 +186,15 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             callbacks=trainer.callbacks,
             rank=self.global_rank,
             world_size=self.world_size,
+            master_weights=self.master_weights,
         )
+        self._backend.convert_module(self.precision_plugin, self.model)
+        if fitting and not self.is_sharding and self.master_weights == "fp32" and _has_16bit_parameters(self.model):
+            rank_zero_warn(
+                "ShardedOptimizerStrategy at world size 1 trains plainly (nothing to shard): `master_weights='fp32'`"
+                " has no effect, the 16-bit parameters are stepped directly as in plain Lightning (a checkpoint's"
+                " fp32 masters are not used). Pass `master_weights=None` to silence this."
+            )
         self._apply_activation_checkpointing(self.module)  # before FSDP2 (stage 3) wraps its units
         self._backend.setup_module(self.module, self.root_device)
         if fitting:
@@ -259,6 +285,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         """Bytes of parameters, gradients and optimizer state this rank really holds (measured from its tensors);
         optimizer state summed over every optimizer."""
         return self.backend.memory_report(self.unwrapped_optimizers())
+
+    @override
+    def gradient_tensors(self) -> list[Tensor]:
+        return [*super().gradient_tensors(), *self.backend.gradient_buffers()]
 
     @override
     def instrumentation(self) -> Instrumentation:
@@ -359,3 +389,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             strategy_registry,
             ((name, {"stage": stage, "start_method": method}) for name, stage, method in entries),
         )
+
+
+def _has_16bit_parameters(module: nn.Module) -> bool:
+    return any(param.dtype in (torch.bfloat16, torch.float16) for param in module.parameters())

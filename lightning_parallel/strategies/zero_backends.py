@@ -5,6 +5,13 @@
 * :class:`FullyShardBackend` (stage 3): torch's FSDP2 ``fully_shard`` per repeated block.
 * :class:`ReplicatedBackend` (world size 1): plain single-device training, nothing sharded.
 
+With 16-bit parameters (``Trainer(precision="bf16-true")``) and ``master_weights="fp32"`` (the strategy's default)
+both sharded backends keep fp32 master weights in the shard: stages 1-2 an fp32 copy of each bucket's shard beside
+the bf16 buckets (``distributed/zero.py``), stage 3 fp32 sharded parameters that FSDP2 casts to bf16 for compute
+(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``). Gradients are reduced in fp32 in both. Consolidated
+checkpoints hold the bf16 model (as single-device ``bf16-true`` saves it) and the fp32 masters under the optimizer
+state's ``"master_weights"`` entry.
+
 The strategy calls the :class:`ZeroBackend` protocol and never asks which backend it holds (DeepSpeed likewise
 picks its ZeRO optimizer once). Gradient clipping over shards goes through ``strategies.clipping.with_clipping``, a
 subclass of whichever precision plugin the Trainer chose (Lightning's ``FSDPPrecision`` pattern). The waits of the
@@ -23,8 +30,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel._compat import sync_module_states
 from lightning_parallel.accounting import MemoryReport, module_memory_report
@@ -43,11 +52,16 @@ from lightning_parallel.strategies.parameter_callbacks import check_parameter_ca
 __all__ = [
     "FlatBucketBackend",
     "FullyShardBackend",
+    "MasterWeights",
     "ReplicatedBackend",
     "ZeroBackend",
     "backend_type",
     "with_sharded_grad_scaler",
 ]
+
+
+MasterWeights = Literal["fp32"] | None
+"""``"fp32"``: 16-bit parameters are stepped through fp32 master weights in the shard; ``None``: stepped directly."""
 
 
 class ZeroBackend(Protocol):
@@ -68,11 +82,15 @@ class ZeroBackend(Protocol):
         callbacks: Sequence[Any],
         rank: int,
         world_size: int,
+        master_weights: MasterWeights,
     ) -> None: ...
 
     @property
     def times_exposed_communication(self) -> bool:
         """Whether the gradient sync waits run in our code, inside ``events.timed("exposed_communication")``."""
+
+    def convert_module(self, plugin: Precision, module: nn.Module) -> None:
+        """Local. The precision plugin's ``convert_module`` (``bf16-true`` casts it), before ``setup_module``."""
 
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         """Collective. Start from rank 0's weights, shard if this backend does, and move to ``device``."""
@@ -94,6 +112,9 @@ class ZeroBackend(Protocol):
 
     def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
         """Bytes this rank holds (optimizer state summed over ``optimizers``)."""
+
+    def gradient_buffers(self) -> list[Tensor]:
+        """Gradient tensors the backend holds beside the parameters' ``.grad`` (ZeRO-1/2 buckets), now."""
 
     def model_state(self) -> dict[str, Any]:
         """Collective. The whole model's plain state dict (complete on rank 0)."""
@@ -150,6 +171,9 @@ class ReplicatedBackend:
             raise RuntimeError("The ZeRO backend holds no module: `setup_module` has not run.")
         return self.module
 
+    def convert_module(self, plugin: Precision, module: nn.Module) -> None:
+        plugin.convert_module(module)
+
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         self.module = module
         zero3.materialize_meta_module(module, device)  # `empty_init` of a stage-3 model at world size 1
@@ -171,6 +195,9 @@ class ReplicatedBackend:
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         pass
+
+    def gradient_buffers(self) -> list[Tensor]:
+        return []
 
     def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
         return module_memory_report(self.held, optimizers)
@@ -208,10 +235,17 @@ class FlatBucketBackend(ReplicatedBackend):
     """Stages 1-2: flat buckets reduce-scattered during backward, each optimizer stepping this rank's shard."""
 
     def __init__(
-        self, *, stage: int, bucket_cap_mb: float, stats: CommunicationStats | None = None, **kwargs: Any
+        self,
+        *,
+        stage: int,
+        bucket_cap_mb: float,
+        stats: CommunicationStats | None = None,
+        master_weights: MasterWeights = "fp32",
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.stage, self.bucket_cap_mb, self.stats = stage, bucket_cap_mb, stats
+        self.master_weights = master_weights
         self.buckets: ShardedParameterBuckets | None = None
         self.sharded_optimizers: list[ShardedOptimizer] = []  # one per optimizer, in order
 
@@ -225,7 +259,11 @@ class FlatBucketBackend(ReplicatedBackend):
         # Frozen parameters the optimizers hold are bucketed too: unfreezing them later needs no new layout.
         held = [param for optimizer in optimizers for group in optimizer.param_groups for param in group["params"]]
         self.buckets = ShardedParameterBuckets(
-            self.held, stage=self.stage, bucket_cap_mb=self.bucket_cap_mb, frozen=held
+            self.held,
+            stage=self.stage,
+            bucket_cap_mb=self.bucket_cap_mb,
+            frozen=held,
+            master_dtype=torch.float32 if self.master_weights == "fp32" else None,
         )
         if self.stats is not None:
             self.buckets.stats = self.stats
@@ -270,10 +308,18 @@ class FlatBucketBackend(ReplicatedBackend):
         with self.events.timed("exposed_communication"):
             self._set_up_buckets().all_gather_parameters(self.sharded_for(optimizer).bucket_indices)
 
+    def gradient_buffers(self) -> list[Tensor]:
+        return self.buckets.gradient_buffers() if self.buckets is not None else []
+
     def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
         if self.buckets is None:  # not fitted (validate/test/predict): the module as it is
             return super().memory_report(optimizers)
         return self.buckets.memory_report(optimizers)
+
+    def load_model_state(self, state: Any, *, strict: bool) -> None:
+        super().load_model_state(state, strict=strict)
+        if self.buckets is not None:  # the masters start from the loaded weights; a ZeRO optimizer state overrides
+            self.buckets.reset_master_weights()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return self.sharded_for(optimizer).consolidated_state_dict()
@@ -309,22 +355,49 @@ class FullyShardBackend(ReplicatedBackend):
     empty_init_on_meta: ClassVar[bool] = True
     collective_tap: ClassVar[Literal["fsdp"] | None] = "fsdp"  # FSDP2's all-gathers and reduce-scatters
 
-    def __init__(self, *, callbacks: Sequence[Any] = (), **kwargs: Any) -> None:
+    def __init__(self, *, callbacks: Sequence[Any] = (), master_weights: MasterWeights = "fp32", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.callbacks = callbacks
+        self.master_weights = master_weights
+        self.compute_dtype: torch.dtype | None = None
+        """The 16-bit dtype FSDP2 computes in while the sharded parameters are the fp32 masters, else ``None``."""
         self.units: list[nn.Module] = []  # each also an `FSDPModule` (fully_shard changes their class)
         self.access: ShardedModuleAccess | None = None
+        self._hooks: list[RemovableHandle] = []
 
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         check_parameter_callbacks(self.callbacks, strategy_name="zero3", layout="each parameter as a DTensor shard")
         self.module = module
         mesh = init_device_mesh(device.type, (self.world_size,))
         zero3.broadcast_from_rank0(module, device)  # start from rank 0's weights, as stages 1-2 and DDP do
-        self.units = zero3.apply_fully_shard(module, mesh)
-        zero3.materialize_meta_module(module, device)
+        if self.master_weights == "fp32":
+            self.compute_dtype = zero3.upcast_16bit_parameters(module) or self.compute_dtype
+        policy = (
+            MixedPrecisionPolicy() if self.compute_dtype is None else zero3.master_weight_policy(self.compute_dtype)
+        )
+        self.units = zero3.apply_fully_shard(module, mesh, mp_policy=policy)
+        if zero3.materialize_meta_module(module, device) and self.compute_dtype is not None:
+            zero3.round_parameters(module, self.compute_dtype)  # initialised in fp32: as a 16-bit init would be
         module.to(device)
         self.access = ShardedModuleAccess(module, self.units, world_size=self.world_size)
         self.access.running = True
+        if self.compute_dtype is not None:  # after the access guard's hook, which carries `requires_grad` changes
+            self._hooks = [
+                unit.register_forward_pre_hook(lambda unit, _: zero3.refresh_gradient_dtypes(unit))
+                for unit in self.units
+            ]
+
+    def convert_module(self, plugin: Precision, module: nn.Module) -> None:
+        """A module sharded with fp32 masters by an earlier ``fit`` is left as it is: ``bf16-true``'s cast would round
+        the masters and re-point FSDP2's shards at bf16 copies (its buffers were converted then); the 16-bit dtype
+        the plugin converts to (seen on a probe module) is the compute dtype again."""
+        if self.master_weights == "fp32" and any(isinstance(param, DTensor) for param in module.parameters()):
+            probe = nn.Linear(1, 1)
+            plugin.convert_module(probe)
+            if probe.weight.dtype in (torch.bfloat16, torch.float16):
+                self.compute_dtype = probe.weight.dtype
+                return
+        plugin.convert_module(module)
 
     @property
     def _fsdp_units(self) -> list[FSDPModule]:
@@ -351,7 +424,10 @@ class FullyShardBackend(ReplicatedBackend):
         return ()
 
     def model_state(self) -> dict[str, Any]:
-        return zero3.consolidated_model_state(self.held)
+        state = zero3.consolidated_model_state(self.held)
+        if self.compute_dtype is not None:  # the 16-bit weights single-device training would hold, not the masters
+            state = zero3.cast_parameters(self.held, state, self.compute_dtype)
+        return state
 
     def load_model_state(self, state: Any, *, strict: bool) -> None:
         if isinstance(state, ShardedCheckpointReader):
@@ -360,7 +436,8 @@ class FullyShardBackend(ReplicatedBackend):
             zero3.load_consolidated_model_state(self.held, dict(state), strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return zero3.consolidated_optimizer_state(self.held, optimizer)
+        with_master = self.compute_dtype is not None
+        return zero3.consolidated_optimizer_state(self.held, optimizer, with_master_weights=with_master)
 
     def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
         if isinstance(state, ShardedCheckpointReader):
@@ -387,6 +464,9 @@ class FullyShardBackend(ReplicatedBackend):
         reset_after_failure(self.units)
         if self.access is not None:
             self.access.running = False
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
 
 # ---------------------------------------------------------------------- mixed precision over shards
