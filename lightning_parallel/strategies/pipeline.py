@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _compat
+from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.checkpoint import replicated_pieces, save_sharded_checkpoint
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
@@ -27,6 +28,7 @@ from lightning_parallel.distributed.pipeline.consolidate import (
     consolidate_optimizer_state,
     consolidate_state_dict,
     load_local_state,
+    local_optimizer_state,
     optimizer_layout,
     sharded_meta,
     slice_optimizer_state,
@@ -70,6 +72,8 @@ from lightning_parallel.distributed.pipeline.verify import (
     check_single_evaluation_optimizers,
     closure_evaluated_twice,
 )
+from lightning_parallel.distributed.pipeline.zero import PipelineZero, check_zero_stage
+from lightning_parallel.distributed.zero_optimizer import check_shardable
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
@@ -141,7 +145,16 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         checkpoint_format: ``"consolidated"`` writes one Lightning ``.ckpt`` exactly as single-device training would
             (whole ``state_dict``, single-device optimizer layout), gathered to rank 0; ``"sharded"`` writes a
             ``torch.distributed.checkpoint`` directory from all ranks in parallel (the package's shared sharded
-            layout). Both load under any layout and strategy of this package.
+            layout). Both load under any layout and strategy of this package. ``"sharded"`` is refused with
+            ``zero_stage > 0``.
+        zero_stage: ZeRO inside the pipeline, across the data-parallel replicas of each stage (the mesh's ``"dp"``
+            axis): ``0`` (off: every replica holds its stage's whole gradients and optimizer state), ``1`` (each
+            replica keeps the optimizer state of ``1/dp`` of its stage's parameters: ``8 * stage_params / dp``
+            bytes for Adam(W) in fp32), ``2`` (the gradients too: ``4 * stage_params / dp`` bytes kept after the
+            reduce-scatter). The replicas' all-reduce becomes a reduce-scatter after the schedule and an
+            all-gather of the stepped parameters (the same bytes); the optimizer must update elementwise
+            (AdamW, SGD, ...). Without data parallelism nothing is sharded. Weights and consolidated checkpoints
+            are those of ``zero_stage=0``.
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
@@ -166,6 +179,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         verify_layers: bool = True,
         activation_checkpointing: ActivationCheckpointing = False,
         checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
+        zero_stage: Literal[0, 1, 2] = 0,
         start_method: StartMethod = "popen",
         timeout: timedelta | float = default_pg_timeout,
         process_group_backend: str | None = None,
@@ -189,6 +203,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             raise ValueError(
                 f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
             )
+        check_zero_stage(zero_stage, checkpoint_format=checkpoint_format)
         super().__init__(
             start_method=start_method,
             timeout=timeout,
@@ -207,6 +222,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self.partition = partition
         self.verify_layers = verify_layers
         self.checkpoint_format = checkpoint_format
+        self.zero_stage = zero_stage
+        self._zero: PipelineZero | None = None  # built with the optimizers when `zero_stage > 0` shards something
         self._config: PipelineConfig | None = None
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._dims: ParallelDims | None = None
@@ -356,13 +373,34 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         else:  # after a failed run of the same Trainer the module was left split: reuse that split
             mark_orphaned(module, orphaned=False)
             self.model_to_device()
+        self._zero = None
         if fitting:
             self.setup_optimizers(trainer)
+            self._setup_zero()
         # Clipping by norm uses the norm over all stages.
         self.precision_plugin = with_clipping(self.precision_plugin, self._clip_grad_by_global_norm)
         self.setup_precision_plugin()
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_zero(self) -> None:
+        """ZeRO inside the pipeline: shard the stage's optimizer state (and gradients) over its replicas (a
+        collective; nothing to shard without data parallelism)."""
+        dims = self.parallel_dims
+        if not self.zero_stage or dims.data_parallel_size == 1:
+            return
+        optimizers = self.unwrapped_optimizers()
+        for optimizer in optimizers:
+            check_shardable(optimizer, warn=rank_zero_warn)
+        self._zero = PipelineZero(
+            self.module,
+            optimizers,
+            stage=self.zero_stage,
+            dims=dims,
+            tied=self.tied_layout,
+            aliases=self._aliases,
+            stats=self.communication_stats if self.track_communication else None,
+        )
 
     def _split(self, trainer: Any, module: Any) -> None:
         """Check the layers, plan the stages, keep this rank's layers, create the process groups and the engine."""
@@ -574,12 +612,19 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             self._average_replica_gradients(optimizer)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        output = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        if self._zero is not None:
+            with self.events.timed("exposed_communication"):
+                self._zero.after_optimizer_step(unwrap_optimizer(optimizer))
+        return output
 
     def _average_replica_gradients(self, optimizer: Any) -> None:
         dims = self.parallel_dims
         stats = self.communication_stats if self.track_communication else None
         with self.events.timed("exposed_communication"):
+            if self._zero is not None:  # reduce-scatter into the replicas' shards, then the tied sum on them
+                self._zero.reduce_gradients()
+                return
             average_across_replicas(
                 _grads(optimizer), group=dims.data_parallel_group, size=dims.data_parallel_size, stats=stats
             )
@@ -601,11 +646,24 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         dims = self.parallel_dims
         names = canonical_names(self.module, self._aliases)
         uncounted = self.tied_layout.uncounted(dims.pipeline_rank)
+        if self._zero is not None:
+            self._zero.clip_grad_norm(
+                unwrap_optimizer(optimizer), clip_val, uncounted=uncounted, device=self.root_device
+            )
+            return
         params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"] if p.grad is not None]
         counted, copies = split_counted(
             [(p, p.grad) for p in params], {id(p) for p in params if names.get(id(p)) in uncounted}
         )
         clip_by_global_norm(counted, clip_val, group=dims.pipeline_group, device=self.root_device, copies=copies)
+
+    @override
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds (measured from its tensors); with ``zero_stage > 0`` the stage's flat buckets and
+        the optimizer state of this replica's shard, summed over the optimizers."""
+        if self._zero is None:
+            return super().memory_report()
+        return self._zero.memory_report(self.unwrapped_optimizers())
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -643,7 +701,15 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         optimizer = unwrap_optimizer(optimizer)
         index = self.unwrapped_optimizers().index(optimizer)
         names = canonical_names(self.module, self._aliases)
-        state = consolidate_optimizer_state(optimizer, names, self._optimizer_layouts[index], self.parallel_dims)
+        local = None
+        if self._zero is not None:  # first the stage's shards onto replica 0, which then joins its pipeline's gather
+            plain, group_params = self._zero.plain_state(optimizer)
+            if not plain:  # replicas but the first: their pipeline's gather is dropped (global rank 0 keeps one)
+                plain = {"state": {}, "param_groups": [_settings(group) for group in optimizer.param_groups]}
+            local = local_optimizer_state(optimizer, names, state_dict=plain, group_params=group_params)
+        state = consolidate_optimizer_state(
+            optimizer, names, self._optimizer_layouts[index], self.parallel_dims, local=local
+        )
         return state if state is not None and self.is_global_zero else {}
 
     @override
@@ -686,9 +752,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         names = canonical_names(self.module, self._aliases)
         for optimizer, state, layout in zip(
-            self.optimizers, checkpoint["optimizer_states"], self._optimizer_layouts, strict=True
+            self.unwrapped_optimizers(), checkpoint["optimizer_states"], self._optimizer_layouts, strict=True
         ):
-            optimizer.load_state_dict(slice_optimizer_state(state, unwrap_optimizer(optimizer), names, layout))
+            if self._zero is None:
+                optimizer.load_state_dict(slice_optimizer_state(state, optimizer, names, layout))
+                continue
+            group_params = self._zero.group_params(optimizer)
+            local = slice_optimizer_state(state, optimizer, names, layout, group_params=group_params)
+            self._zero.load_plain_state(optimizer, local)
         _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     @override
@@ -732,3 +803,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
 def _grads(optimizer: Any) -> list[Tensor]:
     return [p.grad for g in unwrap_optimizer(optimizer).param_groups for p in g["params"] if p.grad is not None]
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}

@@ -10,6 +10,7 @@
 * :mod:`.split`: the collective steps of a split (one plan on every rank, replicas from the same weights).
 * :mod:`.reassemble`: the whole model back on every rank after a run.
 * :mod:`.side_effects`: running a module without leaving a trace in its buffers or the RNG streams.
+* :mod:`.zero`: ZeRO-1/2 inside the pipeline, each stage's state sharded over its data-parallel replicas.
 """
 
 from lightning_parallel.distributed.pipeline.consolidate import (
@@ -39,12 +40,14 @@ from lightning_parallel.distributed.pipeline.schedule import (
     validate_schedule_config,
 )
 from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
+from lightning_parallel.distributed.pipeline.zero import PipelineZero
 
 __all__ = [
     "SCHEDULES",
     "ContractError",
     "ParallelDims",
     "PipelineRuntime",
+    "PipelineZero",
     "RemoteLayer",
     "StagePlan",
     "balanced_boundaries",

@@ -80,13 +80,26 @@ def consolidate_state_dict(
     return {key: merged[key] for key in full_keys}
 
 
-def local_optimizer_state(optimizer: Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
-    """This rank's optimizer state keyed by parameter name, with its param groups' settings."""
-    state_dict = optimizer.state_dict()
+def local_optimizer_state(
+    optimizer: Optimizer,
+    names: Mapping[int, str],
+    *,
+    state_dict: Mapping[str, Any] | None = None,
+    group_params: Sequence[Sequence[nn.Parameter]] | None = None,
+) -> dict[str, Any]:
+    """This rank's optimizer state keyed by parameter name, with its param groups' settings.
+
+    ``state_dict`` and ``group_params``: a plain state dict of this rank's parameters and the parameters it numbers,
+    for an optimizer that steps something else (ZeRO's shard views); default ``optimizer``'s own.
+    """
+    if state_dict is None:
+        state_dict = optimizer.state_dict()
+    if group_params is None:
+        group_params = [group["params"] for group in optimizer.param_groups]
     index_to_name = {}
     index = 0
-    for group in optimizer.param_groups:
-        for param in group["params"]:
+    for params in group_params:
+        for param in params:
             index_to_name[index] = names[id(param)]
             index += 1
     return {
@@ -96,10 +109,20 @@ def local_optimizer_state(optimizer: Optimizer, names: Mapping[int, str]) -> dic
 
 
 def consolidate_optimizer_state(
-    optimizer: Optimizer, names: Mapping[int, str], layout: OptimizerLayout, dims: ParallelDims
+    optimizer: Optimizer,
+    names: Mapping[int, str],
+    layout: OptimizerLayout,
+    dims: ParallelDims,
+    *,
+    local: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """The single-device ``optimizer.state_dict()`` of the whole model, on pipeline rank 0 (a collective)."""
-    gathered = _gather_to_pipeline_root(local_optimizer_state(optimizer, names), dims)
+    """The single-device ``optimizer.state_dict()`` of the whole model, on pipeline rank 0 (a collective).
+
+    ``local``: this rank's part as :func:`local_optimizer_state` returns it (default: from ``optimizer``).
+    """
+    if local is None:
+        local = local_optimizer_state(optimizer, names)
+    gathered = _gather_to_pipeline_root(local, dims)
     if gathered is None:
         return None
     state_by_name: dict[str, Any] = {}
@@ -121,9 +144,17 @@ def consolidate_optimizer_state(
 
 
 def slice_optimizer_state(
-    full_state: Mapping[str, Any], optimizer: Optimizer, names: Mapping[int, str], layout: OptimizerLayout
+    full_state: Mapping[str, Any],
+    optimizer: Optimizer,
+    names: Mapping[int, str],
+    layout: OptimizerLayout,
+    *,
+    group_params: Sequence[Sequence[nn.Parameter]] | None = None,
 ) -> dict[str, Any]:
     """This rank's part of a single-device optimizer state dict, as ``optimizer.load_state_dict`` expects it.
+
+    ``group_params``: the parameters to number per group instead of ``optimizer``'s (ZeRO's optimizer steps shard
+    views: its plain state dict numbers the whole parameters it was given).
 
     Raises:
         ValueError: If the saved state's param groups do not match the model's optimizer layout.
@@ -143,9 +174,11 @@ def slice_optimizer_state(
     state: dict[int, Any] = {}
     param_groups = []
     index = 0
-    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+    if group_params is None:
+        group_params = [group["params"] for group in optimizer.param_groups]
+    for params, saved in zip(group_params, saved_groups, strict=True):
         ids = []
-        for param in group["params"]:
+        for param in params:
             saved_id = name_to_saved_id[names[id(param)]]
             if saved_id in full_state["state"]:
                 state[index] = full_state["state"][saved_id]

@@ -39,6 +39,7 @@ def clip_by_global_norm(
     group: Any,
     device: torch.device,
     copies: Sequence[Tensor] = (),
+    shard_group: Any = None,
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the gradients of every stage; returns the global norm.
 
@@ -46,12 +47,15 @@ def clip_by_global_norm(
     (replicas of a stage hold equal, already averaged gradients, so the pipeline group suffices). The scaling is
     torch's: ``max_norm / (norm + 1e-6)`` clamped to 1. ``copies`` are gradients of tied-parameter copies that
     another rank counts: scaled like the others, left out of the norm, so a tied parameter is counted once.
+    ``shard_group``: the replicas of a stage hold disjoint shards of its gradients (ZeRO inside the pipeline), so
+    their squares are summed over this group first, then over ``group``.
     """
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         squares += g.detach().float().pow(2).sum()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(squares, group=group)
+    for over in (shard_group, group):
+        if over is not None and dist.get_world_size(over) > 1:
+            dist.all_reduce(squares, group=over)
     norm = squares.sqrt()
     clip_coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
     for g in [*grads, *copies]:

@@ -1,0 +1,205 @@
+"""ZeRO inside the pipeline: each stage's optimizer state (stage 1) and gradients (stage 2) sharded across its replicas.
+
+Torch-only. The building blocks are ZeRO-1/2's own, over the mesh's ``"dp"`` axis instead of the world:
+:class:`~lightning_parallel.distributed.zero.ShardedParameterBuckets` holds the rank's stage parameters in flat
+buckets padded to a multiple of the data-parallel size, and
+:class:`~lightning_parallel.distributed.zero_optimizer.ShardedOptimizer` points the user's optimizer at the
+``1/dp`` shard this replica owns. What differs from ``ShardedOptimizerStrategy``:
+
+* No backward hooks. torch's schedules accumulate each micro-batch's gradient into ``.grad`` (the zero-bubble
+  schedules outside autograd's accumulation, where a hook would not fire), so the gradients are taken into the
+  buckets once the schedule finished, then reduce-scattered (:meth:`PipelineZero.reduce_gradients`): the same bytes
+  as the replicas' all-reduce of the plain pipeline. Stage 2 frees the full buffers once reduced.
+* Tied parameters (``tied.py``): the sum over the pipeline ranks holding a copy comes after the replica reduction,
+  on the shards. The copies sit in different buckets on different stages, so a replica owns different slices of
+  each; every owner writes its slice into a zero tensor of the parameter's size, and one all-reduce over all
+  replicas of the ranks sharing the copy sums the copies' averaged gradients (each element has one non-zero term
+  per copy, so the sum is exact and every member gets the same bits: the copies stay bitwise equal).
+* Clipping: a shard's squares are summed over the ``"dp"`` group, then over the ``"pp"`` group.
+
+Per rank: optimizer state ``K * stage_params / dp`` (exactly, when each bucket's size is a multiple of ``dp``: the
+padding holds no state), gradients ``stage_params + stage_params / dp`` (stage 1) or ``stage_params / dp``
+(stage 2) after the step, parameters whole (the flat buckets, with their padding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_parallel.accounting import CommunicationStats, MemoryReport
+from lightning_parallel.distributed.pipeline.gradients import clip_by_global_norm
+from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.tied import TiedLayout
+from lightning_parallel.distributed.zero import ShardedParameterBuckets, ShardView
+from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer
+
+__all__ = ["ZERO_STAGES", "PipelineZero", "check_zero_stage"]
+
+ZERO_STAGES = (0, 1, 2)
+"""``zero_stage`` values of ``PipelineParallelStrategy``: 0 (off), 1 (optimizer state), 2 (+ gradients)."""
+
+
+def check_zero_stage(zero_stage: Any, *, checkpoint_format: str) -> None:
+    """Raise ``ValueError`` for a ``zero_stage`` that is not 0, 1 or 2, or a combination we do not write.
+
+    The sharded checkpoint format writes each replica's slice of whole parameters and optimizer state; with ZeRO the
+    optimizer state is sharded by bucket instead, which that writer does not know, so it is refused up front.
+    """
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) or zero_stage not in ZERO_STAGES:
+        raise ValueError(
+            f"`zero_stage={zero_stage!r}` is invalid. Valid options: 0 (no sharding), 1 (optimizer state sharded"
+            " across each stage's data-parallel replicas), 2 (+ gradients)."
+        )
+    if zero_stage and checkpoint_format == "sharded":
+        raise ValueError(
+            f"`zero_stage={zero_stage}` with `checkpoint_format='sharded'` is not supported: the sharded writer"
+            " does not know ZeRO's bucketed optimizer shards. Use `checkpoint_format='consolidated'` (the default;"
+            " loadable under any layout) or `zero_stage=0`."
+        )
+
+
+class PipelineZero:
+    """A stage's parameters in flat buckets over the replicas, and the optimizers stepping this replica's shard.
+
+    Building it is a collective (one process group per set of pipeline ranks sharing tied copies, across all
+    replicas). Call it on every rank with the optimizers before their first step.
+
+    Args:
+        module: this rank's (split) module; its trainable parameters move into flat buffers in place.
+        optimizers: the unwrapped optimizers of this rank's parameters.
+        stage: 1 or 2.
+        dims: the strategy's ranks and groups; buckets are sharded over ``dims.data_parallel_group``.
+        tied: which pipeline ranks hold a copy of each tied parameter.
+        aliases: other name -> canonical name of parameters with several names.
+        bucket_cap_mb: bucket size in MiB.
+        stats: where to count collective bytes (``None``: not counted).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        *,
+        stage: int,
+        dims: ParallelDims,
+        tied: TiedLayout,
+        aliases: Mapping[str, str],
+        bucket_cap_mb: float = 25.0,
+        stats: CommunicationStats | None = None,
+    ) -> None:
+        held = [param for optimizer in optimizers for group in optimizer.param_groups for param in group["params"]]
+        self.dims = dims
+        self.stats = stats
+        self.buckets = ShardedParameterBuckets(
+            module, stage=stage, group=dims.data_parallel_group, bucket_cap_mb=bucket_cap_mb, frozen=held
+        )
+        self.buckets.remove_hooks()  # gradients are taken after the schedule: see `reduce_gradients`
+        self.buckets.stats = stats
+        self.sharded = [ShardedOptimizer(optimizer, self.buckets) for optimizer in optimizers]
+        self._canonical = {view.name: aliases.get(view.name, view.name) for view in self.buckets.views()}
+        self._numel = {aliases.get(n, n): p.numel() for n, p in module.named_parameters()}
+        self._tied_groups = _tied_groups(tied, dims)
+
+    def sharded_for(self, optimizer: Optimizer) -> ShardedOptimizer:
+        """The :class:`ShardedOptimizer` wrapping the (unwrapped) ``optimizer``."""
+        return next(sharded for sharded in self.sharded if sharded.optimizer is optimizer)
+
+    def canonical_name(self, view: ShardView) -> str:
+        return self._canonical[view.name]
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Collective. Reduce-scatter the schedule's gradients (``.grad`` of the stage's parameters) into the shards
+        this replica owns (their mean over the replicas), then sum the shards of tied copies over the stages."""
+        self.buckets.add_gradients()
+        self.buckets.finish_gradient_sync()
+        for group, names in self._tied_groups:
+            self._sum_tied_shards(group, names)
+
+    def _sum_tied_shards(self, group: Any, names: list[str]) -> None:
+        """Every copy's shard becomes the sum of all copies' averaged gradients (see the module docstring).
+
+        One "has a gradient" flag per parameter travels along: a copy no rank used counts as zeros; if no copy was
+        used, its views keep ``.grad = None`` (not stepped, as on one device).
+        """
+        offsets, total = {}, 0
+        for name in names:
+            offsets[name], total = total, total + self._numel[name]
+        views = [view for view in self.buckets.views() if self.canonical_name(view) in offsets]
+        device = self.buckets.buckets[0].flat_params.device
+        dtype = views[0].grad.dtype if views else torch.float32
+        flat = torch.zeros(total + len(names), dtype=dtype, device=device)
+        for view in views:
+            name = self.canonical_name(view)
+            if view.tensor.grad is not None:
+                start = offsets[name] + view.start
+                flat[start : start + view.grad.numel()] = view.grad
+                flat[total + names.index(name)] = 1
+        if self.stats is not None:
+            self.stats.record("all_reduce", flat.numel() * flat.element_size())
+        dist.all_reduce(flat, group=group)
+        for view in views:
+            name = self.canonical_name(view)
+            start = offsets[name] + view.start
+            view.grad.copy_(flat[start : start + view.grad.numel()])
+            view.tensor.grad = view.grad if flat[total + names.index(name)] > 0 else None
+
+    def clip_grad_norm(
+        self, optimizer: Optimizer, max_norm: float, *, uncounted: set[str], device: torch.device
+    ) -> Tensor:
+        """Collective. torch's clip over ``optimizer``'s parameters, the norm over every shard of every stage; the
+        copies of tied parameters in ``uncounted`` (canonical names another rank counts) are scaled, not counted."""
+        views = [view for view in self.sharded_for(optimizer).views if view.tensor.grad is not None]
+        counted = [view.grad for view in views if self.canonical_name(view) not in uncounted]
+        copies = [view.grad for view in views if self.canonical_name(view) in uncounted]
+        return clip_by_global_norm(
+            counted,
+            max_norm,
+            group=self.dims.pipeline_group,
+            shard_group=self.dims.data_parallel_group,
+            device=device,
+            copies=copies,
+        )
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Collective over the replicas: all-gather the buckets ``optimizer`` stepped."""
+        self.buckets.all_gather_parameters(self.sharded_for(optimizer).bucket_indices)
+
+    # ------------------------------------------------------------------ state
+    def memory_report(self, optimizers: Sequence[Optimizer]) -> MemoryReport:
+        """Bytes of the stage's buckets (parameters, gradients) and ``optimizers``' state shards on this rank."""
+        return self.buckets.memory_report(optimizers)
+
+    def plain_state(self, optimizer: Optimizer) -> tuple[dict[str, Any], list[list[nn.Parameter]]]:
+        """Collective over the replicas. ``optimizer``'s unsharded state dict of this stage on replica 0 (``{}`` on
+        the others), and the parameters it numbers per group."""
+        sharded = self.sharded_for(optimizer)
+        return sharded.consolidated_state_dict(destination=0), sharded.group_params
+
+    def group_params(self, optimizer: Optimizer) -> list[list[nn.Parameter]]:
+        """The parameters ``optimizer`` was given, per group (it steps their shard views)."""
+        return self.sharded_for(optimizer).group_params
+
+    def load_plain_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        """Local. Take this replica's slices of a plain state dict numbered as :meth:`group_params`."""
+        self.sharded_for(optimizer).load_consolidated_state_dict(state)
+
+
+def _tied_groups(tied: TiedLayout, dims: ParallelDims) -> list[tuple[Any, list[str]]]:
+    """Collective: for each set of pipeline ranks sharing tied copies, one group of those ranks in every replica
+    (the whole world when the set is the whole pipeline); the ``(group, canonical names)`` this rank belongs to."""
+    p, dp = dims.pipeline_parallel_size, dims.data_parallel_size
+    groups = []
+    for ranks, names in tied.rank_sets().items():
+        members = [replica * p + r for replica in range(dp) for r in ranks]
+        group = dist.group.WORLD if len(members) == dims.world_size else dist.new_group(members)
+        if dims.pipeline_rank in ranks:
+            groups.append((group, names))
+    return groups

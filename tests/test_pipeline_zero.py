@@ -1,0 +1,201 @@
+"""ZeRO inside the pipeline (issue 13, item 2): ``PipelineParallelStrategy(zero_stage=1|2)`` on 2 x 2 ranks.
+
+Each stage's optimizer state (stage 1) and gradients (stage 2) are sharded over its 2 data-parallel replicas. One
+forked run of 4 gloo ranks trains ``model_zoo.TiedGPT`` (its embedding and LM head tied across the two stages, so
+the tied sum over stages runs on shards) three ways, checked against single-device Lightning on the same global
+batches:
+
+* ``zero1_adam``: AdamW, zero_stage=1;
+* ``zero2_sgd_clipped``: SGD with momentum and ``gradient_clip_val`` (norm over shards and stages, the tied copy
+  counted once), zero_stage=2;
+* ``zero2_adam``: AdamW, zero_stage=2, one epoch, then a consolidated checkpoint (the single-device one) that one
+  device and the plain 2 x 2 pipeline resume for a second epoch; a single-device checkpoint resumed under
+  zero_stage=1 likewise. Each ends where an uninterrupted two-epoch single-device run ends.
+* ``zero2_accumulated``: AdamW, zero_stage=2, ``accumulate_grad_batches=2`` (gradients of two batches summed before
+  one reduce-scatter);
+* ``no_replicas``: zero_stage=2 on a 4-stage pipeline (no data parallelism): nothing to shard, a plain run.
+
+Every sharded run: weights equal one device, the tied copies are bitwise equal, and ``memory_report()`` shows each
+rank holding exactly half its stage's optimizer state (and, at stage 2, half its gradients).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import model_zoo as zoo
+import pytest
+import torch
+from distributed_harness import run_distributed
+from training_helpers import assert_weights_close
+
+from lightning_parallel import PipelineParallelStrategy
+
+SGD_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+ADAM_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # as tests/test_pipeline.py
+CLIP = 0.05  # well below the gradient norm of every step: clipping is active throughout
+TIED = ("embedding.weight", "head.weight")
+DP = 2  # replicas of each stage at 2 x 2
+
+
+class SGDTiedGPT(zoo.TiedGPT):
+    """TiedGPT with SGD (momentum), so the clipping coefficient shows in the weights (Adam would normalise it away)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class _AtTrainEnd(pl.Callback):
+    """While the module is still split: this rank's tied copies, its bytes held, and its stage's size."""
+
+    def __init__(self) -> None:
+        self.facts: dict[str, Any] = {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        named = pl_module.named_parameters(remove_duplicate=False)
+        self.facts = {
+            "copies": {n: p.detach().clone() for n, p in named if n in TIED},
+            "stage_numel": sum(p.numel() for p in pl_module.parameters()),
+            "memory": trainer.strategy.memory_report().as_dict() if pl_module.trainer.world_size > 1 else None,
+        }
+
+
+def _fit(
+    make_model: Any,
+    strategy: Any,
+    devices: int,
+    *,
+    checkpoint: str | None = None,
+    resume: str | None = None,
+    **kwargs: Any,
+) -> dict:
+    pl.seed_everything(0, verbose=False)
+    at_end = _AtTrainEnd()
+    trainer = zoo.trainer(strategy, devices, callbacks=[at_end], **kwargs)
+    sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+    module = make_model()
+    trainer.fit(module, zoo.loader(sampler["num_replicas"], sampler["rank"], kind="tokens"), ckpt_path=resume)
+    if checkpoint is not None:
+        trainer.save_checkpoint(checkpoint)  # a collective: every rank calls it
+    return {
+        "weights": zoo.state_of(module),
+        "is_tied": module.head.weight is module.embedding.weight,
+        "global_step": trainer.global_step,
+        **at_end.facts,
+    }
+
+
+def _pipeline(zero_stage: int) -> PipelineParallelStrategy:
+    return PipelineParallelStrategy(pipeline_parallel_size=2, zero_stage=zero_stage, timeout=120)
+
+
+def _epochs(count: int) -> dict[str, int]:
+    return {"max_steps": -1, "max_epochs": count}
+
+
+def _four_ranks(rank: int, world_size: int, directory: str) -> dict[str, dict]:
+    """The 2 x 2 runs; the last two resume a checkpoint for a second epoch: the 2 x 2 zero_stage=2 one under the
+    plain pipeline, the single-device one under zero_stage=1."""
+    zero2 = f"{directory}/zero2.ckpt"
+    return {
+        "zero1_adam": _fit(zoo.TiedGPT, _pipeline(1), world_size),
+        "zero2_sgd_clipped": _fit(SGDTiedGPT, _pipeline(2), world_size, gradient_clip_val=CLIP),
+        "zero2_adam": _fit(zoo.TiedGPT, _pipeline(2), world_size, checkpoint=zero2, **_epochs(1)),
+        "plain_resumed": _fit(zoo.TiedGPT, _pipeline(0), world_size, resume=zero2, **_epochs(2)),
+        "zero2_accumulated": _fit(zoo.TiedGPT, _pipeline(2), world_size, accumulate_grad_batches=2),
+        "no_replicas": _fit(zoo.TiedGPT, PipelineParallelStrategy(zero_stage=2, timeout=120), world_size),
+        "zero1_resumed": _fit(zoo.TiedGPT, _pipeline(1), world_size, resume=f"{directory}/single.ckpt", **_epochs(2)),
+    }
+
+
+def _references(rank: int, world_size: int, directory: str) -> dict[str, dict]:
+    """Single-device runs, and a single-device checkpoint after one epoch."""
+    return {
+        "adam": _fit(zoo.TiedGPT, "auto", 1, checkpoint=f"{directory}/single.ckpt", **_epochs(1)),
+        "sgd_clipped": _fit(SGDTiedGPT, "auto", 1, gradient_clip_val=CLIP),
+        "sgd": _fit(SGDTiedGPT, "auto", 1),
+        "accumulated": _fit(zoo.TiedGPT, "auto", 1, accumulate_grad_batches=2),
+        "two_epochs": _fit(zoo.TiedGPT, "auto", 1, **_epochs(2)),
+    }
+
+
+def _resumed_on_one_device(rank: int, world_size: int, checkpoint: str) -> dict:
+    return _fit(zoo.TiedGPT, "auto", 1, resume=checkpoint, **_epochs(2))
+
+
+def _check_run(results: list[dict], reference: dict, tolerance: dict, *, state_elements: int, zero_stage: int) -> None:
+    for result in results:
+        assert_weights_close(result["weights"], reference["weights"], **tolerance)
+        assert result["is_tied"]  # the module is whole after fit, the tie intact
+    copies = [value for result in results for value in result["copies"].values()]
+    assert len(copies) == 4  # the embedding on the first stage's 2 ranks, the head on the last stage's 2
+    for copy in copies[1:]:
+        assert torch.equal(copy, copies[0])  # the copies stepped identically, bit for bit
+    for result in results:
+        numel = result["stage_numel"]
+        assert numel % DP == 0  # no bucket padding: the halves are exact
+        memory = result["memory"]
+        assert memory["optimizer_state"] == state_elements * 4 * numel // DP  # fp32, half the stage's state
+        shard = 4 * numel // DP
+        assert memory["gradients"] == (shard if zero_stage == 2 else 4 * numel + shard)
+        assert memory["parameters"] == 4 * numel  # whole on every replica
+
+
+def test_zero_inside_the_pipeline_trains_like_one_device_and_resumes_on_one_device(tmp_path: Path) -> None:
+    directory = str(tmp_path)
+    (single,) = run_distributed(_references, 1, args=(directory,), init_process_group=False, timeout=180)
+    results = run_distributed(_four_ranks, 4, args=(directory,), init_process_group=False, timeout=300)
+    runs = {name: [result[name] for result in results] for name in results[0]}
+    checkpoint = str(tmp_path / "zero2.ckpt")
+    (resumed,) = run_distributed(_resumed_on_one_device, 1, args=(checkpoint,), init_process_group=False, timeout=120)
+    # Clipping is active: without it the weights differ.
+    assert not torch.allclose(single["sgd_clipped"]["weights"]["head.weight"], single["sgd"]["weights"]["head.weight"])
+
+    _check_run(runs["zero1_adam"], single["adam"], ADAM_TOLERANCE, state_elements=2, zero_stage=1)
+    _check_run(runs["zero2_sgd_clipped"], single["sgd_clipped"], SGD_TOLERANCE, state_elements=1, zero_stage=2)
+    _check_run(runs["zero2_adam"], single["adam"], ADAM_TOLERANCE, state_elements=2, zero_stage=2)
+    _check_run(runs["zero2_accumulated"], single["accumulated"], ADAM_TOLERANCE, state_elements=2, zero_stage=2)
+
+    # Without replicas zero_stage=2 is the plain pipeline: whole gradients and optimizer state, one device's weights.
+    for result in runs["no_replicas"]:
+        assert_weights_close(result["weights"], single["adam"]["weights"], **ADAM_TOLERANCE)
+        numel = result["stage_numel"]
+        assert result["memory"] == {
+            "parameters": 4 * numel,
+            "gradients": 4 * numel,
+            "optimizer_state": 2 * 4 * numel,
+            "total": 16 * numel,
+        }
+    # The consolidated checkpoint is the single-device one: same keys, optimizer state in the single-device layout.
+    saved = torch.load(checkpoint, weights_only=True)
+    expected = torch.load(tmp_path / "single.ckpt", weights_only=True)
+    assert list(saved["state_dict"]) == list(expected["state_dict"])
+    assert_weights_close(saved["state_dict"], expected["state_dict"], **ADAM_TOLERANCE)
+    (optimizer,), (reference,) = saved["optimizer_states"], expected["optimizer_states"]
+    assert optimizer["param_groups"] == reference["param_groups"]
+    assert optimizer["state"].keys() == reference["state"].keys()
+    for index, state in reference["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(optimizer["state"][index][key], value, **ADAM_TOLERANCE)
+    # Resumed for a second epoch: on one device, under the plain pipeline, and (from the single-device checkpoint)
+    # under zero_stage=1: each ends where two uninterrupted epochs on one device end.
+    two_epochs = single["two_epochs"]["weights"]
+    for run in (resumed, *runs["plain_resumed"], *runs["zero1_resumed"]):
+        assert run["global_step"] == 2 * zoo.STEPS
+        assert_weights_close(run["weights"], two_epochs, **ADAM_TOLERANCE)
+
+
+@pytest.mark.parametrize("zero_stage", [3, -1, True, "1", 1.0, None])
+def test_invalid_zero_stage_is_refused_naming_the_value_and_the_options(zero_stage: Any) -> None:
+    with pytest.raises(ValueError, match=r"`zero_stage=.*` is invalid\. Valid options: 0 .*1 .*2"):
+        PipelineParallelStrategy(zero_stage=zero_stage)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_zero_with_the_sharded_checkpoint_format_is_refused_with_the_fix(zero_stage: int) -> None:
+    with pytest.raises(
+        ValueError, match=rf"`zero_stage={zero_stage}` with `checkpoint_format='sharded'`.*'consolidated'"
+    ):
+        PipelineParallelStrategy(zero_stage=zero_stage, checkpoint_format="sharded")
