@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from lightning_parallel.accounting import CommunicationStats
 
-__all__ = ["PHASES", "Instrumentation", "InstrumentedStrategy", "Phase", "PhaseListener", "StrategyEvents"]
+__all__ = [
+    "PHASES",
+    "Instrumentation",
+    "InstrumentedStrategy",
+    "Phase",
+    "PhaseListener",
+    "ReportsGradientTensors",
+    "StrategyEvents",
+]
 
 Phase = Literal["exposed_communication", "pipeline_step"]
 PHASES: tuple[str, ...] = ("exposed_communication", "pipeline_step")
@@ -94,6 +102,10 @@ class InstrumentedStrategy(Protocol):
 
     def instrumentation(self) -> Instrumentation: ...
 
-    def gradient_tensors(self) -> list[Any]:
-        """Every gradient tensor the rank holds now (``.grad`` and the strategy's own gradient buffers)."""
-        ...
+
+@runtime_checkable
+class ReportsGradientTensors(Protocol):
+    """A strategy that names every gradient tensor it holds (ours: ``.grad`` plus ZeRO-1/2's buckets), which the
+    monitor's peak breakdown counts as gradients; for any other strategy it counts the parameters' ``.grad``."""
+
+    def gradient_tensors(self) -> list[Any]: ...

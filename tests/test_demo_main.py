@@ -54,9 +54,11 @@ def test_demo_main_equal_losses_exact_memory_and_no_noise(tmp_path: Path) -> Non
     rows = _table_rows(proc.stdout)
     assert list(rows) == [row.label for row in demo.STRATEGY_ROWS]
     values = {label: [_cell(c) for c in cells] for label, cells in rows.items()}
-    for label, (loss, _tokens, _comm, state0, state1, rss0, rss1) in values.items():
+    for label, (loss, _tokens, _comm, state0, state1, tensors0, tensors1, rss0, rss1) in values.items():
         assert math.isfinite(loss) and rss0 > 0 and rss1 > 0, label
         assert state0 > 0 and state1 > 0, label
+        # At the peak a rank holds at least its parameters, gradients and optimizer state (plus activations).
+        assert tensors0 >= state0 and tensors1 >= state1, label
     # Same global batch, same steps: every row's loss equals data parallel's up to rounding.
     reference = values["data_parallel"][0]
     for label, cells in values.items():

@@ -7,8 +7,9 @@ same global batch (``batch_size x devices`` sequences, split over the row's data
 pipeline on 2 processes is one replica and takes the whole global batch) for the same number of optimizer steps, so
 the losses agree up to floating-point rounding. The table shows the training loss at the end, the throughput in
 tokens per second (summed over processes, after a warm-up), the all-reduce payload per optimizer step, the bytes of
-parameters + gradients + optimizer state each process holds (exact, from the strategy's ``memory_report()``) and,
-last, each process's peak RSS. A PNG beside it plots every row's loss curve and the bytes per process.
+parameters + gradients + optimizer state each process holds (exact, from the strategy's ``memory_report()``), the
+peak bytes of live tensors of each process over one step (exact) and, last, each process's peak RSS. A PNG beside
+it plots every row's loss curve and the bytes per process.
 
 A strategy is a row of :data:`STRATEGY_ROWS`: a CLI name, a table label, a function that builds a fresh strategy for
 a number of processes and the number of data-parallel replicas it makes of them. A row that fails prints its error
@@ -239,11 +240,12 @@ def format_table(results: Sequence[RowResult], *, devices: int) -> str:
     """The results as a plain-text table with ``|`` separated columns, one row per strategy.
 
     Columns: strategy, loss at the end, tokens/s, all-reduce MiB per optimizer step, then per rank the MiB of
-    parameters + gradients + optimizer state it holds (exact, ``n/a`` for a strategy without ``memory_report()``)
-    and, last, per rank the peak RSS (MiB) of the process.
+    parameters + gradients + optimizer state it holds (exact, ``n/a`` for a strategy without ``memory_report()``),
+    per rank the peak bytes of live tensors over one step and, last, per rank the peak RSS (MiB) of the process.
     """
     header = ["strategy", "loss", "tokens/s", "all-reduce MiB/step"]
-    header += [f"state MiB rank{r}" for r in range(devices)] + [f"peak RSS MiB rank{r}" for r in range(devices)]
+    header += [f"state MiB rank{r}" for r in range(devices)] + [f"peak tensors MiB rank{r}" for r in range(devices)]
+    header += [f"peak RSS MiB rank{r}" for r in range(devices)]
     lines = [header]
     for result in results:
         summary, recording = result.summary, result.recording
@@ -253,6 +255,7 @@ def format_table(results: Sequence[RowResult], *, devices: int) -> str:
         comm = summary["comm_bytes_per_step"]
         state = recording.state_bytes
         states = ["n/a"] * devices if state is None else [_number(b / _MIB, 2) for b in state]
+        tensors = [_number(m / _MIB, 2) for m in summary["peak_tensors"]]
         peaks = [_number(m / _MIB, 1) for m in summary["peak_mem"]]
         lines.append(
             [
@@ -261,6 +264,7 @@ def format_table(results: Sequence[RowResult], *, devices: int) -> str:
                 _number(summary["tokens_per_s"], 0),
                 _number(None if comm is None else comm / _MIB, 2),
                 *states,
+                *tensors,
                 *peaks,
             ]
         )
@@ -273,9 +277,10 @@ def table_notes(config: DemoConfig) -> str:
         f"Every row trains the same {config.global_batch_size} sequences per step for {config.steps} optimizer steps"
         " from the same weights, so the losses are equal up to floating-point rounding (the fp16 row also rounds its"
         " gradients to fp16 for the all-reduce). state MiB: parameters + gradients + optimizer state held by each"
-        " process (exact, from the strategy's memory_report()). Peak RSS comes last: it includes the Python/torch"
-        " runtime and memory the allocator keeps after freeing, which hide the differences between strategies at"
-        " this size; peak tensor bytes are not measured here (n/a)."
+        " process (exact, from the strategy's memory_report()). peak tensors MiB: the peak bytes of live tensors"
+        " during one training step after the warm-up (exact: activations, gradients in flight and temporaries"
+        " included). Peak RSS comes last: it includes the Python/torch runtime and memory the allocator keeps after"
+        " freeing, which hide the differences between strategies at this size."
     )
     return textwrap.fill(text, width=118)
 

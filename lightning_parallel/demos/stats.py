@@ -27,7 +27,7 @@ from torch import Tensor
 from typing_extensions import override
 
 # Re-exported: the demo's programs import these names from here.
-from lightning_parallel.accounting import batch_inputs, peak_memory_bytes, reset_peak_memory
+from lightning_parallel.accounting import LiveTensorPeak, batch_inputs, peak_memory_bytes, reset_peak_memory
 
 __all__ = ["STATS_PREFIX", "RunStats", "RunSummary", "batch_inputs", "peak_memory_bytes", "summarize"]
 
@@ -44,6 +44,7 @@ _FIELDS = (
     "measured_batches",
     "optimizer_steps",
     "peak_mem",
+    "peak_tensor_bytes",
     "all_reduce_bytes",
     "comm_total_bytes",
     "comm_calls",
@@ -69,6 +70,9 @@ class RunSummary(TypedDict):
     slowed down by other work on the machine (NaN if the window was empty)."""
     peak_mem: list[float]
     """Peak memory in bytes of each rank, indexed by global rank (process RSS on CPU, allocated memory on CUDA)."""
+    peak_tensors: list[float]
+    """Peak bytes of live tensors of each rank over the last warm-up batch (``LiveTensorPeak``: exact, independent
+    of the allocator; NaN where that batch did not run)."""
     comm_bytes_per_step: float | None
     """All-reduce payload bytes per optimizer step on one rank; ``None`` if the strategy counts no communication,
     NaN if it has counters but recorded nothing although several ranks trained (tracking was off)."""
@@ -85,7 +89,9 @@ class RunStats(Callback):
     consecutive ``on_train_batch_end`` calls, data loading included). Peak memory is measured from ``setup`` on: the
     process's peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA. If the strategy has a
     ``communication_stats`` attribute (:class:`~lightning_parallel.DataParallelStrategy`), it is reset when measurement
-    starts and its all-reduce bytes are reported per optimizer step.
+    starts and its all-reduce bytes are reported per optimizer step. Over the last warm-up batch (the first batch
+    without warm-up), each rank also measures the peak bytes of its live tensors exactly
+    (:class:`~lightning_parallel.accounting.LiveTensorPeak`).
 
     At ``on_train_end`` every rank's numbers are all-gathered and written, on every rank, into
     ``trainer.callback_metrics`` as float64 tensors under ``stats/...`` keys (``stats/tokens_per_s``,
@@ -113,6 +119,8 @@ class RunStats(Callback):
         self._samples: float = 0
         self._measured_batches = 0
         self._final_loss = math.nan
+        self._peak_tracker: LiveTensorPeak | None = None
+        self._peak_tensor_bytes = math.nan
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -128,6 +136,10 @@ class RunStats(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        # The last warm-up batch (the optimizer state exists from the first step on), so the tracker's cost per op
+        # stays out of the measured window; the first batch when there is no warm-up.
+        if self._batches_seen == max(self.warmup_steps - 1, 0):
+            self._peak_tracker = LiveTensorPeak().__enter__()
         if self._batches_seen != self.warmup_steps:
             return
         stats = getattr(trainer.strategy, "communication_stats", None)
@@ -142,6 +154,10 @@ class RunStats(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._batches_seen += 1
+        if self._peak_tracker is not None:
+            self._peak_tracker.__exit__(None, None, None)
+            self._peak_tensor_bytes = float(self._peak_tracker.result().peak_bytes)
+            self._peak_tracker = None
         self._final_loss = _loss_value(trainer, outputs)
         if self._start_time is None:
             return
@@ -181,6 +197,7 @@ class RunStats(Callback):
             "measured_batches": self._measured_batches,
             "optimizer_steps": optimizer_steps,
             "peak_mem": peak_memory_bytes(trainer.strategy.root_device),
+            "peak_tensor_bytes": self._peak_tensor_bytes,
             "all_reduce_bytes": all_reduce_bytes,
             "comm_total_bytes": comm_total,
             "comm_calls": comm_calls,
@@ -244,6 +261,7 @@ def _metrics_from_gathered(gathered: Tensor, *, has_comm_stats: bool) -> dict[st
     }
     for rank in range(world_size):
         metrics[f"peak_mem_rank{rank}"] = float(col["peak_mem"][rank])
+        metrics[f"peak_tensors_rank{rank}"] = float(col["peak_tensor_bytes"][rank])
     if has_comm_stats:
         steps = float(col["optimizer_steps"].min())
         # No recorded call with several ranks means tracking was off (uncompressed DDP without a counting hook).
@@ -278,5 +296,6 @@ def summarize(trainer: pl.Trainer) -> RunSummary:
         tokens_per_s=float(metrics["tokens_per_s"]),
         tokens_per_s_median_step=float(metrics["tokens_per_s_median_step"]),
         peak_mem=[float(metrics[f"peak_mem_rank{rank}"]) for rank in range(world_size)],
+        peak_tensors=[float(metrics[f"peak_tensors_rank{rank}"]) for rank in range(world_size)],
         comm_bytes_per_step=None if comm is None else float(comm),
     )

@@ -26,7 +26,7 @@ from lightning_parallel.accounting import (
     optimizer_state_tensors,
     peak_memory_bytes,
 )
-from lightning_parallel.instrumentation import Instrumentation, InstrumentedStrategy
+from lightning_parallel.instrumentation import Instrumentation, InstrumentedStrategy, ReportsGradientTensors
 from lightning_parallel.monitor.figure import write_figure
 from lightning_parallel.monitor.ledger import CollectiveTap, PhaseTimes
 from lightning_parallel.monitor.report import format_table
@@ -211,7 +211,7 @@ class ParallelismMonitor(Callback):
 
         def categories() -> dict[str, list[torch.Tensor]]:
             parameters = list(module.parameters())
-            if isinstance(strategy, InstrumentedStrategy):  # ours: with its own gradient buffers (ZeRO-1/2 buckets)
+            if isinstance(strategy, ReportsGradientTensors):  # ours: with its own gradient buffers (ZeRO-1/2 buckets)
                 gradients = strategy.gradient_tensors()
             else:
                 gradients = [p.grad for p in parameters if p.grad is not None]
