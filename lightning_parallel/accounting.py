@@ -266,6 +266,7 @@ class LiveTensorPeak(TorchDispatchMode):
         self._breakdown: dict[str, int] = {}
         self._result: PeakMemory | None = None
         self._scanning = False
+        self._original_resize: Any = None
         self.phase: str | None = None
         """A label of what runs now; the one set at the moment of the peak is reported."""
         self._peak_phase: str | None = None
@@ -285,6 +286,14 @@ class LiveTensorPeak(TorchDispatchMode):
         if existed:  # found at entry: part of every moment of the region
             self._start += nbytes
             self._peak += nbytes
+
+    def _on_resize(self, storage: torch.UntypedStorage) -> None:
+        """A storage resized in place outside any op (FSDP2 frees and re-allocates its gathered parameters so)."""
+        known = self._live.get(storage._cdata)
+        if known is not None and known[0] != storage.nbytes():
+            self._current += storage.nbytes() - known[0]
+            self._live[storage._cdata] = (storage.nbytes(), known[1])
+            self._record_peak()
 
     def _on_free_ref(self, key: int, _ref: weakref.ref) -> None:
         self._on_free(key)
@@ -355,10 +364,21 @@ class LiveTensorPeak(TorchDispatchMode):
         self._result = None
         if self.categories is not None:
             self._breakdown = self._attribute(self._live)
+        # `UntypedStorage.resize_` is not an op the dispatch mode sees; FSDP2 frees a unit's gathered parameters
+        # with `resize_(0)` and re-allocates them with `resize_(n)`. Wrapped for the region only (restored on exit).
+        self._original_resize = original = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = original(storage, size)
+            self._on_resize(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
         cuda_peak = None
         if self.device is not None and self.device.type == "cuda":
             cuda_peak = int(torch.cuda.max_memory_allocated(self.device))

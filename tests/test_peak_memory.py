@@ -49,6 +49,20 @@ def test_live_tensor_peak_counts_known_allocations_exactly() -> None:
     assert kept.numel() == 250
 
 
+def test_live_tensor_peak_follows_storages_resized_in_place() -> None:
+    # FSDP2 frees a unit's gathered parameters with `untyped_storage().resize_(0)`, which is no dispatched op.
+    gathered = torch.ones(1000)
+    with LiveTensorPeak() as tracker:
+        gathered.untyped_storage().resize_(0)  # -4,000
+        other = torch.empty(500)  # +2,000: below the start
+        gathered.untyped_storage().resize_(1000 * FLOAT)  # +4,000: the peak, 2,000 above the start
+        gathered.untyped_storage().resize_(0)
+    peak = tracker.result()
+    assert peak.peak_bytes - peak.start_bytes == 500 * FLOAT
+    assert peak.end_bytes - peak.start_bytes == (500 - 1000) * FLOAT
+    assert torch.UntypedStorage.resize_ is not None and other.numel() == 500
+
+
 def test_live_tensor_peak_result_needs_the_block_to_end() -> None:
     tracker = LiveTensorPeak()
     with pytest.raises(RuntimeError, match="after the `with` block"):

@@ -345,14 +345,15 @@ class ShardedParameterBuckets:
             self.stats.record("reduce_scatter", send.numel() * send.element_size())
         bucket.work = _reduce_scatter(output, send, group=self.group)
         bucket.launched = True
-        if self.stage == 2:
+        if self.stage == 2 or bucket.send is not None:  # stage 1 too when it reduces an fp32 copy of the bucket
             self._in_flight.append(bucket)
             self._release_reduced_buckets()
 
     def _release_reduced_buckets(self) -> None:
-        """Stage 2: free the full gradient buffer of each bucket whose reduce-scatter finished, oldest first; while
-        more than ``max_buckets_in_flight`` are in flight, wait for the oldest. The reduced values are in the shard
-        (or in ``pending_shard``), so the full buffer is not needed once its collective completed."""
+        """Free what a finished reduce-scatter no longer needs, oldest first: the full gradient buffer (stage 2) and
+        the fp32 copy that was reduced (16-bit parameters with masters, both stages); while more than
+        ``max_buckets_in_flight`` are in flight, wait for the oldest. The reduced values are in the shard (or in
+        ``pending_shard``). Stage 1 keeps its full 16-bit buffer: it persists between steps."""
         while self._in_flight:
             oldest = self._in_flight[0]
             assert oldest.work is not None
@@ -360,7 +361,9 @@ class ShardedParameterBuckets:
                 return
             oldest.work.wait()
             oldest.work = None
-            oldest.full_grads = oldest.send = None
+            oldest.send = None
+            if self.stage == 2:
+                oldest.full_grads = None
             self._in_flight.popleft()
 
     def finish_gradient_sync(self) -> None:

@@ -84,6 +84,12 @@ def apply_fully_shard(
     for unit in units:
         if not isinstance(unit, FSDPModule):
             fully_shard(unit, mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+            if unit is not module:
+                # FSDP2 keeps a root unit gathered from forward to backward. A unit that is not nested in another
+                # (a LightningModule whose blocks, embedding and head are direct children) is a root of its own, so
+                # without this every parameter would stay gathered through backward: only `module` may be a root.
+                assert isinstance(unit, FSDPModule)  # fully_shard swapped its class
+                unit.set_reshard_after_forward(True, recurse=False)
     return units
 
 

@@ -66,7 +66,8 @@ class ShardedModuleAccess:
         if self.running:
             propagate_requires_grad(unit)  # a freeze/unfreeze since the last step trains as on one device
             return
-        name = type(self.module).__name__
+        # FSDP2 swaps a sharded module's class for a subclass named `FSDP<Class>`: name the user's class.
+        name = next(c for c in type(self.module).__mro__ if not c.__name__.startswith("FSDP")).__name__
         if not self._full:
             raise RuntimeError(
                 f"`{name}` is sharded across {self.world_size} ranks by ZeRO-3 (`ShardedOptimizerStrategy(stage=3)`)"

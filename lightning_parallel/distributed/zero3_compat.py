@@ -49,8 +49,13 @@ def reshard_after_forward_disabled(units: Sequence[nn.Module]) -> Generator[None
 
 
 def is_initialised_root(unit: FSDPModule) -> bool:
-    """Whether ``unit`` ran its first forward as a root unit (so ``reset_iter_state()`` may be called on it)."""
-    return getattr(unit._get_fsdp_state(), "_is_root", None) is True
+    """Whether ``unit`` ran its first forward as a root unit (so ``reset_iter_state()`` may be called on it).
+
+    A root without parameters of its own (the module above every block, whose forward a manual-optimization step may
+    never call) can be marked root while its communication context was never set up; resetting it would fail.
+    """
+    state = unit._get_fsdp_state()
+    return getattr(state, "_is_root", None) is True and hasattr(state._comm_ctx, "all_gather_state")
 
 
 def propagate_requires_grad(unit: FSDPModule) -> None:

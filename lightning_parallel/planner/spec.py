@@ -57,7 +57,8 @@ class UnitSpec:
     params: tuple[int, ...]
     """Indices into :attr:`ModelSpec.params`."""
     is_root: bool
-    """Not nested in another unit: FSDP2 keeps it gathered between forward and backward (gathered once a step)."""
+    """The LightningModule itself: FSDP2 keeps it gathered between forward and backward (gathered once a step);
+    every other unit reshards after forward and is gathered again for backward."""
 
 
 @dataclass
@@ -170,8 +171,8 @@ def _from_module(name: str, module: nn.Module) -> ModelSpec:
     for unit in found:
         nested = {id(p) for other in found if other is not unit and _contains(unit, other) for p in other.parameters()}
         own = tuple(index[id(p)] for p in unit.parameters() if id(p) not in nested and id(p) in index)
-        is_root = not any(other is not unit and _contains(other, unit) for other in found)
-        units.append(UnitSpec(params=own, is_root=is_root))
+        # Only the LightningModule itself stays gathered between forward and backward (`apply_fully_shard`).
+        units.append(UnitSpec(params=own, is_root=unit is holder))
     return ModelSpec(
         name=name,
         params=[ParamSpec(n, tuple(p.shape)) for n, p in named],
