@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
@@ -50,6 +51,7 @@ from lightning_parallel.accounting import (
 )
 from lightning_parallel.demos.gpt import GPT, GPTConfig
 from lightning_parallel.distributed import zero3
+from lightning_parallel.distributed.activation_checkpointing import apply_activation_checkpointing
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer
 
@@ -72,6 +74,11 @@ class Settings:
     """Sequences per rank per step."""
     measured_steps: int = 2
     """Steps inside the measured window, after one warm-up step."""
+    bf16: bool = False
+    """bf16 parameters (``precision="bf16-true"``): fp32 master weights in the shard at ZeRO 1-3 (as our strategies'
+    default ``master_weights="fp32"``), plain bf16 for the single process, DDP and DDP + ZeroRedundancyOptimizer."""
+    activation_checkpointing: bool = False
+    """Every transformer block recomputed in backward (the strategies' ``activation_checkpointing=True``)."""
 
 
 @dataclass
@@ -89,9 +96,14 @@ class RankPeak:
 class _Runner:
     """One strategy on one rank: the model, its optimizer, a step and what counts as what."""
 
-    def __init__(self, strategy: str, model: nn.Module, rank: int, world_size: int) -> None:
+    def __init__(self, strategy: str, model: nn.Module, rank: int, world_size: int, settings: Settings) -> None:
         self.strategy = strategy
         self.module = model
+        if settings.activation_checkpointing:
+            apply_activation_checkpointing(model, True)
+        if settings.bf16 and strategy != "zero3":  # ZeRO-3 shards fp32 masters and computes in bf16 (below)
+            model.to(torch.bfloat16)
+        master = torch.float32 if settings.bf16 else None
         self.buckets: ShardedParameterBuckets | None = None
         self.sharded: ShardedOptimizer | None = None
         device = torch.device("cpu")
@@ -108,13 +120,14 @@ class _Runner:
             zero3.broadcast_from_rank0(model, device)
             self.model = model
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            self.buckets = ShardedParameterBuckets(model, stage=int(strategy[-1]))
+            self.buckets = ShardedParameterBuckets(model, stage=int(strategy[-1]), master_dtype=master)
             self.sharded = ShardedOptimizer(self.optimizer, self.buckets)
         elif strategy == "zero3":
             zero3.broadcast_from_rank0(model, device)
             from torch.distributed.device_mesh import init_device_mesh
 
-            zero3.apply_fully_shard(model, init_device_mesh("cpu", (world_size,)))
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if master else None
+            zero3.apply_fully_shard(model, init_device_mesh("cpu", (world_size,)), mp_policy=policy)
             self.model = model
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         else:
@@ -166,7 +179,7 @@ def _measure_rank(strategy: str, rank: int, world_size: int, settings: Settings)
     )
     model = GPT(config)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    runner = _Runner(strategy, model, rank, world_size)
+    runner = _Runner(strategy, model, rank, world_size, settings)
     generator = torch.Generator().manual_seed(rank)
     batches = [
         tuple(torch.randint(settings.vocab, (settings.batch_size, settings.seq_len), generator=generator) for _ in "xy")
@@ -245,7 +258,7 @@ def format_table(results: dict[tuple[str, int], list[RankPeak]]) -> str:
     return "\n".join(lines)
 
 
-def check_goals(results: dict[tuple[str, int], list[RankPeak]]) -> list[str]:
+def check_goals(results: dict[tuple[str, int], list[RankPeak]], settings: Settings) -> list[str]:
     """The issue's goals, one line each, stated as met or not with the numbers (worst rank, tensor bytes and RSS)."""
     lines = []
     single = results.get(("single", 1))
@@ -263,7 +276,8 @@ def check_goals(results: dict[tuple[str, int], list[RankPeak]]) -> list[str]:
     for world_size in sorted({ws for _, ws in results}):
         got = {s: results[(s, world_size)] for s in STRATEGIES if (s, world_size) in results}
         if "zero1" in got and "zero2" in got:
-            gradient_bytes = got["zero1"][0].parameter_bytes  # fp32, every parameter trainable
+            # Every parameter trainable; `parameter_bytes` is counted in fp32, the gradients are bf16 under --bf16.
+            gradient_bytes = got["zero1"][0].parameter_bytes // (2 if settings.bf16 else 1)
             saving = 0.9 * (1 - 1 / world_size) * gradient_bytes
             for what, key in (("tensor bytes", "peak_bytes"), ("RSS", "peak_rss")):
                 one, two = (max(getattr(r, key) for r in got[s]) for s in ("zero1", "zero2"))
@@ -289,7 +303,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep-malloc", action="store_true", help="do not set MALLOC_MMAP_THRESHOLD_")
     parser.add_argument("--json", type=Path, help="also write every rank's figures here")
     for name, default in asdict(Settings()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+        if isinstance(default, bool):
+            parser.add_argument(f"--{name.replace('_', '-')}", action="store_true")
+        else:
+            parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     args = parser.parse_args(argv)
     if not args.keep_malloc and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
         # glibc reads it once, at process start: re-execute with it set (the forked ranks inherit it).
@@ -308,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}\n")
     print(format_table(results))
     print()
-    print("\n".join(check_goals(results)))
+    print("\n".join(check_goals(results, settings)))
     if args.json is not None:
         payload = {f"{s}@{ws}": [asdict(r) for r in ranks] for (s, ws), ranks in results.items()}
         args.json.write_text(__import__("json").dumps(payload, indent=1))
