@@ -2,6 +2,7 @@
 
     python examples/pipeline_parallel.py --devices 2                                # 2 stages, 1F1B (popen)
     python examples/pipeline_parallel.py --devices 4 --pipeline-parallel-size 2      # 2 pipelines x 2 replicas
+    python examples/pipeline_parallel.py --devices 4 --pipeline-parallel-size 2 --zero-stage 2  # + ZeRO-2 per stage
     python examples/pipeline_parallel.py --devices 2 --schedule Interleaved1F1B      # 2 virtual stages per rank
     torchrun --nproc-per-node=2 examples/pipeline_parallel.py                       # the same under torchrun
     torchrun --nnodes=2 --nproc-per-node=2 --node-rank=R --master-addr=HOST0 --master-port=29500 \
@@ -78,6 +79,9 @@ def main() -> None:
     parser.add_argument("--pipeline-parallel-size", default="auto", help="ranks per pipeline ('auto': all)")
     parser.add_argument("--schedule", default="1F1B", help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, ...")
     parser.add_argument("--num-microbatches", type=int, default=4)
+    parser.add_argument(
+        "--zero-stage", type=int, default=0, choices=[0, 1, 2], help="ZeRO across each stage's replicas"
+    )
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--global-batch-size", type=int, default=16, help="over all pipeline replicas")
     parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's block size")
@@ -98,6 +102,7 @@ def main() -> None:
         pipeline_parallel_size=size if size == "auto" else int(size),
         schedule=args.schedule,
         num_microbatches=args.num_microbatches,
+        zero_stage=args.zero_stage,
         start_method=args.start_method,
         timeout=args.timeout,
     )

@@ -41,6 +41,7 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "zero2": ("sharded_optimizer.py", ["--stage", "2"]),
     "zero3": ("sharded_optimizer.py", ["--stage", "3"]),
     "pipeline": ("pipeline_parallel.py", ["--pipeline-parallel-size", "2"]),
+    "pipeline_zero2": ("pipeline_parallel.py", ["--pipeline-parallel-size", "2", "--zero-stage", "2"]),
 }
 # AdamW over 3 steps: fp32 rounding of differently ordered reductions (as in tests/test_data_parallel.py).
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
