@@ -32,6 +32,7 @@ from distributed_harness import run_distributed
 from training_helpers import assert_weights_close
 
 from lightning_parallel import PipelineParallelStrategy
+from lightning_parallel.accounting import storage_bytes
 
 SGD_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 ADAM_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # as tests/test_pipeline.py
@@ -59,6 +60,10 @@ class _AtTrainEnd(pl.Callback):
             "copies": {n: p.detach().clone() for n, p in named if n in TIED},
             "stage_numel": sum(p.numel() for p in pl_module.parameters()),
             "memory": trainer.strategy.memory_report().as_dict() if pl_module.trainer.world_size > 1 else None,
+            # What the monitor's peak breakdown counts as gradients: the same storages memory_report() counts.
+            "gradient_tensor_bytes": storage_bytes(trainer.strategy.gradient_tensors())
+            if pl_module.trainer.world_size > 1
+            else None,
         }
 
 
@@ -140,6 +145,7 @@ def _check_run(results: list[dict], reference: dict, tolerance: dict, *, state_e
         assert memory["optimizer_state"] == state_elements * 4 * numel // DP  # fp32, half the stage's state
         shard = 4 * numel // DP
         assert memory["gradients"] == (shard if zero_stage == 2 else 4 * numel + shard)
+        assert result["gradient_tensor_bytes"] == memory["gradients"]
         assert memory["parameters"] == 4 * numel  # whole on every replica
 
 

@@ -658,6 +658,12 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         clip_by_global_norm(counted, clip_val, group=dims.pipeline_group, device=self.root_device, copies=copies)
 
     @override
+    def gradient_tensors(self) -> list[Tensor]:
+        """The parameters' ``.grad`` and, with ``zero_stage > 0``, the stage's gradient buckets."""
+        buffers = self._zero.buckets.gradient_buffers() if self._zero is not None else []
+        return [*super().gradient_tensors(), *buffers]
+
+    @override
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds (measured from its tensors); with ``zero_stage > 0`` the stage's flat buckets and
         the optimizer state of this replica's shard, summed over the optimizers."""
