@@ -92,8 +92,8 @@ def _fit(
     }
 
 
-def _pipeline(zero_stage: int) -> PipelineParallelStrategy:
-    return PipelineParallelStrategy(pipeline_parallel_size=2, zero_stage=zero_stage, timeout=120)
+def _pipeline(zero_stage: int, schedule: str = "1F1B") -> PipelineParallelStrategy:
+    return PipelineParallelStrategy(pipeline_parallel_size=2, zero_stage=zero_stage, schedule=schedule, timeout=120)
 
 
 def _epochs(count: int) -> dict[str, int]:
@@ -112,6 +112,11 @@ def _four_ranks(rank: int, world_size: int, directory: str) -> dict[str, dict]:
         "zero2_accumulated": _fit(zoo.TiedGPT, _pipeline(2), world_size, accumulate_grad_batches=2),
         "no_replicas": _fit(zoo.TiedGPT, PipelineParallelStrategy(zero_stage=2, timeout=120), world_size),
         "zero1_resumed": _fit(zoo.TiedGPT, _pipeline(1), world_size, resume=f"{directory}/single.ckpt", **_epochs(2)),
+        # The other schedules; the zero-bubble one writes its split weight gradients outside autograd's hooks.
+        **{
+            f"zero2_{schedule}": _fit(zoo.TiedGPT, _pipeline(2, schedule), world_size, **_epochs(1))
+            for schedule in ("GPipe", "Interleaved1F1B", "InterleavedZeroBubble")
+        },
     }
 
 
@@ -163,6 +168,8 @@ def test_zero_inside_the_pipeline_trains_like_one_device_and_resumes_on_one_devi
     _check_run(runs["zero2_sgd_clipped"], single["sgd_clipped"], SGD_TOLERANCE, state_elements=1, zero_stage=2)
     _check_run(runs["zero2_adam"], single["adam"], ADAM_TOLERANCE, state_elements=2, zero_stage=2)
     _check_run(runs["zero2_accumulated"], single["accumulated"], ADAM_TOLERANCE, state_elements=2, zero_stage=2)
+    for schedule in ("GPipe", "Interleaved1F1B", "InterleavedZeroBubble"):
+        _check_run(runs[f"zero2_{schedule}"], single["adam"], ADAM_TOLERANCE, state_elements=2, zero_stage=2)
 
     # Without replicas zero_stage=2 is the plain pipeline: whole gradients and optimizer state, one device's weights.
     for result in runs["no_replicas"]:
