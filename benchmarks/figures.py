@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["chrome_trace", "ratio_chart", "scaling_chart", "timeline_chart"]
+__all__ = ["chrome_trace", "peak_breakdown_chart", "ratio_chart", "scaling_chart", "timeline_chart"]
 
 _MIB = 2**20
 _CHUNK_COLORS = {"F": "#4285f4", "B": "#34a853", "W": "#fbbc05"}
@@ -116,3 +116,21 @@ def chrome_trace(ranks: Sequence[dict[str, Any]], path: Path) -> None:
             )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+_PEAK_PARTS = ("parameters", "gradients", "optimizer_state", "other")
+
+
+def peak_breakdown_chart(rows: Mapping[str, Mapping[str, float]], path: Path) -> None:
+    """Peak bytes per rank, one stacked bar per row (``label -> {parameters, gradients, optimizer_state, other}``)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 1.6))
+    labels = list(rows)[::-1]
+    left = [0.0] * len(labels)
+    for part, color in zip(_PEAK_PARTS, ("#4285f4", "#34a853", "#fbbc05", "#9e9e9e"), strict=True):
+        widths = [rows[label].get(part, 0) / _MIB for label in labels]
+        ax.barh(labels, widths, left=left, color=color, label=part.replace("_", " "))
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_xlabel("peak live tensor bytes per rank (MiB), split at the moment of the peak")
+    ax.legend(loc="lower right", fontsize=8)
+    _save(plt, fig, path)

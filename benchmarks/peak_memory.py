@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--keep-malloc", action="store_true", help="do not set MALLOC_MMAP_THRESHOLD_")
     parser.add_argument("--json", type=Path, help="also write every rank's figures here")
+    parser.add_argument("--figure", type=Path, help="also draw the worst rank's breakdown per row as a PNG here")
     for name, default in asdict(Settings()).items():
         if isinstance(default, bool):
             parser.add_argument(f"--{name.replace('_', '-')}", action="store_true")
@@ -326,6 +327,12 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(results))
     print()
     print("\n".join(check_goals(results, settings)))
+    if args.figure is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `benchmarks` is a folder
+        from benchmarks.figures import peak_breakdown_chart
+
+        worst = {f"{s} ws {ws}": max(ranks, key=lambda r: r.peak_bytes) for (s, ws), ranks in results.items()}
+        peak_breakdown_chart({label: rank.breakdown for label, rank in worst.items()}, args.figure)
     if args.json is not None:
         payload = {f"{s}@{ws}": [asdict(r) for r in ranks] for (s, ws), ranks in results.items()}
         args.json.write_text(__import__("json").dumps(payload, indent=1))
