@@ -86,3 +86,16 @@ def assert_weights_close(actual: dict, expected: dict, *, rtol: float, atol: flo
         torch.testing.assert_close(
             actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def assert_checkpoint_is_single_devices(saved: dict, single: dict, *, rtol: float, atol: float) -> None:
+    """A consolidated checkpoint holds what single-device Lightning saves: the same keys in the same order, the same
+    weights, and the optimizer state in the single-device layout (param groups, state per parameter index)."""
+    assert list(saved["state_dict"]) == list(single["state_dict"])
+    assert_weights_close(saved["state_dict"], single["state_dict"], rtol=rtol, atol=atol)
+    (optimizer,), (expected,) = saved["optimizer_states"], single["optimizer_states"]
+    assert optimizer["param_groups"] == expected["param_groups"]
+    assert optimizer["state"].keys() == expected["state"].keys()
+    for index, state in expected["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(optimizer["state"][index][key], value, rtol=rtol, atol=atol)
