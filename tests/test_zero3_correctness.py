@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from distributed_harness import run_distributed
@@ -17,6 +18,7 @@ from model_zoo import (
     BatchNormCNN,
     FreezeScheduleModel,
     RankSeededModel,
+    ResidualMLP,
     dataset,
     fit_in_rank,
     loader,
@@ -24,6 +26,8 @@ from model_zoo import (
     trainer,
 )
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 import lightning_parallel  # noqa: F401  (registers "zero3")
 
@@ -93,8 +97,29 @@ def _refused_callbacks(rank: int, world_size: int) -> dict[str, str]:
     return refused
 
 
+class _ShardedAfterForward(pl.Callback):
+    """Before each backward: which FSDP2 units hold plain (gathered) parameters instead of their sharded DTensors."""
+
+    def __init__(self) -> None:
+        self.gathered: list[list[str]] = []
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        units = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, FSDPModule)]
+        self.gathered.append(
+            [name for name, unit in units if any(not isinstance(p, DTensor) for p in unit.parameters(recurse=False))]
+        )
+
+
+def _flat_model(rank: int, world_size: int) -> dict[str, Any]:
+    """ResidualMLP: its blocks, input and output layers are direct children, so no unit is nested in another."""
+    probe = _ShardedAfterForward()
+    weights = fit_in_rank(ResidualMLP, "zero3", world_size, callbacks=[probe])
+    return {"weights": weights, "gathered_before_backward": probe.gathered}
+
+
 def _in_ranks(rank: int, world_size: int) -> dict:
     results: dict[str, Any] = {}
+    results["flat_model"] = _flat_model(rank, world_size)
     _rank_seeded_then_rank_zero_only(rank, world_size, results)
     results["freeze_schedule"] = fit_in_rank(FreezeScheduleModel, "zero3", world_size)
     results["callbacks"] = _refused_callbacks(rank, world_size)
@@ -127,6 +152,15 @@ def test_rank_zero_alone_calls_the_full_module_after_fit(ranks):
     assert ranks[0]["outside"].startswith("RuntimeError: `RankSeededModel` is sharded across 2 ranks by ZeRO-3")
     assert "with trainer.strategy.full_module():" in ranks[0]["outside"]
     assert ranks[0]["after_state_dict"].startswith("RuntimeError: `RankSeededModel` was resharded inside")
+
+
+def test_units_not_nested_in_another_reshard_after_forward_and_train_like_one_device(ranks):
+    # FSDP2 keeps a root unit gathered from forward to backward; every unit of this model would be a root of its own,
+    # so all its parameters would stay gathered through backward. Each unit must be sharded again after its forward.
+    for result in ranks:
+        assert result["flat_model"]["gathered_before_backward"]  # the probe ran
+        assert all(gathered == [] for gathered in result["flat_model"]["gathered_before_backward"])
+    torch.testing.assert_close(ranks[0]["flat_model"]["weights"], single_device(ResidualMLP), **TOLERANCE)
 
 
 def test_unfreezing_during_training_trains_like_one_device(ranks):
