@@ -88,6 +88,36 @@ def test_dropout_masks_are_replayed_in_backward() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(unpreserved, plain, strict=True))
 
 
+class _NormBlock(nn.Module):
+    """A residual block with BatchNorm: its running statistics are buffers the forward updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.norm = nn.BatchNorm1d(6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.relu(self.norm(self.linear(x)))
+
+
+def test_batchnorm_statistics_are_updated_once_per_forward() -> None:
+    """torch's checkpoint alone runs the block's forward again in backward, which would update BatchNorm's running
+    statistics (and `num_batches_tracked`) twice per step: a silently different model."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(_NormBlock(), _NormBlock())
+    checkpointed = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(checkpointed, True) == ["0", "1"]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, checkpointed)]
+    for step in range(3):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        for model, optimizer in zip((plain, checkpointed), optimizers, strict=True):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert int(checkpointed[0].norm.num_batches_tracked) == 3
+    torch.testing.assert_close(checkpointed.state_dict(), plain.state_dict(), **TOLERANCE)
+
+
 def test_lightning_fit_equals_without_checkpointing() -> None:
     """A single-device Trainer run of the demo GPTLightningModule, checkpointed through the LightningModule."""
 

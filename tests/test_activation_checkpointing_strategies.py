@@ -10,9 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import model_zoo as zoo
 import pytest
 import torch
 from distributed_harness import run_distributed
+from torch import nn
 from torch.utils.data import DataLoader
 from training_helpers import SEED, _loader_for, assert_weights_close, make_module, make_trainer
 
@@ -99,3 +101,52 @@ def test_checkpointing_lowers_the_activation_bytes_at_the_peak(tmp_path: Any, mo
             # (bytes are deterministic): data parallel 0.68x, zero3 0.47x, pipeline 0.71x / 0.85x (the last stage
             # also holds the logits, which no block checkpoint covers).
             assert with_it["peak_bytes"] < 0.9 * without["peak_bytes"], (name, with_it, without)
+
+
+class _NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(zoo.WIDTH, zoo.WIDTH)
+        self.norm = nn.BatchNorm1d(zoo.WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.linear(x)))
+
+
+class _BatchNormResidualMLP(pl.LightningModule):
+    """A user-like classifier: repeated residual blocks holding BatchNorm (buffers updated in forward), AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(zoo.FEATURES, zoo.WIDTH)
+        self.blocks = nn.ModuleList(_NormBlock() for _ in range(3))
+        self.out = nn.Linear(zoo.WIDTH, zoo.CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _batchnorm_rank(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    results = {}
+    for name in ("data_parallel", "zero2", "zero3"):
+        for policy in (False, True):
+            results[f"{name}-{policy}"] = zoo.fit_in_rank(_BatchNormResidualMLP, _strategy(name, policy), world_size)
+    return results
+
+
+def test_checkpointed_batchnorm_model_trains_like_it_does_without_checkpointing() -> None:
+    (result, _) = run_distributed(_batchnorm_rank, 2, init_process_group=False, timeout=180)
+    for name in ("data_parallel", "zero2", "zero3"):
+        without, with_it = result[f"{name}-False"], result[f"{name}-True"]
+        assert int(with_it["blocks.0.norm.num_batches_tracked"]) == zoo.STEPS, name  # once per step, not twice
+        torch.testing.assert_close(with_it, without, **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")

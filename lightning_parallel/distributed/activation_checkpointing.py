@@ -21,17 +21,20 @@ pre-backward hook has gathered the parameters again: the same composition as tor
 
 Non-reentrant checkpointing saves and restores the CPU RNG state (and that of the inputs' device) around the
 recomputation (``preserve_rng_state=True``), so dropout inside a checkpointed block draws the same mask twice and
-training equals training without checkpointing. With gradients disabled (evaluation, torch's pipeline shape
+training equals training without checkpointing. The recomputation also leaves the block's buffers as the forward
+left them, so BatchNorm's running statistics are updated once per step (torch's checkpoint alone updates them twice).
+With gradients disabled (evaluation, torch's pipeline shape
 inference) the block runs its plain forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any, TypeAlias
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel.distributed.zero3 import find_repeated_blocks
@@ -148,7 +151,30 @@ class _CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.plain_forward(*args, **kwargs)
-        return checkpoint(self.plain_forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self.plain_forward, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
+
+    def _contexts(self) -> tuple[Any, Any]:
+        """(forward, recomputation) contexts: the recomputation in backward leaves the block's buffers as the
+        forward left them, so BatchNorm's running statistics (and ``num_batches_tracked``) are updated once per
+        forward, as without checkpointing; torch's checkpoint alone would update them a second time."""
+        return contextlib.nullcontext(), _BuffersRestored(self.module)
+
+
+class _BuffersRestored:
+    """Context: the module's buffers are put back as they were on entry. Re-enterable (torch may enter the
+    recomputation context more than once, e.g. for a nested checkpoint)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._saved: list[list[tuple[Tensor, Tensor]]] = []
+
+    def __enter__(self) -> None:
+        self._saved.append([(buffer, buffer.detach().clone()) for buffer in self.module.buffers()])
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for buffer, value in self._saved.pop():
+                buffer.copy_(value)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
