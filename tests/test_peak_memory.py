@@ -4,7 +4,7 @@
   breakdown, independent of the C allocator.
 * ``ShardedParameterBuckets(stage=2, max_buckets_in_flight=k)``: the gradient bytes alive at any moment of a backward
   are at most the shards plus ``k + 1`` full buckets (``k`` reduce-scatters in flight and the bucket being filled);
-  stage 1 holds every full bucket plus the shards throughout.
+  stage 1 holds every full bucket throughout (each reduced shard is a slice of its bucket).
 * Real Trainers under ``ShardedOptimizerStrategy`` stage 1 and 2 with ``ParallelismMonitor(peak_tensors_step=...)``:
   on every rank, peak(zero2) <= peak(zero1) - 0.9 (1 - 1/N) G, the parameters and optimizer state at the peak are
   the bytes the strategy reports holding, and the breakdown adds up to the peak.
@@ -22,7 +22,7 @@ from torch import nn
 from training_helpers import _loader_for, make_module, make_trainer
 
 from lightning_parallel import ShardedOptimizerStrategy
-from lightning_parallel.accounting import LiveTensorPeak
+from lightning_parallel.accounting import LiveTensorPeak, storage_bytes
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.monitor import ParallelismMonitor
 
@@ -85,7 +85,7 @@ def _bucket_rank(rank: int, world_size: int) -> dict[str, Any]:
         alive: list[int] = []
 
         def record(_: torch.Tensor, buckets: ShardedParameterBuckets = buckets, alive: list[int] = alive) -> None:
-            alive.append(sum(t.numel() * t.element_size() for t in buckets.gradient_buffers()))
+            alive.append(storage_bytes(buckets.gradient_buffers()))  # distinct storages: a shard may be a slice
 
         for p in model.parameters():  # after the buckets' own hook: the bucket has taken this gradient
             p.register_post_accumulate_grad_hook(record)
@@ -107,8 +107,8 @@ def test_zero2_bounds_the_full_gradient_buckets_alive_during_backward() -> None:
     for result in run_distributed(_bucket_rank, 2, timeout=120):
         one = result["stage1_k2"]
         assert one["num_buckets"] == 8
-        # Stage 1 keeps every full bucket and the reduced shards throughout.
-        assert one["max_alive"] == 8 * one["bucket_bytes"] + one["shard_bytes"]
+        # Stage 1 keeps every full bucket throughout; its reduced shards are slices of them (reduced in place).
+        assert one["max_alive"] == 8 * one["bucket_bytes"]
         for k in (1, 2):
             two = result[f"stage2_k{k}"]
             assert two["max_alive"] <= two["shard_bytes"] + (k + 1) * two["bucket_bytes"], (k, two)
@@ -146,7 +146,7 @@ def test_zero2_peaks_below_zero1_by_the_gradients_it_shards(tmp_path: Any, monke
             assert peak["breakdown"]["parameters"] == held["parameters"]
             assert peak["breakdown"]["optimizer_state"] == held["optimizer_state"]
             assert peak["phase"] in ("forward", "backward", "optimizer_step")
-            if stage == 1:  # the persistent full buckets and the reduced shards: what memory_report() counts
+            if stage == 1:  # the persistent full buckets (the shards are slices): what memory_report() counts
                 assert peak["breakdown"]["gradients"] == held["gradients"]
         gradients = result[1]["gradient_bytes"]
         one, two = result[1]["peak"]["peak_bytes"], result[2]["peak"]["peak_bytes"]

@@ -21,9 +21,14 @@ Layout (Megatron's distributed optimizer / DeepSpeed ZeRO):
   needs no new layout. ``toggle_optimizer`` switches ``requires_grad`` of the views (the optimizer's tensors): a
   view switched off keeps its ``.grad`` through a sync, as a frozen parameter does on one device.
 
-Stage 1 keeps the full flat gradient buffers (``Psi`` bytes) between steps; stage 2 frees each bucket's full buffer
-as soon as its reduce-scatter completes and keeps only the ``Psi / N`` shard. Optimizer state exists only for the
-owned views: ``K * Psi / N``. Neither stage ever holds a second full copy of gradients or optimizer state.
+Stage 1 keeps the full flat gradient buffers (``Psi`` bytes) between steps and reduce-scatters each one *in place*:
+the reduced shard is rank r's own slice of its full buffer (NCCL and gloo both allow an output that is the input's
+``rank``-th slice), so stage 1 holds ``Psi`` bytes of gradients, as DDP + ``ZeroRedundancyOptimizer`` does, not
+``Psi + Psi / N``. Between a sync and the optimizer step that slice holds the averaged gradient; parameters that
+overlap it get a fresh ``.grad`` from autograd in the next backward (the others accumulate in place into their slot of
+the bucket), and the slice is zeroed at the first gradient of the next accumulation. Stage 2 frees each bucket's full
+buffer as soon as its reduce-scatter completes and keeps only the ``Psi / N`` shard. Optimizer state exists only for
+the owned views: ``K * Psi / N``. Neither stage ever holds a second full copy of gradients or optimizer state.
 
 Peak memory, not only the steady state: at stage 2 at most ``max_buckets_in_flight`` reduce-scatters are in flight
 (launching one more first waits for the oldest and frees its full buffer), so the full-size gradient bytes alive
@@ -104,6 +109,10 @@ class _Bucket:
     views: list[ShardView] = field(default_factory=list)
     master: Tensor | None = None  # fp32 copy of this rank's shard of `flat_params` (16-bit parameters)
     send: Tensor | None = None  # fp32 copy of `full_grads` for the reduce-scatter while it is in flight
+    reduces_in_place: bool = False  # stage 1 without a master: `shard_grads` is this rank's slice of `full_grads`
+    holds_reduced: bool = False  # in place: the owned slice holds the last sync's averages, not a new accumulation
+    carried: Tensor | None = None  # in place: gradients the views kept through a sync (no `zero_grad`), re-added after
+    owned_segments: list[_Segment] = field(default_factory=list)  # segments overlapping this rank's shard
 
 
 # torch 2.12 renamed the flat collectives and deprecates the old names with a FutureWarning on every call. Looked up
@@ -216,20 +225,27 @@ class ShardedParameterBuckets:
         if self._keeps_master(flat.dtype):
             assert self.master_dtype is not None
             master = torch.empty(shard_numel, dtype=self.master_dtype, device=flat.device)
+        start = self.rank * shard_numel
+        full_grads = torch.zeros_like(flat) if self.stage == 1 else None
+        in_place = full_grads is not None and master is None
         bucket = _Bucket(
             segments=segments,
             numel=padded,
             shard_numel=shard_numel,
             flat_params=flat,
-            # The reduced gradient shard has the dtype of what the optimizer steps: fp32 beside an fp32 master.
-            shard_grads=torch.zeros(
-                shard_numel, dtype=flat.dtype if master is None else master.dtype, device=flat.device
+            # The reduced gradient shard has the dtype of what the optimizer steps: fp32 beside an fp32 master. Stage 1
+            # without a master reduces in place: the shard is this rank's slice of the persistent full buffer.
+            shard_grads=(
+                full_grads[start : start + shard_numel]
+                if in_place and full_grads is not None
+                else torch.zeros(shard_numel, dtype=flat.dtype if master is None else master.dtype, device=flat.device)
             ),
+            full_grads=full_grads,
             master=master,
+            reduces_in_place=in_place,
+            owned_segments=[s for s in segments if s.offset < start + shard_numel and s.offset + s.numel > start],
         )
         self._copy_to_master(bucket)
-        if self.stage == 1:
-            bucket.full_grads = torch.zeros_like(flat)
         bucket.views = self._owned_views(bucket)
         return bucket
 
@@ -296,6 +312,8 @@ class ShardedParameterBuckets:
             bucket.expected = sum(1 for s in bucket.segments if s.param.requires_grad)
         if bucket.full_grads is None:
             bucket.full_grads = torch.zeros(bucket.numel, dtype=bucket.flat_params.dtype, device=param.device)
+        if bucket.holds_reduced:
+            self._start_accumulation(bucket)
         assert param.grad is not None
         target = bucket.full_grads[segment.offset : segment.offset + segment.numel]
         if self.stage == 1 and param.grad.data_ptr() == target.data_ptr():
@@ -319,11 +337,27 @@ class ShardedParameterBuckets:
             self._launch(bucket)
             self._next_launch += 1
 
+    def _start_accumulation(self, bucket: _Bucket) -> None:
+        """In place (stage 1): before this bucket's first gradient after a sync, empty the owned slice, which holds the
+        last sync's averages. What views still hold as ``.grad`` (no ``zero_grad`` since) is carried aside, so the
+        next sync adds to it as torch accumulates; a view without ``.grad`` contributes nothing. Parameters overlapping
+        the slice have no ``.grad`` since that sync (:meth:`finish_gradient_sync`), so nothing was added into it yet."""
+        kept = [view for view in bucket.views if view.tensor.grad is not None]
+        if kept:
+            carried = torch.zeros_like(bucket.shard_grads)
+            for view in kept:
+                carried[view.grad_offset : view.grad_offset + view.grad.numel()].copy_(view.grad)
+            bucket.carried = carried
+        bucket.shard_grads.zero_()
+        bucket.holds_reduced = False
+
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.full_grads is None:  # no parameter of this bucket got a gradient on this rank
             bucket.full_grads = torch.zeros(
                 bucket.numel, dtype=bucket.flat_params.dtype, device=bucket.flat_params.device
             )
+        if bucket.holds_reduced:
+            self._start_accumulation(bucket)
         send = bucket.full_grads
         if bucket.master is not None:  # reduce in the master's precision: an fp32 copy while the collective runs
             send = bucket.send = bucket.full_grads.to(bucket.master.dtype)
@@ -334,8 +368,8 @@ class ShardedParameterBuckets:
         # (manual optimization accumulating over several synchronised backwards) adds to the previous gradients.
         # A view without `.grad` (cleared, or never used) holds no gradient: its slot restarts from zero.
         cleared = [view for view in bucket.views if view.tensor.grad is None]
-        if len(cleared) == len(bucket.views):
-            output = bucket.shard_grads
+        if bucket.reduces_in_place or len(cleared) == len(bucket.views):
+            output = bucket.shard_grads  # in place: kept gradients were carried aside by `_start_accumulation`
         else:
             output = torch.empty_like(bucket.shard_grads)
             for view in cleared:
@@ -388,10 +422,24 @@ class ShardedParameterBuckets:
             self._take_reduced(bucket, used_anywhere)
             if self.stage == 2:
                 bucket.full_grads = None
+            elif bucket.reduces_in_place:
+                self._clear_unowned(bucket)
             elif bucket.full_grads is not None:
                 bucket.full_grads.zero_()
         self._next_launch = 0
         self._used[:] = bytes(len(self._used))
+
+    def _clear_unowned(self, bucket: _Bucket) -> None:
+        """In place (stage 1), after a sync: zero the full buffer outside the owned slice (the next accumulation adds
+        there) and take ``.grad`` from the parameters overlapping the slice, so that autograd gives them a fresh one
+        instead of adding into the averages the optimizer is about to read."""
+        assert bucket.full_grads is not None
+        start = self.rank * bucket.shard_numel
+        bucket.full_grads[:start].zero_()
+        bucket.full_grads[start + bucket.shard_numel :].zero_()
+        for segment in bucket.owned_segments:
+            segment.param.grad = None
+        bucket.holds_reduced = True
 
     def _take_reduced(self, bucket: _Bucket, used_anywhere: list[int]) -> None:
         """Set each view's ``.grad`` after a sync, as torch would for its parameter.
@@ -400,8 +448,16 @@ class ShardedParameterBuckets:
         parameter got a gradient on some rank; otherwise it stays ``None``, so the optimizer leaves it alone. A view
         switched off by ``toggle_optimizer`` (``requires_grad=False``) keeps its previous gradient unchanged.
         """
-        pending = bucket.pending_shard
-        bucket.pending_shard = None
+        pending = bucket.pending_shard if bucket.carried is None else bucket.carried
+        bucket.pending_shard = bucket.carried = None
+        if bucket.reduces_in_place and pending is not None:  # the shard holds this sync's averages; `pending` the kept
+            for view in bucket.views:
+                had_grad = view.tensor.grad is not None
+                takes = view.tensor.requires_grad and used_anywhere[self._bucket_of[view.param][1].index]
+                kept = pending[view.grad_offset : view.grad_offset + view.grad.numel()]
+                view.grad.add_(kept) if takes else view.grad.copy_(kept)
+                view.tensor.grad = view.grad if (had_grad or takes) else None
+            return
         for view in bucket.views:
             had_grad = view.tensor.grad is not None
             index = self._bucket_of[view.param][1].index

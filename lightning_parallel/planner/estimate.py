@@ -14,9 +14,9 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
 * Data parallel: everything replicated; one all-reduce of all gradients (DDP's buckets hold exactly the gradients).
 * ZeRO-1/2 (ours): trainable parameters, in reverse registration order, fill flat buckets of ``bucket_cap_mb``;
   each bucket is padded to a multiple of N. Parameters: the padded buckets. Gradients: stage 1 keeps the padded
-  full bucket plus its reduced shard, stage 2 the shard only. Optimizer state: only the elements of rank r's shard
-  that are real parameters (the padding is never stepped). Per step: one reduce-scatter and one all-gather of every
-  padded bucket.
+  full bucket (its reduced shard is rank r's slice of it: reduced in place), stage 2 the shard only. Optimizer
+  state: only the elements of rank r's shard that are real parameters (the padding is never stepped). Per step: one
+  reduce-scatter and one all-gather of every padded bucket.
 * ZeRO with 16-bit parameters (``"bf16-true"``/``"16-true"``) keeps fp32 master weights by default
   (``ShardedOptimizerStrategy(master_weights="fp32")``; ``master_weights=False`` here models ``None``). Stages 1-2:
   parameters are the 2-byte padded buckets; gradients stage 1 the 2-byte full bucket plus a 4-byte reduced shard,
@@ -287,7 +287,8 @@ def estimate_zero12(
     for r in range(n):
         owned = sum(max(0, min(b, (r + 1) * (p // n)) - r * (p // n)) for b, p in zip(buckets, padded, strict=True))
         shards = sum(p // n for p in padded)
-        grads = (sum(padded) * e if stage == 1 else 0) + shards * g
+        # Stage 1 reduces in place into its full bucket unless the shard is an fp32 copy beside 16-bit buckets.
+        grads = sum(padded) * e + (shards * g if master else 0) if stage == 1 else shards * g
         comm = {"reduce_scatter": sum(padded) * g, "all_gather": sum(padded) * e}
         optimizer = ctx.state_count * owned * s + (shards * MASTER_BYTES if master else 0)
         ranks.append(RankEstimate(sum(padded) * e, grads, optimizer, comm, act))
@@ -441,7 +442,7 @@ def _stage_sharded(
     padded = [-(-b // dp) * dp for b in buckets]
     shards = [q // dp for q in padded]
     owned = sum(max(0, min(b, (replica + 1) * s) - replica * s) for b, s in zip(buckets, shards, strict=True))
-    grads = (sum(padded) if zero_stage == 1 else 0) + sum(shards)
+    grads = sum(padded) if zero_stage == 1 else sum(shards)  # stage 1: the shard is a slice of the bucket
     comm = {"reduce_scatter": sum(padded) * e, "all_gather": sum(padded) * e}
     return sum(padded) * e, grads * e, ctx.state_count * owned * e, comm
 
