@@ -5,13 +5,15 @@ model copy computes each rank's slice of the global batch, its gradients are cas
 steps the fp32 master weights, which are rounded back into the bf16 model. Stages 1, 2 and 3 at world size 2, the
 bytes each rank holds (exactly the formula, and the planner), consolidated checkpoints (the bf16 ``state_dict`` of
 single-device Lightning plus the masters) resumed exactly, a plain bf16 checkpoint resumed, and
-``master_weights=None`` (bf16 parameters stepped directly, as plain Lightning).
+``master_weights=None`` (bf16 parameters stepped directly, as plain Lightning). World size 1 keeps the masters too
+(against the same reference with one rank), and its checkpoints resume exactly at world size 2 and the reverse.
 
 All distributed cases share one pair of forked ranks (each Trainer costs seconds).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from functools import cache
@@ -27,6 +29,8 @@ from torch import nn
 
 from lightning_parallel import ShardedOptimizerStrategy
 from lightning_parallel.planner import plan
+from lightning_parallel.planner.estimate import OPTIMIZER_STATES, PRECISION_BYTES, EstimateContext, estimate_zero12
+from lightning_parallel.planner.spec import model_spec
 
 WORLD_SIZE = 2
 STEPS = 4
@@ -91,8 +95,9 @@ def _reference(
     fp32_accumulation: bool = False,
     clip: float | None = None,
     unfreeze_at: int = 0,
+    world_size: int = WORLD_SIZE,
 ) -> dict[str, Any]:
-    """One process, the arithmetic of ZeRO on ``WORLD_SIZE`` ranks: each rank's slice through the bf16 model, the
+    """One process, the arithmetic of ZeRO on ``world_size`` ranks: each rank's slice through the bf16 model, the
     gradients averaged (fp32 with ``master``, else bf16) and stepped by AdamW on the fp32 masters (else on the bf16
     parameters). ``start``: a checkpoint to continue from (``state_dict``, ``optimizer_states``). ``accumulate``
     micro-batches per step (Lightning divides each loss by it), summed in bf16 ``.grad`` (stages 1-2, as on one
@@ -114,10 +119,10 @@ def _reference(
     for step in range(len(batches) // accumulate):
         model.blocks.requires_grad_(step >= unfreeze_at)
         averaged: dict[str, torch.Tensor] = {}
-        for rank in range(WORLD_SIZE):
+        for rank in range(world_size):
             micro_batches = batches[step * accumulate : (step + 1) * accumulate]
-            for name, grad in _rank_gradients(model, micro_batches, rank, fp32_accumulation).items():
-                grad = (grad.float() if master else grad) / WORLD_SIZE
+            for name, grad in _rank_gradients(model, micro_batches, rank, world_size, fp32_accumulation).items():
+                grad = (grad.float() if master else grad) / world_size
                 averaged[name] = grad if name not in averaged else averaged[name] + grad
         for name, tensor in stepped.items():
             tensor.grad = averaged.get(name)  # None: frozen, not stepped
@@ -136,11 +141,15 @@ def _reference(
 
 
 def _rank_gradients(
-    model: MasterWeightsModel, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int, fp32: bool
+    model: MasterWeightsModel,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    world_size: int,
+    fp32: bool,
 ) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s gradient summed over ``micro_batches`` (each loss divided by their number, as Lightning
     does): in the bf16 ``.grad`` (autograd's accumulation), or in fp32 (``fp32``)."""
-    per_rank = GLOBAL_BATCH // WORLD_SIZE
+    per_rank = GLOBAL_BATCH // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
     model.zero_grad(set_to_none=True)
     summed: dict[str, torch.Tensor] = {}
@@ -232,6 +241,12 @@ def _in_ranks(rank: int, world_size: int, directory: str) -> dict[Any, Any]:
         resumed, _ = _fit(strategy, world_size, steps=2, max_steps=-1, max_epochs=2, ckpt_path=path)
         resumed.strategy.checkpoint_format = "consolidated"  # for `_facts`' optimizer state
         results[(saving, resuming, checkpoint_format)] = _facts(resumed)
+    for saving, resuming, checkpoint_format in FROM_WORLD_SIZE_1:  # written by `_fits_at_world_size_1`
+        strategy = ShardedOptimizerStrategy(stage=resuming, checkpoint_format=checkpoint_format)
+        path = f"{directory}/ws1-zero{saving}-{checkpoint_format}.ckpt"
+        resumed, _ = _fit(strategy, world_size, steps=2, max_steps=-1, max_epochs=2, ckpt_path=path)
+        resumed.strategy.checkpoint_format = "consolidated"
+        results[("from_world_size_1", saving, resuming, checkpoint_format)] = _facts(resumed)
     plain = f"{directory}/plain.ckpt"  # written by single-device Lightning in the parent
     resumed, _ = _fit(
         ShardedOptimizerStrategy(stage=2), world_size, steps=2, max_steps=-1, max_epochs=2, ckpt_path=plain
@@ -252,12 +267,80 @@ def _validate_and_refit(fit_trainer: pl.Trainer, module: pl.LightningModule, ran
     return results
 
 
+# ---------------------------------------------------------------------------------------------- world size 1
+# (stage that saves after one epoch of 2 batches, stage that resumes for a second, checkpoint format): saved at world
+# size 1 and resumed by the ranks, and saved by the ranks (`RESUMES`) and resumed at world size 1.
+FROM_WORLD_SIZE_1 = [(1, 3, "consolidated"), (3, 2, "sharded")]
+TO_WORLD_SIZE_1 = [(1, 2, "consolidated"), (3, 1, "consolidated"), (2, 3, "sharded")]
+NONFINITE_STEP = 1
+
+
+class NonFiniteOnceModel(MasterWeightsModel):
+    """A NaN loss at step ``NONFINITE_STEP``, which the strategy skips."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step == NONFINITE_STEP else loss
+
+
+class LBFGSModel(MasterWeightsModel):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters())
+
+
+def _fits_at_world_size_1(rank: int, world_size: int, directory: str) -> dict[Any, Any]:
+    """One process (Lightning's one-process group): the fits, and the checkpoints the ranks resume."""
+    results: dict[Any, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for stage in (1, 2, 3):
+            fit_trainer, _ = _fit(ShardedOptimizerStrategy(stage=stage), world_size)
+            results[f"zero{stage}"] = {**_facts(fit_trainer), "backend": type(fit_trainer.strategy.backend).__name__}
+    results["warnings"] = [str(w.message) for w in caught]
+    for stage in (1, 3):
+        fit_trainer, _ = _fit(ShardedOptimizerStrategy(stage=stage), world_size, **ACCUMULATE_CLIP)
+        results[f"zero{stage}_accumulate_clip"] = _facts(fit_trainer)
+    fit_trainer, _ = _fit(ShardedOptimizerStrategy(stage=2), world_size, model=NonFiniteOnceModel)
+    results["nonfinite"] = _facts(fit_trainer)
+    fit_trainer, module = _fit(ShardedOptimizerStrategy(stage=2, master_weights=None), world_size)
+    results["no_master"] = {"weights": module.state_dict(), "backend": type(fit_trainer.strategy.backend).__name__}
+    pl.seed_everything(0, verbose=False)
+    fp32 = trainer(ShardedOptimizerStrategy(stage=2), world_size, precision="32-true", max_steps=1)
+    fp32.fit(MasterWeightsModel(), loader())
+    results["fp32_backend"] = type(fp32.strategy.backend).__name__  # type: ignore[attr-defined]
+    try:
+        _fit(ShardedOptimizerStrategy(stage=3), world_size, model=LBFGSModel)
+    except TypeError as error:
+        results["lbfgs"] = str(error)
+    for saving, _, checkpoint_format in FROM_WORLD_SIZE_1:
+        strategy = ShardedOptimizerStrategy(stage=saving, checkpoint_format=checkpoint_format)
+        saved, _ = _fit(strategy, world_size, steps=2, max_steps=-1, max_epochs=1)
+        saved.save_checkpoint(f"{directory}/ws1-zero{saving}-{checkpoint_format}.ckpt")
+    return results
+
+
+def _resumes_at_world_size_1(rank: int, world_size: int, directory: str) -> dict[Any, Any]:
+    results: dict[Any, Any] = {}
+    for saving, resuming, checkpoint_format in TO_WORLD_SIZE_1:  # written by the ranks (`RESUMES`)
+        strategy = ShardedOptimizerStrategy(stage=resuming, checkpoint_format=checkpoint_format)
+        path = f"{directory}/zero{saving}-{checkpoint_format}.ckpt"
+        resumed, _ = _fit(strategy, world_size, steps=2, max_steps=-1, max_epochs=2, ckpt_path=path)
+        resumed.strategy.checkpoint_format = "consolidated"  # for `_facts`' optimizer state
+        results[(saving, resuming, checkpoint_format)] = _facts(resumed)
+    return results
+
+
 @cache
-def _ranks(directory: str) -> tuple[dict[Any, Any], ...]:
+def _runs(directory: str) -> tuple[tuple[dict[Any, Any], ...], dict[Any, Any]]:
+    """The ranks' results, and world size 1's (``"resumed"``: from the ranks' checkpoints)."""
     # A plain single-device bf16-true checkpoint after one epoch of 2 batches, for the ranks to resume from.
     plain, _ = _fit("auto", 1, steps=2, max_steps=-1, max_epochs=1)
     plain.save_checkpoint(f"{directory}/plain.ckpt")
-    return tuple(run_distributed(_in_ranks, WORLD_SIZE, args=(directory,), init_process_group=False, timeout=300))
+    options: dict[str, Any] = {"args": (directory,), "init_process_group": False, "timeout": 300}
+    (alone,) = run_distributed(_fits_at_world_size_1, 1, **options)
+    ranks = tuple(run_distributed(_in_ranks, WORLD_SIZE, **options))
+    (resumed,) = run_distributed(_resumes_at_world_size_1, 1, **options)
+    return ranks, {**alone, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +350,13 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ranks(workdir: Path) -> tuple[dict[Any, Any], ...]:
-    return _ranks(str(workdir))
+    return _runs(str(workdir))[0]
+
+
+@pytest.fixture(scope="module")
+def alone(workdir: Path) -> dict[Any, Any]:
+    """World size 1's results."""
+    return _runs(str(workdir))[1]
 
 
 def _masters(optimizer_state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -425,18 +514,121 @@ def test_plain_bf16_checkpoint_resumes_with_masters_from_the_bf16_weights(ranks,
     torch.testing.assert_close(_masters(result["optimizer"]), reference["masters"], **MASTER_CLOSE)
 
 
-def _at_world_size_1(rank: int, world_size: int) -> dict[str, Any]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, module = _fit(ShardedOptimizerStrategy(stage=2), 1)
-    return {"weights": module.state_dict(), "warnings": [str(w.message) for w in caught]}
+# ---------------------------------------------------------------------------------------------- world size 1
+def _as_checkpoint(result: dict[str, Any], *, with_masters: bool = True) -> dict[str, Any]:
+    """The end of a reference run as the checkpoint ``_reference(start=...)`` continues from."""
+    optimizer = copy.deepcopy(result["optimizer"])
+    if with_masters:  # indices as in "state": the order of the model's parameters
+        optimizer["master_weights"] = {index: t.clone() for index, t in enumerate(result["masters"].values())}
+    return {"state_dict": result["weights"], "optimizer_states": [optimizer]}
 
 
-def test_world_size_1_trains_plain_bf16_and_says_so():
-    (result,) = run_distributed(_at_world_size_1, 1, init_process_group=False, timeout=120)
-    assert any("at world size 1 trains plainly" in message for message in result["warnings"]), result["warnings"]
-    _, single = _fit("auto", 1)
-    torch.testing.assert_close(result["weights"], single.state_dict(), rtol=0, atol=0)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_world_size_1_steps_fp32_masters_like_the_reference(alone, stage):
+    """Moving a run from 2 devices to 1 keeps its arithmetic: the bf16 gradient of the whole batch is upcast (nothing
+    to average), fp32 AdamW steps an fp32 master of every parameter, which is rounded into the bf16 weights."""
+    result, reference = alone[f"zero{stage}"], _reference(_global_batches(STEPS), world_size=1)
+    assert result["backend"] == "MasterWeightBackend"
+    weights = result["weights"]
+    assert {name: t.dtype for name, t in weights.items()} == {name: torch.bfloat16 for name in reference["weights"]}
+    torch.testing.assert_close(weights, reference["weights"], **BF16_CLOSE)
+    masters = _masters(result["optimizer"])
+    assert all(tensor.dtype == torch.float32 for tensor in masters.values())
+    torch.testing.assert_close(masters, reference["masters"], **MASTER_CLOSE)
+    for index, entry in reference["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert result["optimizer"]["state"][index][key].dtype == torch.float32
+            torch.testing.assert_close(result["optimizer"]["state"][index][key], entry[key], **MASTER_CLOSE)
+    assert _max_difference(masters, {n: w.float() for n, w in weights.items()}) > 0
+    plain = _reference(_global_batches(STEPS), world_size=1, master=False)  # guard: what world size 1 did before
+    assert _max_difference(weights, plain["weights"]) > 0
+    assert not any("master_weights" in message for message in alone["warnings"]), alone["warnings"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_world_size_1_clips_the_fp32_gradients(alone, stage):
+    """Micro-batch gradients summed in the bf16 bucket (stage 3 too: at world size 1 it uses stage 2's buckets, not
+    FSDP2's fp32 accumulation), clipped by the norm of the fp32 gradients, as the sharded stages 1-2 do."""
+    result = alone[f"zero{stage}_accumulate_clip"]
+    reference = _reference(_global_batches(STEPS), accumulate=2, clip=0.05, world_size=1)
+    unclipped = _reference(_global_batches(STEPS), accumulate=2, world_size=1)
+    assert _max_difference(unclipped["masters"], reference["masters"]) > 1e-4  # guard: clipping changed the run
+    torch.testing.assert_close(_masters(result["optimizer"]), reference["masters"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(result["weights"], reference["weights"], **BF16_CLOSE)
+
+
+def test_world_size_1_skips_a_nonfinite_step_without_touching_masters_or_state(alone):
+    batches = _global_batches(STEPS)
+    del batches[NONFINITE_STEP]  # a skipped step changes nothing: training went on as if the batch was not there
+    reference = _reference(batches, world_size=1)
+    result = alone["nonfinite"]
+    torch.testing.assert_close(result["weights"], reference["weights"], **BF16_CLOSE)
+    torch.testing.assert_close(_masters(result["optimizer"]), reference["masters"], **MASTER_CLOSE)
+    assert {int(entry["step"]) for entry in result["optimizer"]["state"].values()} == {STEPS - 1}
+
+
+def test_world_size_1_without_16bit_parameters_or_masters_trains_plainly(alone):
+    assert alone["fp32_backend"] == "ReplicatedBackend"
+    assert alone["no_master"]["backend"] == "ReplicatedBackend"
+    _, single = _fit("auto", 1)  # `master_weights=None`: exactly plain single-device Lightning
+    torch.testing.assert_close(alone["no_master"]["weights"], single.state_dict(), rtol=0, atol=0)
+
+
+def test_world_size_1_refuses_a_shape_dependent_optimizer_with_masters(alone):
+    assert "cannot shard `LBFGS`" in alone["lbfgs"]
+    assert "At world size 1 the fp32 master weights are flat buckets too: pass `master_weights=None`" in alone["lbfgs"]
+
+
+def test_world_size_1_bytes_equal_the_formula_and_the_planners_zero12_at_n_1(alone):
+    p = NUMEL  # one bucket, whose only shard is all of it: no padding at world size 1
+    context = EstimateContext(
+        model_spec(MasterWeightsModel()),
+        1,
+        OPTIMIZER_STATES["adamw"],
+        *PRECISION_BYTES["bf16-true"],
+        GLOBAL_BATCH,
+        1,
+    )
+    for stage in (1, 2, 3):
+        expected = {
+            "parameters": 2 * p,  # the bf16 bucket
+            "gradients": (2 * p if stage == 1 else 0) + 4 * p,  # bf16 bucket (stage 1) + fp32 gradients
+            "optimizer_state": 4 * p + 8 * p,  # fp32 master + exp_avg + exp_avg_sq
+        }
+        measured = {k: v for k, v in alone[f"zero{stage}"]["memory"].items() if k != "total"}
+        assert measured == expected, stage
+        estimate = estimate_zero12(context, stage=min(stage, 2), bucket_cap_mb=25.0).ranks[0]
+        assert (estimate.parameters, estimate.gradients, estimate.optimizer_state) == tuple(expected.values())
+
+
+@pytest.mark.parametrize(("saving", "resuming", "checkpoint_format"), TO_WORLD_SIZE_1)
+def test_world_size_2_checkpoint_resumes_exactly_at_world_size_1(alone, saving, resuming, checkpoint_format):
+    first = _reference(_global_batches(2))  # the epoch the ranks trained before saving
+    uninterrupted = _reference(_global_batches(2), world_size=1, start=_as_checkpoint(first))
+    result = alone["resumed"][(saving, resuming, checkpoint_format)]
+    torch.testing.assert_close(result["weights"], uninterrupted["weights"], **BF16_CLOSE)
+    torch.testing.assert_close(_masters(result["optimizer"]), uninterrupted["masters"], **MASTER_CLOSE)
+    # Guard: the masters carried over matter (masters restarted from the bf16 weights train another run).
+    restarted = _reference(_global_batches(2), world_size=1, start=_as_checkpoint(first, with_masters=False))
+    assert _max_difference(restarted["masters"], uninterrupted["masters"]) > 0
+
+
+@pytest.mark.parametrize(("saving", "resuming", "checkpoint_format"), FROM_WORLD_SIZE_1)
+def test_world_size_1_checkpoint_resumes_exactly_at_world_size_2(ranks, workdir, saving, resuming, checkpoint_format):
+    first = _reference(_global_batches(2), world_size=1)  # the epoch world size 1 trained before saving
+    uninterrupted = _reference(_global_batches(2), start=_as_checkpoint(first))
+    result = ranks[0][("from_world_size_1", saving, resuming, checkpoint_format)]
+    torch.testing.assert_close(result["weights"], uninterrupted["weights"], **BF16_CLOSE)
+    torch.testing.assert_close(_masters(result["optimizer"]), uninterrupted["masters"], **MASTER_CLOSE)
+    restarted = _reference(_global_batches(2), start=_as_checkpoint(first, with_masters=False))
+    assert _max_difference(restarted["masters"], uninterrupted["masters"]) > 0
+    if checkpoint_format == "consolidated":  # the sharded backends' format: masters and state fp32, whole shapes
+        state = torch.load(workdir / f"ws1-zero{saving}-consolidated.ckpt", weights_only=True)["optimizer_states"][0]
+        shapes = [tuple(param.shape) for param in MasterWeightsModel().parameters()]
+        assert {i: (t.dtype, tuple(t.shape)) for i, t in state["master_weights"].items()} == {
+            i: (torch.float32, shape) for i, shape in enumerate(shapes)
+        }
+        assert {entry["exp_avg"].dtype for entry in state["state"].values()} == {torch.float32}
 
 
 def test_master_weights_is_validated():

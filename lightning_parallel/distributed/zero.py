@@ -34,7 +34,7 @@ Peak memory, not only the steady state: at stage 2 at most ``max_buckets_in_flig
 (launching one more first waits for the oldest and frees its full buffer), so the full-size gradient bytes alive
 during backward are bounded by about ``(max_buckets_in_flight + 1) * bucket_cap_mb`` (plus the bucket being filled
 and autograd's gradient of the parameter at hand) instead of growing to ``Psi`` when the collectives finish late.
-The all-gather after the step likewise keeps at most ``max_buckets_in_flight`` shard copies alive at both stages.
+The all-gather after the step is in place (each rank's shard is already its slice of the flat buffer): no copy.
 
 16-bit parameters with fp32 master weights (``master_dtype=torch.float32``; ``Trainer(precision="bf16-true")``, ZeRO
 paper section 3.1): the module's parameters stay bf16 views of the bf16 flat buckets (``2 Psi``). Each rank also
@@ -139,8 +139,8 @@ class ShardedParameterBuckets:
         bucket_cap_mb: bucket size in MiB.
         frozen: parameters to bucket although ``requires_grad`` is off (those the optimizers hold, so unfreezing
             them later needs no new layout). Other frozen parameters stay outside the buckets, never communicated.
-        max_buckets_in_flight: reduce-scatters (stage 2) and all-gathers (both stages) in flight at once; one more
-            waits for the oldest first. Bounds the full-size gradient buffers alive during a stage-2 backward.
+        max_buckets_in_flight: reduce-scatters (stage 2, or of fp32 copies beside 16-bit buckets) in flight at once;
+            one more waits for the oldest first. Bounds the full-size gradient buffers alive during a backward.
         master_dtype: ``torch.float32`` keeps an fp32 master copy of this rank's shard of every bucket of 16-bit
             parameters, which the optimizer steps, and reduces their gradients in fp32 (module docstring). No effect
             on buckets whose parameters already have at least that precision. ``None``: step the parameters
@@ -477,22 +477,24 @@ class ShardedParameterBuckets:
             buckets: indices of the buckets to gather (those holding the stepped optimizer's parameters); every
                 rank must pass the same ones. ``None``: all of them.
         """
-        chosen = self.buckets if buckets is None else [self.buckets[index] for index in buckets]
-        works: deque[tuple[dist.Work, Tensor]] = deque()
-        for bucket in chosen:
-            if len(works) >= self.max_buckets_in_flight:  # bound the shard copies alive at once
-                works.popleft()[0].wait()
-            start = self.rank * bucket.shard_numel
-            owned = bucket.flat_params[start : start + bucket.shard_numel]
-            if bucket.master is not None:  # the optimizer stepped the fp32 master: round it into the 16-bit buffer
-                owned.copy_(bucket.master)
-            # A copy: the collective writes into `flat_params`, which holds the input shard.
-            shard = owned.clone()
-            if self.stats is not None:  # bytes of the full (gathered) buffer
-                self.stats.record("all_gather", bucket.flat_params.numel() * bucket.flat_params.element_size())
-            works.append((_all_gather(bucket.flat_params, shard, group=self.group), shard))
-        while works:
-            works.popleft()[0].wait()
+        chosen = range(len(self.buckets)) if buckets is None else buckets
+        for work in [self.launch_parameter_gather(index) for index in chosen]:
+            work.wait()
+
+    @torch.no_grad()
+    def launch_parameter_gather(self, index: int) -> dist.Work:
+        """Collective (asynchronous). All-gather bucket ``index``'s flat parameters *in place*: this rank's input is its
+        own slice of the output (NCCL and gloo allow it), so no copy of the shard is made. Until the returned work
+        completes, the bucket's parameters outside this rank's shard are stale. Every rank launches the same buckets
+        in the same order."""
+        bucket = self.buckets[index]
+        start = self.rank * bucket.shard_numel
+        owned = bucket.flat_params[start : start + bucket.shard_numel]
+        if bucket.master is not None:  # the optimizer stepped the fp32 master: round it into the 16-bit buffer
+            owned.copy_(bucket.master)
+        if self.stats is not None:  # bytes of the full (gathered) buffer
+            self.stats.record("all_gather", bucket.flat_params.numel() * bucket.flat_params.element_size())
+        return _all_gather(bucket.flat_params, owned, group=self.group)
 
     def bucket_indices(self, params: Iterable[nn.Parameter]) -> list[int]:
         """Indices of the buckets holding any of ``params`` (the same on every rank: the layout is)."""

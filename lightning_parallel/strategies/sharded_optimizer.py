@@ -30,6 +30,7 @@ from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import save_sharded
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
+from lightning_parallel.strategies.param_gather import parameter_readers_between_steps
 from lightning_parallel.strategies.zero_backends import MasterWeights, ZeroBackend, backend_type
 
 __all__ = ["ShardedOptimizerStrategy"]
@@ -74,12 +75,19 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             Applied before FSDP2 wraps the units; parameter names and checkpoints are unchanged; see docs/memory.md.
         nonfinite_loss: what every rank does when the loss is NaN/inf on any rank: ``"skip"`` the step (default),
             ``"stop"`` (raise ``FloatingPointError``) or ``"ignore"`` (no check).
+        overlap_param_gather: stages 1-2: ``True`` starts the all-gather of the stepped parameters after the step and
+            waits for each bucket where it is first needed (each repeated block's at its forward, the others' before
+            the training step), so it overlaps the next forward as in Megatron; ``False`` waits at the end of the
+            step. ``"auto"`` (default) overlaps unless a hook between two steps may read parameters (manual
+            optimization, a callback's or the module's ``on_train_batch_end`` and similar; see
+            ``strategies/param_gather.py``). Checkpoints, evaluation and backward always see current parameters.
         master_weights: with 16-bit parameters (``precision="bf16-true"`` or ``"16-true"``), ``"fp32"`` (default)
             keeps an fp32 master copy of this rank's shard that the optimizer steps, rounded to the 16-bit weights
             after each step, and reduces gradients in fp32; ``None`` steps the 16-bit parameters directly, as plain
             Lightning does. No effect under ``32-true`` and the ``*-mixed`` precisions (the parameters are fp32
-            already), nor at world size 1 (plain single-device training). Consolidated checkpoints hold the 16-bit
-            ``state_dict`` and the masters under each optimizer state's ``"master_weights"`` entry.
+            already). World size 1 keeps the masters too (of every parameter: nothing to shard), so a run moved
+            between 1 and N devices keeps its arithmetic. Consolidated checkpoints hold the 16-bit ``state_dict``
+            and the masters under each optimizer state's ``"master_weights"`` entry, at every world size.
         accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.
         parallel_devices: set by the Trainer from ``devices``.
         cluster_environment: set by the Trainer from the launcher it detects (torchrun, SLURM, MPI, ...).
@@ -102,6 +110,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         nonfinite_loss: NonFiniteLoss = "skip",
         activation_checkpointing: ActivationCheckpointing = False,
         master_weights: MasterWeights = "fp32",
+        overlap_param_gather: bool | Literal["auto"] = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -122,6 +131,11 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
                 f"`master_weights={master_weights!r}` is invalid. Valid options: 'fp32' (step fp32 master weights of"
                 " 16-bit parameters, the default), None (step the 16-bit parameters directly)."
             )
+        if overlap_param_gather not in (True, False, "auto"):
+            raise ValueError(
+                f"`overlap_param_gather={overlap_param_gather!r}` is invalid. Valid options: 'auto' (the default),"
+                " True, False."
+            )
         if not bucket_cap_mb > 0:
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB.")
         super().__init__(
@@ -140,13 +154,17 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.checkpoint_format = checkpoint_format
         self.master_weights = master_weights
+        self.overlap_param_gather = overlap_param_gather
         self._backend: ZeroBackend | None = None
+        self._keeps_masters_alone = False
+        """World size 1 fitting 16-bit parameters with fp32 masters (set in ``setup``)."""
         self._memory_logged = False
 
     # ------------------------------------------------------------------ set-up
     @property
     def is_sharding(self) -> bool:
-        """Whether states are sharded (world size > 1); at world size 1 training is plain single-device."""
+        """Whether states are sharded (world size > 1); at world size 1 training is plain single-device, except that
+        16-bit parameters are stepped through fp32 masters while fitting (``master_weights="fp32"``)."""
         return self.world_size > 1
 
     @property
@@ -178,23 +196,26 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if fitting and self._layer_sync:
             check_layer_sync(self._layer_sync, f"zero{self.stage}", self.root_device, supported=True)
             self.model = self._layer_sync.apply(self.model)
-        self._backend = backend_type(self.stage, is_sharding=self.is_sharding)(
-            stage=self.stage,
-            bucket_cap_mb=self.bucket_cap_mb,
-            stats=self.communication_stats if self.track_communication else None,
-            events=self.events,
-            callbacks=trainer.callbacks,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            master_weights=self.master_weights,
-        )
+        options: dict[str, Any] = {
+            "stage": self.stage,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "stats": self.communication_stats if self.track_communication else None,
+            "events": self.events,
+            "callbacks": trainer.callbacks,
+            "rank": self.global_rank,
+            "world_size": self.world_size,
+            "master_weights": self.master_weights,
+            "overlap_param_gather": fitting and self.is_sharding and self._overlaps_param_gather(trainer),
+        }
+        self._backend = backend_type(self.stage, is_sharding=self.is_sharding)(**options)
         self._backend.convert_module(self.precision_plugin, self.model)
-        if fitting and not self.is_sharding and self.master_weights == "fp32" and _has_16bit_parameters(self.model):
-            rank_zero_warn(
-                "ShardedOptimizerStrategy at world size 1 trains plainly (nothing to shard): `master_weights='fp32'`"
-                " has no effect, the 16-bit parameters are stepped directly as in plain Lightning (a checkpoint's"
-                " fp32 masters are not used). Pass `master_weights=None` to silence this."
-            )
+        self._keeps_masters_alone = (
+            fitting and not self.is_sharding and self.master_weights == "fp32" and _has_16bit_parameters(self.model)
+        )
+        if self._keeps_masters_alone:
+            # World size 1 converts the module as plain Lightning does (`bf16-true` casts it); only now is it known
+            # that 16-bit parameters are to be stepped through fp32 masters, by the backend that keeps them.
+            self._backend = backend_type(self.stage, is_sharding=False, keeps_masters=True)(**options)
         self._apply_activation_checkpointing(self.module)  # before FSDP2 (stage 3) wraps its units
         self._backend.setup_module(self.module, self.root_device)
         if fitting:
@@ -205,6 +226,23 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def _overlaps_param_gather(self, trainer: Any) -> bool:
+        """``overlap_param_gather`` resolved for this fit (stages 1-2; ``"auto"``: unless a hook may read parameters
+        between two steps). Decided from the module and the callbacks alone, so every rank decides the same."""
+        if self.stage == 3 or self.overlap_param_gather is False:
+            return False
+        assert self.lightning_module is not None
+        readers = parameter_readers_between_steps(self.lightning_module, trainer.callbacks)
+        if self.overlap_param_gather == "auto":
+            return not readers
+        if readers:
+            rank_zero_warn(
+                f"`overlap_param_gather=True`: {', '.join(readers)} may read parameters between two steps, while"
+                " their all-gather may still be in flight (stale values). Pass `overlap_param_gather='auto'` or False"
+                " unless they read no parameters (a callback says so with `reads_parameters = False`)."
+            )
+        return True
 
     @contextmanager
     def full_module(self) -> Generator[nn.Module, None, None]:
@@ -249,9 +287,15 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.backend.wait_for_parameters(everywhere=False)  # the rest waits in the blocks' forward pre-hooks
         output = super().training_step(*args, **kwargs)
         self._decide_skip_step(output)
         return output
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        self.backend.wait_for_parameters()  # a block this forward did not use: current before any backward hook
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -300,14 +344,17 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     @override
     def on_validation_start(self) -> None:
+        self.backend.wait_for_parameters()
         self._broadcast_buffers()
 
     @override
     def on_test_start(self) -> None:
+        self.backend.wait_for_parameters()
         self._broadcast_buffers()
 
     @override
     def on_predict_start(self) -> None:
+        self.backend.wait_for_parameters()
         self._broadcast_buffers()
 
     def _broadcast_buffers(self) -> None:
@@ -364,8 +411,9 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A sharded directory is read lazily: each rank later loads only the ranges it holds."""
-        if self.is_sharding and is_sharded_checkpoint(checkpoint_path):
+        """A sharded directory is read lazily: each rank later loads only the ranges it holds. At world size 1 with
+        fp32 masters too: its ``param`` pieces are masters, which a plain state dict would round to 16 bits."""
+        if (self.is_sharding or self._keeps_masters_alone) and is_sharded_checkpoint(checkpoint_path):
             reader = ShardedCheckpointReader(checkpoint_path)
             checkpoint = dict(reader.meta["lightning"])
             checkpoint["state_dict"] = reader

@@ -3,7 +3,8 @@
 * :class:`FlatBucketBackend` (stages 1-2): parameters live in flat buckets that are reduce-scattered as backward
   produces gradients; the user's optimizer steps this rank's shard, then the buckets are all-gathered.
 * :class:`FullyShardBackend` (stage 3): torch's FSDP2 ``fully_shard`` per repeated block.
-* :class:`ReplicatedBackend` (world size 1): plain single-device training, nothing sharded.
+* :class:`ReplicatedBackend` (world size 1): plain single-device training, nothing sharded; with 16-bit parameters
+  and fp32 master weights, ``strategies.zero_master_backend.MasterWeightBackend`` (stage-1/2 buckets over one rank).
 
 With 16-bit parameters (``Trainer(precision="bf16-true")``) and ``master_weights="fp32"`` (the strategy's default)
 both sharded backends keep fp32 master weights in the shard: stages 1-2 an fp32 copy of each bucket's shard beside
@@ -42,6 +43,7 @@ from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, a
 from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
+from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
 from lightning_parallel.instrumentation import StrategyEvents
 from lightning_parallel.strategies.base import unwrap_optimizer
@@ -108,7 +110,12 @@ class ZeroBackend(Protocol):
         """Finish the gradient sync; returns extra gradient holders to drop when the step is skipped."""
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Collective. Bring every rank's parameters up to date after ``optimizer`` stepped."""
+        """Collective. Bring every rank's parameters up to date after ``optimizer`` stepped (or start doing so: then
+        :meth:`wait_for_parameters` finishes it)."""
+
+    def wait_for_parameters(self, *, everywhere: bool = True) -> None:
+        """Local. Finish bringing the parameters up to date: all of them, or (``everywhere=False``, before a training
+        step) those read outside the forward pre-hooks that wait for the rest."""
 
     def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
         """Bytes this rank holds (optimizer state summed over ``optimizers``)."""
@@ -138,15 +145,22 @@ class ZeroBackend(Protocol):
         """Local: stop hooking the module; keep what ``memory_report`` and ``full_module`` need after fit."""
 
 
-def backend_type(stage: int, *, is_sharding: bool) -> type[ZeroBackend]:
-    """The backend for ``stage`` (1, 2 or 3); world size 1 (``is_sharding=False``) trains plainly at any stage."""
+def backend_type(stage: int, *, is_sharding: bool, keeps_masters: bool = False) -> type[ZeroBackend]:
+    """The backend for ``stage`` (1, 2 or 3). World size 1 (``is_sharding=False``) shards nothing at any stage: it
+    trains plainly, or steps fp32 master weights of 16-bit parameters when ``keeps_masters``."""
     if not is_sharding:
+        if keeps_masters:
+            # Imported here: it subclasses `FlatBucketBackend` of this module.
+            from lightning_parallel.strategies.zero_master_backend import MasterWeightBackend
+
+            return MasterWeightBackend
         return ReplicatedBackend
     return FullyShardBackend if stage == 3 else FlatBucketBackend
 
 
 class ReplicatedBackend:
-    """World size 1: the module and optimizers as they are. The two sharded backends reuse its plain-module methods.
+    """World size 1 (fp32 parameters, ``master_weights=None``, or not fitting): the module and optimizers as they
+    are. The two sharded backends reuse its plain-module methods.
 
     Keyword arguments meant for the other backends (``stage``, ``bucket_cap_mb``, ``stats``, ``callbacks``) are
     ignored, so the strategy builds whichever backend :func:`backend_type` chose with one call.
@@ -196,6 +210,9 @@ class ReplicatedBackend:
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         pass
 
+    def wait_for_parameters(self, *, everywhere: bool = True) -> None:
+        pass
+
     def gradient_buffers(self) -> list[Tensor]:
         return []
 
@@ -241,12 +258,15 @@ class FlatBucketBackend(ReplicatedBackend):
         bucket_cap_mb: float,
         stats: CommunicationStats | None = None,
         master_weights: MasterWeights = "fp32",
+        overlap_param_gather: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.stage, self.bucket_cap_mb, self.stats = stage, bucket_cap_mb, stats
         self.master_weights = master_weights
+        self.overlap_param_gather = overlap_param_gather
         self.buckets: ShardedParameterBuckets | None = None
+        self.gather: OverlappedParameterGather | None = None  # fitting with `overlap_param_gather`
         self.sharded_optimizers: list[ShardedOptimizer] = []  # one per optimizer, in order
 
     @property
@@ -267,6 +287,10 @@ class FlatBucketBackend(ReplicatedBackend):
         )
         if self.stats is not None:
             self.buckets.stats = self.stats
+        if self.overlap_param_gather:
+            self.gather = OverlappedParameterGather(
+                self.buckets, self.held, waiting=lambda: self.events.timed("exposed_communication")
+            )
         self.sharded_optimizers = [ShardedOptimizer(optimizer, self.buckets) for optimizer in optimizers]
 
     def sharded_for(self, optimizer: Optimizer) -> ShardedOptimizer:
@@ -295,6 +319,7 @@ class FlatBucketBackend(ReplicatedBackend):
 
     def after_backward(self) -> Iterable[Tensor]:
         buckets = self._set_up_buckets()
+        self.wait_for_parameters()  # a block unused in this forward: its parameters are stepped next
         if buckets.sync_gradients:
             with self.events.timed("exposed_communication"):
                 buckets.finish_gradient_sync()
@@ -305,8 +330,16 @@ class FlatBucketBackend(ReplicatedBackend):
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         # The stepped optimizer's buckets: the same ones on every rank.
+        indices = self.sharded_for(optimizer).bucket_indices
+        if self.gather is not None:  # waited for where each bucket is first needed (distributed/zero_gather.py)
+            self.gather.launch(indices)
+            return
         with self.events.timed("exposed_communication"):
-            self._set_up_buckets().all_gather_parameters(self.sharded_for(optimizer).bucket_indices)
+            self._set_up_buckets().all_gather_parameters(indices)
+
+    def wait_for_parameters(self, *, everywhere: bool = True) -> None:
+        if self.gather is not None:
+            self.gather.wait_all() if everywhere else self.gather.wait_for_rest()
 
     def gradient_buffers(self) -> list[Tensor]:
         return self.buckets.gradient_buffers() if self.buckets is not None else []
@@ -316,21 +349,34 @@ class FlatBucketBackend(ReplicatedBackend):
             return super().memory_report(optimizers)
         return self.buckets.memory_report(optimizers)
 
+    def model_state(self) -> dict[str, Any]:
+        self.wait_for_parameters()
+        return super().model_state()
+
+    @contextmanager
+    def full_module(self) -> Generator[nn.Module, None, None]:
+        self.wait_for_parameters()
+        yield self.held
+
     def load_model_state(self, state: Any, *, strict: bool) -> None:
+        self.wait_for_parameters()  # the collective would write into what is being loaded
         super().load_model_state(state, strict=strict)
         if self.buckets is not None:  # the masters start from the loaded weights; a ZeRO optimizer state overrides
             self.buckets.reset_master_weights()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        self.wait_for_parameters()
         return self.sharded_for(optimizer).consolidated_state_dict()
 
     def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
+        self.wait_for_parameters()  # masters are loaded into the shard the collective reads
         if isinstance(state, ShardedCheckpointReader):
             load_from_reader(self.sharded_for(optimizer), state, self.held)
         else:
             self.sharded_for(optimizer).load_consolidated_state_dict(state)
 
     def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
+        self.wait_for_parameters()
         sharded = self.sharded_optimizers[0]  # one optimizer: the strategy refuses several with this format
         return ShardedPieces(
             pieces=sharded.sharded_pieces(),
@@ -340,6 +386,9 @@ class FlatBucketBackend(ReplicatedBackend):
 
     def teardown(self) -> None:
         # Keep the buckets (for `memory_report()` after fit) but stop hooking the module's gradients.
+        if self.gather is not None:
+            self.gather.remove_hooks()  # waits for what is pending
+            self.gather = None
         if self.buckets is not None:
             self.buckets.remove_hooks()
 
