@@ -8,8 +8,10 @@ a ``ZeroRedundancyOptimizer``. ``ZeroRedundancyOptimizer``'s parameter broadcast
 all-reduce, reduce-scatter, all-gather and P2P), so that anchor's bytes on the wire are a lower bound.
 
 Lightning's ``FSDPStrategy`` and ``DeepSpeedStrategy`` re-run the script in every rank by default; :func:`forked`
-starts them with ``fork`` instead. On CPU they refuse to start (or DeepSpeed is not installed): the harness then
-reports them as not available, with the reason.
+starts them with ``fork`` instead. Where one refuses to start (FSDP on CPU, DeepSpeed not installed), the harness
+reports it as not available, with the reason. :func:`deepspeed` trains on CPU through
+:func:`benchmarks.deepspeed_anchor.cpu_deepspeed_strategy`, which skips Lightning's CUDA-only checks (the bypasses
+are listed in that module's docstring; DeepSpeed is an optional install described there).
 """
 
 from __future__ import annotations
@@ -83,4 +85,18 @@ def fsdp_shard_grad_op() -> Strategy:
 
 
 def deepspeed(stage: int) -> Strategy:
+    """Lightning's ``DeepSpeedStrategy(stage=stage)`` (fork), on CPU too.
+
+    On CPU, Lightning refuses DeepSpeed (``setup_environment``: "only supported on CUDA GPUs"; ``setup_distributed``:
+    device indices must be ``0..N-1``, a CPU device has none) and hands DeepSpeed ``device_rank=None`` (the CPU
+    device's index). ``cpu_deepspeed_strategy`` skips exactly those two checks and passes the local rank instead;
+    sound because DeepSpeed's CPU accelerator keeps every tensor on ``cpu`` and runs its collectives through
+    ``torch.distributed`` on the gloo group Lightning creates for a CPU device. It also keeps DeepSpeed from
+    JIT-compiling its C++ shared-memory all-reduce (an inference-only op) and sets the buckets to our 25 MiB.
+    Without DeepSpeed installed, Lightning raises its "DeepSpeed is not available" error here (kept as the reason).
+    """
+    if not torch.cuda.is_available():
+        from benchmarks.deepspeed_anchor import cpu_deepspeed_strategy
+
+        return cpu_deepspeed_strategy(stage, wrap=forked)
     return forked(DeepSpeedStrategy)(stage=stage)
