@@ -344,3 +344,17 @@ def test_activation_checkpointing_option(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["tiny", "--world-size", "2", "--activation-checkpointing"]) == 0
     out = capsys.readouterr().out
     assert "activation checkpointing. Per rank" in out and "activation_checkpointing=True)" in out
+
+
+def test_world_size_one_lists_zero_with_fp32_masters_only_for_16bit_parameters() -> None:
+    module = GPTLightningModule("tiny")
+    psi = sum(p.numel() for p in module.parameters())
+    fp32 = plan(module, world_size=1, batch_size=2, seq_len=16)
+    assert [c.name for c in fp32.configurations] == ["data_parallel"]  # nothing for ZeRO to do
+    bf16 = plan(module, world_size=1, batch_size=2, seq_len=16, precision="bf16-true")
+    zero1, zero2 = bf16.configuration("zero1").ranks[0], bf16.configuration("zero2").ranks[0]
+    # One rank: bf16 buckets, fp32 masters + AdamW moments of everything, no communication.
+    assert (zero1.parameters, zero1.gradients, zero1.optimizer_state) == (2 * psi, 6 * psi, 12 * psi)
+    assert (zero2.parameters, zero2.gradients, zero2.optimizer_state) == (2 * psi, 4 * psi, 12 * psi)
+    assert zero1.communication == zero2.communication == {}
+    assert bf16.recommended is not None and bf16.recommended.name == "data_parallel"

@@ -289,7 +289,8 @@ def estimate_zero12(
         shards = sum(p // n for p in padded)
         # Stage 1 reduces in place into its full bucket unless the shard is an fp32 copy beside 16-bit buckets.
         grads = sum(padded) * e + (shards * g if master else 0) if stage == 1 else shards * g
-        comm = {"reduce_scatter": sum(padded) * g, "all_gather": sum(padded) * e}
+        # One rank (16-bit parameters with fp32 masters) communicates nothing: its "collectives" are copies.
+        comm = {"reduce_scatter": sum(padded) * g, "all_gather": sum(padded) * e} if n > 1 else {}
         optimizer = ctx.state_count * owned * s + (shards * MASTER_BYTES if master else 0)
         ranks.append(RankEstimate(sum(padded) * e, grads, optimizer, comm, act))
     strategy = _strategy_line(ctx, f"zero{stage}", "ShardedOptimizerStrategy", f"stage={stage}")

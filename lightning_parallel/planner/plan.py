@@ -172,6 +172,8 @@ def plan(
         activation_checkpointing=activation_checkpointing,
     )
     configs = [estimate_data_parallel(ctx)]
+    if world_size == 1 and element < 4:  # 16-bit parameters: ZeRO keeps fp32 masters of everything (nothing to shard)
+        configs += [estimate_zero12(ctx, stage=s, bucket_cap_mb=bucket_cap_mb) for s in (1, 2)]
     if world_size > 1:
         configs += [estimate_zero12(ctx, stage=s, bucket_cap_mb=bucket_cap_mb) for s in (1, 2)]
         configs.append(estimate_zero3(ctx))
