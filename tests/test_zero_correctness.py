@@ -333,3 +333,42 @@ def test_a_parameter_used_on_some_ranks_gets_the_average_over_all_ranks():
         for stage in ("zero1", "zero2"):
             _assert_close(result[stage], model.state_dict(), stage)
             torch.testing.assert_close(result[stage]["c.weight"], initial["c.weight"], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ torch only: buckets launched in backward's order
+def _out_of_order(rank: int, world_size: int) -> dict[str, Any]:
+    """A model that registers its layers in the opposite order of use: buckets follow registration (one per layer)."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({name: torch.nn.Linear(4, 4, bias=False) for name in ("c", "b", "a")})
+    buckets = ShardedParameterBuckets(model, stage=2, bucket_cap_mb=64 / 2**20)
+    names = [segment.name for bucket in buckets.buckets for segment in bucket.segments]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ShardedOptimizer(optimizer, buckets)
+    orders = []
+    for step in range(2):
+        x = torch.full((2, 4), float(rank + 1 + step))
+        model["c"](model["b"](model["a"](x))).square().sum().backward()  # gradients: c, then b, then a
+        buckets.finish_gradient_sync()
+        orders.append(list(buckets.launch_order))
+        optimizer.step()
+        optimizer.zero_grad()
+        buckets.all_gather_parameters()
+    return {"names": names, "orders": orders, "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def test_buckets_are_launched_in_the_order_the_first_backward_completes_them():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({name: torch.nn.Linear(4, 4, bias=False) for name in ("c", "b", "a")})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        loss = sum(
+            model["c"](model["b"](model["a"](torch.full((2, 4), float(rank + 1 + step))))).square().sum()
+            for rank in range(2)
+        )
+        (loss / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for result in run_distributed(_out_of_order, 2, timeout=60):
+        assert result["names"] == ["a.weight", "b.weight", "c.weight"]  # reverse registration: a used first
+        assert result["orders"] == [[2, 1, 0], [2, 1, 0]]  # backward completes c, b, a; settled after step 1
+        _assert_close(result["weights"], model.state_dict(), "out of order")

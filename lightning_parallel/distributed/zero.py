@@ -173,10 +173,15 @@ class ShardedParameterBuckets:
         self.stats: CommunicationStats | None = None
         """Where to count collective bytes (``None``: not counted); see :class:`CommunicationStats`."""
         self._next_launch = 0
+        self._completed: list[int] = []  # bucket indices in the order the first backward completed them
         self._hooks: list = []
         kept = set(frozen)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad or p in kept]
         self.buckets = self._build_buckets(list(reversed(named)), bucket_cap_mb)
+        self.launch_order: list[int] = list(range(len(self.buckets)))
+        """Order in which complete buckets are reduce-scattered: their index (reverse registration) until the first
+        sync, then the order in which rank 0's first backward completed them (:meth:`_settle_launch_order`)."""
+        self._launch_order_settled = False
         self._bucket_of: dict[nn.Parameter, tuple[_Bucket, _Segment]] = {
             segment.param: (bucket, segment) for bucket in self.buckets for segment in bucket.segments
         }
@@ -325,17 +330,38 @@ class ShardedParameterBuckets:
             param.grad = target.view_as(param) if self.stage == 1 else None
         self._used[segment.index] = 1
         bucket.ready += 1
-        if self.sync_gradients and bucket.ready >= bucket.expected:
-            self._launch_ready_buckets()
+        if bucket.ready >= bucket.expected:
+            if not self._launch_order_settled:
+                self._completed.append(next(i for i, b in enumerate(self.buckets) if b is bucket))
+            if self.sync_gradients:
+                self._launch_ready_buckets()
 
     def _launch_ready_buckets(self, *, flush: bool = False) -> None:
-        """Launch buckets in index order while they are complete (all of them when ``flush``)."""
+        """Launch buckets in :attr:`launch_order` while they are complete (all of them when ``flush``)."""
         while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
+            bucket = self.buckets[self.launch_order[self._next_launch]]
             if not flush and (bucket.ready == 0 or bucket.ready < bucket.expected):
                 return
             self._launch(bucket)
             self._next_launch += 1
+
+    def _settle_launch_order(self, device: torch.device) -> None:
+        """Collective, once (the first sync): launch buckets from now on in the order backward completes them.
+
+        Buckets follow reverse registration order, which is roughly the order backward produces gradients; where a
+        model registers its modules in another order than it uses them, a bucket launched early in that order waits
+        for its last gradient and holds back every complete bucket behind it (launches must keep one order on every
+        rank). The order the first backward actually completed them (DDP likewise rebuilds its buckets after the
+        first iteration) removes that wait. Rank 0's order is broadcast so that every rank issues the same
+        collectives in the same order, whatever its own backward did (unused parameters, different control flow).
+        """
+        seen = dict.fromkeys(self._completed)  # first completion of each bucket, in order
+        order = [*seen, *(i for i in range(len(self.buckets)) if i not in seen)]
+        agreed = torch.tensor(order, dtype=torch.int64, device=device)
+        dist.broadcast(agreed, group=self.group, group_src=0)
+        self.launch_order = agreed.tolist()
+        self._launch_order_settled = True
+        self._completed.clear()
 
     def _start_accumulation(self, bucket: _Bucket) -> None:
         """In place (stage 1): before this bucket's first gradient after a sync, empty the owned slice, which holds the
@@ -428,6 +454,8 @@ class ShardedParameterBuckets:
                 bucket.full_grads.zero_()
         self._next_launch = 0
         self._used[:] = bytes(len(self._used))
+        if not self._launch_order_settled and self.buckets:
+            self._settle_launch_order(device)
 
     def _clear_unowned(self, bucket: _Bucket) -> None:
         """In place (stage 1), after a sync: zero the full buffer outside the owned slice (the next accumulation adds
