@@ -114,6 +114,11 @@ class OverlappedParameterGather:
         """Local. Wait for every pending all-gather: all parameters are current afterwards."""
         self.wait(list(self._pending))
 
+    def discard(self) -> None:
+        """Local. Forget the pending all-gathers without waiting (training failed: a dead peer never completes them;
+        the parameters outside this rank's shards may be stale)."""
+        self._pending.clear()
+
     def remove_hooks(self) -> None:
         """Local. Wait for what is pending and stop hooking the blocks."""
         self.wait_all()

@@ -423,6 +423,12 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._backend is not None:
+            self._backend.abandon_in_flight()  # teardown follows: it must not wait for a failed peer
+        super().on_exception(exception)
+
+    @override
     def teardown(self) -> None:
         if self._backend is not None:  # setup may have failed before choosing it
             self._backend.teardown()

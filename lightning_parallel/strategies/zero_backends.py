@@ -113,6 +113,10 @@ class ZeroBackend(Protocol):
         """Collective. Bring every rank's parameters up to date after ``optimizer`` stepped (or start doing so: then
         :meth:`wait_for_parameters` finishes it)."""
 
+    def abandon_in_flight(self) -> None:
+        """Local. Training failed: forget collectives still in flight without waiting for them (a failed peer never
+        completes them), so the teardown that follows cannot hang."""
+
     def wait_for_parameters(self, *, everywhere: bool = True) -> None:
         """Local. Finish bringing the parameters up to date: all of them, or (``everywhere=False``, before a training
         step) those read outside the forward pre-hooks that wait for the rest."""
@@ -211,6 +215,9 @@ class ReplicatedBackend:
         pass
 
     def wait_for_parameters(self, *, everywhere: bool = True) -> None:
+        pass
+
+    def abandon_in_flight(self) -> None:
         pass
 
     def gradient_buffers(self) -> list[Tensor]:
@@ -336,6 +343,10 @@ class FlatBucketBackend(ReplicatedBackend):
             return
         with self.events.timed("exposed_communication"):
             self._set_up_buckets().all_gather_parameters(indices)
+
+    def abandon_in_flight(self) -> None:
+        if self.gather is not None:
+            self.gather.discard()
 
     def wait_for_parameters(self, *, everywhere: bool = True) -> None:
         if self.gather is not None:
