@@ -18,7 +18,7 @@ Prints a Markdown table (MiB per rank, the worst rank) and checks the issue's go
 0.9 (1 - 1/N) G (G: gradient bytes) and peak(zero1) <= peak(DDP + ZeroRedundancyOptimizer).
 
     python benchmarks/peak_memory.py --world-sizes 2 4
-    python benchmarks/peak_memory.py --n-layer 2 --n-embd 64 --vocab 256   # a quick check
+    python benchmarks/peak_memory.py --n-layer 2 --n-embd 64 --n-head 4 --vocab 256   # a quick check
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from lightning_parallel.demos.gpt import GPT, GPTConfig
 from lightning_parallel.distributed import zero3
 from lightning_parallel.distributed.activation_checkpointing import apply_activation_checkpointing
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
+from lightning_parallel.distributed.zero3_compat import initialise_root
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer
 
 STRATEGIES = ("single", "ddp", "ddp_zero_redundancy", "zero1", "zero2", "zero3")
@@ -127,7 +128,8 @@ class _Runner:
             from torch.distributed.device_mesh import init_device_mesh
 
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if master else None
-            zero3.apply_fully_shard(model, init_device_mesh("cpu", (world_size,)), mp_policy=policy)
+            units = zero3.apply_fully_shard(model, init_device_mesh("cpu", (world_size,)), mp_policy=policy)
+            initialise_root(units[-1])  # as `ShardedOptimizerStrategy(stage=3)` does once the model is materialised
             self.model = model
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         else:

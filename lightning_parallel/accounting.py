@@ -322,7 +322,8 @@ class LiveTensorPeak(TorchDispatchMode):
             self._peak = self._current
             self._peak_phase = self.phase
             if self.categories is not None:
-                self._breakdown = self._attribute(self._live)
+                # A copy of the keys: a storage freed meanwhile (by `categories()`) leaves `_live` as we iterate.
+                self._breakdown = self._attribute(list(self._live))
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -363,7 +364,7 @@ class LiveTensorPeak(TorchDispatchMode):
         self._scanning = False
         self._result = None
         if self.categories is not None:
-            self._breakdown = self._attribute(self._live)
+            self._breakdown = self._attribute(list(self._live))
         # `UntypedStorage.resize_` is not an op the dispatch mode sees; FSDP2 frees a unit's gathered parameters
         # with `resize_(0)` and re-allocates them with `resize_(n)`. Wrapped for the region only (restored on exit).
         self._original_resize = original = torch.UntypedStorage.resize_

@@ -155,8 +155,8 @@ def test_rank_zero_alone_calls_the_full_module_after_fit(ranks):
 
 
 def test_units_not_nested_in_another_reshard_after_forward_and_train_like_one_device(ranks):
-    # FSDP2 keeps a root unit gathered from forward to backward; every unit of this model would be a root of its own,
-    # so all its parameters would stay gathered through backward. Each unit must be sharded again after its forward.
+    # FSDP2 keeps a root unit gathered from forward to backward. This model's units are all direct children of the
+    # LightningModule (the root, without parameters of its own): each must be sharded again after its forward.
     for result in ranks:
         assert result["flat_model"]["gathered_before_backward"]  # the probe ran
         assert all(gathered == [] for gathered in result["flat_model"]["gathered_before_backward"])

@@ -72,22 +72,34 @@ def find_repeated_blocks(module: nn.Module) -> list[nn.Module]:
 def apply_fully_shard(
     module: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None
 ) -> list[nn.Module]:
-    """Shard each repeated block, then each top-level child holding the remaining parameters; return the units.
+    """Shard each repeated block, then each top-level child holding the remaining parameters, then ``module`` itself
+    as the root unit; return the units, the root last.
 
     A unit that holds only some of the names of a tied parameter (e.g. an embedding whose weight is also the LM
     head's) is not sharded on its own: sharding it would untie the weights. Whatever no unit covers (tied weights,
-    parameters of the LightningModule itself) is sharded with the LightningModule as the root unit; FSDP2 gathers a
-    unit's parameters in its ``forward`` hook, which fires when ``training_step`` calls ``self(...)``. Idempotent:
-    units that are already sharded (a second ``fit``/``validate`` of the same module) are kept as they are.
+    parameters of the LightningModule itself) is sharded with the root; FSDP2 gathers a unit's parameters in its
+    ``forward`` hook, which fires when ``training_step`` calls ``self(...)``.
+
+    The root is sharded even when it holds no parameter: FSDP2 shares one communication context between a root and
+    the units below it, and recycles the reduce-scatter input (a unit's whole gradients in the reduce dtype) of one
+    unit when the next unit reduces. A unit nested in no other unit is a root of its own with a context of its own,
+    which keeps its last reduce-scatter input until the end of backward: with the blocks as siblings every block's
+    whole fp32 gradients stayed alive until backward ended (measured: 12 x 27 MiB per rank on a 12-layer GPT, d=768).
+    Call :func:`~lightning_parallel.distributed.zero3_compat.initialise_root` once the parameters are materialised
+    so that the root stays the root whichever unit's forward runs first.
+
+    Idempotent: units that are already sharded (a second ``fit``/``validate`` of the same module) are kept as they are.
     """
+    policy = mp_policy or MixedPrecisionPolicy()
     units = fsdp_units(module)
+    if not units or units[-1] is not module:
+        units.append(module)
     for unit in units:
         if not isinstance(unit, FSDPModule):
-            fully_shard(unit, mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
             if unit is not module:
-                # FSDP2 keeps a root unit gathered from forward to backward. A unit that is not nested in another
-                # (a LightningModule whose blocks, embedding and head are direct children) is a root of its own, so
-                # without this every parameter would stay gathered through backward: only `module` may be a root.
+                # FSDP2 keeps a root unit gathered from forward to backward. Should a nested unit's forward run before
+                # the root was initialised, that unit would become a root of its own: it must reshard all the same.
                 assert isinstance(unit, FSDPModule)  # fully_shard swapped its class
                 unit.set_reshard_after_forward(True, recurse=False)
     return units
@@ -158,7 +170,9 @@ def cast_parameters(module: nn.Module, state: dict[str, Any], dtype: torch.dtype
 
 
 def fsdp_units(module: nn.Module) -> list[nn.Module]:
-    """The modules :func:`apply_fully_shard` shards, in its order, without sharding anything (the planner's view)."""
+    """The units holding parameters that :func:`apply_fully_shard` shards, in its order, without sharding anything
+    (the planner's view); ``module`` is among them when it holds parameters no other unit covers (else
+    :func:`apply_fully_shard` adds it as a root without parameters of its own)."""
     units = find_repeated_blocks(module)
     units += _remaining_children(module, units)
     units = [unit for unit in units if not _splits_a_tie(module, unit)]

@@ -4,8 +4,10 @@
 keep the root unit unsharded after forward; :func:`reshard_after_forward_disabled` restores both exactly.
 ``FSDPModule.reset_iter_state`` is public, but in torch 2.13 fails on a root unit that never ran a forward (its
 communication context is created lazily); :func:`is_initialised_root` tells which units to reset.
-:func:`propagate_requires_grad` reads FSDP2's per-parameter records (``FSDPParam``), which have no public API. Checked
-against torch 2.13: a version that renames these fields fails here with a named error, not silently.
+:func:`propagate_requires_grad` reads FSDP2's per-parameter records (``FSDPParam``), which have no public API.
+:func:`initialise_root` runs FSDP2's lazy initialisation of the root unit (``FSDPState._lazy_init``), which FSDP2 runs
+only at the first forward of whichever unit comes first and which has no public entry point. Checked against torch
+2.13: a version that renames these fields fails here with a named error, not silently.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["is_initialised_root", "propagate_requires_grad", "reshard_after_forward_disabled"]
+__all__ = ["initialise_root", "is_initialised_root", "propagate_requires_grad", "reshard_after_forward_disabled"]
 
 
 def _saved_reshard_settings(unit: FSDPModule) -> tuple[Any, bool | None, list[tuple[Any, Any]]]:
@@ -48,11 +50,34 @@ def reshard_after_forward_disabled(units: Sequence[nn.Module]) -> Generator[None
                 group.post_forward_mesh_info = mesh_info
 
 
-def is_initialised_root(unit: FSDPModule) -> bool:
-    """Whether ``unit`` ran its first forward as a root unit (so ``reset_iter_state()`` may be called on it).
+def initialise_root(root: nn.Module) -> None:
+    """Make ``root`` FSDP2's root of every unit below it now, not at the first forward. Local; call once every
+    parameter is materialised on its device (FSDP2 refuses meta parameters here).
 
-    A root without parameters of its own (the module above every block, whose forward a manual-optimization step may
-    never call) can be marked root while its communication context was never set up; resetting it would fail.
+    FSDP2 picks as root the first unit whose forward runs, and only a root builds the communication context that it
+    shares with the units below it (one reduce-scatter input kept alive at a time, backward prefetching in forward
+    order). When ``training_step`` calls a child (``self.model(x)``, ``self.generator(z)``) instead of ``self(x)``,
+    each unit reached first would become a root of its own, keep its last reduce-scatter input (its whole gradients)
+    until backward ends, and a later ``self(x)`` would fail with "requires running forward through the root module
+    first". A unit below an initialised root runs its own forward normally (FSDP2 lets any unit start an iteration).
+    Idempotent: an initialised root is left as it is.
+    """
+    assert isinstance(root, FSDPModule)  # the root `apply_fully_shard` returns last
+    try:
+        root._get_fsdp_state()._lazy_init()
+    except AttributeError as error:  # pragma: no cover - only on a torch version that moved these fields
+        raise RuntimeError(
+            f"This torch version's FSDP2 has no `{error.name}` where lightning_parallel expects it (written for"
+            " torch 2.13); ZeRO-3 cannot choose the root FSDP unit."
+        ) from error
+
+
+def is_initialised_root(unit: FSDPModule) -> bool:
+    """Whether ``unit`` is an initialised FSDP2 root (by :func:`initialise_root` or its first forward as a root), so
+    that ``reset_iter_state()`` may be called on it.
+
+    A root marked root while its communication context was never set up (possible without :func:`initialise_root`
+    when its forward never ran) would fail to reset.
     """
     state = unit._get_fsdp_state()
     return getattr(state, "_is_root", None) is True and hasattr(state._comm_ctx, "all_gather_state")

@@ -43,6 +43,7 @@ from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, a
 from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
+from lightning_parallel.distributed.zero3_compat import initialise_root
 from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
 from lightning_parallel.instrumentation import StrategyEvents
@@ -439,6 +440,7 @@ class FullyShardBackend(ReplicatedBackend):
         if zero3.materialize_meta_module(module, device) and self.compute_dtype is not None:
             zero3.round_parameters(module, self.compute_dtype)  # initialised in fp32: as a 16-bit init would be
         module.to(device)
+        initialise_root(self.units[-1])  # `module`: the root whichever unit's forward runs first
         self.access = ShardedModuleAccess(module, self.units, world_size=self.world_size)
         self.access.running = True
         if self.compute_dtype is not None:  # after the access guard's hook, which carries `requires_grad` changes
