@@ -37,8 +37,9 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q -ra
 
+# The `medium` preset (~25 minutes on 2 CPU cores): gpt-20m, ours and every anchor interleaved, 3 repeats.
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run_all
+	$(BIN)/python -m benchmarks.run_all --preset medium
 
 # On a machine with a CUDA GPU and a CUDA build of torch (`make gpu-check TORCH_SPEC=torch`): every strategy on NCCL
 # with bf16-mixed and 16-mixed against one device; writes the gpu_check section of benchmarks/RESULTS.md.

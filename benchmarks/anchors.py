@@ -7,17 +7,27 @@ monitor is attached, so both sides run the same Python hook), and ``memory_repor
 a ``ZeroRedundancyOptimizer``. ``ZeroRedundancyOptimizer``'s parameter broadcast is outside the ledger (it counts
 all-reduce, reduce-scatter, all-gather and P2P), so that anchor's bytes on the wire are a lower bound.
 
-Lightning's ``FSDPStrategy`` and ``DeepSpeedStrategy`` re-run the script in every rank by default; :func:`forked`
-starts them with ``fork`` instead. Where one refuses to start (FSDP on CPU, DeepSpeed not installed), the harness
-reports it as not available, with the reason. :func:`deepspeed` trains on CPU through
-:func:`benchmarks.deepspeed_anchor.cpu_deepspeed_strategy`, which skips Lightning's CUDA-only checks (the bypasses
-are listed in that module's docstring; DeepSpeed is an optional install described there).
+:class:`MeasuredModelParallelStrategy` with :class:`FullyShardedGPT` is Lightning's FSDP2 path:
+``ModelParallelStrategy`` (data parallel over every rank) and ``fully_shard`` applied per transformer block and to the
+model in the module's ``configure_model``, as Lightning's documentation shows; the monitor counts FSDP2's all-gathers
+and reduce-scatters with the same scoped tap it uses for our ZeRO-3 (which is FSDP2 too).
+
+Lightning's ``FSDPStrategy``, ``ModelParallelStrategy`` and ``DeepSpeedStrategy`` re-run the script in every rank by
+default; :func:`forked` (and :class:`MeasuredModelParallelStrategy`) starts them with ``fork`` instead. Where one
+refuses to start (FSDP on CPU, DeepSpeed not installed), the harness reports it as not available, with the reason.
+:func:`deepspeed` trains on CPU through :func:`benchmarks.deepspeed_anchor.cpu_deepspeed_strategy`, which skips
+Lightning's CUDA-only checks (the bypasses are listed in that module's docstring; DeepSpeed is an optional install
+described there).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from typing_extensions import override
 
@@ -27,7 +37,15 @@ from lightning_parallel.demos import GPTLightningModule
 from lightning_parallel.distributed.compression import low_precision_allreduce_hook
 from lightning_parallel.instrumentation import Instrumentation, StrategyEvents
 
-__all__ = ["MeasuredDDPStrategy", "ZeroRedundancyGPT", "deepspeed", "forked", "fsdp_shard_grad_op"]
+__all__ = [
+    "FullyShardedGPT",
+    "MeasuredDDPStrategy",
+    "MeasuredModelParallelStrategy",
+    "ZeroRedundancyGPT",
+    "deepspeed",
+    "forked",
+    "fsdp_shard_grad_op",
+]
 
 
 class MeasuredDDPStrategy(DDPStrategy):
@@ -66,6 +84,55 @@ class ZeroRedundancyGPT(GPTLightningModule):
         groups = [{"params": group["params"], "weight_decay": group["weight_decay"]} for group in adamw.param_groups]
         defaults = {key: adamw.defaults[key] for key in ("lr", "betas", "eps")}
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **defaults)
+
+
+class FullyShardedGPT(GPTLightningModule):
+    """The demo module sharded with FSDP2 in ``configure_model``: ``fully_shard`` on each transformer block, then on
+    the whole model (the root unit, which also holds the embedding, final norm and head), over the device mesh's
+    ``data_parallel`` axis; AdamW is created afterwards, over the sharded (``DTensor``) parameters."""
+
+    @override
+    def configure_model(self) -> None:
+        assert self.device_mesh is not None, "ModelParallelStrategy sets the mesh before `configure_model`"
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+class _KeepParentWeightsLauncher(MultiProcessingLauncher):
+    """Lightning's fork launcher, except that the parent keeps its own weights after the fit: rank 0's state dict of
+    an FSDP2 model holds ``DTensor`` shards, which ``torch.load`` cannot map into the parent's plain model
+    ("Callable map_location not supported with _rebuild_wrapper_subclass"). The benchmark reads the monitor's summary
+    and the logged metrics, which still come back, never the parent's weights."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        output = super()._collect_rank_zero_results(trainer, results)
+        return None if output is None else output._replace(weights_path=None)
+
+
+class MeasuredModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (fork, every rank data parallel), its FSDP2 collectives counted by the
+    monitor's tap; gloo on CPU (Lightning picks the backend from the device)."""
+
+    def __init__(self) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1)
+        self.track_communication = False
+        self.communication_stats = CommunicationStats()
+        self.events = StrategyEvents()  # never emits: FSDP2's waits run inside its hooks and autograd
+
+    @override
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_processes * self.num_nodes  # "auto" would be the number of nodes
+        super().setup_environment()
+
+    @override
+    def _configure_launcher(self) -> None:  # Lightning's hook for choosing the launcher (it re-runs the script)
+        self._launcher = _KeepParentWeightsLauncher(self, start_method="fork")
+
+    def instrumentation(self) -> Instrumentation:
+        return Instrumentation(data_parallel_size=self.world_size, tap="fsdp")
 
 
 def forked(strategy_class: type[Strategy]) -> type[Strategy]:

@@ -5,14 +5,17 @@ model size, world size, batch and number of steps. :func:`run_interleaved` train
 in alternating order (forwards, then backwards), so that slow drift of a shared machine affects each side alike.
 Every fit carries the library's :class:`~lightning_parallel.monitor.ParallelismMonitor` and nothing else: step times,
 tokens, bytes held per rank, peak memory and bytes per collective all come from its summary (which rank 0 writes as
-JSON, read back here), so ours and the anchors are measured by the same code. An anchor that raises (not installed,
-refuses the CPU) is kept with the reason as :attr:`Outcome.unavailable`; one of ours that raises fails the benchmark.
+JSON, read back here), so ours and the anchors are measured by the same code. Every fit also records the machine's
+1-minute load average before and after it (:attr:`Run.load`), so a run disturbed by other work is visible. An anchor
+that raises (not installed, refuses the CPU) is kept with the reason as :attr:`Outcome.unavailable`; one of ours that
+raises fails the benchmark.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -35,7 +38,19 @@ from lightning_parallel.demos.main import _restored_environ  # Lightning's launc
 from lightning_parallel.monitor import ParallelismMonitor
 from lightning_parallel.monitor.report import steady_communication
 
-__all__ = ["Comparison", "Contender", "Outcome", "Run", "Workload", "compare", "one_line", "run_interleaved", "train"]
+__all__ = [
+    "Comparison",
+    "Contender",
+    "Outcome",
+    "Run",
+    "Workload",
+    "compare",
+    "compile_backend",
+    "compiled",
+    "one_line",
+    "run_interleaved",
+    "train",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +99,30 @@ def _gpt(workload: Workload) -> pl.LightningModule:
     return GPTLightningModule(workload.preset, **workload.overrides)
 
 
+def compile_backend(workload: Workload) -> str:
+    """``torch.compile``'s backend for ``workload``: ``inductor`` on GPUs; ``aot_eager`` on CPU, where inductor's C++
+    compile costs ~20 s per graph on our 2-core machine (tests/test_compile.py), several graphs per fit (DDP splits the
+    graph at its buckets) in every repeat. ``aot_eager`` runs dynamo and AOTAutograd (what changes how gradients are
+    produced and when the strategies' hooks fire) without inductor's kernels."""
+    return "inductor" if workload.accelerator == "gpu" else "aot_eager"
+
+
+def compiled(
+    make_module: Callable[[Workload], pl.LightningModule] = _gpt,
+) -> Callable[[Workload], pl.LightningModule]:
+    """``make_module`` with its ``model`` compiled in place (``nn.Module.compile`` with :func:`compile_backend`), as a
+    user compiles under our strategies (tests/test_compile.py): parameter names and the hooks on them are unchanged."""
+
+    def make(workload: Workload) -> pl.LightningModule:
+        module = make_module(workload)
+        model = module.model
+        assert isinstance(model, torch.nn.Module), f"{type(module).__name__}.model is not a module"
+        model.compile(backend=compile_backend(workload))
+        return module
+
+    return make
+
+
 @dataclass(frozen=True, kw_only=True)
 class Contender:
     """One side of a comparison."""
@@ -123,10 +162,23 @@ class Run:
     """Rank 0's last logged ``train_loss``."""
     ranks: list[dict[str, Any]] = field(default_factory=list)
     """The monitor's per-rank records (steps after the warm-up), for bubble and timeline."""
+    load: tuple[float, float] | None = None
+    """The machine's 1-minute load average (``os.getloadavg()``) when the fit started and when it ended; it counts the
+    fit's own ranks. Set by :func:`train`."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / statistics.median(self.step_s)
+
+    @property
+    def exposed_s(self) -> float | None:
+        """Median over measured steps of the slowest rank's exposed communication seconds (the monitor's
+        ``exposed_communication_s``: gradient sync and parameter gather waits outside compute); ``None`` where the
+        strategy's waits run inside autograd (DDP's reducer, FSDP) and the monitor cannot time them."""
+        per_rank = [[s.get("exposed_communication_s") for s in rank["steps"]] for rank in self.ranks]
+        if not per_rank or not per_rank[0] or any(v is None for values in per_rank for v in values):
+            return None
+        return statistics.median(max(step) for step in zip(*per_rank, strict=True))
 
     @property
     def max_held(self) -> int:
@@ -162,9 +214,15 @@ class Run:
 
 
 def train(contender: Contender, workload: Workload) -> Run:
-    """Fit the demo model once with ``contender`` under a :class:`ParallelismMonitor`; return what it measured."""
-    if contender.run is not None:
-        return contender.run(workload)
+    """Fit the demo model once with ``contender`` under a :class:`ParallelismMonitor`; return what it measured, with
+    the machine's 1-minute load average at the start and the end of the fit."""
+    start = os.getloadavg()[0]
+    run = contender.run(workload) if contender.run is not None else _fit(contender, workload)
+    run.load = (start, os.getloadavg()[0])
+    return run
+
+
+def _fit(contender: Contender, workload: Workload) -> Run:
     assert contender.make_strategy is not None, f"{contender.name} has neither `make_strategy` nor `run`"
     gc.collect()  # the previous fit's model (held in reference cycles) would otherwise be inherited by the ranks
     torch.manual_seed(0)
@@ -217,6 +275,11 @@ class Outcome:
         values = [metric(run) for run in self.runs]
         return None if not values or None in values else statistics.median(values)  # type: ignore[type-var]
 
+    @property
+    def loads(self) -> list[float]:
+        """The 1-minute load averages recorded at the start and end of every run."""
+        return [value for run in self.runs if run.load is not None for value in run.load]
+
 
 def run_interleaved(
     contenders: Sequence[Contender],
@@ -267,6 +330,9 @@ class Comparison:
     """Peak memory of the largest rank; < 1: ours peaks lower."""
     wire: float | None = None
     """Bytes on the wire per step of the busiest rank; 1: the same traffic."""
+    exposed_s: tuple[float | None, float | None] = (None, None)
+    """Ours' and the anchor's exposed communication seconds per step (medians; ``None``: the monitor cannot time it),
+    what explains much of a throughput ratio."""
     unavailable: str | None = None
     """Why the anchor did not run."""
 
@@ -284,4 +350,5 @@ def compare(ours: Outcome, anchor: Outcome) -> Comparison:
         for name in ("held", "peak", "wire"):
             metric = attrgetter("wire" if name == "wire" else f"max_{name}")
             setattr(result, name, _ratio(ours.median(metric), anchor.median(metric)))
+        result.exposed_s = (ours.median(attrgetter("exposed_s")), anchor.median(attrgetter("exposed_s")))
     return result

@@ -18,6 +18,7 @@ from benchmarks.harness import Comparison, Outcome
 __all__ = [
     "RESULTS_PATH",
     "comparison_table",
+    "load_notes",
     "markdown_table",
     "mib",
     "outcome_table",
@@ -51,6 +52,10 @@ def _num(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def _ms(seconds: float | None) -> str:
+    return "not measured" if seconds is None else f"{seconds * 1e3:,.1f}"
+
+
 def ratios_cell(values: Sequence[float]) -> str:
     """``median (min-max)`` of per-repeat ratios; ``-`` for none."""
     if not values:
@@ -62,12 +67,12 @@ def ratios_cell(values: Sequence[float]) -> str:
 
 def outcome_table(outcomes: Iterable[Outcome]) -> str:
     """One row per contender: medians over repeats of throughput, loss, bytes held, peak and bytes on the wire."""
-    header = ["configuration", "tokens/s (min-max)", "final loss", "held MiB/rank", "peak MiB/rank"]
-    header += ["wire MiB/rank/step", "payload MiB/step by collective (rank 0)"]
+    header = ["configuration", "tokens/s (min-max)", "exposed comm ms/step", "final loss", "held MiB/rank"]
+    header += ["peak MiB/rank", "wire MiB/rank/step", "payload MiB/step by collective (rank 0)"]
     rows = []
     for outcome in outcomes:
         if outcome.unavailable is not None:
-            rows.append([outcome.contender.label, f"not available: `{outcome.unavailable}`", *["-"] * 5])
+            rows.append([outcome.contender.label, f"not available: `{outcome.unavailable}`", *["-"] * 6])
             continue
         speeds = [run.tokens_per_s for run in outcome.runs]
         payload = outcome.runs[0].payload
@@ -80,6 +85,7 @@ def outcome_table(outcomes: Iterable[Outcome]) -> str:
             [
                 outcome.contender.label,
                 f"{statistics.median(speeds):,.0f} ({min(speeds):,.0f}-{max(speeds):,.0f})",
+                _ms(outcome.median(lambda run: run.exposed_s)),
                 _num(outcome.median(lambda run: run.loss), 4),
                 mib(outcome.median(lambda run: run.max_held)),
                 mib(outcome.median(lambda run: run.max_peak), 1),
@@ -91,17 +97,41 @@ def outcome_table(outcomes: Iterable[Outcome]) -> str:
 
 
 def comparison_table(comparisons: Iterable[Comparison]) -> str:
-    """One row per pair: throughput ratio per repeat and the byte ratios; an anchor that did not run says why."""
+    """One row per pair: throughput ratio (median, spread, per repeat), the exposed communication per step of both
+    sides (what explains much of a ratio) and the byte ratios; an anchor that did not run says why."""
     header = ["ours", "anchor", "throughput ours/anchor, median (min-max); > 1: ours faster", "per repeat"]
-    header += ["held bytes ratio (< 1: ours less)", "peak memory ratio", "wire bytes ratio"]
+    header += ["exposed comm ms/step, ours / anchor", "held bytes ratio (< 1: ours less)", "peak memory ratio"]
+    header += ["wire bytes ratio"]
     rows = []
     for c in comparisons:
         if c.unavailable is not None:
-            rows.append([c.ours, c.anchor, f"not available: `{c.unavailable}`", "-", "-", "-", "-"])
+            rows.append([c.ours, c.anchor, f"not available: `{c.unavailable}`", *["-"] * 5])
             continue
         per_repeat = ", ".join(f"{r:.3f}" for r in c.throughput)
-        rows.append([c.ours, c.anchor, ratios_cell(c.throughput), per_repeat, _num(c.held), _num(c.peak), _num(c.wire)])
+        exposed = " / ".join(_ms(seconds) for seconds in c.exposed_s)
+        rows.append(
+            [c.ours, c.anchor, ratios_cell(c.throughput), per_repeat, exposed, _num(c.held), _num(c.peak), _num(c.wire)]
+        )
     return markdown_table(header, rows)
+
+
+def load_notes(outcomes: Iterable[Outcome]) -> list[str]:
+    """The machine's 1-minute load average over the runs (start and end of every fit): min / median / max, and a
+    warning when its maximum exceeds the cores + 0.5 (other work shared the cores: the ratios are noisy)."""
+    loads = [value for outcome in outcomes for value in outcome.loads]
+    if not loads:
+        return ["Load 1-min average during the runs: not recorded."]
+    cores = os.cpu_count() or 1
+    notes = [
+        f"Load 1-min average during the runs (start and end of every fit; the benchmark's own ranks count):"
+        f" {min(loads):.2f} / {statistics.median(loads):.2f} / {max(loads):.2f} (min / median / max), {cores} cores."
+    ]
+    if max(loads) > cores + 0.5:
+        notes.append(
+            f"**Warning: noisy run.** The load reached {max(loads):.2f} on {cores} cores (> cores + 0.5): other work"
+            " competed for the cores during these runs; rerun on a quiet machine before trusting small ratios."
+        )
+    return notes
 
 
 def machine_description() -> str:

@@ -2,11 +2,14 @@
 
 Usage::
 
-    python -m benchmarks.run_all [--preset tiny|small|large] [--repeats N] [--steps N] [--only zero,pipeline]
+    python -m benchmarks.run_all [--preset tiny|small|medium|large] [--repeats N] [--steps N] [--only zero,pipeline]
                                  [--output benchmarks/RESULTS.md]
 
-``small`` (default) is the CPU suite at world size 2 (scaling at 1, 2, 4); ``large`` the GPU sizes (``gpt-125m``,
-NCCL), not run by us yet; ``tiny`` takes a minute (what the tests run). A benchmark is a module with ``NAME``,
+``medium`` (default, ``make bench``, ~25 minutes on 2 cores) is the CPU suite at a realistic size: ``gpt-20m`` (20.5 M
+parameters) at world size 2, ours and every anchor interleaved in 3 repeats (scaling at 1, 2, 4 on a 12.7 M model);
+``small`` the same on the 3 M demo model (faster, less decisive); ``large`` the GPU sizes (``gpt-125m``, NCCL), not run
+by us yet; ``tiny`` takes a few minutes (what the tests run). Every section records the machine's load during its runs
+and warns when other work competed for the cores. A benchmark is a module with ``NAME``,
 ``PRESETS`` (preset -> a config with ``workload`` and ``repeats``), ``measure(config)`` returning results with
 ``comparisons``, ``render(results, *, command)`` and optionally ``write_figures(results, folder)``. The summary (every
 comparison's ratios, in one table and one figure) is the first section. A benchmark that raises is reported, the
@@ -28,20 +31,30 @@ from typing import Any
 import torch
 
 from benchmarks import data_parallel, figures, pipeline, zero
-from benchmarks.report import RESULTS_PATH, comparison_table, section, update_section
+from benchmarks.report import RESULTS_PATH, comparison_table, load_notes, section, update_section
 from lightning_parallel.demos.main import quiet_lightning
 
-__all__ = ["BENCHMARKS", "PRESET_NAMES", "SuiteConfig", "SuiteResults", "configure", "main", "run_suite"]
+__all__ = [
+    "BENCHMARKS",
+    "DEFAULT_PRESET",
+    "PRESET_NAMES",
+    "SuiteConfig",
+    "SuiteResults",
+    "configure",
+    "main",
+    "run_suite",
+]
 
 BENCHMARKS: dict[str, ModuleType] = {module.NAME: module for module in (data_parallel, zero, pipeline)}
-PRESET_NAMES = ("tiny", "small", "large")
+PRESET_NAMES = ("tiny", "small", "medium", "large")
+DEFAULT_PRESET = "medium"
 
 
 @dataclass(frozen=True, kw_only=True)
 class SuiteConfig:
     """What one run of the suite does."""
 
-    preset: str = "small"
+    preset: str = DEFAULT_PRESET
     repeats: int | None = None
     """Repeats of every interleaved comparison; ``None``: each preset's."""
     steps: int | None = None
@@ -121,6 +134,7 @@ def run_suite(suite: SuiteConfig) -> SuiteResults:
             continue
         results.benchmarks[name] = measured
     comparisons = [c for measured in results.benchmarks.values() for c in measured.comparisons]
+    outcomes = [o for measured in results.benchmarks.values() for o in measured.outcomes.values()]
     bars = {f"{c.ours} / {c.anchor}": c.throughput for c in comparisons if c.throughput}
     blocks = {"": comparison_table(comparisons) if comparisons else "No comparison ran."}
     if results.failed:
@@ -134,7 +148,9 @@ def run_suite(suite: SuiteConfig) -> SuiteResults:
         notes=[
             "Each row pairs two configurations of one benchmark, run back to back in every repeat (alternating"
             " order); ratios are ours / anchor. Bytes held and peak memory: largest rank; wire bytes: busiest rank per"
-            " step (1: the same traffic; ZeRO-3 needs 1.5x by design). Details in the sections below.",
+            " step (1: the same traffic; ZeRO-3 needs 1.5x by design). Exposed communication: the monitor's"
+            " median per step, ours / anchor. Details in the sections below.",
+            *load_notes(outcomes),
         ],
         blocks=blocks,
     )
@@ -146,7 +162,9 @@ def run_suite(suite: SuiteConfig) -> SuiteResults:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the suite from the command line; 0 if every benchmark ran, 1 if one raised."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small", choices=PRESET_NAMES, help="benchmark size (default: small)")
+    parser.add_argument(
+        "--preset", default=DEFAULT_PRESET, choices=PRESET_NAMES, help=f"benchmark size (default: {DEFAULT_PRESET})"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="repeats of every interleaved comparison")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every compared fit")
     parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated subset of the benchmarks")

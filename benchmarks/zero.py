@@ -1,7 +1,11 @@
-"""ShardedOptimizerStrategy (ZeRO 1/2/3) against Lightning's DDP, DDP + ZeroRedundancyOptimizer, FSDP and DeepSpeed.
+"""ShardedOptimizerStrategy (ZeRO 1/2/3) against Lightning's DDP, DDP + ZeroRedundancyOptimizer, FSDP, FSDP2 and
+DeepSpeed.
 
 * **Throughput** (``workload``): every contender in interleaved repeats; ratios ours / anchor per repeat, and the
-  bytes held, peak memory and bytes on the wire of the same runs.
+  bytes held, peak memory, bytes on the wire and exposed communication per step of the same runs. Besides the
+  anchors: ours at stages 1 and 2 with ``overlap_param_gather=False`` (what overlapping the parameter all-gather with
+  the next forward buys), ZeRO-3 against Lightning's FSDP2 path (``ModelParallelStrategy`` + ``fully_shard`` per
+  block), and ZeRO-2 and Lightning's DDP each with the model compiled in place (the compiled ratio).
 * **Scaling** (``scaling``, a model whose AdamW state dominates): ours and DDP once at each of ``world_sizes``;
   bytes held by the largest rank and on the wire per step, beside ``lightning_parallel.planner.plan``'s prediction
   for those and larger world sizes.
@@ -18,9 +22,25 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks import figures
-from benchmarks.anchors import MeasuredDDPStrategy, ZeroRedundancyGPT, deepspeed, fsdp_shard_grad_op
-from benchmarks.harness import Comparison, Contender, Outcome, Workload, compare, run_interleaved
-from benchmarks.report import comparison_table, markdown_table, mib, outcome_table, section
+from benchmarks.anchors import (
+    FullyShardedGPT,
+    MeasuredDDPStrategy,
+    MeasuredModelParallelStrategy,
+    ZeroRedundancyGPT,
+    deepspeed,
+    fsdp_shard_grad_op,
+)
+from benchmarks.harness import (
+    Comparison,
+    Contender,
+    Outcome,
+    Workload,
+    compare,
+    compile_backend,
+    compiled,
+    run_interleaved,
+)
+from benchmarks.report import comparison_table, load_notes, markdown_table, mib, outcome_table, section
 from lightning_parallel.demos.gpt import GPTConfig
 from lightning_parallel.planner import plan
 from lightning_parallel.strategies import ShardedOptimizerStrategy
@@ -37,6 +57,16 @@ def _ours(stage: int) -> Contender:
         label=f"ours: ShardedOptimizerStrategy(stage={stage})",
         make_strategy=lambda: ShardedOptimizerStrategy(stage, start_method="fork"),
         empty_init=stage == 3,
+        is_ours=True,
+    )
+
+
+def _ours_without_overlap(stage: int) -> Contender:
+    """Stages 1-2 waiting for the parameter all-gather at the end of the step instead of during the next forward."""
+    return Contender(
+        name=f"zero{stage}_no_overlap",
+        label=f"ours: ShardedOptimizerStrategy(stage={stage}, overlap_param_gather=False)",
+        make_strategy=lambda: ShardedOptimizerStrategy(stage, overlap_param_gather=False, start_method="fork"),
         is_ours=True,
     )
 
@@ -67,6 +97,28 @@ CONTENDERS: tuple[Contender, ...] = (
         label="anchor: Lightning DeepSpeedStrategy(stage=2)",
         make_strategy=lambda: deepspeed(2),
     ),
+    _ours_without_overlap(1),
+    _ours_without_overlap(2),
+    Contender(
+        name="fsdp2",
+        label="anchor: Lightning ModelParallelStrategy + fully_shard per block (FSDP2)",
+        make_strategy=MeasuredModelParallelStrategy,
+        make_module=lambda w: FullyShardedGPT(w.preset, **w.overrides),
+        empty_init=True,  # as ours at stage 3: Lightning materialises the meta model after `configure_model`
+    ),
+    Contender(
+        name="zero2_compiled",
+        label="ours: ShardedOptimizerStrategy(stage=2), model compiled",
+        make_strategy=lambda: ShardedOptimizerStrategy(2, start_method="fork"),
+        make_module=compiled(),
+        is_ours=True,
+    ),
+    Contender(
+        name="ddp_compiled",
+        label="anchor: Lightning DDPStrategy, model compiled",
+        make_strategy=MeasuredDDPStrategy,
+        make_module=compiled(),
+    ),
 )
 """Every configuration of the throughput part, in the order of the first repeat."""
 PAIRS: tuple[tuple[str, str], ...] = (
@@ -74,6 +126,10 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("zero1", "deepspeed_stage1"),
     ("zero2", "fsdp_shard_grad_op"),
     ("zero2", "deepspeed_stage2"),
+    ("zero3", "fsdp2"),
+    ("zero2_compiled", "ddp_compiled"),
+    ("zero1", "zero1_no_overlap"),
+    ("zero2", "zero2_no_overlap"),
 )
 """(ours, anchor) compared in the summary."""
 SCALED: tuple[str, ...] = ("zero1", "zero2", "zero3", DDP)
@@ -99,6 +155,13 @@ PRESETS: dict[str, Config] = {
         scaling=Workload(preset="tiny", steps=2, warmup_steps=1, batch_size=2, seq_len=32),
         world_sizes=(1, 2),
         repeats=1,
+    ),
+    # The default (`make bench`): 20.5 M parameters, 2 CPU ranks of 8 x 128 tokens; a step takes ~1.5-3 s per rank.
+    "medium": Config(
+        workload=Workload(preset="gpt-20m", steps=6, warmup_steps=2),
+        scaling=Workload(
+            preset="small", overrides={"n_layer": 4, "n_embd": 512}, steps=3, warmup_steps=1, batch_size=2
+        ),
     ),
     "small": Config(
         workload=Workload(),
@@ -190,13 +253,25 @@ def render(results: ZeroResults, *, command: str) -> str:
         ],
     )
     return section(
-        f"{NAME}: ShardedOptimizerStrategy (ZeRO 1/2/3) vs Lightning DDP, ZeroRedundancyOptimizer, FSDP, DeepSpeed",
+        f"{NAME}: ShardedOptimizerStrategy (ZeRO 1/2/3) vs Lightning DDP, ZeroRedundancyOptimizer, FSDP, FSDP2,"
+        " DeepSpeed",
         command=command,
         notes=[
             f"Throughput part: {cfg.workload.describe()}; {cfg.repeats} interleaved repeats.",
+            *load_notes(results.outcomes.values()),
+            f"Compiled pair: `module.model.compile(backend={compile_backend(cfg.workload)!r})` before the fit (on CPU"
+            " `aot_eager`: dynamo and AOTAutograd without inductor's ~20 s C++ compile per graph); the warm-up steps"
+            " hold the compilation.",
+            "FSDP2 anchor: Lightning's `ModelParallelStrategy(tensor_parallel_size=1)` with `fully_shard` on each block"
+            " and on the model in `configure_model`, created on the meta device like ours at stage 3. `overlap_param_"
+            "gather=False` rows: ours waiting for the parameter all-gather at the end of the step; ours / that row is"
+            " what the overlap with the next forward buys.",
+            "Exposed communication: the monitor's `exposed_communication_s` (gradient sync and parameter gather waits"
+            " outside compute, slowest rank, median over steps); `not measured` where the waits run inside autograd"
+            " (DDP's reducer, FSDP) and cannot be timed from Python.",
             f"Scaling part: {cfg.scaling.describe().split(';')[0]}, {cfg.scaling.batch_size} x"
             f" {cfg.scaling.tokens_per_sequence} tokens per rank, once at world sizes"
-            f" {', '.join(map(str, cfg.world_sizes))}.",
+            f" {', '.join(map(str, cfg.world_sizes))} (bytes only: the load there is no concern).",
             "Measured by `ParallelismMonitor` in every rank: step time (slowest rank, steps after the warm-up), bytes"
             " held from `memory_report()` (ours; the anchors' parameters, `.grad` and local optimizer state), peak"
             " memory (RSS on CPU: it includes torch and what the forked rank inherits), payload bytes per collective"
@@ -204,8 +279,9 @@ def render(results: ZeroResults, *, command: str) -> str:
             " algorithms, all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of the payload. Lightning's DDP"
             " all-reduces through the library's counting hook; ZeroRedundancyOptimizer's parameter broadcast is not"
             " counted (its wire bytes are a lower bound).",
-            "DeepSpeed 0.19.8 in a throw-away venv (torch 2.13, lightning 2.6.6) refuses a CPU Trainer:"
-            " `RuntimeError: The DeepSpeed strategy is only supported on CUDA GPUs` (checked 2026-11-30).",
+            "DeepSpeed (an optional install) runs on CPU through `benchmarks/deepspeed_anchor.py`, which skips"
+            " Lightning's CUDA-only checks; without it, or where a strategy refuses this machine (torch's FSDP1 needs"
+            " an accelerator), the row says why.",
         ],
         blocks={
             "Ours / anchor": comparison_table(results.comparisons),

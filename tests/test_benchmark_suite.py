@@ -9,6 +9,7 @@ anchor either ran or says why it did not.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:  # `benchmarks` is a folder at the repository root, not an installed package
     sys.path.insert(0, str(_REPO_ROOT))
 
-from benchmarks import data_parallel, harness, pipeline, run_all, zero  # noqa: E402
+from benchmarks import data_parallel, harness, pipeline, report, run_all, zero  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)  # the suite forks ~25 short fits; a hung rank fails the module
 
@@ -62,6 +63,65 @@ def test_every_pair_ran_or_its_anchor_says_why(suite: tuple[run_all.SuiteResults
                 assert f"not available: `{c.unavailable}`" in text
     for outcome in results.benchmarks["zero"].outcomes.values():  # ours always run
         assert outcome.runs or not outcome.contender.is_ours
+
+
+def test_every_fit_records_the_load_and_every_section_shows_it(suite: tuple[run_all.SuiteResults, Path]) -> None:
+    results, path = suite
+    for name, measured in results.benchmarks.items():
+        for outcome in measured.outcomes.values():
+            for run in outcome.runs:
+                assert run.load is not None and len(run.load) == 2, (name, outcome.contender.name)
+                assert all(math.isfinite(value) and value >= 0 for value in run.load)
+    text = path.read_text()
+    sections = ("summary", "data_parallel", "zero", "pipeline")
+    for name in sections:
+        body = text.split(f"<!-- begin {name} -->")[1].split(f"<!-- end {name} -->")[0]
+        assert "Load 1-min average during the runs" in body, name
+        assert "exposed comm ms/step, ours / anchor" in body, name
+    loads = [v for m in results.benchmarks.values() for o in m.outcomes.values() for v in o.loads]
+    assert ("**Warning: noisy run.**" in text) == (max(loads) > (os.cpu_count() or 1) + 0.5)
+
+
+def test_exposed_communication_is_measured_where_the_waits_run_in_our_code(
+    suite: tuple[run_all.SuiteResults, Path],
+) -> None:
+    outcomes = suite[0].benchmarks["zero"].outcomes
+    for name in ("zero1", "zero2", "zero1_no_overlap", "zero2_no_overlap", "zero2_compiled"):
+        exposed = outcomes[name].median(lambda run: run.exposed_s)
+        assert exposed is not None and 0 <= exposed < max(outcomes[name].runs[0].step_s), name
+    assert outcomes[zero.DDP].median(lambda run: run.exposed_s) is None  # inside DDP's reducer: not timed
+    comparison = _comparison(
+        suite[0], "zero", _label(zero.CONTENDERS, "zero2"), _label(zero.CONTENDERS, "zero2_no_overlap")
+    )
+    assert comparison.exposed_s[0] is not None and comparison.exposed_s[1] is not None
+    assert comparison.wire == 1.0 and comparison.held == 1.0  # the overlap moves the wait, not the bytes
+
+
+def test_new_zero_contenders_hold_what_their_counterparts_hold(suite: tuple[run_all.SuiteResults, Path]) -> None:
+    results = suite[0]
+    labels = {name: _label(zero.CONTENDERS, name) for name in ("zero3", "fsdp2", "zero2_compiled", "ddp_compiled")}
+    fsdp2 = _comparison(results, "zero", labels["zero3"], labels["fsdp2"])
+    if fsdp2.unavailable is None:  # both FSDP2 with one unit per block and the root: the same shards
+        assert fsdp2.held == 1.0
+    compiled = _comparison(results, "zero", labels["zero2_compiled"], labels["ddp_compiled"])
+    outcomes = results.benchmarks["zero"].outcomes
+    assert outcomes["zero2_compiled"].runs[0].held == outcomes["zero2"].runs[0].held  # compiled in place
+    if compiled.unavailable is None:
+        assert compiled.wire == pytest.approx(1.0, rel=1e-3) and compiled.held is not None and compiled.held < 1
+
+
+def test_tables_render_the_spread_and_the_load_warning() -> None:
+    comparison = harness.Comparison("ours: x", "anchor: y", throughput=[1.10, 0.90, 1.00], exposed_s=(0.012, None))
+    table = report.comparison_table([comparison])
+    assert "| 1.000 (0.900-1.100) | 1.100, 0.900, 1.000 | 12.0 / not measured |" in table
+    outcome = harness.Outcome(harness.Contender(name="x", label="ours: x", is_ours=True))
+    outcome.runs = [harness.Run(step_s=[1.0], tokens=1, held=[], peak=[], load=(0.5, 1.5))]
+    notes = report.load_notes([outcome])
+    assert notes[0].endswith(f" 0.50 / 1.00 / 1.50 (min / median / max), {os.cpu_count()} cores.")
+    assert len(notes) == (2 if 1.5 > (os.cpu_count() or 1) + 0.5 else 1)
+    outcome.runs[0].load = (0.5, (os.cpu_count() or 1) + 1.0)
+    assert report.load_notes([outcome])[1].startswith("**Warning: noisy run.**")
+    assert report.load_notes([]) == ["Load 1-min average during the runs: not recorded."]
 
 
 def test_an_anchor_that_cannot_start_is_reported_and_ours_is_not_excused() -> None:
@@ -150,6 +210,8 @@ def test_results_md_has_the_summary_first_and_every_figure(suite: tuple[run_all.
 def test_presets_and_arguments_are_validated() -> None:
     for module in run_all.BENCHMARKS.values():
         assert set(module.PRESETS) == set(run_all.PRESET_NAMES), module.NAME
+    assert run_all.SuiteConfig().preset == run_all.DEFAULT_PRESET == "medium"
+    assert zero.PRESETS["medium"].workload.preset == data_parallel.PRESETS["medium"].workload.preset == "gpt-20m"
     suite = run_all.SuiteConfig(preset="small", repeats=1, steps=2)
     config = run_all.configure(pipeline, suite)
     assert (config.repeats, config.workload.steps, config.workload.warmup_steps) == (1, 2, 1)

@@ -41,6 +41,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
     # The CPU demo (~3 M parameters).
     "small": {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128},
+    # The benchmarks' default throughput size on CPU (20.5 M parameters); an 8192-token vocabulary gives the embedding
+    # and LM head a realistic share. The demo data are bytes (< 256), which fit any vocabulary.
+    "gpt-20m": {"n_layer": 8, "n_head": 6, "n_embd": 384, "block_size": 128, "vocab_size": 8192},
+    # The benchmarks' memory size on CPU (97.7 M parameters, GPT-2 small's blocks with an 8192-token vocabulary and
+    # short sequences); bytes (< 256) fit its vocabulary too.
+    "gpt-100m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 128, "vocab_size": 8192},
     # GPU sizes: GPT-2 / GPT-3 shapes with the byte-level vocabulary unless overridden.
     "gpt-125m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024},
     "gpt-350m": {"n_layer": 24, "n_head": 16, "n_embd": 1024, "block_size": 1024},
