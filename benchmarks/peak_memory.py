@@ -56,8 +56,11 @@ from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_compat import initialise_root
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer
 
-STRATEGIES = ("single", "ddp", "ddp_zero_redundancy", "zero1", "zero2", "zero3")
-"""``single`` is one process without any wrapper (measured once, at world size 1)."""
+STRATEGIES = ("single", "ddp", "ddp_zero_redundancy", "zero1", "zero2", "zero3", "deepspeed_zero1", "deepspeed_zero2")
+"""``single`` is one process without any wrapper (measured once, at world size 1). ``deepspeed_*``: DeepSpeed's own
+engine (optional; benchmarks/deepspeed_anchor.py says how to install it and what it bypasses on CPU)."""
+ANCHOR_AT_STAGE = {"zero1": ("ddp_zero_redundancy", "deepspeed_zero1"), "zero2": ("deepspeed_zero2",)}
+"""Our stage -> the anchors that shard the same states (the goal: ours <= each)."""
 MMAP_THRESHOLD = "131072"
 MIB = 2**20
 
@@ -181,7 +184,14 @@ def _measure_rank(strategy: str, rank: int, world_size: int, settings: Settings)
     )
     model = GPT(config)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    runner = _Runner(strategy, model, rank, world_size, settings)
+    runner: Any
+    if strategy.startswith("deepspeed_"):  # optional anchor: DeepSpeed's own engine
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `benchmarks` is a folder
+        from benchmarks.deepspeed_anchor import DeepSpeedRunner
+
+        runner = DeepSpeedRunner(strategy, model, rank, world_size, settings)
+    else:
+        runner = _Runner(strategy, model, rank, world_size, settings)
     generator = torch.Generator().manual_seed(rank)
     batches = [
         tuple(torch.randint(settings.vocab, (settings.batch_size, settings.seq_len), generator=generator) for _ in "xy")
@@ -288,20 +298,29 @@ def check_goals(results: dict[tuple[str, int], list[RankPeak]], settings: Settin
                     f"ws {world_size}, {what}: zero2 {_mib(two)} <= zero1 {_mib(one)} - {_mib(saving)}"
                     f" = {_mib(one - saving)} MiB: {'met' if met else 'NOT met'}"
                 )
-        if "zero1" in got and "ddp_zero_redundancy" in got:
-            for what, key in (("tensor bytes", "peak_bytes"), ("RSS", "peak_rss")):
-                one, anchor = (max(getattr(r, key) for r in got[s]) for s in ("zero1", "ddp_zero_redundancy"))
-                lines.append(
-                    f"ws {world_size}, {what}: zero1 {_mib(one)} <= DDP + ZeroRedundancyOptimizer {_mib(anchor)} MiB:"
-                    f" {'met' if one <= anchor else 'NOT met'}"
-                )
+        for ours, anchors in ANCHOR_AT_STAGE.items():
+            for anchor_name in (a for a in anchors if ours in got and a in got):
+                for what, key in (("tensor bytes", "peak_bytes"), ("RSS", "peak_rss")):
+                    mine, anchor = (max(getattr(r, key) for r in got[s]) for s in (ours, anchor_name))
+                    lines.append(
+                        f"ws {world_size}, {what}: {ours} {_mib(mine)} <= {anchor_name} {_mib(anchor)} MiB:"
+                        f" {'met' if mine <= anchor else 'NOT met'}"
+                    )
+        if all(s in got for s in ("zero1", "zero2", "zero3")):
+            one, two, three = (max(r.peak_bytes for r in got[s]) for s in ("zero1", "zero2", "zero3"))
+            lines.append(
+                f"ws {world_size}, tensor bytes: zero3 {_mib(three)} < zero2 {_mib(two)} < zero1 {_mib(one)} MiB:"
+                f" {'met' if three < two < one else 'NOT met'}"
+            )
     return lines
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument(  # DeepSpeed only when asked for: it is an optional install
+        "--strategies", nargs="+", default=[s for s in STRATEGIES if not s.startswith("deepspeed_")], choices=STRATEGIES
+    )
     parser.add_argument("--keep-malloc", action="store_true", help="do not set MALLOC_MMAP_THRESHOLD_")
     parser.add_argument("--json", type=Path, help="also write every rank's figures here")
     parser.add_argument("--figure", type=Path, help="also draw the worst rank's breakdown per row as a PNG here")
