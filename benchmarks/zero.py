@@ -207,7 +207,13 @@ def predict(workload: Workload, world_sizes: tuple[int, ...]) -> dict[str, dict[
     model = GPTConfig.from_preset(workload.preset, **workload.overrides)
     predicted: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in SCALED}
     for ws in world_sizes:
-        planned = plan(model, world_size=ws, batch_size=workload.batch_size, seq_len=workload.tokens_per_sequence)
+        planned = plan(
+            model,
+            world_size=ws,
+            batch_size=workload.batch_size,
+            seq_len=workload.tokens_per_sequence,
+            process_group_backend="gloo" if workload.accelerator == "cpu" else "nccl",
+        )
         names = {c.name for c in planned.configurations}
         for name in SCALED:
             if PLANNED[name] in names:  # ZeRO is planned from two ranks on

@@ -104,7 +104,10 @@ def test_planner_equals_monitor(case: str, world_size: int) -> None:
         _measure, world_size=1, args=(case, world_size), init_process_group=False, launcher_env=False, timeout=240
     )
     _, config_name, planner_args = CASES[case]
-    predicted = plan(_module(), world_size=world_size, batch_size=BATCH, seq_len=SEQ, **planner_args)
+    # Measured on gloo, where ZeRO-1/2 all-reduce their buckets (faster there than a reduce-scatter).
+    predicted = plan(
+        _module(), world_size=world_size, batch_size=BATCH, seq_len=SEQ, process_group_backend="gloo", **planner_args
+    )
     predicted = predicted.configuration(config_name(world_size))
     assert len(summary["ranks"]) == world_size == len(predicted.ranks)
     for measured, expected in zip(summary["ranks"], predicted.ranks, strict=True):
@@ -168,7 +171,9 @@ def test_planner_equals_monitor_for_zero_inside_the_pipeline(zero_stage: int) ->
     )
     spec = model_spec(_module())
     element, activation = PRECISION_BYTES["32-true"]
-    ctx = EstimateContext(spec, world_size, OPTIMIZER_STATES["adamw"], element, activation, BATCH, SEQ)
+    ctx = EstimateContext(
+        spec, world_size, OPTIMIZER_STATES["adamw"], element, activation, BATCH, SEQ, gradient_reduction="all_reduce"
+    )  # gloo: the replicas all-reduce their buckets (faster there than a reduce-scatter)
     predicted = estimate_pipeline(
         ctx, pipeline_parallel_size=2, num_microbatches=None, schedule="1F1B", stages_per_rank=1, zero_stage=zero_stage
     )
@@ -182,7 +187,7 @@ def test_planner_equals_monitor_for_zero_inside_the_pipeline(zero_stage: int) ->
         }, f"rank {measured['rank']}"
         assert expected.optimizer_state < unsharded.optimizer_state  # half the stage's, up to the padding
         assert measured["steps"][-1]["communication"] == expected.communication, f"rank {measured['rank']}"
-        assert set(expected.communication) == {"send", "recv", "reduce_scatter", "all_gather"}
+        assert set(expected.communication) == {"send", "recv", "all_reduce", "all_gather"}
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic

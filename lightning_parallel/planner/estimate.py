@@ -16,7 +16,7 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   each bucket is padded to a multiple of N. Parameters: the padded buckets. Gradients: stage 1 keeps the padded
   full bucket (its reduced shard is rank r's slice of it: reduced in place), stage 2 the shard only. Optimizer
   state: only the elements of rank r's shard that are real parameters (the padding is never stepped). Per step: one
-  reduce-scatter and one all-gather of every padded bucket.
+  reduce-scatter (an all-reduce on gloo, where it is faster) and one all-gather of every padded bucket.
 * ZeRO with 16-bit parameters (``"bf16-true"``/``"16-true"``) keeps fp32 master weights by default
   (``ShardedOptimizerStrategy(master_weights="fp32")``; ``master_weights=False`` here models ``None``). Stages 1-2:
   parameters are the 2-byte padded buckets; gradients stage 1 the 2-byte full bucket plus a 4-byte reduced shard,
@@ -162,6 +162,8 @@ class EstimateContext:
     seq_len: int
     activation_checkpointing: bool = False
     """Every transformer block recomputed in backward (the strategies' ``activation_checkpointing=True``)."""
+    gradient_reduction: str = "reduce_scatter"
+    """How ZeRO-1/2 average their gradient buckets: ``"reduce_scatter"`` (NCCL) or ``"all_reduce"`` (gloo)."""
 
 
 def activation_estimate(
@@ -290,7 +292,7 @@ def estimate_zero12(
         # Stage 1 reduces in place into its full bucket unless the shard is an fp32 copy beside 16-bit buckets.
         grads = sum(padded) * e + (shards * g if master else 0) if stage == 1 else shards * g
         # One rank (16-bit parameters with fp32 masters) communicates nothing: its "collectives" are copies.
-        comm = {"reduce_scatter": sum(padded) * g, "all_gather": sum(padded) * e} if n > 1 else {}
+        comm = {ctx.gradient_reduction: sum(padded) * g, "all_gather": sum(padded) * e} if n > 1 else {}
         optimizer = ctx.state_count * owned * s + (shards * MASTER_BYTES if master else 0)
         ranks.append(RankEstimate(sum(padded) * e, grads, optimizer, comm, act))
     strategy = _strategy_line(ctx, f"zero{stage}", "ShardedOptimizerStrategy", f"stage={stage}")
@@ -444,7 +446,7 @@ def _stage_sharded(
     shards = [q // dp for q in padded]
     owned = sum(max(0, min(b, (replica + 1) * s) - replica * s) for b, s in zip(buckets, shards, strict=True))
     grads = sum(padded) if zero_stage == 1 else sum(shards)  # stage 1: the shard is a slice of the bucket
-    comm = {"reduce_scatter": sum(padded) * e, "all_gather": sum(padded) * e}
+    comm = {ctx.gradient_reduction: sum(padded) * e, "all_gather": sum(padded) * e}
     return sum(padded) * e, grads * e, ctx.state_count * owned * e, comm
 
 

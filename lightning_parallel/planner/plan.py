@@ -121,6 +121,7 @@ def plan(
     schedule: str = "1F1B",
     bucket_cap_mb: float = 25.0,
     activation_checkpointing: bool = False,
+    process_group_backend: str = "nccl",
 ) -> Plan:
     """Predict bytes held per rank and bytes communicated per step for every strategy configuration, and pick one.
 
@@ -146,6 +147,9 @@ def plan(
             ``activation_checkpointing=True`` does: each block keeps only its input, plus one block's activations
             while it is recomputed (:func:`~lightning_parallel.planner.estimate.activation_estimate`). The
             recommended ``Trainer`` line then turns it on.
+        process_group_backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs): on gloo ZeRO-1/2 all-reduce their gradient
+            buckets (each rank keeps its slice) instead of reduce-scattering them, which is faster there
+            (:func:`~lightning_parallel.distributed.zero.default_gradient_reduction`); bytes held do not change.
 
     Raises:
         ValueError: for an unknown optimizer or precision, or a world size / node count that does not divide.
@@ -170,6 +174,7 @@ def plan(
         batch_size,
         seq_len,
         activation_checkpointing=activation_checkpointing,
+        gradient_reduction="all_reduce" if process_group_backend == "gloo" else "reduce_scatter",
     )
     configs = [estimate_data_parallel(ctx)]
     if world_size == 1 and element < 4:  # 16-bit parameters: ZeRO keeps fp32 masters of everything (nothing to shard)
