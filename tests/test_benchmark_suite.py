@@ -107,7 +107,8 @@ def test_new_zero_contenders_hold_what_their_counterparts_hold(suite: tuple[run_
     outcomes = results.benchmarks["zero"].outcomes
     assert outcomes["zero2_compiled"].runs[0].held == outcomes["zero2"].runs[0].held  # compiled in place
     if compiled.unavailable is None:
-        assert compiled.wire == pytest.approx(1.0, rel=1e-3) and compiled.held is not None and compiled.held < 1
+        # On gloo ZeRO-2 all-reduces its buckets (faster there) and all-gathers: 1.5x DDP's ring bytes.
+        assert compiled.wire == pytest.approx(1.5, rel=1e-3) and compiled.held is not None and compiled.held < 1
 
 
 def test_tables_render_the_spread_and_the_load_warning() -> None:
@@ -155,8 +156,10 @@ def test_zero_stages_send_what_ddp_sends_and_hold_less(suite: tuple[run_all.Suit
 
     ddp = outcomes[zero.DDP].runs[0]
     assert ddp.payload is not None and set(ddp.payload[0]) == {"all_reduce"}
-    for name in ("zero1", "zero2"):  # reduce-scatter + all-gather of the (padded) buckets: DDP's all-reduce
-        assert outcomes[name].runs[0].wire == pytest.approx(ddp.wire, rel=1e-3), name
+    for name in ("zero1", "zero2"):  # gloo: all-reduce (faster there than a reduce-scatter) + all-gather of the buckets
+        run = outcomes[name].runs[0]
+        assert run.payload is not None and set(run.payload[0]) == {"all_reduce", "all_gather"}, name
+        assert run.wire == pytest.approx(1.5 * ddp.wire, rel=1e-3), name
     for name in ("zero1", "zero2", "zero3", "ddp_zero_redundancy"):
         assert held(name, "optimizer_state") < 0.6 * held(zero.DDP, "optimizer_state"), name
     assert held("zero2", "gradients") < 0.6 * held(zero.DDP, "gradients")

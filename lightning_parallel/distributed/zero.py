@@ -9,11 +9,14 @@ Layout (Megatron's distributed optimizer / DeepSpeed ZeRO):
 * Each bucket is padded to a multiple of the world size and cut into equal contiguous shards; rank r owns shard r.
 * Backward: a post-accumulate-grad hook adds each parameter's gradient into its bucket's flat gradient buffer and
   drops ``param.grad``. When a bucket is complete (and this micro-step synchronises) its average is
-  reduce-scattered asynchronously while backward goes on. Buckets are launched strictly in bucket order, so every
-  rank issues the same collectives in the same order even when parameters are unused on some ranks.
+  reduce-scattered asynchronously while backward goes on (on gloo all-reduced in place, each rank keeping its slice:
+  faster there, see :func:`default_gradient_reduction`). Buckets are launched in one fixed order (bucket order, from
+  the first sync on the order rank 0's first backward completed them), so every rank issues the same collectives
+  in the same order even when parameters are unused on some ranks.
 * Step: the user's optimizer sees, per parameter group, 1-D views of the owned pieces of its parameters, with the
   reduced gradient shard as ``.grad``. It updates the flat parameter buffer in place; then each bucket's shard is
-  all-gathered. Reduce-scatter + all-gather moves the same bytes as DDP's all-reduce.
+  all-gathered (``distributed/zero_gather.py`` overlaps that with the next forward). Reduce-scatter + all-gather
+  moves the same bytes as DDP's all-reduce.
 * Unused parameters: ``torch.optim`` skips a ``None`` gradient (no momentum, no weight decay), but a flat shard
   cannot tell it from a zero one. Each sync also all-reduces one "got a gradient since the last sync" flag per
   parameter; a view gets ``.grad`` only if its parameter got one on some rank (average ``sum / N``, as DDP) or

@@ -230,7 +230,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     def _overlaps_param_gather(self, trainer: Any) -> bool:
         """``overlap_param_gather`` resolved for this fit (stages 1-2; ``"auto"``: unless a hook may read parameters
         between two steps). Decided from the module and the callbacks alone, so every rank decides the same."""
-        if self.stage == 3 or self.overlap_param_gather is False:
+        if self.overlap_param_gather is False:  # (stage 3's backend has no all-gather after the step to overlap)
             return False
         assert self.lightning_module is not None
         readers = parameter_readers_between_steps(self.lightning_module, trainer.callbacks)
