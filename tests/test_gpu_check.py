@@ -17,7 +17,8 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         text=True,
         timeout=240,
         cwd=_REPO_ROOT,
-        env={**os.environ, **(env or {})},
+        # Without a `PL_GLOBAL_SEED` another test may have left here: Lightning seeds its distributed sampler with it.
+        env={**{k: v for k, v in os.environ.items() if k != "PL_GLOBAL_SEED"}, **(env or {})},
     )
 
 

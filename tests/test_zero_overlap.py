@@ -188,20 +188,23 @@ class _DeclaredHarmless(_ReadsOnBatchEnd):
     reads_parameters = False
 
 
+# Modules are built in the test, not at collection: `make_module` seeds through Lightning, which sets
+# `PL_GLOBAL_SEED` in this process's environment, where subprocesses of later tests would inherit it.
 @pytest.mark.parametrize(
-    ("module", "callbacks", "readers"),
+    ("make", "callbacks", "readers"),
     [
-        (make_module(), [ModelCheckpoint(), TQDMProgressBar(), ModelSummary(), ParallelismMonitor()], []),
-        (make_module(), [EMAWeightAveraging()], ["EMAWeightAveraging.on_train_batch_end"]),
-        (make_module(), [_ReadsOnBatchEnd()], ["_ReadsOnBatchEnd.on_train_batch_end"]),
-        (make_module(), [_DeclaredHarmless()], []),
-        (FreezeScheduleModel(), [], ["FreezeScheduleModel.on_train_batch_start"]),
-        (TwoOptimizerGAN(), [], ["manual optimization (`automatic_optimization=False`)"]),
+        (make_module, [ModelCheckpoint(), TQDMProgressBar(), ModelSummary(), ParallelismMonitor()], []),
+        (make_module, [EMAWeightAveraging()], ["EMAWeightAveraging.on_train_batch_end"]),
+        (make_module, [_ReadsOnBatchEnd()], ["_ReadsOnBatchEnd.on_train_batch_end"]),
+        (make_module, [_DeclaredHarmless()], []),
+        (FreezeScheduleModel, [], ["FreezeScheduleModel.on_train_batch_start"]),
+        (TwoOptimizerGAN, [], ["manual optimization (`automatic_optimization=False`)"]),
     ],
     ids=["lightning-defaults", "ema", "user-callback", "declared-harmless", "module-hook", "manual"],
 )
-def test_auto_overlaps_only_when_no_hook_may_read_parameters_between_steps(module, callbacks, readers) -> None:
-    found = parameter_readers_between_steps(module, callbacks)
+def test_auto_overlaps_only_when_no_hook_may_read_parameters_between_steps(make, callbacks, readers, monkeypatch):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # restored after the test, whatever `make` sets
+    found = parameter_readers_between_steps(make(), callbacks)
     assert all(reader in found for reader in readers), found  # named (EMA also reads in its epoch hooks)
     assert bool(found) == bool(readers)
 
