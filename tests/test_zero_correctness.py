@@ -296,10 +296,11 @@ def test_several_optimizers_are_refused_clearly_where_unsupported(case, message)
 def _partial_use(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
     """Layer ``a`` is used on every rank, ``b`` on rank 0 only, ``c`` nowhere; SGD with momentum and weight decay."""
     results = {}
-    for stage in (1, 2):
+    # Both reductions: gloo defaults to the in-place all-reduce; NCCL's reduce-scatter must stay covered on CPU.
+    for stage, reduction in ((1, "all_reduce"), (2, "all_reduce"), (1, "reduce_scatter"), (2, "reduce_scatter")):
         torch.manual_seed(0)
         model = torch.nn.ModuleDict({name: torch.nn.Linear(3, 2) for name in "abc"})
-        buckets = ShardedParameterBuckets(model, stage=stage, bucket_cap_mb=0.0001)
+        buckets = ShardedParameterBuckets(model, stage=stage, bucket_cap_mb=0.0001, gradient_reduction=reduction)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
         ShardedOptimizer(optimizer, buckets)
         for step in range(2):
@@ -310,7 +311,7 @@ def _partial_use(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor
             optimizer.step()
             optimizer.zero_grad()
             buckets.all_gather_parameters()
-        results[f"zero{stage}"] = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        results[f"zero{stage}-{reduction}"] = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     return results
 
 
@@ -330,7 +331,8 @@ def test_a_parameter_used_on_some_ranks_gets_the_average_over_all_ranks():
         optimizer.zero_grad()
     results = run_distributed(_partial_use, 2, timeout=120)
     for result in results:
-        for stage in ("zero1", "zero2"):
+        assert len(result) == 4
+        for stage in result:
             _assert_close(result[stage], model.state_dict(), stage)
             torch.testing.assert_close(result[stage]["c.weight"], initial["c.weight"], rtol=0, atol=0)
 
