@@ -64,15 +64,8 @@ on the same global batches; ``python -m benchmarks.deepspeed_anchor`` runs it fo
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
-import pickle
-import socket
-import tempfile
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -336,32 +329,19 @@ def _check_config() -> GPTConfig:
     return GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64)
 
 
-def _check_rank(stage: int, rank: int, world_size: int, steps: int, port: int, out: Path) -> None:
-    code = 0
-    try:
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
-        torch.manual_seed(0)
-        model = GPT(_check_config())
-        settings = argparse.Namespace(batch_size=4, bf16=False, activation_checkpointing=False)
-        runner = DeepSpeedRunner(f"deepspeed_zero{stage}", model, rank, world_size, settings)
-        batches = _batches(vocab=256, batch_size=4, seq_len=64, steps=steps, world_size=world_size)
-        losses = []
-        for inputs, targets in batches:
-            rows = slice(rank * 4, (rank + 1) * 4)
-            loss = runner.step((inputs[rows], targets[rows]))
-            dist.all_reduce(loss)  # the global batch's mean loss: ranks hold equal numbers of tokens
-            losses.append(loss.item() / world_size)
-        state = {name: p.detach().clone() for name, p in model.named_parameters()}
-        (out / f"{rank}.pkl").write_bytes(pickle.dumps((losses, state)))
-    except BaseException:
-        (out / f"{rank}.err").write_text(traceback.format_exc())
-        code = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    os._exit(code)
+def _check_rank(rank: int, world_size: int, stage: int, steps: int) -> tuple[list[float], dict[str, Tensor]]:
+    torch.manual_seed(0)
+    model = GPT(_check_config())
+    settings = argparse.Namespace(batch_size=4, bf16=False, activation_checkpointing=False)
+    runner = DeepSpeedRunner(f"deepspeed_zero{stage}", model, rank, world_size, settings)
+    batches = _batches(vocab=256, batch_size=4, seq_len=64, steps=steps, world_size=world_size)
+    losses = []
+    for inputs, targets in batches:
+        rows = slice(rank * 4, (rank + 1) * 4)
+        loss = runner.step((inputs[rows], targets[rows]))
+        dist.all_reduce(loss)  # the global batch's mean loss: ranks hold equal numbers of tokens
+        losses.append(loss.item() / world_size)
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def _single_process(steps: int, world_size: int) -> tuple[list[float], dict[str, Tensor]]:
@@ -386,27 +366,11 @@ def check_against_single_process(stage: int, *, world_size: int = 2, steps: int 
     Returns a dict with ``deepspeed_losses``, ``single_losses``, ``max_loss_diff``, ``max_param_diff`` (rank 0's
     parameters against the single process's after the last step).
     """
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="deepspeed-check-") as tmp:
-        out = Path(tmp)
-        ranks = [
-            context.Process(target=_check_rank, args=(stage, r, world_size, steps, port, out))
-            for r in range(world_size)
-        ]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join(600)
-            if process.is_alive():
-                process.kill()
-        errors = sorted(out.glob("*.err"))
-        if errors or any(p.exitcode != 0 for p in ranks):
-            detail = errors[0].read_text() if errors else f"exit codes {[p.exitcode for p in ranks]}"
-            raise RuntimeError(f"DeepSpeed ZeRO-{stage} at world size {world_size} failed:\n{detail}")
-        ds_losses, ds_state = pickle.loads((out / "0.pkl").read_bytes())
+    from benchmarks.peak_memory import run_forked  # its forked-rank runner (imported late: it imports us lazily)
+
+    ds_losses, ds_state = run_forked(
+        _check_rank, (stage, steps), world_size=world_size, timeout=600, what=f"DeepSpeed ZeRO-{stage}"
+    )[0]
     single_losses, single_state = _single_process(steps, world_size)
     return {
         "deepspeed_losses": ds_losses,

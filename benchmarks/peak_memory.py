@@ -27,9 +27,11 @@ import argparse
 import multiprocessing
 import os
 import pickle
+import socket
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -173,7 +175,7 @@ class _Runner:
         }
 
 
-def _measure_rank(strategy: str, rank: int, world_size: int, settings: Settings) -> RankPeak:
+def _measure_rank(rank: int, world_size: int, strategy: str, settings: Settings) -> RankPeak:
     torch.manual_seed(0)
     config = GPTConfig(
         vocab_size=settings.vocab,
@@ -207,35 +209,19 @@ def _measure_rank(strategy: str, rank: int, world_size: int, settings: Settings)
     return RankPeak(peak.peak_bytes, peak.breakdown, peak_memory_bytes(), parameter_bytes, peak.phase or "-")
 
 
-def _rank_main(strategy: str, rank: int, world_size: int, settings: Settings, port: int, out: Path) -> None:
-    code = 0
-    try:
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=600))
-        result = _measure_rank(strategy, rank, world_size, settings)
-        (out / f"{rank}.pkl").write_bytes(pickle.dumps(result))
-    except BaseException:
-        (out / f"{rank}.err").write_text(traceback.format_exc())
-        code = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    os._exit(code)
-
-
-def measure(strategy: str, world_size: int, settings: Settings, *, timeout: float = 1800.0) -> list[RankPeak]:
-    """Run ``strategy`` at ``world_size`` in forked ranks; each rank's :class:`RankPeak`."""
-    import socket
-
+def run_forked(
+    rank_fn: Callable[..., Any], args: tuple[Any, ...], *, world_size: int, timeout: float, what: str
+) -> list[Any]:
+    """``rank_fn(rank, world_size, *args)`` in ``world_size`` forked ranks joined by gloo on loopback; each rank's
+    return value (pickled back). Raises ``RuntimeError`` with the first rank's traceback if any rank failed."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     context = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="peak-memory-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="forked-ranks-") as tmp:
         out = Path(tmp)
         ranks = [
-            context.Process(target=_rank_main, args=(strategy, r, world_size, settings, port, out))
+            context.Process(target=_forked_rank, args=(rank_fn, args, r, world_size, port, out, timeout))
             for r in range(world_size)
         ]
         for process in ranks:
@@ -247,8 +233,31 @@ def measure(strategy: str, world_size: int, settings: Settings, *, timeout: floa
         errors = sorted(out.glob("*.err"))
         if errors or any(process.exitcode != 0 for process in ranks):
             detail = errors[0].read_text() if errors else f"exit codes {[p.exitcode for p in ranks]}"
-            raise RuntimeError(f"{strategy} at world size {world_size} failed:\n{detail}")
+            raise RuntimeError(f"{what} at world size {world_size} failed:\n{detail}")
         return [pickle.loads((out / f"{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def _forked_rank(
+    rank_fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, port: int, out: Path, timeout: float
+) -> None:
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        (out / f"{rank}.pkl").write_bytes(pickle.dumps(rank_fn(rank, world_size, *args)))
+    except BaseException:
+        (out / f"{rank}.err").write_text(traceback.format_exc())
+        code = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    os._exit(code)
+
+
+def measure(strategy: str, world_size: int, settings: Settings, *, timeout: float = 1800.0) -> list[RankPeak]:
+    """Run ``strategy`` at ``world_size`` in forked ranks; each rank's :class:`RankPeak`."""
+    return run_forked(_measure_rank, (strategy, settings), world_size=world_size, timeout=timeout, what=strategy)
 
 
 def _mib(num_bytes: float) -> str:
