@@ -33,18 +33,20 @@ from lightning_parallel.distributed.pipeline.consolidate import (
     sharded_meta,
     slice_optimizer_state,
 )
-from lightning_parallel.distributed.pipeline.contract import capture_model_inputs, replay_logs
+from lightning_parallel.distributed.pipeline.contract import ModelCall, capture_model_inputs, replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
 from lightning_parallel.distributed.pipeline.gradients import average_across_replicas, clip_by_global_norm
 from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, batch_size_of
+from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
 from lightning_parallel.distributed.pipeline.partition import (
     PartitionMethod,
+    Registration,
     RemoteLayer,
     StagePlan,
     check_parameter_ownership,
-    layer_qualified_names,
+    layer_registrations,
+    local_module_ids,
     remove_remote_layers,
-    resolve_pipeline_layers,
     validate_partition,
 )
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, offload_layers, reassemble
@@ -231,7 +233,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._plan: StagePlan | None = None
         self._full_state_keys: list[str] = []
         self._all_layers: list[nn.Module] = []  # every pipeline layer; other ranks' ones on `meta` during a run
-        self._layer_names: list[list[str]] = []
+        self._layer_registrations: list[list[Registration]] = []  # where each layer's modules sit in the module
         self._local_parameter_names: set[str] = set()  # canonical names this rank writes in a sharded checkpoint
         self._tied: list[TiedParameter] = []  # parameters used by several pipeline layers
         self._aliases: dict[str, str] = {}  # other name -> canonical name of every parameter with several names
@@ -318,8 +320,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._resolve_config()
         # BatchNorm normalises each micro-batch on the rank of its stage; nothing here would synchronise it.
         check_layer_sync(_compat.layer_sync_of(self), self.strategy_name, self.root_device, supported=False)
-        layers = resolve_pipeline_layers(model)
+        layers, _ = pipeline_layers_and_call(model)
         check_parameter_ownership(model, layers)
+        layer_registrations(model, layers)
         if len(layers) < self.num_stages:
             raise ValueError(
                 f"Cannot split {len(layers)} pipeline layers into {self.num_stages} stages"
@@ -404,15 +407,16 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     def _split(self, trainer: Any, module: Any) -> None:
         """Check the layers, plan the stages, keep this rank's layers, create the process groups and the engine."""
-        layers = resolve_pipeline_layers(module)
-        if any(isinstance(layer, RemoteLayer) for layer in layers):
+        if any(isinstance(submodule, RemoteLayer) for submodule in module.modules()):
             raise ValueError(
                 "This module was already split by another PipelineParallelStrategy (some layers live on other"
                 " ranks). Create a fresh module, or load the consolidated checkpoint into one."
             )
-        example = self._example_model_inputs(trainer, module)
+        layers, call = pipeline_layers_and_call(module)
+        registrations = layer_registrations(module, layers)  # raises before any collective
+        example = self._example_model_inputs(trainer, module, call)
         if self.verify_layers and example is not None:
-            check_layers_compose_to_forward(module, layers, example)
+            check_layers_compose_to_forward(module, layers, example, reference=call.reference)
         plan = plan_on_every_rank(
             layers,
             example,
@@ -439,11 +443,11 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         layout = TiedLayout(tuple(self._tied), plan)
         if self._tied_sync is None or self._tied_sync.layout != layout:
             self._tied_sync = TiedGradientSync(layout, dims)  # a collective when ranks hold copies (new groups)
-        names = layer_qualified_names(module, layers)
         local = {i for s in local_stages for i in plan.layers_of(s)}
-        remove_remote_layers(module, names, plan, local_stages)
-        offload_layers(layers, [i for i in range(len(layers)) if i not in local])
-        self._all_layers, self._layer_names = layers, names
+        shared = local_module_ids(layers, plan, local_stages)
+        remove_remote_layers(module, registrations, plan, local_stages, keep=shared)
+        offload_layers(layers, [i for i in range(len(layers)) if i not in local], keep=shared)
+        self._all_layers, self._layer_registrations = layers, registrations
         held = set(canonical_names(module, self._aliases).values())
         self._local_parameter_names = held - layout.uncounted(dims.pipeline_rank)
         kept_layers = [layer if i in local else None for i, layer in enumerate(layers)]
@@ -458,9 +462,12 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             schedule=self.effective_schedule,
             num_microbatches=self.num_microbatches,
             device=self.root_device,
+            call=call,
         )
 
-    def _example_model_inputs(self, trainer: Any, module: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    def _example_model_inputs(
+        self, trainer: Any, module: Any, call: ModelCall
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """The ``self(...)`` arguments of the first batch of the loop about to run (local: no collective), if any."""
         source = _compat.data_source_for(trainer)
         step = _STEP_NAMES.get(trainer.state.fn)
@@ -475,7 +482,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             batch = next(iter(loader))
         except (StopIteration, TypeError):
             return None
-        inputs = capture_model_inputs(module, step, (batch, 0), {})
+        inputs = capture_model_inputs(module, step, (batch, 0), {}, call=call)
         size = batch_size_of(inputs)
         if step == "training_step" and size is not None and size % self.num_microbatches:
             raise ValueError(
@@ -786,7 +793,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         reassemble(
             module,
             layers=self._all_layers,
-            names=self._layer_names,
+            registrations=self._layer_registrations,
             plan=self.stage_plan,
             dims=self.parallel_dims,
             device=self.root_device,

@@ -28,6 +28,7 @@ from torchmetrics import Metric
 __all__ = [
     "ContractError",
     "LogRecord",
+    "ModelCall",
     "aggregate_logs",
     "capture_model_inputs",
     "replay_logs",
@@ -64,47 +65,92 @@ class LogRecord:
     positional arguments (after prog_bar, logger, on_step, on_epoch); ``None``: only a keyword ``reduce_fx`` counts."""
 
 
+class ModelCall:
+    """The call of a step that the pipeline answers: by default the LightningModule's own ``self(...)``.
+
+    ``target`` is the module whose call is intercepted; :meth:`model_inputs` turns the call's arguments into the
+    first stage's input, :meth:`answer` turns the last stage's output into what the call returns to the step, and
+    :meth:`reference` is ``forward``'s result for the pipeline's input (what the chain of layers must equal). A model
+    that declares its own split answers its own call instead (:class:`~.model_plan.DeclaredPlanCall`).
+    """
+
+    def __init__(self, target: nn.Module) -> None:
+        self.target = target
+
+    def model_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The first stage's input for a call ``target(*args, **kwargs)`` (here: the call's own arguments)."""
+        return args, kwargs
+
+    def answer(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What the call ``target(*args, **kwargs)`` of one micro-batch returns, given the last stage's output."""
+        return output
+
+    def reference(self, *args: Any, **kwargs: Any) -> Any:
+        """``target``'s own ``forward`` on the pipeline's input."""
+        return self.target(*args, **kwargs)
+
+
 @contextmanager
-def _patched(module: nn.Module, forward: Callable[..., Any], log: Callable[..., None]) -> Iterator[None]:
-    # Instance attributes shadow the class's methods for the duration of the step: `self(x)` reaches
-    # `self.forward`, `self.log_dict` calls `self.log`.
-    module.__dict__["forward"] = forward
+def _patched(
+    module: nn.Module, target: nn.Module, forward: Callable[..., Any], log: Callable[..., None]
+) -> Iterator[None]:
+    # Instance attributes shadow the class's methods for the duration of the step: `self(x)` (or `self.model(x)`,
+    # for a model that declares its split) reaches `target.forward`, `self.log_dict` calls `self.log`.
+    target.__dict__["forward"] = forward
     module.__dict__["log"] = log
     try:
         yield
     finally:
-        module.__dict__.pop("forward", None)
+        target.__dict__.pop("forward", None)
         module.__dict__.pop("log", None)
 
 
 def capture_model_inputs(
-    module: nn.Module, step: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: nn.Module, step: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, call: ModelCall | None = None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Run ``module.<step>(*args, **kwargs)`` up to its ``self(...)`` call and return that call's arguments.
+    """Run ``module.<step>(*args, **kwargs)`` up to its call of the model and return the pipeline's input.
+
+    ``call`` says which call (default: ``self(...)``) and how its arguments become the pipeline's input.
 
     Raises:
-        ContractError: If the step returns without calling ``self(...)``.
+        ContractError: If the step returns without calling the model.
     """
+    call = call or ModelCall(module)
 
     def forward(*fargs: Any, **fkwargs: Any) -> Any:
         raise _InputsCaptured(fargs, fkwargs)
 
-    with _patched(module, forward, lambda *a, **k: None):
+    with _patched(module, call.target, forward, lambda *a, **k: None):
         try:
             getattr(module, step)(*args, **kwargs)
         except _InputsCaptured as captured:
-            return captured.args, captured.kwargs
-    raise ContractError(f"`{step}` returned without calling `self(...)`. {_CONTRACT}")
+            return call.model_inputs(captured.args, captured.kwargs)
+    raise ContractError(f"`{step}` returned without calling {_called(module, call)}. {_CONTRACT}")
+
+
+def _called(module: nn.Module, call: ModelCall) -> str:
+    if call.target is module:
+        return "`self(...)`"
+    name = next((n for n, m in module.named_modules() if m is call.target), type(call.target).__name__)
+    return f"`self.{name}(...)`"
 
 
 def run_step_with_output(
-    module: nn.Module, step: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    module: nn.Module,
+    step: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: Any,
+    *,
+    call: ModelCall | None = None,
 ) -> tuple[Any, list[LogRecord]]:
-    """Run ``module.<step>`` with ``self(...)`` returning ``output``; return the step's result and its log calls.
+    """Run ``module.<step>`` with its model call (``self(...)`` by default) answered from ``output``; return the
+    step's result and its log calls.
 
     Raises:
-        ContractError: If the step calls ``self(...)`` twice or not at all.
+        ContractError: If the step calls the model twice or not at all.
     """
+    call = call or ModelCall(module)
     calls = 0
     records: list[LogRecord] = []
     log_method = getattr(type(module), "log", None)
@@ -114,16 +160,16 @@ def run_step_with_output(
         nonlocal calls
         calls += 1
         if calls > 1:
-            raise ContractError(f"`{step}` called `self(...)` a second time. {_CONTRACT}")
-        return output
+            raise ContractError(f"`{step}` called {_called(module, call)} a second time. {_CONTRACT}")
+        return call.answer(output, fargs, fkwargs)
 
     def log(name: str, value: Any, *largs: Any, **lkwargs: Any) -> None:
         records.append(LogRecord(name, value, largs, lkwargs, signature))
 
-    with _patched(module, forward, log):
+    with _patched(module, call.target, forward, log):
         result = getattr(module, step)(*args, **kwargs)
     if calls == 0:
-        raise ContractError(f"`{step}` did not call `self(...)`. {_CONTRACT}")
+        raise ContractError(f"`{step}` did not call {_called(module, call)}. {_CONTRACT}")
     return result, records
 
 

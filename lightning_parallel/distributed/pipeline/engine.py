@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.distributed.pipeline.contract import (
     ContractError,
+    ModelCall,
     aggregate_logs,
     capture_model_inputs,
     run_step_with_output,
@@ -83,6 +84,7 @@ class PipelineEngine:
         schedule: Canonical schedule name (``"1F1B"``, ...), used for training; evaluation runs forward-only.
         num_microbatches: Micro-batches per batch.
         device: This rank's device.
+        call: The model call of the step that the pipeline answers (default: ``self(...)`` of ``module``).
     """
 
     def __init__(
@@ -95,8 +97,10 @@ class PipelineEngine:
         schedule: str,
         num_microbatches: int,
         device: torch.device,
+        call: ModelCall | None = None,
     ) -> None:
         self.module = module
+        self.call = call or ModelCall(module)
         self.layers = layers
         self.plan = plan
         self.dims = dims
@@ -118,12 +122,12 @@ class PipelineEngine:
 
     def capture_inputs(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
         """The arguments of the step's ``self(...)`` call and their batch size."""
-        model_inputs = capture_model_inputs(self.module, step, args, kwargs)
+        model_inputs = capture_model_inputs(self.module, step, args, kwargs, call=self.call)
         size = batch_size_of(model_inputs)
         if size is None:
             raise ContractError(
-                f"`{step}` called `self(...)` without a tensor argument with a batch dimension; the pipeline splits"
-                " the input of `self(...)` into micro-batches along dim 0."
+                f"`{step}` called the model without a tensor argument with a batch dimension; the pipeline splits"
+                " the model's input into micro-batches along dim 0."
             )
         return model_inputs, size
 
@@ -170,7 +174,7 @@ class PipelineEngine:
             return sum(o.float().sum() for o in outputs) * 0.0
         index = int(target.reshape(-1)[0].item())
         mb_args, mb_kwargs = state.micro_batches[index]
-        result, records = run_step_with_output(self.module, state.step, mb_args, mb_kwargs, output)
+        result, records = run_step_with_output(self.module, state.step, mb_args, mb_kwargs, output, call=self.call)
         state.results[index], state.records[index] = result, records
         return step_loss(result, state.step) / state.divisor
 
@@ -203,7 +207,7 @@ class PipelineEngine:
                     continue
                 mb_args, mb_kwargs = state.micro_batches[index]
                 result, records = run_step_with_output(
-                    self.module, step, mb_args, mb_kwargs, _slice_output(output, real_rows[index])
+                    self.module, step, mb_args, mb_kwargs, _slice_output(output, real_rows[index]), call=self.call
                 )
                 state.results[index], state.records[index] = result, records
             weights = [float(r) for r in real_rows]

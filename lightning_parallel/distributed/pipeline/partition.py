@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_parallel.distributed.pipeline.flops import count_forward_flops
 from lightning_parallel.distributed.pipeline.side_inputs import accepted_side_inputs, call_layer, split_side_inputs
 
 __all__ = [
     "PartitionMethod",
+    "Registration",
     "RemoteLayer",
     "StageModule",
     "StagePlan",
@@ -29,7 +32,8 @@ __all__ = [
     "check_parameter_ownership",
     "layer_compute_costs",
     "layer_parameter_costs",
-    "layer_qualified_names",
+    "layer_registrations",
+    "local_module_ids",
     "measure_layer_times",
     "plan_for_example",
     "plan_stages",
@@ -72,9 +76,10 @@ def resolve_pipeline_layers(module: nn.Module) -> list[nn.Module]:
     method = getattr(module, "pipeline_layers", None)
     if not callable(method):
         raise TypeError(
-            f"`{type(module).__name__}` has no `pipeline_layers()` method, which PipelineParallelStrategy needs. Add"
-            " `def pipeline_layers(self) -> Sequence[nn.Module]` returning the model's layers in order, each layer's"
-            " output the next one's input, their composition equal to `forward`."
+            f"`{type(module).__name__}` has no `pipeline_layers()` method and holds no model that declares a pipeline"
+            " plan (a Hugging Face model with `base_model_pp_plan`), so PipelineParallelStrategy does not know how to"
+            " split it. Add `def pipeline_layers(self) -> Sequence[nn.Module]` returning the model's layers in order,"
+            " each layer's output the next one's input, their composition equal to `forward`."
         )
     layers = list(method())
     if not layers:
@@ -89,35 +94,59 @@ def resolve_pipeline_layers(module: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def layer_qualified_names(module: nn.Module, layers: Sequence[nn.Module]) -> list[list[str]]:
-    """The names under which each layer is registered in ``module`` (a layer may have aliases).
+Registration = tuple[str, nn.Module]
+"""A qualified name in the model (``"model.transformer.wte"``) and the module registered under it."""
 
-    A stateless layer (no parameters, no buffers: a reshape built inside ``pipeline_layers()``) may live outside the
-    module tree; it has no names and nothing to move.
+
+def layer_registrations(module: nn.Module, layers: Sequence[nn.Module]) -> list[list[Registration]]:
+    """Where each layer's modules are registered in ``module``: what a split replaces and teardown puts back.
+
+    A layer registered in the tree contributes its own names, *and* the other names of its submodules registered
+    elsewhere too: an adapter such as ``Embeddings(self.model.transformer.wte, self.model.transformer.wpe)`` holds a
+    model's own modules, reachable under two names, and both must leave a rank that does not run the layer (else the
+    module keeps a second path to tensors moved to ``meta``). A layer that is not registered itself (built inside
+    ``pipeline_layers()``, or an adapter made from a model's declared plan) is found through its submodules, so the
+    model's own names stay the checkpoint's names. A stateless layer (no parameters, no buffers: a reshape) outside
+    the tree has nothing to move.
 
     Raises:
-        ValueError: If a layer with state is not a submodule of ``module`` or is the module itself.
+        ValueError: If a layer holds a parameter or buffer reachable under no name of ``module``, or is ``module``.
     """
     names: dict[int, list[str]] = {}
     for name, submodule in module.named_modules(remove_duplicate=False):
         if name:
             names.setdefault(id(submodule), []).append(name)
-    result: list[list[str]] = []
+    result: list[list[Registration]] = []
     for index, layer in enumerate(layers):
-        if id(layer) not in names and _is_stateless(layer):
-            result.append([])
-            continue
-        if id(layer) not in names:
+        if layer is module:
             raise ValueError(
-                f"`pipeline_layers()` item {index} (`{type(layer).__name__}`) is not a submodule of"
-                f" `{type(module).__name__}`; return the model's own layers (not copies)."
+                f"`pipeline_layers()` item {index} is the module `{type(module).__name__}` itself; return its layers."
             )
-        result.append(names[id(layer)])
+        found = sorted(
+            ((name, sub) for sub in layer.modules() for name in names.get(id(sub), [])), key=lambda r: r[0].count(".")
+        )
+        registrations: list[Registration] = []
+        for name, sub in found:  # outermost first: a name under one already kept moves with it
+            if not any(name.startswith(kept + ".") or name == kept for kept, _ in registrations):
+                registrations.append((name, sub))
+        covered = {id(m) for _, sub in registrations for m in sub.modules()}
+        orphan = next((sub for sub in layer.modules() if id(sub) not in covered and _holds_state(sub)), None)
+        if orphan is not None:
+            raise ValueError(
+                f"`pipeline_layers()` item {index} (`{type(layer).__name__}`) holds"
+                f" {'itself' if orphan is layer else f'a `{type(orphan).__name__}`'} with parameters or buffers that"
+                f" is not a submodule of `{type(module).__name__}`; return the model's own layers (not copies), or an"
+                " adapter made of the model's own modules."
+            )
+        result.append(registrations)
     return result
 
 
-def _is_stateless(layer: nn.Module) -> bool:
-    return next(layer.parameters(), None) is None and next(layer.buffers(), None) is None
+def _holds_state(module: nn.Module) -> bool:
+    """Whether ``module`` has parameters or buffers of its own (not counting its children's)."""
+    return any(p is not None for p in module._parameters.values()) or any(
+        b is not None for b in module._buffers.values()
+    )
 
 
 def check_parameter_ownership(module: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
@@ -144,16 +173,6 @@ def layer_parameter_costs(layers: Sequence[nn.Module]) -> list[int]:
     return [sum(p.numel() for p in layer.parameters()) for layer in layers]
 
 
-def _to_meta(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return torch.empty_like(value, device="meta")
-    if isinstance(value, tuple | list):
-        return type(value)(_to_meta(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
-    return value
-
-
 def check_layer_output(index: int, layer: nn.Module, output: Any) -> tuple[Tensor, ...]:
     """``output`` as a tuple of tensors; a ``TypeError`` naming the layer if it is anything else."""
     if isinstance(output, Tensor):
@@ -172,11 +191,14 @@ def check_layer_output(index: int, layer: nn.Module, output: Any) -> tuple[Tenso
 def layer_compute_costs(
     layers: Sequence[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
 ) -> list[int]:
-    """Estimate each layer's compute by counting forward FLOPs on the ``meta`` device (no memory, deterministic).
+    """Estimate each layer's compute by counting its forward FLOPs with its parameters on ``meta`` (no memory).
 
     Also checks that every layer returns a tensor or a tuple of tensors. The estimate adds each layer's output
     size, so layers without matrix products (embeddings, norms) still count as the memory-bound work they are.
-    Every rank computes the same numbers, so no communication is needed to agree on a split.
+    Every rank computes the same numbers, so no communication is needed to agree on a split. The layers are not
+    copied: each runs once through ``torch.func.functional_call`` with ``meta`` stand-ins for its parameters and
+    buffers, so the inputs, masks and plain tensor attributes (a cached positional encoding) stay real and ops that
+    mix them with ``meta`` activations run on ``meta`` (see :mod:`.flops`); attributes the forward sets are put back.
 
     Args:
         layers: The pipeline layers, in order.
@@ -184,29 +206,39 @@ def layer_compute_costs(
 
     Raises:
         TypeError: If a layer returns something other than a tensor or a tuple of tensors.
+        RuntimeError: Naming the layer, if it cannot run with its parameters on ``meta`` (its forward reads a value
+            computed from them, e.g. ``.item()`` of an activation, or uses an op without a ``meta`` kernel).
     """
     costs = []
-    side, extra = split_side_inputs(_to_meta(kwargs or {}))
-    current_args: tuple[Any, ...] = _to_meta(tuple(args))
+    side, extra = split_side_inputs(kwargs or {})
+    current_args: tuple[Any, ...] = tuple(args)
     for index, layer in enumerate(layers):
-        meta_layer = copy.deepcopy(layer).to("meta")
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            output = call_layer(meta_layer, current_args, side, extra if index == 0 else None)
+        layer_kwargs = {**accepted_side_inputs(layer, side), **(extra if index == 0 else {})}
+        try:
+            output, flops = count_forward_flops(layer, current_args, layer_kwargs)
+        except Exception as error:
+            raise _UncountableLayerError(
+                f"Could not count the FLOPs of pipeline layer {index} (`{type(layer).__name__}`) with its parameters"
+                f" on the meta device: {type(error).__name__}: {error}"
+            ) from error
         outputs = check_layer_output(index, layer, output)
-        costs.append(int(counter.get_total_flops()) + sum(o.numel() for o in outputs))
+        costs.append(flops + sum(o.numel() for o in outputs))
         current_args = outputs
     return costs
 
 
+class _UncountableLayerError(RuntimeError):
+    """A layer whose forward cannot run with its parameters on ``meta``; planning falls back to parameter counts."""
+
+
 def _on(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        value = value.detach().to(device)
-        return value.requires_grad_() if value.is_floating_point() else value
-    if isinstance(value, tuple | list):
-        return type(value)(_on(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _on(v, device) for k, v in value.items()}
-    return value
+    """``value`` with every tensor detached on ``device``, floating ones requiring grad (namedtuples kept)."""
+
+    def move(tensor: Tensor) -> Tensor:
+        tensor = tensor.detach().to(device)
+        return tensor.requires_grad_() if tensor.is_floating_point() else tensor
+
+    return apply_to_collection(value, Tensor, move)
 
 
 def measure_layer_times(
@@ -364,17 +396,29 @@ def plan_for_example(
     num_stages: int,
     pipeline_parallel_size: int,
     measured: Sequence[float] | None = None,
+    warn: Callable[[str], Any] = warnings.warn,
 ) -> StagePlan:
     """Plan stages for ``layers`` given example inputs of the first layer (``(args, kwargs)``, or ``None``).
 
-    With an example, every layer runs once on the ``meta`` device: that checks the layers' output types and gives
-    the compute estimate; without one, ``"compute"`` falls back to parameter counts. ``"measured"`` uses
-    ``measured`` (per-layer times from :func:`measure_layer_times`, the same on every rank).
+    Only ``"compute"`` runs the layers, to count their FLOPs (:func:`layer_compute_costs`, parameters on ``meta``);
+    ``"parameters"`` and an explicit list run nothing (the layers' outputs are checked by the layer check and at
+    run time), ``"measured"`` uses ``measured`` (per-layer times from :func:`measure_layer_times`, the same on every
+    rank). Without an example, or when a layer's FLOPs cannot be counted (``warn`` says which and why), the split
+    follows parameter counts. Every rank sees the same layers and example shapes, so every rank takes the same
+    decision and warns the same; pass a ``warn`` that is silent off rank 0.
     """
-    costs: Sequence[float] | None = layer_compute_costs(layers, *example) if example is not None else None
-    if partition == "measured" and measured is not None:
+    costs: Sequence[float] | None = None
+    if partition == "compute" and example is not None:
+        try:
+            costs = layer_compute_costs(layers, *example)
+        except _UncountableLayerError as error:
+            warn(
+                f"{error}. `partition='compute'` splits by parameter counts instead. Pass `partition='measured'` to"
+                " time the layers, or the first layer of every stage but the first (`partition=[...]`)."
+            )
+    elif partition == "measured":
         costs = measured
-    if costs is None or partition == "parameters":
+    if costs is None:
         costs = layer_parameter_costs(layers)
     boundaries = None if isinstance(partition, str) else list(partition)
     return plan_stages(
@@ -416,16 +460,30 @@ class RemoteLayer(nn.Module):
         return f"name={self.name!r}, stage={self.stage}"
 
 
+def local_module_ids(layers: Sequence[nn.Module], plan: StagePlan, local_stages: Sequence[int]) -> set[int]:
+    """``id`` of every module inside a layer of ``local_stages`` (a module two layers share stays where one runs)."""
+    return {id(m) for stage in local_stages for index in plan.layers_of(stage) for m in layers[index].modules()}
+
+
 def remove_remote_layers(
-    module: nn.Module, names: Sequence[Sequence[str]], plan: StagePlan, local_stages: Sequence[int]
+    module: nn.Module,
+    registrations: Sequence[Sequence[Registration]],
+    plan: StagePlan,
+    local_stages: Sequence[int],
+    *,
+    keep: set[int],
 ) -> None:
-    """Replace every layer outside ``local_stages`` by a :class:`RemoteLayer`, freeing its parameters here."""
+    """Replace every registration of a layer outside ``local_stages`` by a :class:`RemoteLayer`, freeing it here.
+
+    ``keep``: ids of modules a local layer also holds (:func:`local_module_ids`); they stay.
+    """
     local_layers = {layer for stage in local_stages for layer in plan.layers_of(stage)}
-    for index, layer_names in enumerate(names):
+    for index, layer_registrations in enumerate(registrations):
         if index in local_layers:
             continue
-        for name in layer_names:
-            module.set_submodule(name, RemoteLayer(name, plan.stage_of_layer(index)))
+        for name, submodule in layer_registrations:
+            if id(submodule) not in keep:
+                module.set_submodule(name, RemoteLayer(name, plan.stage_of_layer(index)))
 
 
 class StageModule(nn.Module):
@@ -459,11 +517,16 @@ class StageModule(nn.Module):
         output = call_layer(self.layers[0], args, side, kwargs)
         for layer in self.layers[1:]:
             output = call_layer(layer, output if isinstance(output, tuple) else (output,), side)
+        single = not isinstance(output, tuple)
+        outputs: tuple[Tensor, ...] = (output,) if single else tuple(output)
+        if not self.is_last:
+            # Sent to the next stage: gloo's send/recv refuse a non-contiguous tensor, and torch sizes the next
+            # stage's receive buffer with this output's strides (an encoder's output after a transpose, ...).
+            outputs = tuple(o.contiguous() for o in outputs)
         if torch.is_grad_enabled():
-            output = tuple(_requiring_grad(o) for o in output) if isinstance(output, tuple) else _requiring_grad(output)
+            outputs = tuple(_requiring_grad(o) for o in outputs)
         if self.is_last or not self.side_names:
-            return output
-        outputs = output if isinstance(output, tuple) else (output,)
+            return outputs[0] if single else outputs
         return (*outputs, *(side[name].detach().contiguous() for name in self.side_names))  # P2P sends need it
 
 

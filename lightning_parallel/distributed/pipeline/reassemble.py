@@ -10,7 +10,7 @@ every key, ``model(x)`` works, and a new Trainer can load a checkpoint into it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parallel.distributed.pipeline.partition import RemoteLayer, StagePlan
+from lightning_parallel.distributed.pipeline.partition import Registration, RemoteLayer, StagePlan
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 from lightning_parallel.distributed.pipeline.tied import TiedParameter
 
@@ -39,17 +39,22 @@ class TensorSignature:
     """The first name of the same tensor inside the layer (tied weights), else ``None``."""
 
 
-def offload_layers(layers: Sequence[nn.Module], indices: Sequence[int]) -> None:
-    """Move ``layers[i]`` for ``i`` in ``indices`` to the ``meta`` device in place (frees them, keeps their shapes)."""
+def offload_layers(layers: Sequence[nn.Module], indices: Sequence[int], *, keep: Collection[int] = ()) -> None:
+    """Move ``layers[i]`` for ``i`` in ``indices`` to the ``meta`` device in place (frees them, keeps their shapes).
+
+    ``keep``: ids of modules that a layer of this rank also holds (a module shared by two layers); they stay.
+    """
     for index in indices:
-        layers[index].to("meta")
+        for submodule in layers[index].modules():
+            if id(submodule) not in keep:
+                submodule._apply(lambda t: t.to("meta"), recurse=False)
 
 
 def reassemble(
     module: nn.Module,
     *,
     layers: Sequence[nn.Module],
-    names: Sequence[Sequence[str]],
+    registrations: Sequence[Sequence[Registration]],
     plan: StagePlan,
     dims: ParallelDims,
     device: torch.device,
@@ -60,7 +65,7 @@ def reassemble(
     ``layers`` are all pipeline layers: this rank's real ones and the others as left by :func:`offload_layers`.
     Each layer's owner first tells the others what it holds (one ``all_gather_object``), then broadcasts every
     tensor; the receivers assign the tensors to the offloaded layer (``requires_grad`` as on the owner) and put
-    it back under each of its names in ``module``, replacing the :class:`RemoteLayer` placeholders.
+    it back under each of its registrations in ``module``, replacing the :class:`RemoteLayer` placeholders.
 
     A parameter of ``tied`` is sent once, with its first user's layer; afterwards every user holds one and the same
     ``nn.Parameter`` again: this rank's own copy where it held one, else the one received.
@@ -91,8 +96,8 @@ def reassemble(
                 dist.broadcast(tensor, src=source, group=dims.pipeline_group)
                 received[signature.name] = tensor
         _assign(layer, signatures, received)
-        for name in names[index]:
-            module.set_submodule(name, layer)
+        for name, submodule in registrations[index]:
+            module.set_submodule(name, submodule)
     for t in tied:
         _retie(layers, t, local)
 

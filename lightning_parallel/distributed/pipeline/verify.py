@@ -8,10 +8,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.pipeline.partition import check_layer_output
@@ -38,6 +39,7 @@ def check_layers_compose_to_forward(
     *,
     rtol: float = 1e-4,
     atol: float = 1e-5,
+    reference: Callable[..., Any] | None = None,
 ) -> None:
     """Run ``module(*example)`` and the chain of ``layers`` on the same inputs and compare them, layer by layer.
 
@@ -47,7 +49,8 @@ def check_layers_compose_to_forward(
     afterwards, and both runs start from the same buffers and RNG state (dropout draws the same numbers). A layer
     that ``forward`` never calls (a reshape written inline in ``forward``) is not compared; its effect shows in the
     next compared input or in the output. Cost: two forward passes of the whole model on one batch, holding the
-    input of every layer once.
+    input of every layer once. ``reference`` computes ``forward``'s result from the example (default: ``module``
+    itself; a model that declares its split: its own call, whose blocks the layers wrap, so only outputs compare).
 
     Raises:
         ValueError: Naming the first pipeline layer whose input differs, or the output if only it differs.
@@ -58,7 +61,7 @@ def check_layers_compose_to_forward(
     names = {id(m): name for name, m in module.named_modules() if name}
     with torch.no_grad(), preserved_state(module, devices=[device]):
         with preserved_state(module, devices=[device]):
-            recorded, expected = _run_forward(module, layers, args, kwargs)
+            recorded, expected = _run_forward(reference or module, layers, args, kwargs)
         side, extra = split_side_inputs(kwargs)
         current: tuple[tuple[Any, ...], dict[str, Any]] = (
             tuple(args),
@@ -98,9 +101,9 @@ def check_layers_compose_to_forward(
 
 
 def _run_forward(
-    module: nn.Module, layers: Sequence[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
+    forward: Callable[..., Any], layers: Sequence[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[dict[int, tuple[tuple[Any, ...], dict[str, Any]]], Any]:
-    """``module(*args, **kwargs)``, and a copy of the first input every layer received during it."""
+    """``forward(*args, **kwargs)``, and a copy of the first input every layer received during it."""
     recorded: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
     def recorder(index: int) -> Any:
@@ -112,7 +115,7 @@ def _run_forward(
 
     handles = [layer.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
-        expected = module(*args, **kwargs)
+        expected = forward(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
@@ -156,23 +159,13 @@ def _named(names: dict[int, str], layer: nn.Module) -> str:
 
 
 def _clone(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple | list):
-        return type(value)(_clone(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
+    """``value`` with every tensor detached and copied; tuples, namedtuples, lists and mappings keep their type."""
+    return apply_to_collection(value, Tensor, lambda t: t.detach().clone())
 
 
 def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, tuple | list):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
+    """``value`` with every tensor on ``device``; tuples, namedtuples, lists and mappings keep their type."""
+    return apply_to_collection(value, Tensor, lambda t: t.to(device))
 
 
 def check_single_evaluation_optimizers(optimizers: Sequence[Any]) -> None:

@@ -1,0 +1,437 @@
+"""Pipeline layers from a model's own declaration: transformers' ``base_model_pp_plan`` and the head's ``_pp_plan``.
+
+Torch-only: transformers is never imported here (duck typing on the attributes a ``PreTrainedModel`` has), so the
+package works without it. A Hugging Face model declares how it pipelines: the base model's children in order
+(``{"embed_tokens": (["input_ids"], ["inputs_embeds"]), "layers": (["hidden_states", "attention_mask"],
+["hidden_states"]), "norm": (...)}``) and the head's (``{"lm_head": (["hidden_states"], ["logits"])}``). A
+LightningModule that holds such a model and defines no ``pipeline_layers()`` is split along that declaration:
+
+* layer 0, the **prologue**: the declared modules before the blocks (the embedding), run through the base model's
+  own ``forward`` up to its first block, so whatever ``forward`` does there (GPT-NeoX's embedding dropout, Gemma's
+  scaling) happens as on one device;
+* one layer per **block** of the declared ``ModuleList``;
+* one layer per declared module after the blocks (the final norm) and per head module (``lm_head``).
+
+Only hidden states cross stages. What ``forward`` computes *around* its blocks (the causal mask, rotary position
+embeddings, position ids; per block where a model gives blocks different masks) is recomputed on every stage by
+:class:`BlockInputs`: the base model's own ``forward`` runs with every block swapped for a recorder, on an input of
+the right shape and dtype, and stops after the last block. Each stage therefore computes exactly the keyword
+arguments ``forward`` would give its blocks, with the model's own code, for any model following the convention.
+Modules outside every layer (the rotary embedding: buffers only) stay on every rank.
+
+The user's step calls the model as usual, ``self.model(input_ids=ids, labels=ids).loss``: :class:`DeclaredPlanCall`
+answers that call on the last stage with the model's own output type, the loss computed by the model's own
+``loss_function`` from the pipeline's logits and the micro-batch's ``labels``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+from lightning_parallel.distributed.pipeline.contract import ModelCall
+from lightning_parallel.distributed.pipeline.partition import resolve_pipeline_layers
+
+__all__ = [
+    "BlockInputs",
+    "DeclaredPlan",
+    "DeclaredPlanCall",
+    "declared_plan_layers",
+    "find_declared_plan",
+    "pipeline_layers_and_call",
+]
+
+_HEAD_ONLY = ("labels", "logits_to_keep", "num_items_in_batch")
+"""Arguments of a causal-LM call that only the head uses: never sent through the stages."""
+_REFUSED = ("inputs_embeds", "past_key_values")
+
+
+@dataclass(frozen=True)
+class DeclaredPlan:
+    """How a model declares its pipeline split."""
+
+    model: nn.Module
+    """The model the step calls (``LlamaForCausalLM``, or a base model such as ``LlamaModel``)."""
+    base: nn.Module
+    """``model.base_model`` (the module whose ``forward`` runs the blocks)."""
+    pre: tuple[str, ...]
+    """Children of ``base`` declared before the blocks (``("embed_tokens",)``)."""
+    blocks: str
+    """The child of ``base`` that is the ``ModuleList`` of blocks (``"layers"``)."""
+    post: tuple[str, ...]
+    """Children of ``base`` declared after the blocks (``("norm",)``)."""
+    head: tuple[str, ...]
+    """Children of ``model`` declared by its head plan (``("lm_head",)``); empty for a base model."""
+
+    @property
+    def is_causal_lm(self) -> bool:
+        return bool(self.head)
+
+
+def find_declared_plan(module: nn.Module) -> DeclaredPlan | None:
+    """The outermost submodule of ``module`` that declares a pipeline plan (``supports_pp_plan``), as a plan.
+
+    Returns ``None`` when no submodule declares one.
+
+    Raises:
+        ValueError: If two separate models declare plans, or the declaration does not describe the model (a plan
+            naming a missing child, no ``ModuleList`` of blocks, a head that is not declared).
+    """
+    found: list[nn.Module] = []
+    for submodule in module.modules():
+        if _declares_plan(submodule) and not any(_contains(outer, submodule) for outer in found):
+            found.append(submodule)
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(type(m).__name__ for m in found)
+        raise ValueError(
+            f"`{type(module).__name__}` holds several models that declare a pipeline plan ({names}); which one the"
+            " pipeline should split is ambiguous. Define `pipeline_layers()` to say it."
+        )
+    return _plan_of(found[0])
+
+
+def _declares_plan(module: nn.Module) -> bool:
+    try:
+        return getattr(module, "supports_pp_plan", False) is True and isinstance(
+            getattr(module, "base_model", None), nn.Module
+        )
+    except Exception:  # a property of another library failing on a module it does not know
+        return False
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def _plan_of(model: nn.Module) -> DeclaredPlan:
+    base: nn.Module = model.base_model  # type: ignore[assignment]
+    name = type(model).__name__
+    declared = dict(getattr(base, "_pp_plan", None) or getattr(model.config, "base_model_pp_plan", None) or {})
+    children = dict(base.named_children())
+    missing = [key for key in declared if key not in children]
+    lists = [key for key in declared if isinstance(children.get(key), nn.ModuleList)]
+    if missing or len(lists) != 1:
+        problem = f"names {missing}, which it does not have" if missing else f"has {len(lists)} ModuleLists of blocks"
+        raise ValueError(
+            f"`{name}` declares the pipeline plan {list(declared)} for `{type(base).__name__}`, which {problem};"
+            " PipelineParallelStrategy needs one ModuleList of blocks among the declared children. Define"
+            " `pipeline_layers()` in your LightningModule instead."
+        )
+    keys = list(declared)
+    position = keys.index(lists[0])
+    head: tuple[str, ...] = ()
+    if model is not base:
+        head_plan = dict(getattr(type(model), "_pp_plan", None) or {})
+        outputs = [outs for _, outs in head_plan.values()]
+        if not head_plan or any(list(outs) != ["logits"] for outs in outputs) or any("." in k for k in head_plan):
+            raise ValueError(
+                f"`{name}` declares a pipeline plan for its base model `{type(base).__name__}` but not one this"
+                f" strategy can run for its head (`_pp_plan={head_plan or None}`; supported: modules mapping"
+                " hidden states to `logits`, as causal language models declare). Define `pipeline_layers()` in your"
+                " LightningModule, or pipeline the base model and put the head in your step."
+            )
+        head = tuple(head_plan)
+    return DeclaredPlan(
+        model=model,
+        base=base,
+        pre=tuple(keys[:position]),
+        blocks=lists[0],
+        post=tuple(keys[position + 1 :]),
+        head=head,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- block inputs
+class _StopAfterLastBlock(Exception):
+    pass
+
+
+class _BlockRecorder(nn.Module):
+    """Stands in for block ``index`` while :class:`BlockInputs` runs ``forward``: records the block's arguments and
+    passes the hidden states through. Attribute reads fall back to the real block (``decoder_layer.attention_type``)."""
+
+    def __init__(self, index: int, block: nn.Module, records: dict[int, tuple[tuple[Any, ...], dict[str, Any]]]):
+        super().__init__()
+        self.index, self.records, self.is_last = index, records, False
+        object.__setattr__(self, "_block", block)  # not a child: the recorder must not own the block's tensors
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        self.records[self.index] = ((hidden_states, *args), kwargs)
+        if self.is_last:
+            raise _StopAfterLastBlock
+        return hidden_states
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_block"), name)
+
+
+class BlockInputs:
+    """What the base model's ``forward`` gives each block, recomputed on any stage from the batch's shape.
+
+    The base model's own ``forward`` runs with every block replaced by a :class:`_BlockRecorder` (and stops after
+    the last one); on the first stage from the ``input_ids`` (the real embedding runs: the recorded input of block 0
+    is the prologue's output), on a later stage from ``inputs_embeds`` of the received hidden states' shape in the
+    embedding's dtype, as on one device. The keyword arguments are detached (no parameter is involved in them:
+    every parameter belongs to a pipeline layer) and cached for the last input seen, so the blocks of one stage
+    compute them once per micro-batch.
+    """
+
+    def __init__(self, plan: DeclaredPlan, blocks: Sequence[nn.Module], embedding_dtype: torch.dtype) -> None:
+        self.plan = plan
+        self.blocks = list(blocks)  # the real blocks (on `meta` where another rank runs them): attribute reads
+        self.embedding_dtype = embedding_dtype
+        self._key: tuple[Any, ...] | None = None
+        self._kept: tuple[Any, ...] = ()  # the key's tensors, alive while cached (their ids stay theirs)
+        self._calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def for_block(
+        self, index: int, hidden_states: Tensor, side: Mapping[str, Tensor]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments besides the hidden states that ``forward`` gives block ``index`` for a micro-batch with
+        these hidden states: ``(positional, keyword)``."""
+        if self._key_of(hidden_states, side) != self._key:
+            inputs_embeds = hidden_states.new_zeros(tuple(hidden_states.shape), dtype=self.embedding_dtype)
+            self.run(side, inputs_embeds=inputs_embeds)
+        return self._calls[index]
+
+    def run(self, side: Mapping[str, Tensor], **inputs: Tensor) -> Tensor:
+        """Run the base model's ``forward`` (from ``input_ids`` or ``inputs_embeds``) up to its last block; cache
+        every block's other arguments; return the hidden states block 0 receives.
+
+        On the ``meta`` device (FLOP counting before the split) ``forward``'s data-dependent checks cannot run: the
+        arguments are then computed from zeros of the same shapes on the CPU and moved to ``meta``, and block 0
+        receives the embedding's output (the shapes are what counts there).
+        """
+        embedding = self.plan.base.get_submodule(self.plan.pre[0]) if self.plan.pre else None
+        on_meta = any(t.is_meta for t in (*inputs.values(), *side.values()))
+        if "input_ids" in inputs and embedding is not None and next(embedding.parameters(), torch.empty(0)).is_meta:
+            on_meta, inputs = True, {"inputs_embeds": embedding(inputs["input_ids"])}
+        if not on_meta:
+            first = self._record(side, inputs)
+        else:
+            (reference,) = inputs.values()  # the embedding's output, or the hidden states' shape: (B, T, H)
+            zeros = torch.zeros(tuple(reference.shape), dtype=self.embedding_dtype)
+            cpu_side = {name: torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t.cpu() for name, t in side.items()}
+            self._record(cpu_side, {"inputs_embeds": zeros})
+            self._calls = apply_to_collection(self._calls, Tensor, lambda t: t.to("meta"))
+            first = reference
+        self._key = self._key_of(first, side)
+        self._kept = tuple(side.values())
+        return first
+
+    def _record(self, side: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Tensor:
+        records: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        container = cast(nn.ModuleList, self.plan.base.get_submodule(self.plan.blocks))
+        originals = list(container)
+        recorders = [_BlockRecorder(i, block, records) for i, block in enumerate(self.blocks)]
+        recorders[-1].is_last = True
+        replaced = {name: self.plan.base.get_submodule(name) for name in self.plan.pre if "input_ids" not in inputs}
+        try:
+            for i, recorder in enumerate(recorders):
+                container[i] = recorder
+            for name in replaced:  # a later stage: the embedding lives elsewhere; forward starts from inputs_embeds
+                setattr(self.plan.base, name, nn.Identity())
+            try:
+                self.plan.base(**inputs, **side, use_cache=False)
+            except _StopAfterLastBlock:
+                pass
+        finally:
+            for i, original in enumerate(originals):
+                container[i] = original
+            for name, original in replaced.items():
+                setattr(self.plan.base, name, original)
+        if len(records) != len(recorders):
+            raise RuntimeError(
+                f"`{type(self.plan.base).__name__}.forward` called {len(records)} of its {len(recorders)} declared"
+                " blocks; the pipeline needs every block called once, in order. Define `pipeline_layers()`."
+            )
+        self._calls = [
+            apply_to_collection((records[i][0][1:], records[i][1]), Tensor, Tensor.detach) for i in range(len(records))
+        ]
+        return records[0][0][0]
+
+    @staticmethod
+    def _key_of(hidden_states: Tensor, side: Mapping[str, Tensor]) -> tuple[Any, ...]:
+        # The type tells real from fake tensors (FLOP counting runs the layers on fake ones); side inputs by identity
+        # (their values shape the mask), held alive in `_kept` while cached so that no other tensor takes their id.
+        kind = (type(hidden_states), tuple(hidden_states.shape), hidden_states.device)
+        return (*kind, tuple((name, id(t)) for name, t in sorted(side.items())))
+
+
+# ---------------------------------------------------------------------------------------------- the layers
+class _Prologue(nn.Module):
+    """Layer 0: the declared modules before the blocks, through the base model's ``forward`` (input ids -> the
+    hidden states block 0 receives)."""
+
+    def __init__(self, plan: DeclaredPlan, inputs: BlockInputs) -> None:
+        super().__init__()
+        self.parts = nn.ModuleDict({name: plan.base.get_submodule(name) for name in plan.pre})
+        object.__setattr__(self, "_inputs", inputs)
+
+    def forward(self, input_ids: Tensor, **side: Tensor) -> Tensor:
+        inputs: BlockInputs = object.__getattribute__(self, "_inputs")
+        return inputs.run(side, input_ids=input_ids).contiguous()
+
+
+class _Block(nn.Module):
+    """One declared block, called with the keyword arguments ``forward`` would give it."""
+
+    def __init__(self, index: int, block: nn.Module, inputs: BlockInputs) -> None:
+        super().__init__()
+        self.index, self.block = index, block
+        object.__setattr__(self, "_inputs", inputs)
+
+    def forward(self, hidden_states: Tensor, **side: Tensor) -> Tensor:
+        inputs: BlockInputs = object.__getattribute__(self, "_inputs")
+        args, kwargs = inputs.for_block(self.index, hidden_states, side)
+        output = self.block(hidden_states, *args, **kwargs)
+        return output[0] if isinstance(output, tuple) else output
+
+
+class _Module(nn.Module):
+    """A declared module after the blocks (norm) or of the head (``lm_head``): hidden states in, one tensor out."""
+
+    def __init__(self, part: nn.Module) -> None:
+        super().__init__()
+        self.part = part
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.part(hidden_states)
+
+
+def declared_plan_layers(plan: DeclaredPlan) -> list[nn.Module]:
+    """The pipeline layers of ``plan``: prologue, one per block, one per module after the blocks and of the head.
+
+    The layers are adapters around the model's own modules (not registered anywhere themselves), so the
+    LightningModule keeps its own parameter names: checkpoints load with ``load_from_checkpoint`` and the model
+    round-trips through ``save_pretrained``/``from_pretrained``.
+    """
+    blocks = list(cast(nn.ModuleList, plan.base.get_submodule(plan.blocks)))
+    embedding = next((p for name in plan.pre for p in plan.base.get_submodule(name).parameters()), None)
+    dtype = embedding.dtype if embedding is not None else torch.get_default_dtype()
+    inputs = BlockInputs(plan, blocks, dtype)
+    layers: list[nn.Module] = [_Prologue(plan, inputs)]
+    layers += [_Block(index, block, inputs) for index, block in enumerate(blocks)]
+    layers += [_Module(plan.base.get_submodule(name)) for name in plan.post]
+    layers += [_Module(plan.model.get_submodule(name)) for name in plan.head]
+    return layers
+
+
+# ---------------------------------------------------------------------------------------------- the model call
+class DeclaredPlanCall(ModelCall):
+    """The step's call of the declared model (``self.model(input_ids=ids, labels=ids)``), answered by the pipeline.
+
+    The pipeline's input is the call's ``input_ids`` (positional) and its other tensor arguments the base model
+    takes (``attention_mask``, ``position_ids``, ...: side inputs every stage receives). ``labels`` and the other
+    head-only arguments stay on the last stage: the answer is the model's own output type with ``logits`` from the
+    pipeline and ``loss = model.loss_function(logits, labels, vocab_size)``, as the model computes it.
+    """
+
+    def __init__(self, plan: DeclaredPlan) -> None:
+        super().__init__(plan.model)
+        self.plan = plan
+        self._signature = inspect.signature(plan.model.forward)
+        base_parameters = inspect.signature(plan.base.forward).parameters
+        self._base_names = {
+            name
+            for name, p in base_parameters.items()
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        }
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(
+                f"`{type(self.target).__name__}(...)` was called with unexpected arguments: {error}"
+            ) from error
+        arguments = dict(bound.arguments)
+        for name, parameter in self._signature.parameters.items():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # the forward's `**kwargs`: flattened
+                arguments.update(arguments.pop(name, {}))
+        return arguments
+
+    def model_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        arguments = self._bind(args, kwargs)
+        name = type(self.target).__name__
+        refused = [key for key in _REFUSED if arguments.get(key) is not None]
+        if refused or not isinstance(arguments.get("input_ids"), Tensor):
+            what = f"`{refused[0]}`" if refused else "no `input_ids` tensor"
+            raise ValueError(
+                f"The step called `{name}` with {what}; PipelineParallelStrategy splits a declared model from its"
+                " `input_ids` (the first stage embeds them) and trains without a key-value cache. Pass"
+                " `input_ids=...` (and optionally `attention_mask`, `position_ids`, `labels`)."
+            )
+        if arguments.get("use_cache"):
+            raise ValueError(
+                f"The step called `{name}` with `use_cache=True`; training under a pipeline keeps no cache."
+            )
+        side = {
+            key: value
+            for key, value in arguments.items()
+            if isinstance(value, Tensor) and key != "input_ids" and key in self._base_names and key not in _HEAD_ONLY
+        }
+        return (arguments["input_ids"],), side
+
+    def answer(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        arguments = self._bind(args, kwargs)
+        plan = self.plan
+        if not plan.is_causal_lm:
+            return _output_class("BaseModelOutputWithPast")(last_hidden_state=output)
+        logits = output
+        keep = arguments.get("logits_to_keep", 0)
+        if isinstance(keep, int) and keep > 0:
+            logits = logits[:, -keep:, :]
+        elif isinstance(keep, Tensor):
+            logits = logits[:, keep, :]
+        loss = None
+        labels = arguments.get("labels")
+        if labels is not None:
+            extra = {k: v for k, v in arguments.items() if k == "num_items_in_batch"}
+            model: Any = plan.model  # a transformers model: `loss_function` and `config` are its own
+            loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **extra)
+        result = _output_class("CausalLMOutputWithPast")(loss=loss, logits=logits)
+        if arguments.get("return_dict") is False:
+            return result.to_tuple()
+        return result
+
+    def reference(self, *args: Any, **kwargs: Any) -> Tensor:
+        """``forward``'s result for the pipeline's input (what the chain of layers must give): logits, or the last
+        hidden states of a base model."""
+        output = self.target(input_ids=args[0], **kwargs, use_cache=False)
+        return output.logits if self.plan.is_causal_lm else output.last_hidden_state
+
+
+def _output_class(name: str) -> Any:
+    # The model is a transformers model, so transformers is importable; imported here so this package never needs it.
+    from transformers import modeling_outputs
+
+    return getattr(modeling_outputs, name)
+
+
+def pipeline_layers_and_call(module: nn.Module) -> tuple[list[nn.Module], ModelCall]:
+    """The pipeline layers of ``module`` and the call of its steps that the pipeline answers.
+
+    ``pipeline_layers()`` when the module defines it (its steps call ``self(...)``); otherwise the layers of the model
+    it holds that declares a plan (its steps call that model, ``self.model(...)``).
+
+    Raises:
+        TypeError: If the module defines neither (the message says both ways).
+        ValueError: As :func:`~.partition.resolve_pipeline_layers` and :func:`find_declared_plan`.
+    """
+    if not callable(getattr(module, "pipeline_layers", None)):
+        plan = find_declared_plan(module)
+        if plan is not None:
+            return declared_plan_layers(plan), DeclaredPlanCall(plan)
+    return resolve_pipeline_layers(module), ModelCall(module)
