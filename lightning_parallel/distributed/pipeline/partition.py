@@ -514,6 +514,10 @@ class StageModule(nn.Module):
             count = len(self.side_names)
             side = dict(zip(self.side_names, args[len(args) - count :], strict=True)) if count else {}
             args, kwargs = args[: len(args) - count], {}
+            if torch.is_grad_enabled():
+                args = tuple(
+                    _ContiguousGradient.apply(a) if isinstance(a, Tensor) and a.requires_grad else a for a in args
+                )
         output = call_layer(self.layers[0], args, side, kwargs)
         for layer in self.layers[1:]:
             output = call_layer(layer, output if isinstance(output, tuple) else (output,), side)
@@ -539,3 +543,21 @@ def _requiring_grad(tensor: Tensor) -> Tensor:
     if tensor.is_floating_point() and not tensor.requires_grad:
         return tensor.detach().requires_grad_()
     return tensor
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous.
+
+    The gradient of a stage's input is sent back to the previous stage, and torch sizes that stage's receive buffer
+    with its strides; gloo's send/recv refuse a non-contiguous tensor. Attention over a batch-first input transposes
+    it, so the gradient of ``nn.Transformer``'s encoder output (the decoder's ``memory``) is laid out
+    ``(B, T, E)`` with strides of ``(T, B, E)``: ``RuntimeError: input tensor has to be contiguous`` at the first step.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: Tensor) -> Tensor:
+        return gradient.contiguous()

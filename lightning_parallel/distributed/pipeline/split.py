@@ -6,6 +6,7 @@ run first on every rank, so a bad model raises everywhere before any of these co
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +50,13 @@ def plan_on_every_rank(
         num_stages=num_stages,
         pipeline_parallel_size=pipeline_parallel_size,
         measured=measured,
+        # Every rank plans from the same layers and example shapes and warns the same: say it once.
+        warn=warnings.warn if global_rank == 0 else _silent,
     )
+
+
+def _silent(message: str) -> None:
+    """A ``warn`` for ranks other than 0, whose warnings rank 0 has already given."""
 
 
 def check_same_plan(plan: StagePlan, world_size: int) -> None:
