@@ -6,10 +6,11 @@ no ``pipeline_layers()`` trains with its ``training_step`` written as HF users w
 configs (no downloads), against one device with ``accumulate_grad_batches`` = micro-batches on the same samples in
 the same order (each micro-batch's loss is its own token mean, as in an accumulation window):
 
-* Llama (grouped-query attention, untied) under every schedule; Qwen2 with tied embeddings and a
-  padding mask (a side input; every stage rebuilds the causal mask from it) with AdamW and clipping, moments included;
-  validation from ``.logits``; the consolidated checkpoint loads with ``load_from_checkpoint`` and round-trips
-  through ``save_pretrained`` / ``from_pretrained``;
+* Llama (grouped-query attention, untied) under every schedule; Gemma2 (embedding scaling and logit soft-capping
+  in its ``forward``, a sliding-window mask for some layers: each stage recomputes what ``forward`` does); Qwen2
+  with tied embeddings and a left-padding mask (a side input; every stage rebuilds the causal mask from it) with
+  AdamW and clipping, moments included; validation from ``.logits``; the consolidated checkpoint loads with
+  ``load_from_checkpoint`` and round-trips through ``save_pretrained`` / ``from_pretrained``;
 * 2 x 2 data x pipeline parallelism with ZeRO-1 and ZeRO-2 inside the pipeline;
 * crash #1: an adapter layer registered in the module that holds GPT-2's own modules (reachable under two names);
 * refusals: no ``pipeline_layers()`` and no plan, a head without a plan, ``inputs_embeds``.
@@ -28,6 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from training_helpers import assert_weights_close
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -53,6 +56,16 @@ def _config(kind: str) -> Any:
         return Qwen2Config(
             **common, num_hidden_layers=3, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True
         )
+    if kind == "gemma2":  # embedding scaling, per-layer sliding-window masks, logit soft-capping in its forward
+        return Gemma2Config(
+            **common,
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=4,
+            final_logit_softcapping=3.0,
+            max_position_embeddings=64,
+        )
     raise ValueError(kind)
 
 
@@ -62,7 +75,9 @@ class LitCausalLM(pl.LightningModule):
     def __init__(self, kind: str = "llama", optimizer: str = "sgd") -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[kind](_config(kind))
+        self.model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gemma2": Gemma2ForCausalLM}[kind](
+            _config(kind)
+        )
         self.optimizer = optimizer
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -149,6 +164,7 @@ def _references(rank: int, world_size: int) -> dict[str, Any]:
         "llama": _reference(LitCausalLM, False),
         "qwen2": _reference(lambda: LitCausalLM("qwen2", "adamw"), True, adam=True),
         "gpt2": _reference(GPT2WithAdapter, False),
+        "gemma2": _reference(lambda: LitCausalLM("gemma2"), True),
     }
 
 
@@ -182,6 +198,8 @@ def _two_ranks(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
     trainer.save_checkpoint(checkpoint)
     (metrics,) = trainer.validate(module, _loader(True), verbose=False)
     result["val_loss"] = metrics["val_loss"]
+    module, _ = _fit(lambda: LitCausalLM("gemma2"), _pipeline(), world_size, True)
+    result["gemma2"] = _state(module)
     module, _ = _fit(GPT2WithAdapter, _pipeline(), world_size, False)
     result["gpt2"] = _state(module)
     result["gpt2_tied"] = module.model.lm_head.weight is module.model.transformer.wte.weight
@@ -193,13 +211,14 @@ def test_declared_plan_models_train_like_one_device_with_every_schedule(tmp_path
     checkpoint = tmp_path / "qwen2.ckpt"
     results = run_distributed(_two_ranks, 2, args=(str(checkpoint),), init_process_group=False, timeout=300)
     for result in results:  # every rank holds the whole trained model again after `fit`
-        assert result["llama_layers"] == 1 + 4 + 2  # prologue, 4 decoder layers, norm, lm_head
+        assert result["llama_layers"] == 1 + 4 + 1  # prologue, 4 decoder layers, epilogue (norm, lm_head)
         for schedule in SCHEDULES:
             assert_weights_close(result[f"llama_{schedule}"], references["llama"]["weights"], **TOLERANCE)
         assert len(result["llama_Interleaved1F1B_starts"]) == 4  # 2 virtual stages per rank
         assert_weights_close(result["qwen2"], references["qwen2"]["weights"], **ADAM_TOLERANCE)
         assert result["qwen2_tied"] and result["qwen2_copied"] == {"model.model.embed_tokens.weight": (0, 1)}
         assert_weights_close(result["gpt2"], references["gpt2"]["weights"], **TOLERANCE)
+        assert_weights_close(result["gemma2"], references["gemma2"]["weights"], **TOLERANCE)
         assert result["gpt2_tied"]
 
     # The consolidated checkpoint is single-device Lightning's: the module's own names, AdamW's moments equal.
@@ -355,7 +374,7 @@ def test_refusals_name_the_problem_and_the_fix_on_every_rank():
         assert result["embeds"].startswith("ValueError: The step called `LlamaForCausalLM` with `inputs_embeds`")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2"])
 def test_declared_plan_layers_compose_to_the_models_forward(kind):
     # One process: the layers made from the plan, chained, give the model's own logits (a padding mask included).
     from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call

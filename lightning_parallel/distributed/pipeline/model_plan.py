@@ -10,7 +10,9 @@ LightningModule that holds such a model and defines no ``pipeline_layers()`` is 
   own ``forward`` up to its first block, so whatever ``forward`` does there (GPT-NeoX's embedding dropout, Gemma's
   scaling) happens as on one device;
 * one layer per **block** of the declared ``ModuleList``;
-* one layer per declared module after the blocks (the final norm) and per head module (``lm_head``).
+* the **epilogue**: the declared modules after the blocks (the final norm) and the head's (``lm_head``), run through
+  the model's own ``forward`` from its last block on, so what it does to the logits (Gemma's soft-capping, Cohere's
+  scale) happens too.
 
 Only hidden states cross stages. What ``forward`` computes *around* its blocks (the causal mask, rotary position
 embeddings, position ids; per block where a model gives blocks different masks) is recomputed on every stage by
@@ -154,26 +156,83 @@ class _StopAfterLastBlock(Exception):
     pass
 
 
-class _BlockRecorder(nn.Module):
-    """Stands in for block ``index`` while :class:`BlockInputs` runs ``forward``: records the block's arguments and
-    passes the hidden states through. Attribute reads fall back to the real block (``decoder_layer.attention_type``)."""
+_Records = dict[int, tuple[tuple[Any, ...], dict[str, Any]]]
 
-    def __init__(self, index: int, block: nn.Module, records: dict[int, tuple[tuple[Any, ...], dict[str, Any]]]):
+
+class _BlockRecorder(nn.Module):
+    """Stands in for block ``index`` while a declared model's ``forward`` runs around the pipeline: records the
+    block's arguments and passes the hidden states through; the last one stops ``forward`` there, or returns the
+    stage's real hidden states (``final``) so that ``forward`` goes on with them. Attribute reads fall back to the
+    real block (``decoder_layer.attention_type``)."""
+
+    def __init__(self, index: int, block: nn.Module, records: _Records, *, is_last: bool, final: Tensor | None):
         super().__init__()
-        self.index, self.records, self.is_last = index, records, False
+        self.index, self.records, self.is_last, self.final = index, records, is_last, final
         object.__setattr__(self, "_block", block)  # not a child: the recorder must not own the block's tensors
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         self.records[self.index] = ((hidden_states, *args), kwargs)
-        if self.is_last:
+        if not self.is_last:
+            return hidden_states
+        if self.final is None:
             raise _StopAfterLastBlock
-        return hidden_states
+        return self.final
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(object.__getattribute__(self, "_block"), name)
+
+
+def run_around_blocks(
+    plan: DeclaredPlan,
+    root: nn.Module,
+    blocks: Sequence[nn.Module],
+    records: _Records,
+    inputs: Mapping[str, Tensor],
+    side: Mapping[str, Tensor],
+    *,
+    final: Tensor | None = None,
+) -> Any:
+    """``root(**inputs, **side)`` (the base model or the whole model) with every block swapped for a recorder.
+
+    Without ``final`` it stops after the last block (``None`` is returned); with ``final`` the last block returns
+    it and ``forward`` finishes (its output is returned: what the model computes after its blocks, with the
+    stage's hidden states). Declared modules before the blocks are skipped when ``inputs`` has no ``input_ids``
+    (they live on the first stage; ``forward`` then starts from ``inputs_embeds``). Everything is put back after.
+
+    Raises:
+        RuntimeError: If ``forward`` does not call every declared block.
+    """
+    container = cast(nn.ModuleList, plan.base.get_submodule(plan.blocks))
+    originals = list(container)
+    count = len(blocks)
+    recorders = [
+        _BlockRecorder(i, block, records, is_last=i == count - 1, final=final) for i, block in enumerate(blocks)
+    ]
+    replaced = {name: plan.base.get_submodule(name) for name in plan.pre if "input_ids" not in inputs}
+    output = None
+    try:
+        for i, recorder in enumerate(recorders):
+            container[i] = recorder
+        for name in replaced:
+            setattr(plan.base, name, nn.Identity())
+        try:
+            output = root(**inputs, **side, use_cache=False)
+        except _StopAfterLastBlock:
+            pass
+    finally:
+        for i, original in enumerate(originals):
+            container[i] = original
+        for name, original in replaced.items():
+            setattr(plan.base, name, original)
+    if len(records) != count:
+        raise RuntimeError(
+            f"`{type(root).__name__}.forward` called {len(records)} of its {count} declared blocks; the pipeline"
+            " needs every block called once, in order. Define `pipeline_layers()` in your LightningModule instead."
+        )
+    return output
 
 
 class BlockInputs:
@@ -231,31 +290,8 @@ class BlockInputs:
         return first
 
     def _record(self, side: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Tensor:
-        records: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-        container = cast(nn.ModuleList, self.plan.base.get_submodule(self.plan.blocks))
-        originals = list(container)
-        recorders = [_BlockRecorder(i, block, records) for i, block in enumerate(self.blocks)]
-        recorders[-1].is_last = True
-        replaced = {name: self.plan.base.get_submodule(name) for name in self.plan.pre if "input_ids" not in inputs}
-        try:
-            for i, recorder in enumerate(recorders):
-                container[i] = recorder
-            for name in replaced:  # a later stage: the embedding lives elsewhere; forward starts from inputs_embeds
-                setattr(self.plan.base, name, nn.Identity())
-            try:
-                self.plan.base(**inputs, **side, use_cache=False)
-            except _StopAfterLastBlock:
-                pass
-        finally:
-            for i, original in enumerate(originals):
-                container[i] = original
-            for name, original in replaced.items():
-                setattr(self.plan.base, name, original)
-        if len(records) != len(recorders):
-            raise RuntimeError(
-                f"`{type(self.plan.base).__name__}.forward` called {len(records)} of its {len(recorders)} declared"
-                " blocks; the pipeline needs every block called once, in order. Define `pipeline_layers()`."
-            )
+        records: _Records = {}
+        run_around_blocks(self.plan, self.plan.base, self.blocks, records, inputs, side)
         self._calls = [
             apply_to_collection((records[i][0][1:], records[i][1]), Tensor, Tensor.detach) for i in range(len(records))
         ]
@@ -299,19 +335,36 @@ class _Block(nn.Module):
         return output[0] if isinstance(output, tuple) else output
 
 
-class _Module(nn.Module):
-    """A declared module after the blocks (norm) or of the head (``lm_head``): hidden states in, one tensor out."""
+class _Epilogue(nn.Module):
+    """The last layer: the declared modules after the blocks (the final norm) and of the head (``lm_head``), run
+    through the model's own ``forward`` from the last block on, so whatever it does there (Gemma's logit soft-capping,
+    Cohere's logit scale) happens as on one device. Hidden states in; logits (a base model: the last hidden states)
+    out."""
 
-    def __init__(self, part: nn.Module) -> None:
+    def __init__(self, plan: DeclaredPlan, inputs: BlockInputs) -> None:
         super().__init__()
-        self.part = part
+        parts = {name: plan.base.get_submodule(name) for name in plan.post}
+        parts.update({f"head.{name}": plan.model.get_submodule(name) for name in plan.head})
+        self.parts = nn.ModuleDict({name.replace(".", "_"): part for name, part in parts.items()})
+        object.__setattr__(self, "_plan", plan)
+        object.__setattr__(self, "_inputs", inputs)
 
-    def forward(self, hidden_states: Tensor) -> Tensor:
-        return self.part(hidden_states)
+    def forward(self, hidden_states: Tensor, **side: Tensor) -> Tensor:
+        plan: DeclaredPlan = object.__getattribute__(self, "_plan")
+        inputs: BlockInputs = object.__getattribute__(self, "_inputs")
+        if hidden_states.is_meta:  # FLOP counting before the split: the same modules, in order, on shapes only
+            for part in self.parts.values():
+                hidden_states = part(hidden_states)
+            return hidden_states
+        zeros = hidden_states.new_zeros(tuple(hidden_states.shape), dtype=inputs.embedding_dtype)
+        output = run_around_blocks(
+            plan, plan.model, inputs.blocks, {}, {"inputs_embeds": zeros}, side, final=hidden_states
+        )
+        return output.logits if plan.is_causal_lm else output.last_hidden_state
 
 
 def declared_plan_layers(plan: DeclaredPlan) -> list[nn.Module]:
-    """The pipeline layers of ``plan``: prologue, one per block, one per module after the blocks and of the head.
+    """The pipeline layers of ``plan``: the prologue, one per block, and the epilogue (final norm and head).
 
     The layers are adapters around the model's own modules (not registered anywhere themselves), so the
     LightningModule keeps its own parameter names: checkpoints load with ``load_from_checkpoint`` and the model
@@ -323,8 +376,7 @@ def declared_plan_layers(plan: DeclaredPlan) -> list[nn.Module]:
     inputs = BlockInputs(plan, blocks, dtype)
     layers: list[nn.Module] = [_Prologue(plan, inputs)]
     layers += [_Block(index, block, inputs) for index, block in enumerate(blocks)]
-    layers += [_Module(plan.base.get_submodule(name)) for name in plan.post]
-    layers += [_Module(plan.model.get_submodule(name)) for name in plan.head]
+    layers.append(_Epilogue(plan, inputs))
     return layers
 
 
