@@ -52,6 +52,7 @@ __all__ = [
 _HEAD_ONLY = ("labels", "logits_to_keep", "num_items_in_batch")
 """Arguments of a causal-LM call that only the head uses: never sent through the stages."""
 _REFUSED = ("inputs_embeds", "past_key_values")
+_UNSUPPORTED_FLAGS = ("use_cache", "output_hidden_states", "output_attentions")
 
 
 @dataclass(frozen=True)
@@ -425,9 +426,13 @@ class DeclaredPlanCall(ModelCall):
                 " `input_ids` (the first stage embeds them) and trains without a key-value cache. Pass"
                 " `input_ids=...` (and optionally `attention_mask`, `position_ids`, `labels`)."
             )
-        if arguments.get("use_cache"):
+        flags = [key for key in _UNSUPPORTED_FLAGS if arguments.get(key)]
+        if flags:
             raise ValueError(
-                f"The step called `{name}` with `use_cache=True`; training under a pipeline keeps no cache."
+                f"The step called `{name}` with `{flags[0]}=True`, which PipelineParallelStrategy does not support for"
+                " a declared model: only the hidden states cross stages, so the answer holds `loss` and `logits`"
+                " (no cache, no per-layer hidden states or attentions). Remove the argument, or define"
+                " `pipeline_layers()`."
             )
         side = {
             key: value
