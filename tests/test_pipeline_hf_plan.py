@@ -354,6 +354,12 @@ class _EmbedsStep(LitCausalLM):
         return self.model(inputs_embeds=self.model.model.embed_tokens(ids), labels=ids).loss
 
 
+class _HiddenStatesStep(LitCausalLM):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, _ = batch
+        return self.model(input_ids=ids, labels=ids, output_hidden_states=True).loss
+
+
 def _refusals(rank: int, world_size: int) -> dict[str, str]:
     def error(make: Any) -> str:
         try:
@@ -362,7 +368,12 @@ def _refusals(rank: int, world_size: int) -> dict[str, str]:
             return f"{type(caught).__name__}: {caught}"
         return "no error"
 
-    return {"no_plan": error(_NoPlan), "head": error(_Classifier), "embeds": error(_EmbedsStep)}
+    return {
+        "no_plan": error(_NoPlan),
+        "head": error(_Classifier),
+        "embeds": error(_EmbedsStep),
+        "hidden_states": error(_HiddenStatesStep),
+    }
 
 
 def test_refusals_name_the_problem_and_the_fix_on_every_rank():
@@ -372,6 +383,9 @@ def test_refusals_name_the_problem_and_the_fix_on_every_rank():
         assert result["head"].startswith("ValueError: `LlamaForSequenceClassification` declares a pipeline plan")
         assert "pipeline_layers()" in result["head"]
         assert result["embeds"].startswith("ValueError: The step called `LlamaForCausalLM` with `inputs_embeds`")
+        assert result["hidden_states"].startswith(
+            "ValueError: The step called `LlamaForCausalLM` with `output_hidden_states=True`"
+        )
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2"])
