@@ -401,3 +401,33 @@ def test_declared_plan_layers_compose_to_the_models_forward(kind):
     example = call.model_inputs((), {"input_ids": ids, "attention_mask": mask, "labels": ids})
     assert set(example[1]) == {"attention_mask"}  # labels stay on the last stage
     check_layers_compose_to_forward(module, layers, example, reference=call.reference)
+
+
+# ------------------------------------------------------------------------------------------------- launched
+@pytest.mark.slow
+def test_the_huggingface_example_under_torchrun_saves_and_exports(tmp_path):
+    # As a user launches it: two processes from torchrun, a Qwen2 split by its plan; the checkpoint and the
+    # `save_pretrained` export hold the same trained weights under HF's names.
+    import subprocess
+    import sys
+
+    from distributed_harness import find_free_port
+    from launch_helpers import EXAMPLES, ROOT, clean_environment
+    from transformers import AutoModelForCausalLM
+
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+        f"--master-port={find_free_port()}", str(EXAMPLES / "pipeline_huggingface.py"), "--arch", "qwen2",
+        "--max-steps", "3", "--save", str(tmp_path / "model.ckpt"), "--export", str(tmp_path / "hf"),
+    ]  # fmt: skip
+    completed = subprocess.run(
+        command, cwd=ROOT, env=clean_environment(), capture_output=True, text=True, timeout=240, check=False
+    )
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-4000:]
+    assert "split starts=(0, " in output
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    saved = torch.load(tmp_path / "model.ckpt", weights_only=True)["state_dict"]
+    assert saved["model.model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+    trained = {f"model.{name}": tensor for name, tensor in exported.state_dict().items()}
+    assert_weights_close({k: saved[k] for k in trained}, trained, rtol=0, atol=0)
