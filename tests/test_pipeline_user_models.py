@@ -151,7 +151,7 @@ def _demo_transformer() -> tuple[Transformer, list[nn.Module], Tensor]:
 def test_flop_count_runs_with_a_cached_plain_tensor_and_leaves_the_layers_as_they_were():
     model, layers, tokens = _demo_transformer()
     before_forward = layer_compute_costs(layers, (tokens, tokens))
-    assert model.pos_encoder.pe is None  # the count did not leave a meta cache behind
+    assert model.pos_encoder.pe is None  # the count did not leave a fake cache behind
     model(tokens, tokens)  # what the layer check does first: PositionalEncoding caches `pe` (a plain CPU tensor)
     cached, state = model.pos_encoder.pe, {k: v.clone() for k, v in model.state_dict().items()}
     assert cached is not None and not cached.is_meta
@@ -160,6 +160,20 @@ def test_flop_count_runs_with_a_cached_plain_tensor_and_leaves_the_layers_as_the
     assert_weights_close(model.state_dict(), state, rtol=0, atol=0)
     assert all(not p.is_meta for p in model.parameters())
     assert before_forward[1] < before_forward[3]  # a decoder layer (self and cross attention) costs more
+    # nn.TransformerDecoder reads its (real) mask to decide whether it is causal: it stays real, so that works.
+    memory = torch.randn(4, zoo.SEQ, 16)
+    (whole_decoder,) = layer_compute_costs([_WholeDecoder(model.transformer.decoder)], (memory, memory))
+    assert whole_decoder > before_forward[3]  # two decoder layers
+
+
+class _WholeDecoder(nn.Module):
+    def __init__(self, decoder: nn.TransformerDecoder) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, memory: Tensor, target: Tensor) -> Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(target.size(1))
+        return self.decoder(target, memory, tgt_mask=mask)
 
 
 def test_batchnorm_statistics_survive_the_flop_count():
@@ -182,7 +196,7 @@ class _Exploding(nn.Module):
 
 
 class _ReadsAValue(nn.Module):
-    """Reads a value computed from its parameters (``.item()``): its FLOPs cannot be counted on ``meta``."""
+    """Reads a value computed from its parameters (``.item()``): its FLOPs cannot be counted with fake parameters."""
 
     def __init__(self, width: int) -> None:
         super().__init__()

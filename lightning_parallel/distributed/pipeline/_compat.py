@@ -9,9 +9,9 @@ layer-sync flag) are in :mod:`lightning_parallel._compat`, so this package impor
 * ``PipelineStage._compute_outputs`` (torch >= 2.12) / ``_shape_inference`` (earlier): the methods that run a stage's
   forward for metadata inference only; wrapped so that run leaves no trace in buffers (BatchNorm statistics) or RNG.
   If neither exists we refuse to build stages rather than silently update BatchNorm statistics twice.
-* ``TorchDispatchMode`` (``torch.utils._python_dispatch``) and ``tree_flatten`` / ``tree_unflatten``
-  (``torch.utils._pytree``): :mod:`.flops` sees every op of a layer's forward to run those that mix ``meta`` and real
-  tensors on ``meta`` (a cached plain tensor attribute), as ``FlopCounterMode`` itself is a dispatch mode.
+* ``FakeTensorMode`` (``torch._subclasses.fake_tensor``): :mod:`.flops` counts a layer's FLOPs with fake stand-ins
+  for its parameters (shapes without memory that report their real device), as torch's own ``FlopCounterMode`` tests
+  and ``torch.export`` do.
 """
 
 from __future__ import annotations
@@ -19,16 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = [
-    "TorchDispatchMode",
-    "schedule_backward_initialized",
-    "stage_inference_method",
-    "tree_flatten",
-    "tree_unflatten",
-]
+__all__ = ["FakeTensorMode", "schedule_backward_initialized", "stage_inference_method"]
 
 _STAGE_INFERENCE_METHODS = ("_compute_outputs", "_shape_inference")
 

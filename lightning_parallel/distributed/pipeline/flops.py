@@ -1,19 +1,22 @@
-"""Counting a pipeline layer's forward FLOPs without running it: its parameters and activations on ``meta``.
+"""Counting a pipeline layer's forward FLOPs without running it: its parameters, and what they touch, are fake.
 
 Torch-only. ``partition="compute"`` needs each layer's FLOPs for an example batch, on every rank, at no memory cost.
 Moving a copy of the layer to ``meta`` (``copy.deepcopy(layer).to("meta")``) moves only parameters and buffers: a
 module that caches a plain tensor attribute (Lightning's demo ``PositionalEncoding.pe``, created at its first
-forward) then mixes a CPU tensor with meta activations and torch refuses the op. torch's ``FakeTensorMode`` accepts
-such tensors, but it also fakes the small tensors a forward builds to decide what to do (``nn.TransformerDecoder``
-compares its mask with a causal one, ``bool((mask == causal).all())``), and refuses to read them.
+forward) then mixes a CPU tensor with ``meta`` activations and torch refuses the op. Running the whole forward under
+torch's ``FakeTensorMode`` accepts such tensors, but it also fakes the small tensors a forward builds to decide what
+to do (``nn.TransformerDecoder`` compares its mask with a causal one, ``bool((mask == causal).all())``; Hugging Face
+checks whether a padding mask masks anything), and a fake tensor has no values to read.
 
-So here only what derives from the parameters is on ``meta``: the layer is called through
-``torch.func.functional_call`` with ``meta`` stand-ins for its parameters and buffers (no copy of the layer), and a
-dispatch mode runs every op that mixes ``meta`` and real tensors on ``meta``. The example inputs, side inputs
-(masks) and tensors the forward builds from them stay real, so control flow on them works as in a real forward;
-an op that reads a value derived from the parameters (``.item()`` of an activation) fails, and the caller falls
-back to parameter counts. Attributes the forward assigns (a cache built from ``meta`` activations) are put back
-afterwards, so the real module never holds a ``meta`` tensor.
+So here only what derives from the parameters is fake: the layer is called through ``torch.func.functional_call``
+with fake stand-ins for its parameters and buffers (no copy of the layer), made by one ``FakeTensorMode`` with
+``allow_non_fake_inputs=True`` and *not* entered. An op that touches a fake tensor runs in that mode (shapes only,
+real tensors it meets are taken in); every other op runs for real. So the example inputs, side inputs (masks),
+cached attributes and tensors the forward builds from them (``torch.arange(T, device=x.device)``: a fake tensor
+reports its real device) stay real, and control flow on them works as in a real forward. An op that reads a value
+computed from the parameters (``.item()`` of an activation) fails, and the caller falls back to parameter counts.
+Attributes the forward assigns (a cache built from fake activations) are put back afterwards, so the real module
+never holds a fake tensor.
 """
 
 from __future__ import annotations
@@ -26,53 +29,36 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_parallel.distributed.pipeline._compat import TorchDispatchMode, tree_flatten, tree_unflatten
+from lightning_parallel.distributed.pipeline._compat import FakeTensorMode
 
-__all__ = ["count_forward_flops"]
+__all__ = ["count_forward_flops", "new_fake_mode"]
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """The mode that makes the fake stand-ins: one per chain of layers, whose fake outputs feed the next layer."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def count_forward_flops(
-    layer: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
+    layer: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None, *, fake_mode: FakeTensorMode
 ) -> tuple[Any, int]:
-    """Call ``layer(*args, **kwargs)`` with its parameters and buffers on ``meta``; return its output and FLOPs.
+    """Call ``layer(*args, **kwargs)`` with fake parameters and buffers; return its output and its forward FLOPs.
 
     No gradients are recorded, the layer's parameters, buffers and attributes are left as they were, and nothing
-    the size of a parameter or an activation is allocated. The output's tensors are on ``meta`` (or real, for a
-    layer without parameters that only reshapes its real input).
+    the size of a parameter or an activation is allocated. Tensors of the output are fake (or real, for a layer
+    without parameters that only reshapes its real input); pass them on to the next layer with the same
+    ``fake_mode``.
 
     Raises:
-        Exception: Whatever the forward raises when an op reads a value computed from the parameters (there is none
-            on ``meta``), or when an op has no ``meta`` implementation.
+        Exception: Whatever the forward raises when an op reads a value computed from the parameters (a fake tensor
+            has none), or when an op has no fake implementation.
     """
-    stand_ins: dict[int, Tensor] = {}
-
-    def on_meta(tensor: Tensor) -> Tensor:
-        if id(tensor) not in stand_ins:  # tied tensors keep one stand-in: functional_call keeps them tied
-            stand_ins[id(tensor)] = torch.empty_like(tensor, device="meta")
-        return stand_ins[id(tensor)]
-
-    state = {name: on_meta(p) for name, p in layer.named_parameters(remove_duplicate=False)}
-    state.update({name: on_meta(b) for name, b in layer.named_buffers(remove_duplicate=False)})
-    with _attributes_restored(layer), torch.no_grad(), FlopCounterMode(display=False) as counter, _MetaWins():
+    tensors = [*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)]
+    state: dict[str, Tensor] = {name: fake_mode.from_tensor(tensor) for name, tensor in tensors}
+    # from_tensor remembers each tensor: tied parameters get one stand-in, so functional_call keeps them tied.
+    with _attributes_restored(layer), torch.no_grad(), FlopCounterMode(display=False) as counter:
         output = torch.func.functional_call(layer, state, tuple(args), dict(kwargs or {}))
     return output, int(counter.get_total_flops())
-
-
-class _MetaWins(TorchDispatchMode):
-    """Run every op that has a ``meta`` tensor argument on ``meta``: real tensor arguments follow it there.
-
-    Entered inside ``FlopCounterMode``, so the counter sees the op with every argument on ``meta`` (and counts it).
-    """
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        flat, spec = tree_flatten((args, kwargs or {}))
-        tensors = [value for value in flat if isinstance(value, Tensor)]
-        if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
-            flat = [v.to("meta") if isinstance(v, Tensor) and not v.is_meta else v for v in flat]
-            args, kwargs = tree_unflatten(flat, spec)
-        return func(*args, **(kwargs or {}))
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_parallel.distributed.pipeline.flops import count_forward_flops
+from lightning_parallel.distributed.pipeline.flops import count_forward_flops, new_fake_mode
 from lightning_parallel.distributed.pipeline.side_inputs import accepted_side_inputs, call_layer, split_side_inputs
 
 __all__ = [
@@ -191,14 +191,14 @@ def check_layer_output(index: int, layer: nn.Module, output: Any) -> tuple[Tenso
 def layer_compute_costs(
     layers: Sequence[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
 ) -> list[int]:
-    """Estimate each layer's compute by counting its forward FLOPs with its parameters on ``meta`` (no memory).
+    """Estimate each layer's compute by counting its forward FLOPs with fake parameters (no memory, deterministic).
 
     Also checks that every layer returns a tensor or a tuple of tensors. The estimate adds each layer's output
     size, so layers without matrix products (embeddings, norms) still count as the memory-bound work they are.
     Every rank computes the same numbers, so no communication is needed to agree on a split. The layers are not
-    copied: each runs once through ``torch.func.functional_call`` with ``meta`` stand-ins for its parameters and
-    buffers, so the inputs, masks and plain tensor attributes (a cached positional encoding) stay real and ops that
-    mix them with ``meta`` activations run on ``meta`` (see :mod:`.flops`); attributes the forward sets are put back.
+    copied: each runs once through ``torch.func.functional_call`` with fake stand-ins (shapes, no memory) for its
+    parameters and buffers; only what derives from them is fake, so the inputs, masks and plain tensor attributes (a
+    cached positional encoding) stay real (see :mod:`.flops`), and attributes the forward sets are put back.
 
     Args:
         layers: The pipeline layers, in order.
@@ -206,20 +206,21 @@ def layer_compute_costs(
 
     Raises:
         TypeError: If a layer returns something other than a tensor or a tuple of tensors.
-        RuntimeError: Naming the layer, if it cannot run with its parameters on ``meta`` (its forward reads a value
-            computed from them, e.g. ``.item()`` of an activation, or uses an op without a ``meta`` kernel).
+        RuntimeError: Naming the layer, if it cannot run with fake parameters (its forward reads a value computed
+            from them, e.g. ``.item()`` of an activation, or uses an op without a fake implementation).
     """
     costs = []
     side, extra = split_side_inputs(kwargs or {})
     current_args: tuple[Any, ...] = tuple(args)
+    fake_mode = new_fake_mode()
     for index, layer in enumerate(layers):
         layer_kwargs = {**accepted_side_inputs(layer, side), **(extra if index == 0 else {})}
         try:
-            output, flops = count_forward_flops(layer, current_args, layer_kwargs)
+            output, flops = count_forward_flops(layer, current_args, layer_kwargs, fake_mode=fake_mode)
         except Exception as error:
             raise _UncountableLayerError(
-                f"Could not count the FLOPs of pipeline layer {index} (`{type(layer).__name__}`) with its parameters"
-                f" on the meta device: {type(error).__name__}: {error}"
+                f"Could not count the FLOPs of pipeline layer {index} (`{type(layer).__name__}`) with fake (shape-only)"
+                f" parameters: {type(error).__name__}: {error}"
             ) from error
         outputs = check_layer_output(index, layer, output)
         costs.append(flops + sum(o.numel() for o in outputs))
@@ -228,7 +229,7 @@ def layer_compute_costs(
 
 
 class _UncountableLayerError(RuntimeError):
-    """A layer whose forward cannot run with its parameters on ``meta``; planning falls back to parameter counts."""
+    """A layer whose forward cannot run with fake parameters; planning falls back to parameter counts."""
 
 
 def _on(value: Any, device: torch.device) -> Any:
@@ -400,7 +401,7 @@ def plan_for_example(
 ) -> StagePlan:
     """Plan stages for ``layers`` given example inputs of the first layer (``(args, kwargs)``, or ``None``).
 
-    Only ``"compute"`` runs the layers, to count their FLOPs (:func:`layer_compute_costs`, parameters on ``meta``);
+    Only ``"compute"`` runs the layers, to count their FLOPs (:func:`layer_compute_costs`, with fake parameters);
     ``"parameters"`` and an explicit list run nothing (the layers' outputs are checked by the layer check and at
     run time), ``"measured"`` uses ``measured`` (per-layer times from :func:`measure_layer_times`, the same on every
     rank). Without an example, or when a layer's FLOPs cannot be counted (``warn`` says which and why), the split
