@@ -233,7 +233,7 @@ INVALID = {
     "instance in set": ({nn.Linear(1, 1)}, None, TypeError, "Pass the classes themselves"),
     "non-module class": ({int}, None, TypeError, "<class 'int'>"),
     "empty set": (set(), None, ValueError, "Pass `False` to turn it off"),
-    "no repeated blocks": (True, _NoBlocks, ValueError, "found no repeated blocks in `_NoBlocks`"),
+    "no blocks": (True, _NoBlocks, ValueError, "found no blocks in `_NoBlocks`"),
     "class not in model": ({MLP, nn.Linear}, _NoBlocks, ValueError, "names MLP, of which `_NoBlocks` holds no"),
 }
 

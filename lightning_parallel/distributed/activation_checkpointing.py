@@ -3,9 +3,11 @@
 One piece for every strategy (``activation_checkpointing: bool | set[type[nn.Module]] = False``):
 
 * ``False``: nothing is recomputed.
-* ``True``: every repeated block, found as ZeRO-3 finds its FSDP2 units
-  (:func:`lightning_parallel.distributed.zero3.find_repeated_blocks`: the children of a ``ModuleList``/``Sequential``
-  holding >= 2 modules of one class with trainable parameters, e.g. transformer blocks).
+* ``True``: every block, found as ZeRO-3 finds its FSDP2 units
+  (:func:`lightning_parallel.distributed.blocks.find_blocks`): the blocks a model declares in ``_no_split_modules``
+  (Hugging Face models), elsewhere the repeated blocks of a ``ModuleList``/``Sequential`` (>= 2 children of one
+  class with trainable parameters, e.g. transformer blocks; in a container mixing classes, only classes whose
+  modules have submodules of their own).
 * a set of ``nn.Module`` subclasses: every instance of those classes (the outermost one where they nest).
 
 How a block is wrapped, and why. torch's ``checkpoint_wrapper`` puts the block inside a ``CheckpointWrapper``, which
@@ -30,14 +32,13 @@ inference) the block runs its plain forward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_parallel.distributed.zero3 import find_repeated_blocks
+from lightning_parallel.distributed.blocks import declared_block_names, find_blocks, outermost_modules
 
 __all__ = [
     "ActivationCheckpointing",
@@ -97,14 +98,10 @@ def checkpointed_modules(module: nn.Module, policy: Any) -> list[nn.Module]:
     if policy is False:
         return []
     if policy is True:
-        chosen = [block for block in find_repeated_blocks(module) if block is not module]
+        chosen = find_blocks(module)
         if not chosen:
-            raise ValueError(
-                f"`activation_checkpointing=True` found no repeated blocks in `{type(module).__name__}` (a ModuleList"
-                " or Sequential holding >= 2 trainable modules of one class). Pass the classes to recompute instead,"
-                " e.g. `activation_checkpointing={MyBlock}`."
-            )
-        return _outermost(module, chosen)
+            raise ValueError(_no_blocks_message(module))
+        return outermost_modules(module, chosen)
     present = {type(m) for m in module.modules() if m is not module}
     missing = [cls for cls in policy if not any(issubclass(p, cls) for p in present)]
     if missing:
@@ -113,23 +110,25 @@ def checkpointed_modules(module: nn.Module, policy: Any) -> list[nn.Module]:
         raise ValueError(
             f"`activation_checkpointing` names {names}, of which `{type(module).__name__}` holds no instance (its own"
             f" module classes: {held or 'only torch.nn layers'}). Pass classes the model uses, e.g. the class of its"
-            " transformer blocks, or `True` for every repeated block."
+            " transformer blocks, or `True` for every block."
         )
     classes = tuple(policy)
-    return _outermost(module, [m for m in module.modules() if m is not module and isinstance(m, classes)])
+    return outermost_modules(module, [m for m in module.modules() if m is not module and isinstance(m, classes)])
 
 
-def _outermost(root: nn.Module, chosen: Iterable[nn.Module]) -> list[nn.Module]:
-    chosen_ids = {id(m) for m in chosen}
-    result: list[nn.Module] = []
-    inside: set[int] = set()
-    for m in root.modules():  # pre-order: a parent comes before its children
-        if id(m) in inside:
-            continue
-        if id(m) in chosen_ids:
-            result.append(m)
-            inside.update(id(sub) for sub in m.modules())
-    return result
+def _no_blocks_message(module: nn.Module) -> str:
+    declared = sorted(declared_block_names(module))
+    declaration = (
+        f"`_no_split_modules` names {', '.join(declared)}, of which it holds no instance with parameters"
+        if declared
+        else "no submodule declares `_no_split_modules` (Hugging Face models do)"
+    )
+    return (
+        f"`activation_checkpointing=True` found no blocks in `{type(module).__name__}`: {declaration}, and no"
+        " ModuleList or Sequential holds >= 2 children of one class with trainable parameters (in a container that"
+        " mixes classes, children with submodules of their own: single layers such as Linear do not count). Pass"
+        " the classes to recompute instead, e.g. `activation_checkpointing={MyBlock}`."
+    )
 
 
 class _CheckpointedForward:

@@ -1,4 +1,5 @@
-"""ZeRO stage 3 through torch's FSDP2 (``fully_shard``), applied automatically per repeated block.
+"""ZeRO stage 3 through torch's FSDP2 (``fully_shard``), applied automatically per block
+(:func:`~lightning_parallel.distributed.blocks.find_blocks`: the blocks a model declares, else its repeated blocks).
 
 FSDP2 is torch's maintained engine for parameter sharding (DTensor parameters sharded on dim 0, all-gathered per
 block for forward/backward, gradients reduce-scattered), so we only decide *where* to apply it, materialise
@@ -32,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
+from lightning_parallel.distributed.blocks import find_blocks
 from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, even_split
 
 __all__ = [
@@ -40,7 +42,6 @@ __all__ = [
     "cast_parameters",
     "consolidated_model_state",
     "consolidated_optimizer_state",
-    "find_repeated_blocks",
     "fsdp_units",
     "load_consolidated_model_state",
     "load_consolidated_optimizer_state",
@@ -54,26 +55,11 @@ __all__ = [
 ]
 
 
-def find_repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """Modules of every ``ModuleList``/``Sequential`` holding >= 2 children of one class (transformer blocks, ...)."""
-    blocks: list[nn.Module] = []
-    taken: set[int] = set()
-    for container in module.modules():
-        if id(container) in taken or not isinstance(container, nn.ModuleList | nn.Sequential):
-            continue
-        children = list(container.children())
-        if len(children) >= 2 and len({type(child) for child in children}) == 1:
-            if any(p.requires_grad for child in children for p in child.parameters()):
-                blocks.extend(children)
-                taken.update(id(m) for child in children for m in child.modules())
-    return blocks
-
-
 def apply_fully_shard(
     module: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None
 ) -> list[nn.Module]:
-    """Shard each repeated block, then each top-level child holding the remaining parameters, then ``module`` itself
-    as the root unit; return the units, the root last.
+    """Shard each block (:func:`~lightning_parallel.distributed.blocks.find_blocks`), then each top-level child
+    holding the remaining parameters, then ``module`` itself as the root unit; return the units, the root last.
 
     A unit that holds only some of the names of a tied parameter (e.g. an embedding whose weight is also the LM
     head's) is not sharded on its own: sharding it would untie the weights. Whatever no unit covers (tied weights,
@@ -173,7 +159,7 @@ def fsdp_units(module: nn.Module) -> list[nn.Module]:
     """The units holding parameters that :func:`apply_fully_shard` shards, in its order, without sharding anything
     (the planner's view); ``module`` is among them when it holds parameters no other unit covers (else
     :func:`apply_fully_shard` adds it as a root without parameters of its own)."""
-    units = find_repeated_blocks(module)
+    units = find_blocks(module)
     units += _remaining_children(module, units)
     units = [unit for unit in units if not _splits_a_tie(module, unit)]
     covered = {id(p) for unit in units for p in unit.parameters()}

@@ -6,11 +6,11 @@ all-reduce hides behind backward). Megatron's distributed optimizer (``overlap_p
 all-gather after the step and waits for each in a forward pre-hook of the modules that use it. We do the same with a
 granularity that stays correct for real models:
 
-* A **repeated block** (a transformer layer, found as ZeRO-3 finds its units) waits, in its forward pre-hook, for the
-  buckets holding any parameter of the whole block. A block may read its submodules' parameters without calling
-  them (``nn.MultiheadAttention`` reads ``out_proj.weight`` functionally; a mixture of experts stacks its experts'
-  weights), so waiting for the block's own direct parameters only, as Megatron does per module, would let such a
-  model read stale values silently.
+* A **block** (a transformer layer, found as ZeRO-3 finds its units, ``blocks.find_blocks``) waits, in its forward
+  pre-hook, for the buckets holding any parameter of the whole block. A block may read its submodules' parameters
+  without calling them (``nn.MultiheadAttention`` reads ``out_proj.weight`` functionally; a mixture of experts stacks
+  its experts' weights), so waiting for the block's own direct parameters only, as Megatron does per module, would
+  let such a model read stale values silently.
 * Every **other bucket** (embeddings, the final norm, the head, and any bucket shared with them) is waited for before
   the training step starts (:meth:`wait_for_rest`), so code outside the blocks reads whole, current parameters.
 * The buckets are launched in the order they are first needed (the rest, then block by block in forward order), so
@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_parallel.distributed.blocks import find_blocks
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
-from lightning_parallel.distributed.zero3 import find_repeated_blocks
 
 __all__ = ["OverlappedParameterGather"]
 
@@ -58,7 +58,7 @@ class OverlappedParameterGather:
         self.buckets = buckets
         self.waiting = waiting
         bucket_of = {id(segment.param): index for index, b in enumerate(buckets.buckets) for segment in b.segments}
-        blocks = [block for block in find_repeated_blocks(module) if not _shares_parameters(module, block)]
+        blocks = [block for block in find_blocks(module) if not _shares_parameters(module, block)]
         if any(_is_compiled(m) for m in module.modules()):
             blocks = []  # a hook inside a compiled region would break its graph: wait for everything up front
         in_blocks: set[int] = set()
