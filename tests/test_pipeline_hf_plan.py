@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import model_zoo as zoo
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,20 +116,7 @@ def _loader(padded: bool, *, batch_size: int = BATCH, replicas: int = 1, replica
 
 
 def _trainer(strategy: Any, devices: int, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": devices,
-        "strategy": strategy,
-        "max_steps": STEPS,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "use_distributed_sampler": False,
-        "num_sanity_val_steps": 0,
-        "gradient_clip_val": 1.0,
-    }
-    return pl.Trainer(**{**options, **kwargs})
+    return zoo.trainer(strategy, devices, max_steps=STEPS, gradient_clip_val=1.0, **kwargs)
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
