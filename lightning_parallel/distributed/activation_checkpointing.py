@@ -27,11 +27,21 @@ training equals training without checkpointing. The recomputation also leaves th
 left them, so BatchNorm's running statistics are updated once per step (torch's checkpoint alone updates them twice).
 With gradients disabled (evaluation, torch's pipeline shape
 inference) the block runs its plain forward.
+
+A block called with a key/value cache to fill (Hugging Face's ``past_key_values``/``layer_past`` with
+``use_cache=True``, the configs' default even in training) would write it a second time in the recomputation and
+attend to both writes (a shape error with a padding mask, silently other values without). As Hugging Face's own
+gradient checkpointing (``GradientCheckpointingLayer``) does, a checkpointed block runs without the cache while
+gradients are enabled, unless its class declares ``_can_checkpoint_with_cache = True`` (it only reads the cache).
+In training the cache starts empty, so this changes nothing but the cache the model returns (empty).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import itertools
+import warnings
 from typing import Any, TypeAlias
 
 import torch
@@ -47,6 +57,9 @@ __all__ = [
     "is_checkpointed",
     "validate_activation_checkpointing",
 ]
+
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+"""The names Hugging Face blocks give their key/value cache (5.x, 4.x, GPT-2 before 4.x)."""
 
 ActivationCheckpointing: TypeAlias = bool | set[type[nn.Module]]
 """The strategies' option type: ``False``, ``True`` (every repeated block) or a set of module classes."""
@@ -141,6 +154,7 @@ class _CheckpointedForward:
     def __init__(self, module: nn.Module, original: Any) -> None:
         self.module = module
         self.original = original
+        self._positions: dict[str, int] | None = None
 
     def plain_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.original is not None:
@@ -150,7 +164,48 @@ class _CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.plain_forward(*args, **kwargs)
+        args, kwargs = self._without_cache(args, kwargs)
         return checkpoint(self.plain_forward, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
+
+    def _without_cache(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's arguments with ``use_cache=False`` and no key/value cache (module docstring), whether they
+        were passed by keyword (Llama) or by position (GPT-2 passes ``past_key_values`` second)."""
+        keeps_cache = getattr(self.module, "_can_checkpoint_with_cache", False) is True
+        replacements = {"use_cache": False} | ({} if keeps_cache else dict.fromkeys(_CACHE_ARGUMENTS))
+        positions = self._argument_positions()
+        new_args, new_kwargs, dropped = list(args), dict(kwargs), []
+        for name, value in replacements.items():
+            if name in new_kwargs:
+                old, new_kwargs[name] = new_kwargs[name], value
+            elif positions.get(name, len(args)) < len(args):
+                old, new_args[positions[name]] = new_args[positions[name]], value
+            else:
+                continue
+            if name != "use_cache" and old is not None:
+                dropped.append(name)
+        if dropped:
+            warnings.warn(
+                f"`{type(self.module).__name__}` is recomputed in backward (activation checkpointing), so it runs"
+                f" without its key/value cache ({', '.join(dropped)}=None, use_cache=False), as Hugging Face's"
+                " gradient checkpointing does. Pass `use_cache=False` to the model while training to silence this.",
+                stacklevel=3,
+            )
+        return tuple(new_args), new_kwargs
+
+    def _argument_positions(self) -> dict[str, int]:
+        """Positions in ``*args`` of the forward's positional parameters, by name (empty for ``*args`` only)."""
+        if self._positions is None:
+            forward = self.original if self.original is not None else type(self.module).forward
+            try:
+                parameters = list(inspect.signature(forward).parameters.values())
+            except (TypeError, ValueError):  # a builtin or an object without a signature: keywords only
+                parameters = []
+            if self.original is None:
+                parameters = parameters[1:]  # the class's function: `self` comes first
+            positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            names = [p.name for p in itertools.takewhile(lambda p: p.kind in positional, parameters)]
+            self._positions = {name: index for index, name in enumerate(names)}
+        return self._positions
 
     def _contexts(self) -> tuple[Any, Any]:
         """(forward, recomputation) contexts: the recomputation in backward leaves the block's buffers as the
