@@ -178,6 +178,9 @@ def _two_ranks(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
         result[f"llama_{schedule}"] = _state(module)
         result[f"llama_{schedule}_starts"] = strategy.stage_plan.starts
         result["llama_layers"] = strategy.stage_plan.num_layers
+    strategy = _pipeline(partition="measured")  # layers timed on copies: the copies share the one model
+    module, _ = _fit(LitCausalLM, strategy, world_size, False)
+    result["llama_measured"] = _state(module)
     strategy = _pipeline()
     module, trainer = _fit(lambda: LitCausalLM("qwen2", "adamw"), strategy, world_size, True)
     result["qwen2"] = _state(module)
@@ -203,6 +206,7 @@ def test_declared_plan_models_train_like_one_device_with_every_schedule(tmp_path
         for schedule in SCHEDULES:
             assert_weights_close(result[f"llama_{schedule}"], references["llama"]["weights"], **TOLERANCE)
         assert len(result["llama_Interleaved1F1B_starts"]) == 4  # 2 virtual stages per rank
+        assert_weights_close(result["llama_measured"], references["llama"]["weights"], **TOLERANCE)
         assert_weights_close(result["qwen2"], references["qwen2"]["weights"], **ADAM_TOLERANCE)
         assert result["qwen2_tied"] and result["qwen2_copied"] == {"model.model.embed_tokens.weight": (0, 1)}
         assert_weights_close(result["gpt2"], references["gpt2"]["weights"], **TOLERANCE)

@@ -76,6 +76,11 @@ class DeclaredPlan:
     def is_causal_lm(self) -> bool:
         return bool(self.head)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeclaredPlan:
+        # A layer copied for timing (`partition="measured"`) keeps pointing at the one model: copying the plan would
+        # copy the whole model once per layer.
+        return self
+
 
 def find_declared_plan(module: nn.Module) -> DeclaredPlan | None:
     """The outermost submodule of ``module`` that declares a pipeline plan (``supports_pp_plan``), as a plan.
@@ -254,6 +259,9 @@ class BlockInputs:
         self._key: tuple[Any, ...] | None = None
         self._kept: tuple[Any, ...] = ()  # the key's tensors, alive while cached (their ids stay theirs)
         self._calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> BlockInputs:
+        return self  # shared by a layer's copy (see `DeclaredPlan.__deepcopy__`): it reads the model, holds no weights
 
     def for_block(
         self, index: int, hidden_states: Tensor, side: Mapping[str, Tensor]
