@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "model",
-        help="a preset (tiny, small, gpt-125m, gpt-350m, gpt-1.3b), a parameter count (350M, 1.3e9) or a"
+        help="a preset (tiny, small, gpt-125m, gpt-350m, gpt-1.3b), a parameter count (350M, 1.3e9), a Hugging Face"
+        " config.json or a directory holding one (local files only; gpt2, llama, mistral, qwen2, qwen3, gemma) or a"
         " LightningModule class path (package.module:Class, constructed without arguments on the meta device)",
     )
     parser.add_argument("--world-size", type=int, required=True, help="total number of devices (processes)")

@@ -131,14 +131,17 @@ def plan(
 
     Args:
         model: a preset (``"gpt-1.3b"``), a parameter count (``350_000_000``, ``"1.3B"``), a ``GPTConfig``, a
-            ``"package.module:Class"`` LightningModule path, or a module instance.
+            Hugging Face transformers config (``LlamaConfig(...)``, a local ``config.json`` or a directory holding
+            one; :mod:`lightning_parallel.planner.hf`), a ``"package.module:Class"`` LightningModule path, or a module
+            instance.
         world_size: total number of processes (devices).
         num_nodes: machines they are spread over (changes the recommendation only).
         device_memory: bytes per device; ``None`` skips the "fits" check.
         optimizer: a key of :data:`~lightning_parallel.planner.estimate.OPTIMIZER_STATES`.
         precision: a Lightning precision string (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...).
         batch_size: samples per batch of one data-parallel replica (what its dataloader yields).
-        seq_len: tokens per sample; ``None``: the model's ``TransformerShape.max_seq_len`` (1 without one).
+        seq_len: tokens per sample; ``None``: the model's ``TransformerShape`` (its ``default_seq_len``, else
+            ``max_seq_len``; 1 without one; a transformers config: ``min(max_position_embeddings, 4096)``).
         num_microbatches: pipeline micro-batches; ``None``: :func:`default_microbatches` (the planner passes the
             count it chose in the ``Trainer`` line; bytes held and sent do not depend on it).
         schedule: pipeline schedule (``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"``).
@@ -163,7 +166,7 @@ def plan(
         )
     spec = model_spec(model)
     if seq_len is None:
-        seq_len = spec.shape.max_seq_len if spec.shape is not None else 1
+        seq_len = (spec.shape.default_seq_len or spec.shape.max_seq_len) if spec.shape is not None else 1
     element, activation = PRECISION_BYTES[precision]
     ctx = EstimateContext(
         spec,

@@ -46,9 +46,12 @@ class TransformerShape:
     vocab_size: int
     """Rows of the output head (the logits are ``vocab_size`` wide)."""
     max_seq_len: int
-    """The longest sequence the model takes; the planner's default ``seq_len``."""
+    """The longest sequence the model takes; the planner's default ``seq_len`` unless :attr:`default_seq_len` is set."""
     first_block_layer: int = 1
     """Index of the first block in ``pipeline_layers()`` (blocks are contiguous: ``[embedding, *blocks, ...]``)."""
+    default_seq_len: int | None = None
+    """The planner's default ``seq_len`` when it should be shorter than :attr:`max_seq_len` (a Hugging Face config's
+    ``max_position_embeddings`` of 128k tokens); ``None``: ``max_seq_len``."""
 
     def example_inputs(self, batch_size: int, seq_len: int) -> tuple[Tensor, ...]:
         """Token ids ``(batch_size, seq_len)`` on the meta device: the input of ``forward``."""

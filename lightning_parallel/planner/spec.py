@@ -1,9 +1,10 @@
 """What the planner needs to know about a model: parameter shapes, pipeline layers, FSDP2 units, transformer shape.
 
 Built on the ``meta`` device (no memory, any size) from a registered preset name, a parameter count, a registered
-config object (the demo's ``GPTConfig``), a ``"package.module:Class"`` path or a module instance, using the same
-functions the strategies use to split the model (:func:`lightning_parallel.distributed.zero3.fsdp_units`, the
-pipeline partitioner). The transformer shape comes from the model's own hook (:mod:`.shape`).
+config object (the demo's ``GPTConfig``), a Hugging Face config (:mod:`.hf`), a ``"package.module:Class"`` path or a
+module instance, using the same functions the strategies use to split the model
+(:func:`lightning_parallel.distributed.zero3.fsdp_units`, the pipeline partitioner). The transformer shape comes from
+the model's own hook (:mod:`.shape`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from lightning_parallel.distributed.pipeline.partition import (
     plan_for_example,
     resolve_pipeline_layers,
 )
+from lightning_parallel.planner.hf import decoder_layout, hf_notes, read_hf_config
+from lightning_parallel.planner.hf_modules import build_causal_lm
 from lightning_parallel.planner.shape import (
     TransformerShape,
     build_from_config,
@@ -131,12 +134,14 @@ class ModelSpec:
 
 def model_spec(model: Any) -> ModelSpec:
     """Describe ``model``: a preset name (``"tiny"``, ``"gpt-125m"``, ... registered by the demo), a parameter count
-    (``int`` or a string like ``"1.3e9"``/``"350M"``), a registered config object (``GPTConfig``), a
-    ``"package.module:Class"`` LightningModule path (constructed without arguments on the meta device) or an
-    ``nn.Module`` instance.
+    (``int`` or a string like ``"1.3e9"``/``"350M"``), a registered config object (``GPTConfig``), a Hugging Face
+    transformers config (``LlamaConfig(...)``, a local ``config.json`` or a directory holding one; see
+    :mod:`.hf`), a ``"package.module:Class"`` LightningModule path (constructed without arguments on the meta device)
+    or an ``nn.Module`` instance.
 
     Raises:
-        ValueError: for a string that is neither a preset, a count nor an importable class path.
+        ValueError: for a string that is neither a preset, a count, a local config nor an importable class path, and
+            for a transformers config of an architecture the planner does not know (:class:`.hf.HFConfigError`).
     """
     if isinstance(model, nn.Module):
         return _from_module(type(model).__name__, model)
@@ -145,15 +150,22 @@ def model_spec(model: Any) -> ModelSpec:
     built = build_from_config(model)
     if built is not None:
         return _from_module(type(built).__name__, built)
+    if isinstance(model, str):
+        count = _parse_count(model)
+        if count is not None:
+            return _from_count(count)
+        build = preset_builder(model)
+        if build is not None:
+            with torch.device("meta"):
+                return _from_module(model, build())
+    config = read_hf_config(model)  # a transformers config, its config.json or a directory holding one
+    if config is not None:
+        return _from_hf_config(*config)
     if not isinstance(model, str):
-        raise ValueError(f"`model={model!r}` is invalid: pass a preset name, a parameter count or a class path.")
-    count = _parse_count(model)
-    if count is not None:
-        return _from_count(count)
-    build = preset_builder(model)
-    if build is not None:
-        with torch.device("meta"):
-            return _from_module(model, build())
+        raise ValueError(
+            f"`model={model!r}` is invalid: pass a preset name, a parameter count, a transformers config (or its"
+            " local config.json) or a class path."
+        )
     return _from_module(model, _construct(model))
 
 
@@ -180,6 +192,14 @@ def _from_module(name: str, module: nn.Module) -> ModelSpec:
         module=module,
         shape=transformer_shape_of(module),
     )
+
+
+def _from_hf_config(values: dict[str, Any], origin: str) -> ModelSpec:
+    layout = decoder_layout(values, origin)
+    with torch.device("meta"):
+        spec = _from_module(f"{layout.causal_lm} ({origin})", build_causal_lm(layout))
+    spec.notes += hf_notes(layout)
+    return spec
 
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:
@@ -220,8 +240,8 @@ def _construct(path: str) -> nn.Module:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as error:
         raise ValueError(
-            f"`model={path!r}` is not a preset ({', '.join(preset_names())}), a parameter count (e.g. '350M') or an"
-            f" importable class path like 'my_package.models:MyModule' ({error})."
+            f"`model={path!r}` is not a preset ({', '.join(preset_names())}), a parameter count (e.g. '350M'), a local"
+            f" config.json (or its directory) or an importable class path like 'my_package.models:MyModule' ({error})."
         ) from error
     with torch.device("meta"):
         return cls()
