@@ -37,7 +37,9 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   (Narayanan et al., 2021). With ``zero_stage`` 1 or 2 (dp > 1) each stage's parameters are bucketed as ZeRO-1/2
   buckets them (:func:`zero_buckets` of the stage's parameters, each bucket padded to a multiple of dp) and the
   replicas reduce-scatter and all-gather them instead of the all-reduce: ZeRO-1/2's arithmetic per stage, over dp
-  ranks (the all-reduce of tied-weight copies is not modelled).
+  ranks (the all-reduce of tied-weight copies is not modelled there). Without it, a weight tied across stages (an
+  embedding shared with the LM head) is held by every rank that runs a user of it, and those ranks all-reduce its
+  gradient (plus one flag element per parameter) once a step (``distributed/pipeline/tied.py``).
 * Activations are an *estimate* (see :func:`activation_estimate`): per transformer block and token ``34*h + 5*a*s``
   bytes in 16-bit precision (Korthikanti et al., 2022, no recomputation, sequence length s, hidden h, heads a;
   doubled in fp32), plus the logits and their gradient in fp32 (``8*V`` bytes per token). A pipeline stage holds the
@@ -54,7 +56,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_parallel.accounting import ring_wire_bytes
-from lightning_parallel.distributed.pipeline.partition import resolve_pipeline_layers
+from lightning_parallel.distributed.pipeline.partition import StagePlan, resolve_pipeline_layers
+from lightning_parallel.distributed.pipeline.tied import TiedLayout, find_tied_parameters
 from lightning_parallel.planner.shape import TransformerShape
 from lightning_parallel.planner.spec import ModelSpec, ParamSpec
 
@@ -109,6 +112,9 @@ class RankEstimate:
     """Bytes per collective per training step (the monitor's definition)."""
     activations: int | None = None
     """Estimate (see the module docstring); ``None``: unknown for this model."""
+    other_groups: list[tuple[str, int, int]] = field(default_factory=list)
+    """Collectives counted in :attr:`communication` that run over another group than the configuration's
+    data-parallel one, as ``(collective, bytes, group size)``: a pipeline's tied-weight all-reduce."""
 
     @property
     def held(self) -> int:
@@ -142,7 +148,15 @@ class ConfigEstimate:
         group = world_size
         if self.name.startswith("pipeline"):
             group = world_size // int(self.name.split("pp=")[1].split(",")[0])
-        return max(sum(ring_wire_bytes(k, v, group) for k, v in r.communication.items()) for r in self.ranks)
+        return max(_rank_wire_bytes(r, group) for r in self.ranks)
+
+
+def _rank_wire_bytes(rank: RankEstimate, group: int) -> float:
+    other = {kind: 0 for kind in rank.communication}
+    for kind, num_bytes, _ in rank.other_groups:
+        other[kind] += num_bytes
+    wire = sum(ring_wire_bytes(kind, v - other[kind], group) for kind, v in rank.communication.items())
+    return wire + sum(ring_wire_bytes(kind, num_bytes, size) for kind, num_bytes, size in rank.other_groups)
 
 
 @dataclass(frozen=True)
@@ -369,6 +383,7 @@ def estimate_pipeline(
     if outputs is not None:  # bytes leaving stage s forward (= its output gradient coming back), whole batch
         boundary = [outputs[plan.layers_of(s)[-1]] * e for s in range(num_stages)]
     in_flight = m if schedule.lower() == "gpipe" else None
+    tied_sync = _tied_sync(ctx, plan)
     ranks = []
     for r in range(n):
         pr = r % p
@@ -387,6 +402,9 @@ def estimate_pipeline(
             comm.update(sharded)
         elif dp > 1:
             comm["all_reduce"] = local * e
+        others = [] if dp > 1 and zero_stage else tied_sync.get(pr, [])
+        for kind, num_bytes, _ in others:
+            comm[kind] = comm.get(kind, 0) + num_bytes
         blocks = _blocks_in(ctx, plan, stages)
         flight = in_flight if in_flight is not None else min(m, p - pr)
         has_head = (num_stages - 1) in stages
@@ -397,7 +415,7 @@ def estimate_pipeline(
             with_logits=has_head,
             recompute_samples=ctx.batch_size / m,
         )
-        ranks.append(RankEstimate(held[0], held[1], held[2], comm, act))
+        ranks.append(RankEstimate(held[0], held[1], held[2], comm, act, other_groups=others))
     name = (
         f"pipeline pp={p}, dp={dp}"
         + (f", v={v}" if v > 1 else "")
@@ -421,6 +439,22 @@ def estimate_pipeline(
         notes=notes,
         communication_complete=boundary is not None,
     )
+
+
+def _tied_sync(ctx: EstimateContext, plan: StagePlan) -> dict[int, list[tuple[str, int, int]]]:
+    """Per pipeline rank, the all-reduces that sum the gradients of its tied-parameter copies, as ``("all_reduce",
+    bytes, group size)``: one flat buffer per set of ranks sharing copies, holding the gradients and one flag element
+    per parameter (``TiedGradientSync``)."""
+    module = ctx.spec.module
+    assert module is not None
+    layout = TiedLayout(tuple(find_tied_parameters(module, resolve_pipeline_layers(module))), plan)
+    numel = {p.name: p.numel for p in ctx.spec.params}
+    sync: dict[int, list[tuple[str, int, int]]] = {}
+    for ranks, names in layout.rank_sets().items():
+        num_bytes = (sum(numel[n] for n in names) + len(names)) * ctx.element_bytes
+        for rank in ranks:
+            sync.setdefault(rank, []).append(("all_reduce", num_bytes, len(ranks)))
+    return sync
 
 
 def _stage_spec(ctx: EstimateContext, plan: object, stages: list[int]) -> ModelSpec:
