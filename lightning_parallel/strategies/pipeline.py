@@ -21,7 +21,12 @@ from typing_extensions import override
 from lightning_parallel import _compat
 from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
-from lightning_parallel.distributed.checkpoint import replicated_pieces, save_sharded_checkpoint
+from lightning_parallel.distributed.checkpoint import (
+    gather_scalar_states,
+    replicated_pieces,
+    save_sharded_checkpoint,
+    scalar_states,
+)
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.consolidate import (
     consolidate_buffers,
@@ -79,7 +84,6 @@ from lightning_parallel.distributed.zero_optimizer import check_shardable
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
-from lightning_parallel.strategies.checkpointing import scalar_states_of
 from lightning_parallel.strategies.clipping import with_clipping
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks
@@ -131,8 +135,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             shrinks the bubble ``(p - 1) / (m + p - 1)``).
         stages_per_rank: Virtual stages per rank for the multi-stage schedules; ``"auto"`` is 2 for those, else 1
             (always 1 on a one-rank pipeline).
-        partition: ``"compute"`` balances stages by forward FLOPs estimated on the ``meta`` device for an example
-            batch (deterministic, the same on every rank), ``"measured"`` by each layer's forward + backward time on
+        partition: ``"compute"`` balances stages by forward FLOPs counted with shape-only (fake) parameters for an
+            example batch (no memory; deterministic, the same on every rank), ``"measured"`` by each layer's forward + backward time on
             rank 0's device for that batch (shared with the other ranks), ``"parameters"`` by parameter count, or a
             list with the first layer index of every stage but the first.
         activation_checkpointing: recompute blocks in backward instead of keeping their activations, on every
@@ -740,13 +744,17 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         pieces = [replace(piece, name=self._aliases.get(piece.name, piece.name)) for piece in pieces]
         pieces = [piece for piece in pieces if piece.name in self._local_parameter_names]
         buffers = consolidate_buffers(module, dims) or {}
+        # Each parameter's own 0-dim state (Adam's `step`), from the stage that holds it.
+        names = canonical_names(module, self._aliases)
+        local = scalar_states(((names[id(param)], param) for param in module.parameters()), optimizer)
+        scalars = gather_scalar_states(local, group=dims.pipeline_group)
         meta = sharded_meta(
             checkpoint,
             optimizer,
             layout=self._optimizer_layouts[0] if self._optimizer_layouts else None,
             shapes=self._full_shapes,
             state_keys=self._full_state_keys,
-            scalars=scalar_states_of(optimizer),
+            scalars=scalars,
             aliases=self._aliases,
         )
         save_sharded_checkpoint(self.broadcast(str(filepath)), pieces, buffers=buffers, meta=meta)
