@@ -9,8 +9,9 @@ no gather to rank 0):
   split of every parameter, so the writes are parallel there too);
 * ``"buffer/{name}"``: module buffers, written by rank 0;
 * ``meta.pt``: everything else, written by rank 0: Lightning's training state (epoch, loops, callbacks,
-  schedulers, ...), parameter shapes, the optimizer's param groups with parameter *names*, and 0-dim state
-  (Adam's ``step``).
+  schedulers, ...), parameter shapes, the optimizer's param groups with parameter *names*, and each parameter's
+  own 0-dim state by name (Adam's ``step``: a parameter without a gradient in some steps, such as an auxiliary
+  head or a layer frozen for a while, has a count of its own).
 
 Flat element ranges do not depend on the world size or the stage, so a reader can reassemble any range. The
 directory is written under a temporary name and renamed into place, so an interrupted save never replaces the
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 import shutil
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ __all__ = [
     "build_meta",
     "consolidate_checkpoint",
     "even_split",
+    "gather_scalar_states",
     "is_sharded_checkpoint",
     "param_groups_by_name",
     "read_sharded_checkpoint",
@@ -50,6 +52,7 @@ __all__ = [
     "resolve_sharded_path",
     "safe_load",
     "save_sharded_checkpoint",
+    "scalar_states",
     "sharded_to_consolidated",
 ]
 
@@ -115,6 +118,42 @@ def replicated_pieces(
     return pieces
 
 
+def scalar_states(
+    named_parameters: Iterable[tuple[str, Tensor]], optimizer: torch.optim.Optimizer | None
+) -> dict[str, dict[str, Any]]:
+    """Each parameter's own 0-dim optimizer state (Adam's ``step``) by name, for the parameters that have state in
+    ``optimizer`` (what ``meta.pt`` keeps under ``"scalars"``; per-element state goes into the pieces).
+
+    Per parameter, never one parameter's for all: torch's optimizers skip a parameter whose gradient is ``None``, so
+    an auxiliary head used every other step has half the trunk's ``step``, and AdamW's bias correction reads it.
+    """
+    if optimizer is None:
+        return {}
+    scalars = {}
+    for name, param in named_parameters:
+        state = optimizer.state.get(param)
+        if state:
+            scalars[name] = {k: v for k, v in state.items() if not (isinstance(v, Tensor) and v.dim() > 0)}
+    return scalars
+
+
+def gather_scalar_states(
+    local: Mapping[str, dict[str, Any]], *, group: dist.ProcessGroup | None = None
+) -> dict[str, dict[str, Any]]:
+    """Collective over ``group`` when distributed: the union of every rank's :func:`scalar_states`, for writers
+    whose ranks hold different parameters (pipeline stages). A name held by several ranks (replicas, tied copies)
+    has the same state on each; the lowest rank's is kept."""
+    if not _is_distributed():
+        return dict(local)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, dict(local), group=group)
+    merged: dict[str, dict[str, Any]] = {}
+    for states in gathered:
+        for name, state in states.items():
+            merged.setdefault(name, state)
+    return merged
+
+
 def build_meta(
     module: torch.nn.Module,
     *,
@@ -122,7 +161,8 @@ def build_meta(
     param_groups: list[dict[str, Any]] | None,
     scalars: dict[str, dict[str, Any]],
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """``meta.pt`` content and the buffers to write. ``param_groups`` name their parameters (not indices).
+    """``meta.pt`` content and the buffers to write. ``param_groups`` name their parameters (not indices);
+    ``scalars`` holds each parameter's own 0-dim optimizer state (:func:`scalar_states`).
 
     A tied parameter (one tensor under several names, e.g. an embedding reused as the LM head) is written once
     under its first name; ``aliases`` maps its other names to it, so loading restores every name.

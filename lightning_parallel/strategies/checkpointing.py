@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _PATH
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_parallel.distributed.checkpoint import (
     DamagedCheckpointError,
@@ -24,7 +24,7 @@ from lightning_parallel.distributed.checkpoint import (
     sharded_to_consolidated,
 )
 
-__all__ = ["ShardedPieces", "load_checkpoint_any_format", "load_module_state", "save_sharded", "scalar_states_of"]
+__all__ = ["ShardedPieces", "load_checkpoint_any_format", "load_module_state", "save_sharded"]
 
 
 @dataclass(kw_only=True)
@@ -35,19 +35,9 @@ class ShardedPieces:
     """The flat ranges of parameters and optimizer state this rank owns."""
     group_params: list[list[nn.Parameter]] | None
     """The optimizer's parameter lists in the single-device layout (before any sharding)."""
-    scalars: dict[str, Any] = field(default_factory=dict)
-    """0-dim optimizer state shared by every parameter (used when ``scalars_by_name`` is ``None``)."""
-    scalars_by_name: dict[str, dict[str, Any]] | None = None
-    """Each parameter's own 0-dim optimizer state."""
-
-
-def scalar_states_of(optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """0-dim optimizer state (Adam's ``step``) of the first parameter that has state."""
-    if optimizer is None:
-        return {}
-    for state in optimizer.state.values():
-        return {key: value for key, value in state.items() if not (isinstance(value, Tensor) and value.dim() > 0)}
-    return {}
+    scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each parameter's own 0-dim optimizer state (Adam's ``step``) by name, complete on rank 0, which writes it
+    (``distributed.checkpoint.scalar_states``)."""
 
 
 def save_sharded(
@@ -66,13 +56,7 @@ def save_sharded(
     groups = None
     if optimizer is not None and parts.group_params is not None:
         groups = param_groups_by_name(module, parts.group_params, optimizer.param_groups)
-    names = [name for name, _ in module.named_parameters()]
-    meta, buffers = build_meta(
-        module,
-        lightning_checkpoint=checkpoint,
-        param_groups=groups,
-        scalars=parts.scalars_by_name if parts.scalars_by_name is not None else dict.fromkeys(names, parts.scalars),
-    )
+    meta, buffers = build_meta(module, lightning_checkpoint=checkpoint, param_groups=groups, scalars=parts.scalars)
     save_sharded_checkpoint(path, parts.pieces, buffers=buffers, meta=meta)
 
 

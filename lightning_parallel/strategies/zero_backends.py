@@ -39,7 +39,12 @@ from torch.utils.hooks import RemovableHandle
 from lightning_parallel._compat import sync_module_states
 from lightning_parallel.accounting import MemoryReport, module_memory_report
 from lightning_parallel.distributed import zero3
-from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, add_aliases, replicated_pieces
+from lightning_parallel.distributed.checkpoint import (
+    ShardedCheckpointReader,
+    add_aliases,
+    replicated_pieces,
+    scalar_states,
+)
 from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
@@ -48,7 +53,7 @@ from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
 from lightning_parallel.instrumentation import StrategyEvents
 from lightning_parallel.strategies.base import unwrap_optimizer
-from lightning_parallel.strategies.checkpointing import ShardedPieces, load_module_state, scalar_states_of
+from lightning_parallel.strategies.checkpointing import ShardedPieces, load_module_state
 from lightning_parallel.strategies.clipping import with_clipping
 from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks
 
@@ -246,7 +251,8 @@ class ReplicatedBackend:
 
     def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
         pieces = replicated_pieces(self.held, optimizer, rank=self.rank, world_size=self.world_size)
-        return ShardedPieces(pieces=pieces, group_params=_group_params(optimizer), scalars=scalar_states_of(optimizer))
+        scalars = scalar_states(self.held.named_parameters(), optimizer)  # every rank holds every parameter's
+        return ShardedPieces(pieces=pieces, group_params=_group_params(optimizer), scalars=scalars)
 
     @contextmanager
     def full_module(self) -> Generator[nn.Module, None, None]:
@@ -393,7 +399,7 @@ class FlatBucketBackend(ReplicatedBackend):
         return ShardedPieces(
             pieces=sharded.sharded_pieces(),
             group_params=sharded.group_params,
-            scalars_by_name=sharded.scalar_states_by_name(),
+            scalars=sharded.scalar_states_by_name(),
         )
 
     def teardown(self) -> None:
@@ -509,7 +515,10 @@ class FullyShardBackend(ReplicatedBackend):
 
     def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
         pieces = zero3.sharded_pieces(self.held, optimizer)
-        return ShardedPieces(pieces=pieces, group_params=_group_params(optimizer), scalars=scalar_states_of(optimizer))
+        # Every rank steps its shard of every parameter (or an empty one) when that parameter has a gradient, so
+        # each rank's optimizer holds every parameter's own 0-dim state.
+        scalars = scalar_states(self.held.named_parameters(), optimizer)
+        return ShardedPieces(pieces=pieces, group_params=_group_params(optimizer), scalars=scalars)
 
     @contextmanager
     def full_module(self) -> Generator[nn.Module, None, None]:

@@ -233,7 +233,7 @@ def sharded_meta(
     layout: OptimizerLayout | None,
     shapes: Mapping[str, tuple[int, ...]],
     state_keys: Sequence[str],
-    scalars: Mapping[str, Any],
+    scalars: Mapping[str, Mapping[str, Any]],
     aliases: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """``meta.pt`` of the package's sharded format (``lightning_parallel.distributed.checkpoint``) for the whole model.
@@ -241,7 +241,8 @@ def sharded_meta(
     A pipeline rank's module holds one stage, so shapes, key order and param groups come from what was recorded on
     the whole model before splitting; param groups name their parameters (any layout can read them). A tied
     parameter is written once under its canonical name; ``aliases`` (other name -> canonical name) restores its other
-    names on reading.
+    names on reading. ``scalars`` holds each parameter's own 0-dim optimizer state (Adam's ``step``) by canonical
+    name, gathered from every stage.
     """
     groups = None
     if optimizer is not None and layout is not None:
@@ -253,5 +254,5 @@ def sharded_meta(
         "aliases": dict(aliases or {}),
         "state_dict_order": list(state_keys),
         "param_groups": groups,
-        "scalars": {name: dict(scalars) for name in shapes},
+        "scalars": {name: dict(state) for name, state in scalars.items()},
     }
