@@ -30,6 +30,7 @@ from lightning_parallel.distributed.compression import (
     low_precision_allreduce_hook,
     validate_compression,
 )
+from lightning_parallel.distributed.trainable import check_same_trainable_parameters
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
 from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
@@ -174,6 +175,7 @@ class DataParallelStrategy(LightningParallelStrategy):
             # Nothing to communicate: train the bare module, so results equal plain single-device training bit
             # for bit (Lightning's DDPStrategy still wraps in DDP and all-reduces with itself).
             return
+        self._check_same_trainable_parameters()  # before DDP's own cross-rank check, whose message says less
         super().configure_ddp()
         self._remember_ddp_parameters()
 
@@ -185,7 +187,7 @@ class DataParallelStrategy(LightningParallelStrategy):
         self._ddp_parameter_names = _ddp_parameter_names(module)
 
     def _follow_trainable_set(self) -> None:
-        """Collective when it re-wraps (every rank does: the flags are set by the same user code on every rank).
+        """Collective: first checks that every rank has the same flags (else every rank raises), then re-wraps.
 
         Torch DDP registers only the parameters that required grad when it wrapped the module, so one unfrozen
         later would never be averaged. At the start of a step, when the flags differ from those DDP was built with,
@@ -196,6 +198,7 @@ class DataParallelStrategy(LightningParallelStrategy):
         model = self.model
         if not isinstance(model, DistributedDataParallel):
             return
+        self._check_same_trainable_parameters()
         flags = _trainable_flags(self.module.parameters())
         self._step_trainable = flags
         if flags == self._ddp_trainable or not model.require_backward_grad_sync:
@@ -211,6 +214,12 @@ class DataParallelStrategy(LightningParallelStrategy):
             f" (now trainable: {_names(unfrozen)}; now frozen: {_names(frozen)}); re-wrapped the model in"
             f" DistributedDataParallel so every rank averages the same gradients.{restart}"
         )
+
+    def _check_same_trainable_parameters(self) -> None:
+        """Collective (every step, and before the first wrap): the ranks agree on which parameters require grad, or
+        every rank raises naming them. A rank that alone changed them would re-wrap DDP alone, and its collectives
+        would meet the others' all-reduces (one all-reduce of two integers; names travel only on a mismatch)."""
+        check_same_trainable_parameters(self.module, owner="DataParallelStrategy", device=self.root_device)
 
     def _check_trainable_set_unchanged_in_step(self) -> None:
         """Automatic optimization: refuse a ``requires_grad`` change made after the step's forward started."""

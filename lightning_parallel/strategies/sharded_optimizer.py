@@ -23,6 +23,7 @@ from lightning_parallel._compat import optimizers_to_device
 from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
+from lightning_parallel.distributed.trainable import check_same_trainable_parameters
 from lightning_parallel.distributed.zero_optimizer import check_disjoint_optimizers
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
@@ -196,6 +197,8 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if fitting and self._layer_sync:
             check_layer_sync(self._layer_sync, f"zero{self.stage}", self.root_device, supported=True)
             self.model = self._layer_sync.apply(self.model)
+        if fitting:
+            self._check_same_trainable_parameters()  # before the buckets or FSDP2 units lay out the gradients
         options: dict[str, Any] = {
             "stage": self.stage,
             "bucket_cap_mb": self.bucket_cap_mb,
@@ -285,8 +288,18 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         with self.backend.no_sync():
             yield None
 
+    def _check_same_trainable_parameters(self) -> None:
+        """Collective while sharding: the ranks agree on which parameters require grad, or every rank raises naming
+        them (one all-reduce of two integers; names travel only on a mismatch). Otherwise stages 1-2 would train a
+        parameter frozen on one rank with the others' gradients, and stage 3 reduce-scatter different layouts."""
+        if self.is_sharding:
+            assert self.model is not None
+            owner = f"ShardedOptimizerStrategy(stage={self.stage})"
+            check_same_trainable_parameters(self.model, owner=owner, device=self.root_device)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_same_trainable_parameters()  # every step: `requires_grad` may change between steps
         self.backend.wait_for_parameters(everywhere=False)  # the rest waits in the blocks' forward pre-hooks
         output = super().training_step(*args, **kwargs)
         self._decide_skip_step(output)

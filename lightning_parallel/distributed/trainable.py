@@ -1,0 +1,98 @@
+"""The same trainable parameters on every rank, checked with one small collective that every rank reaches.
+
+Data parallel training of any kind (DDP, ZeRO's buckets, FSDP2) averages the gradients of the parameters that
+require grad, so every rank must agree on which those are. Code that sets ``requires_grad`` on one rank only
+(``if self.global_rank == 0: layer.requires_grad_(False)``) breaks that silently or at a distance: DDP's re-wrap
+fails inside torch's cross-rank check, ZeRO-1/2 trains the "frozen" layer on the other ranks' gradients, FSDP2
+reduce-scatters gradients of different layouts, and a rank may wait for a collective its peer never starts.
+
+:func:`check_same_trainable_parameters` compares a fingerprint of the ``requires_grad`` flags across ranks (one
+all-reduce of two integers); only when they differ does it gather the names, so the error can say which parameters
+are trainable on which ranks. Every rank raises the same error at the same point, before any collective that
+depends on the flags.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["check_same_trainable_parameters", "disagreement_message"]
+
+_SHOWN = 8  # parameter names listed per group in the error
+
+
+def check_same_trainable_parameters(
+    module: nn.Module, *, owner: str, device: torch.device, group: dist.ProcessGroup | None = None
+) -> None:
+    """Collective over ``group``. Raise ``RuntimeError`` on every rank when the ranks disagree on which of
+    ``module``'s parameters require grad, naming them and the ranks.
+
+    Args:
+        module: the module every rank trains (its parameter names must be the same on every rank).
+        owner: how the error names the caller (``"DataParallelStrategy"``).
+        device: where the fingerprint tensor lives (the rank's CUDA device under NCCL).
+        group: the ranks that average gradients together (``None``: every rank).
+    """
+    fingerprint = _fingerprint([param.requires_grad for param in module.parameters()])
+    # The maximum of the fingerprint and of its negation (= minus the minimum): equal on every rank only if the
+    # fingerprints all are (two integers; the names travel only when they differ).
+    extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    highest, negated_lowest = extremes.tolist()
+    if highest == -negated_lowest:
+        return
+    layouts: list[list[tuple[str, bool]] | None] = [None] * dist.get_world_size(group)
+    layout = [(name, param.requires_grad) for name, param in module.named_parameters()]
+    dist.all_gather_object(layouts, layout, group=group)
+    raise RuntimeError(disagreement_message([layout or [] for layout in layouts], owner=owner))
+
+
+def disagreement_message(layouts: list[list[tuple[str, bool]]], *, owner: str) -> str:
+    """The error for per-rank ``(name, requires_grad)`` layouts that differ: each set of parameters with the same
+    pattern, with the ranks where they are trainable and those where they are frozen (or absent)."""
+    world_size = len(layouts)
+    by_rank = [dict(layout) for layout in layouts]
+    names = list(dict.fromkeys(name for layout in layouts for name, _ in layout))
+    patterns: dict[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], list[str]] = {}
+    for name in names:
+        flags = [flags_of.get(name) for flags_of in by_rank]
+        if len(set(flags)) == 1:
+            continue
+        trainable = tuple(rank for rank in range(world_size) if flags[rank] is True)
+        frozen = tuple(rank for rank in range(world_size) if flags[rank] is False)
+        absent = tuple(rank for rank in range(world_size) if flags[rank] is None)
+        patterns.setdefault((trainable, frozen, absent), []).append(name)
+    parts = []
+    for (trainable, frozen, absent), group_names in patterns.items():
+        states = (("trainable", trainable), ("frozen", frozen), ("missing", absent))
+        where = [f"{state} on {_ranks(ranks)}" for state, ranks in states if ranks]
+        parts.append(f"{_names(group_names)}: {', '.join(where)}")
+    if not parts:  # the same flags under the same names, in another order
+        parts.append("the same parameters are registered in a different order on different ranks")
+    return (
+        f"{owner}: the ranks disagree on which parameters require grad: {'; '.join(parts)}. Data parallel training"
+        " averages the gradients of the same parameters on every rank; with different ones the ranks would average"
+        " mismatched gradients or wait for each other. Set `requires_grad` the same way on every rank: not under"
+        " `if self.global_rank == 0:` or other code that depends on the rank (freeze and unfreeze in `setup`,"
+        " `on_train_batch_start`, `on_train_epoch_start` or a callback such as `BackboneFinetuning`, which run on"
+        " every rank)."
+    )
+
+
+def _fingerprint(flags: list[bool]) -> int:
+    """A 56-bit digest of the flags in parameter order (the same on every rank for the same flags): cheap enough
+    for every step (one byte per parameter hashed)."""
+    return int.from_bytes(hashlib.blake2b(bytes(flags), digest_size=7).digest(), "little")
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(f"`{name}`" for name in names[:_SHOWN])
+    return shown if len(names) <= _SHOWN else f"{shown} and {len(names) - _SHOWN} more"

@@ -1,0 +1,100 @@
+"""``requires_grad`` set differently on different ranks is named, on every rank, before any collective can hang.
+
+User code that freezes a layer on rank 0 only (``if self.global_rank == 0: ...``) would make the ranks average
+different gradients: DDP's re-wrap failed inside torch's cross-rank check, ZeRO-1/2 silently trained the frozen layer
+on the other rank's gradients, FSDP2 reduce-scattered gradients of different layouts. Each case runs a real 2-rank
+fit; both ranks must raise our error, naming the parameters and the ranks, within seconds (the strategies' collective
+timeout is 30 s, so a rank that waited for the other would fail the time bound).
+
+All cases run in one pair of forked ranks, one Trainer per case.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from distributed_harness import run_distributed
+from model_zoo import FreezeScheduleModel, loader, trainer
+
+from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel.distributed.trainable import disagreement_message
+
+COLLECTIVE_TIMEOUT_S = 30
+DEADLINE_S = 15.0  # well below the collective timeout: nobody waited for a peer that never came
+
+
+class _FrozenOnRankZero(FreezeScheduleModel):
+    """``backbone.0`` is frozen on rank 0 only: from ``setup`` (``at_step=None``: before the strategy wraps or
+    shards the model) or in ``on_train_batch_start`` from step ``at_step`` on."""
+
+    def __init__(self, at_step: int | None) -> None:
+        super().__init__()
+        self.backbone.requires_grad_(True)
+        self.at_step = at_step
+
+    def setup(self, stage: str) -> None:
+        if self.at_step is None and self.global_rank == 0:
+            self.backbone[0].requires_grad_(False)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.at_step is not None and self.global_step >= self.at_step and self.global_rank == 0:
+            self.backbone[0].requires_grad_(False)
+
+
+CASES = {
+    # name: (strategy factory, step at which rank 0 freezes; None: before the strategy's setup)
+    "data_parallel-setup": (lambda: DataParallelStrategy(timeout=COLLECTIVE_TIMEOUT_S), None),
+    "data_parallel-step1": (lambda: DataParallelStrategy(timeout=COLLECTIVE_TIMEOUT_S), 1),
+    "zero1-step1": (lambda: ShardedOptimizerStrategy(stage=1, timeout=COLLECTIVE_TIMEOUT_S), 1),
+    "zero2-setup": (lambda: ShardedOptimizerStrategy(stage=2, timeout=COLLECTIVE_TIMEOUT_S), None),
+    "zero2-step1": (lambda: ShardedOptimizerStrategy(stage=2, timeout=COLLECTIVE_TIMEOUT_S), 1),
+    "zero3-step1": (lambda: ShardedOptimizerStrategy(stage=3, timeout=COLLECTIVE_TIMEOUT_S), 1),
+}
+
+
+def _fit_each_case(rank: int, world_size: int) -> dict[str, tuple[str, str, float]]:
+    results = {}
+    for name, (make_strategy, at_step) in CASES.items():
+        start = time.monotonic()
+        try:
+            trainer(make_strategy(), world_size).fit(_FrozenOnRankZero(at_step), loader(world_size, rank))
+            outcome = ("no error", "")
+        except Exception as error:
+            outcome = (type(error).__name__, str(error))
+        results[name] = (*outcome, time.monotonic() - start)
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> list[dict[str, tuple[str, str, float]]]:
+    return run_distributed(_fit_each_case, 2, init_process_group=False, timeout=240)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rank_dependent_requires_grad_is_named_on_every_rank(outcomes, case) -> None:
+    strategy = (
+        "DataParallelStrategy" if case.startswith("data_parallel") else f"ShardedOptimizerStrategy(stage={case[4]})"
+    )
+    for rank, results in enumerate(outcomes):
+        kind, message, seconds = results[case]
+        assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
+        assert message.startswith(f"{strategy}: the ranks disagree on which parameters require grad"), message
+        assert "`backbone.0.weight`, `backbone.0.bias`: trainable on rank 1, frozen on rank 0" in message, message
+        assert "the same way on every rank" in message, message
+        assert seconds < DEADLINE_S, f"rank {rank} took {seconds:.1f} s"
+
+
+def test_the_message_groups_parameters_by_where_they_are_trainable() -> None:
+    layouts = [
+        [("a.weight", False), ("a.bias", False), ("b.weight", True)],
+        [("a.weight", True), ("a.bias", True), ("b.weight", True), ("extra", True)],
+        [("a.weight", True), ("a.bias", True), ("b.weight", False)],
+    ]
+    message = disagreement_message(layouts, owner="DataParallelStrategy")
+    assert message.startswith(
+        "DataParallelStrategy: the ranks disagree on which parameters require grad: `a.weight`, `a.bias`: trainable on"
+        " ranks [1, 2], frozen on rank 0; `b.weight`: trainable on ranks [0, 1], frozen on rank 2; `extra`: trainable"
+        " on rank 1, missing on ranks [0, 2]. "
+    ), message
