@@ -187,7 +187,7 @@ class DataParallelStrategy(LightningParallelStrategy):
         self._ddp_parameter_names = _ddp_parameter_names(module)
 
     def _follow_trainable_set(self) -> None:
-        """Collective: first checks that every rank has the same flags (else every rank raises), then re-wraps.
+        """Collective: check that every rank has the same flags (else every rank raises); re-wrap if they changed.
 
         Torch DDP registers only the parameters that required grad when it wrapped the module, so one unfrozen
         later would never be averaged. At the start of a step, when the flags differ from those DDP was built with,
