@@ -341,12 +341,28 @@ def load_consolidated_optimizer_state(
         saved = {key: value for key, value in group.items() if key != "params"}
         saved["params"] = [names[int(index)] for index in group["params"]]
         groups.append(saved)
-    options = StateDictOptions(full_state_dict=True)
-    set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups}, options=options)
+    if _holds_tensor_state(state_dict["state"]):
+        # torch maps the saved param groups onto this optimizer's by their keys: a key added after the optimizer was
+        # built (`initial_lr`, which SWA's scheduler sets when averaging starts) fails with a KeyError. Take such
+        # settings from the checkpoint first, as `Optimizer.load_state_dict` would.
+        for group, saved in zip(optimizer.param_groups, groups, strict=False):
+            for key, value in saved.items():
+                group.setdefault(key, value)
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups}, options=options)
+    else:
+        # Nothing to shard (SGD without momentum): torch's `set_optimizer_state_dict` learns the device from a tensor
+        # state and fails without one ("Expected device to be set"); the plain layout loads as it is.
+        optimizer.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
     masters = state_dict.get("master_weights")
     if masters:  # saved with fp32 masters: they replace the upcast 16-bit weights the model state gave (exact resume)
         named = {names[int(index)]: tensor for index, tensor in masters.items()}
         set_model_state_dict(module, named, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _holds_tensor_state(state: Mapping[Any, Any]) -> bool:
+    """Whether any parameter's optimizer state holds a tensor with dimensions (Adam's moments, SGD's momentum)."""
+    return any(isinstance(v, Tensor) and v.dim() > 0 for entry in state.values() for v in entry.values())
 
 
 def sharded_pieces(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[FlatPiece]:
