@@ -18,6 +18,9 @@ Names here:
 * ``trainer.<loop>._data_source``: where the running loop's dataloader comes from; the pipeline sizes its split from
   one example batch before any collective.
 * ``strategy._layer_sync``: set when ``Trainer(sync_batchnorm=True)``; read to refuse the flag.
+* ``callback._average_model``: the averaged copy of the module that ``WeightAveraging`` (an ``AveragedModel``, the
+  copy being its ``.module``) and ``StochasticWeightAveraging`` (the copy itself) create in their ``setup``; neither
+  exposes it publicly. ZeRO-3 and the pipeline make it hold what the module holds (their shards, their stage).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers as init_optimizers_and_lr_schedulers
 from lightning.pytorch.overrides.distributed import _sync_module_states as sync_module_states
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher as MultiProcessingLauncher
@@ -32,6 +36,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 __all__ = [
     "MultiProcessingLauncher",
+    "averaged_copy_of",
     "data_source_for",
     "init_optimizers_and_lr_schedulers",
     "layer_sync_of",
@@ -56,3 +61,14 @@ def data_source_for(trainer: Any) -> Any | None:
 def layer_sync_of(strategy: Any) -> Any | None:
     """The layer-sync plugin (``TorchSyncBatchNorm``) Lightning set on ``strategy`` for ``sync_batchnorm=True``."""
     return strategy._layer_sync
+
+
+def averaged_copy_of(callback: Any) -> Any | None:
+    """The module copy a weight-averaging callback averages into (created in its ``setup`` for ``fit``), else
+    ``None`` (another callback, or not set up)."""
+    if isinstance(callback, WeightAveraging):
+        average = callback._average_model
+        return None if average is None else average.module
+    if isinstance(callback, StochasticWeightAveraging):
+        return callback._average_model
+    return None

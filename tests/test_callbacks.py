@@ -11,7 +11,9 @@ each test below reads one case:
 * ``LearningRateMonitor`` (per-step schedule): the learning rates one device logs.
 * ``EMAWeightAveraging``, ``StochasticWeightAveraging``, ``ModelPruning`` (they touch parameters): the weights one
   device ends with, or, where a strategy cannot hold whole parameters, a ``ValueError``/``TypeError`` naming the
-  callback before the first step. ``data_parallel``, ``zero1`` and ``zero2`` must work.
+  callback before the first step. ``data_parallel``, ``zero1`` and ``zero2`` must run all three, and every strategy
+  the two weight-averaging callbacks (``tests/test_weight_averaging_sharded.py`` compares ZeRO-3 and the pipeline
+  with Lightning's DDP, checkpoints included).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from training_helpers import assert_weights_close
 from typing_extensions import override
 
 STRATEGIES = ("data_parallel", "zero1", "zero2", "zero3", "pipeline")
-MUST_WORK = ("data_parallel", "zero1", "zero2")
+MUST_WORK = ("data_parallel", "zero1", "zero2")  # every parameter callback; the others refuse pruning only
 WORLD_SIZE = 2
 EPOCH_STEPS = 2  # optimizer steps per epoch (global batch zoo.GLOBAL_BATCH)
 TIMEOUT_S = 180  # generous: the 2 cores are shared with other tests
@@ -363,7 +365,9 @@ def test_parameter_callbacks_work_like_one_device_or_are_refused_at_setup(strate
     rank0, rank1 = _case(strategy, case)
     callback_name = type(PARAMETER_CALLBACKS[case][0]()).__name__
     if "refused" in rank0 or "refused" in rank1:
-        assert strategy not in MUST_WORK, f"{strategy} refused {callback_name}: {rank0.get('refused')}"
+        assert strategy not in MUST_WORK and case == "pruning", (
+            f"{strategy} refused {callback_name}: {rank0.get('refused')}"
+        )
         for result in (rank0, rank1):
             assert "refused" in result and callback_name in result["refused"], result
             assert result["global_step"] == 0, result  # before the first step, not after hours of training

@@ -1,12 +1,25 @@
-"""What ZeRO-3 and the pipeline refuse before training: Lightning callbacks that treat parameters as whole tensors.
+"""Lightning callbacks that copy or prune the module's parameters, under strategies that shard or split them.
 
-``WeightAveraging`` (and ``EMAWeightAveraging``) and ``StochasticWeightAveraging`` keep a deep copy of the module
-and copy between the two; ``ModelPruning`` masks parameters in place (globally over all of them by default). Under
-ZeRO-3 each parameter is a DTensor shard, and under the pipeline a rank holds only its stage's layers (the others
-are placeholders), so each fails mid-training (for SWA only once averaging starts, possibly after hours): ZeRO-3
-with torch's "aten.copy_.default: got mixed torch.Tensor and DTensor", the pipeline with a size or device mismatch
-between the copy and the stage. They are refused at set-up on every rank instead: a local check of the Trainer's
-callbacks, so no rank is left waiting in a collective.
+**Weight averaging** (``WeightAveraging``, ``EMAWeightAveraging``, ``StochasticWeightAveraging``) works unchanged
+under ZeRO-3 and the pipeline. Each callback deep-copies the whole module in its ``setup`` (before the strategy's),
+then zips ``parameters()``/``buffers()`` of the copy and the module to update the average after steps or epochs,
+to swap them around validation and to copy the average in at the end of training; it saves ``state_dict()`` of
+the copy in ``on_save_checkpoint``/``state_dict`` and loads it back in ``on_load_checkpoint``/``load_state_dict``.
+Under ZeRO-3 the module's parameters are DTensor shards and under the pipeline each rank holds only its stage, so
+after the strategy sharded or split the module, :func:`hold_averaged_copies` makes each callback's copy hold the
+same (``distributed/averaged_copy.py``): every update is then local, a rank keeps ``1/N`` or one stage of the
+averages, and the copy's state dicts speak whole states (a gather to rank 0 when saving, a local slice when
+loading), so the consolidated checkpoint holds exactly what the callback writes on one device.
+
+The anchors fall short here: Lightning's ``FSDPStrategy`` refuses SWA ("SWA does not currently support sharded
+models") and ``WeightAveraging`` warns that it does not support sharded layers; both average the whole model on
+every rank under DDP. We keep the user's callback object and code as they are and change only what its copy holds,
+because the callbacks read the copy through a private attribute (``_compat.averaged_copy_of``) that we cannot
+otherwise reach before their first update.
+
+**``ModelPruning``** masks parameters in place, globally over all of them by default, and is refused where a rank
+does not hold whole parameters of the whole model (ZeRO-3, a pipeline of more than one rank): it would fail
+mid-training. Refusals are local checks of the Trainer's callbacks, raised on every rank before any collective.
 """
 
 from __future__ import annotations
@@ -15,11 +28,24 @@ from collections.abc import Iterable
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
+from torch import nn
 
-__all__ = ["REFUSED_CALLBACKS", "check_parameter_callbacks"]
+from lightning_parallel._compat import averaged_copy_of
+from lightning_parallel.distributed.averaged_copy import CopyLayout, HeldCopy, hold_copy
 
-REFUSED_CALLBACKS: tuple[type, ...] = (WeightAveraging, StochasticWeightAveraging, ModelPruning)
-"""Callbacks (and their subclasses) that copy or prune whole parameters."""
+__all__ = [
+    "AVERAGING_CALLBACKS",
+    "REFUSED_CALLBACKS",
+    "check_averaging_checkpoint_format",
+    "check_parameter_callbacks",
+    "hold_averaged_copies",
+]
+
+REFUSED_CALLBACKS: tuple[type, ...] = (ModelPruning,)
+"""Callbacks (and their subclasses) that prune whole parameters."""
+
+AVERAGING_CALLBACKS: tuple[type, ...] = (WeightAveraging, StochasticWeightAveraging)
+"""Callbacks (and their subclasses) that average a copy of the module; see :func:`hold_averaged_copies`."""
 
 
 def check_parameter_callbacks(callbacks: Iterable[Any], *, strategy_name: str, layout: str) -> None:
@@ -34,8 +60,40 @@ def check_parameter_callbacks(callbacks: Iterable[Any], *, strategy_name: str, l
         if isinstance(callback, REFUSED_CALLBACKS):
             name = type(callback).__name__
             raise ValueError(
-                f"`{name}` cannot run under strategy {strategy_name!r}: it copies or prunes the module's parameters"
-                f" as whole tensors of the whole model, while this strategy holds {layout}, so it would fail"
-                " mid-training. Train with strategy='zero2' (or 'zero1', 'data_parallel'), which keep whole"
-                f" parameters on every rank, or remove `{name}`."
+                f"`{name}` cannot run under strategy {strategy_name!r}: it prunes the module's parameters as whole"
+                f" tensors of the whole model, while this strategy holds {layout}, so it would fail mid-training."
+                " Train with strategy='zero2' (or 'zero1', 'data_parallel'), which keep whole parameters on every"
+                f" rank, or remove `{name}`."
             )
+
+
+def check_averaging_checkpoint_format(callbacks: Iterable[Any], *, strategy_name: str, checkpoint_format: str) -> None:
+    """Raise ``ValueError`` if a callback of :data:`AVERAGING_CALLBACKS` meets ``checkpoint_format="sharded"``.
+
+    Weight averaging puts the averaged weights in place of the module's ``state_dict`` in the checkpoint (the
+    module's own under ``current_model_state``), while the sharded format writes the weights from the module itself:
+    the averages would be lost, and resuming would fail in the callback's ``on_load_checkpoint``.
+    """
+    if checkpoint_format == "consolidated":
+        return
+    for callback in callbacks:
+        if isinstance(callback, AVERAGING_CALLBACKS):
+            name = type(callback).__name__
+            raise ValueError(
+                f"`{name}` needs `checkpoint_format='consolidated'` under strategy {strategy_name!r} (got"
+                f" {checkpoint_format!r}): its checkpoints hold the averaged weights in place of the module's"
+                " `state_dict`, which the sharded format writes from the module itself. Use the consolidated format"
+                f" (the default), or remove `{name}`."
+            )
+
+
+def hold_averaged_copies(callbacks: Iterable[Any], module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+    """Local. Make the averaged copy of every weight-averaging callback in ``callbacks`` hold what ``module`` now
+    holds on this rank (call it after sharding or splitting ``module``, before the first step). Callbacks without a
+    copy (not set up for ``fit``) are skipped.
+
+    Raises:
+        ValueError: If a copy cannot hold what the module holds (the module changed after the callback copied it).
+    """
+    copies = (averaged_copy_of(callback) for callback in callbacks)
+    return [hold_copy(copy, module, layout) for copy in copies if copy is not None]

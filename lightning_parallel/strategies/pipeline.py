@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_parallel import _compat
 from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
+from lightning_parallel.distributed.averaged_copy import StageCopyLayout
 from lightning_parallel.distributed.checkpoint import (
     gather_scalar_states,
     replicated_pieces,
@@ -86,7 +87,11 @@ from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.clipping import with_clipping
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
-from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks
+from lightning_parallel.strategies.parameter_callbacks import (
+    check_averaging_checkpoint_format,
+    check_parameter_callbacks,
+    hold_averaged_copies,
+)
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -374,6 +379,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             check_parameter_callbacks(
                 trainer.callbacks, strategy_name="pipeline", layout="only its stage's layers on each rank"
             )
+        if fitting:
+            check_averaging_checkpoint_format(
+                trainer.callbacks, strategy_name="pipeline", checkpoint_format=self.checkpoint_format
+            )
         if self._engine is None:
             self._apply_activation_checkpointing(module)  # before the split: each stage keeps its wrapped blocks
             self._split(trainer, module)
@@ -382,6 +391,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             self.model_to_device()
         self._zero = None
         if fitting:
+            # Weight-averaging callbacks copied the whole module in their `setup`: each copy keeps this rank's stage.
+            layout = StageCopyLayout(self.parallel_dims, tuple(self._full_state_keys), dict(self._aliases))
+            hold_averaged_copies(trainer.callbacks, module, layout)
             self.setup_optimizers(trainer)
             self._setup_zero()
         # Clipping by norm uses the norm over all stages.

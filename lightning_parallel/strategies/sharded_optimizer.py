@@ -22,9 +22,9 @@ from typing_extensions import override
 from lightning_parallel._compat import optimizers_to_device
 from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
+from lightning_parallel.distributed.averaged_copy import shard_whole_state
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
-from lightning_parallel.distributed.zero_optimizer import check_disjoint_optimizers
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
@@ -32,6 +32,7 @@ from lightning_parallel.strategies.checkpointing import save_sharded
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
 from lightning_parallel.strategies.param_gather import parameter_readers_between_steps
+from lightning_parallel.strategies.parameter_callbacks import check_averaging_checkpoint_format
 from lightning_parallel.strategies.zero_backends import MasterWeights, ZeroBackend, backend_type
 
 __all__ = ["ShardedOptimizerStrategy"]
@@ -54,7 +55,8 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     Works with any ``torch.optim`` optimizer whose update is element-wise (AdamW, Adam, SGD, RMSprop, Adagrad, ...);
     one that needs a parameter's whole shape (LBFGS, Adafactor, SparseAdam, Muon) is refused at stages 1-2. Several
-    optimizers (a GAN in manual optimization) work at every stage if no parameter is held by two of them.
+    optimizers (a GAN in manual optimization) work at every stage, also when they share parameters: each steps them
+    with its own state, as on one device.
 
     ``Trainer(precision="bf16-true")`` trains as the ZeRO paper does (section 3.1): bf16 parameters and gradients for
     compute, gradients reduced in fp32, and fp32 master weights in each rank's shard that the optimizer steps (so its
@@ -194,6 +196,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # local, before any collective
+            check_averaging_checkpoint_format(
+                trainer.callbacks, strategy_name=f"zero{self.stage}", checkpoint_format=self.checkpoint_format
+            )
         if fitting and self._layer_sync:
             check_layer_sync(self._layer_sync, f"zero{self.stage}", self.root_device, supported=True)
             self.model = self._layer_sync.apply(self.model)
@@ -268,8 +274,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             yield module
 
     def _validate_optimizers(self) -> None:
-        optimizers = self.unwrapped_optimizers()
-        check_disjoint_optimizers(optimizers, self.module)
+        optimizers = self.unwrapped_optimizers()  # several may hold the same parameter, as on one device
         if len(optimizers) > 1 and self._writes_sharded:
             raise ValueError(
                 f"`checkpoint_format='sharded'` holds one optimizer, `configure_optimizers` returned"
@@ -356,6 +361,12 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         )
 
     @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        self.backend.after_evaluation_step()
+        return output
+
+    @override
     def on_validation_start(self) -> None:
         self.backend.wait_for_parameters()
         self._broadcast_buffers()
@@ -396,6 +407,12 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.backend.load_model_state(checkpoint["state_dict"], strict=strict)
+        current = checkpoint.get("current_model_state")
+        if isinstance(checkpoint, dict) and isinstance(current, Mapping):
+            # A `WeightAveraging` checkpoint: its `on_load_checkpoint`, next, loads the module's own weights from here
+            # with the module's `load_state_dict`, past the strategy. Give it this rank's shards of the whole tensors
+            # (a DTensor parameter takes only a DTensor); where parameters are whole this changes nothing.
+            checkpoint["current_model_state"] = shard_whole_state(self.module, current)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

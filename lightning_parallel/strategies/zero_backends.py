@@ -39,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_parallel._compat import sync_module_states
 from lightning_parallel.accounting import MemoryReport, module_memory_report
 from lightning_parallel.distributed import zero3
+from lightning_parallel.distributed.averaged_copy import HeldCopy, ShardedCopyLayout
 from lightning_parallel.distributed.checkpoint import (
     ShardedCheckpointReader,
     add_aliases,
@@ -55,7 +56,7 @@ from lightning_parallel.instrumentation import StrategyEvents
 from lightning_parallel.strategies.base import unwrap_optimizer
 from lightning_parallel.strategies.checkpointing import ShardedPieces, load_module_state
 from lightning_parallel.strategies.clipping import with_clipping
-from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks
+from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks, hold_averaged_copies
 
 __all__ = [
     "FlatBucketBackend",
@@ -118,6 +119,10 @@ class ZeroBackend(Protocol):
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Collective. Bring every rank's parameters up to date after ``optimizer`` stepped (or start doing so: then
         :meth:`wait_for_parameters` finishes it)."""
+
+    def after_evaluation_step(self) -> None:
+        """Local. After a validation step: leave the parameters as training holds them between steps (the callbacks
+        that run next may read or swap them)."""
 
     def abandon_in_flight(self) -> None:
         """Local. Training failed: forget collectives still in flight without waiting for them (a failed peer never
@@ -218,6 +223,9 @@ class ReplicatedBackend:
         return ()
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        pass
+
+    def after_evaluation_step(self) -> None:
         pass
 
     def wait_for_parameters(self, *, everywhere: bool = True) -> None:
@@ -430,6 +438,8 @@ class FullyShardBackend(ReplicatedBackend):
         """The 16-bit dtype FSDP2 computes in while the sharded parameters are the fp32 masters, else ``None``."""
         self.units: list[nn.Module] = []  # each also an `FSDPModule` (fully_shard changes their class)
         self.access: ShardedModuleAccess | None = None
+        self.averaged_copies: list[HeldCopy] = []
+        """The weight-averaging callbacks' copies of the module, held as shards like it."""
         self._hooks: list[RemovableHandle] = []
 
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
@@ -447,6 +457,9 @@ class FullyShardBackend(ReplicatedBackend):
             zero3.round_parameters(module, self.compute_dtype)  # initialised in fp32: as a 16-bit init would be
         module.to(device)
         initialise_root(self.units[-1])  # `module`: the root whichever unit's forward runs first
+        # Weight-averaging callbacks copied the whole module in their `setup`: each copy now holds this rank's shard of
+        # every parameter, starting from the module's (rank 0's) rows, as DDP's rank 0 copy starts from its module.
+        self.averaged_copies = hold_averaged_copies(self.callbacks, module, ShardedCopyLayout(device))
         self.access = ShardedModuleAccess(module, self.units, world_size=self.world_size)
         self.access.running = True
         if self.compute_dtype is not None:  # after the access guard's hook, which carries `requires_grad` changes
@@ -490,6 +503,14 @@ class FullyShardBackend(ReplicatedBackend):
             # parameter's `requires_grad` (`toggle_optimizer`) only when it unshards: reshard (a no-op otherwise).
             unit.reshard()
         return ()
+
+    def after_evaluation_step(self) -> None:
+        # FSDP2 keeps the root unit's parameters gathered after a forward without backward: a weight-averaging
+        # callback swapping its averages in and out at `on_validation_epoch_end` (next) would meet whole tensors in
+        # place of the shards it holds. Reshard (local; the root gathers again at its next forward).
+        if self.averaged_copies:
+            for unit in self._fsdp_units:
+                unit.reshard()
 
     def model_state(self) -> dict[str, Any]:
         state = zero3.consolidated_model_state(self.held)
