@@ -37,15 +37,6 @@ def _lbfgs_module():
     return module
 
 
-def _two_optimizers_module():
-    module = make_module()
-    params = list(module.parameters())
-    # Several optimizers are supported (tests/test_zero_correctness.py), not two holding the same parameter.
-    module.configure_optimizers = lambda: [torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[1:], lr=0.1)]
-    module.automatic_optimization = False
-    return module
-
-
 def _saved_checkpoint(directory: Path, checkpoint_format: str) -> str:
     path = directory / f"{checkpoint_format}.ckpt"
     if not path.exists():
@@ -120,8 +111,6 @@ CASES = [
      {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}),
     ("zero-lbfgs", lambda r, d: _fit(ShardedOptimizerStrategy(timeout=20), module=_lbfgs_module()), TypeError,
      "ShardedOptimizerStrategy cannot shard `LBFGS`", {}),
-    ("zero-two-optimizers", lambda r, d: _fit(ShardedOptimizerStrategy(timeout=20), module=_two_optimizers_module()),
-     ValueError, "Optimizers #0 and #1 of `configure_optimizers` both hold parameter", {}),
     ("dp-rank-without-batches", lambda r, d: _fit(
         DataParallelStrategy(timeout=20), loader=_loader(r, batches=3 if r == 0 else 0), use_distributed_sampler=False
     ), ValueError, "received no training batch at all", {}),

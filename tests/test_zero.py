@@ -128,13 +128,8 @@ def test_bad_arguments_raise_value_error(kwargs, message):
 
 def _fit_with_optimizer(rank: int, world_size: int, kind: str) -> None:
     module = make_module()
-    if kind == "lbfgs":
-        module.configure_optimizers = lambda: torch.optim.LBFGS(module.parameters())
-    else:
-        params = list(module.parameters())
-        # Several optimizers are supported (tests/test_zero_correctness.py), but not two holding one parameter.
-        module.configure_optimizers = lambda: [torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[1:], lr=0.1)]
-        module.automatic_optimization = False
+    assert kind == "lbfgs"  # several optimizers, also sharing parameters, are supported (test_shared_parameters.py)
+    module.configure_optimizers = lambda: torch.optim.LBFGS(module.parameters())
     loader = torch.utils.data.DataLoader(RandomTokenDataset(8, SEQ_LEN), batch_size=2)
     trainer = make_trainer(ShardedOptimizerStrategy(stage=2, timeout=30), devices=world_size, max_steps=1)
     try:
@@ -147,7 +142,6 @@ def _fit_with_optimizer(rank: int, world_size: int, kind: str) -> None:
     ("kind", "message"),
     [
         ("lbfgs", "TypeError: ShardedOptimizerStrategy cannot shard `LBFGS`"),
-        ("two", "ValueError: Optimizers #0 and #1 of `configure_optimizers` both hold parameter `model."),
     ],
 )
 def test_unshardable_optimizers_are_refused_on_every_rank(kind, message):

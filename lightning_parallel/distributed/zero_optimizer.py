@@ -8,6 +8,10 @@ The *consolidated* layout is what ``optimizer.state_dict()`` of the unsharded op
 by the position of each parameter in ``configure_optimizers``' param groups, every per-element tensor in the
 parameter's shape. It loads into plain single-device training and into any of our strategies at any world size.
 
+Several optimizers may hold the same parameter (a layer shared by a GAN's generator and discriminator): each one's
+groups then hold the same shard views, so each steps them with its own state (torch keys state per optimizer) and
+reads the one ``.grad`` they share, exactly as two optimizers share a parameter on one device.
+
 With fp32 master weights (16-bit parameters, :class:`ShardedParameterBuckets` ``master_dtype``) the optimizer steps
 views of the master shard, so its state is fp32, and the consolidated state dict has one more top-level entry,
 ``"master_weights"``: ``{index: fp32 tensor in the parameter's shape}`` for every parameter of the optimizer that
@@ -30,7 +34,7 @@ from torch import Tensor, nn
 from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader
 from lightning_parallel.distributed.zero import ShardedParameterBuckets, ShardView
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "check_disjoint_optimizers", "check_shardable"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "check_shardable"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)
@@ -62,23 +66,6 @@ def check_shardable(optimizer: torch.optim.Optimizer, *, warn: Callable[[str], A
             f"ShardedOptimizerStrategy assumes `{name}` updates each element independently (as AdamW or SGD do)."
             " If its update needs a parameter's whole shape, results will be wrong: use DataParallelStrategy."
         )
-
-
-def check_disjoint_optimizers(optimizers: list[torch.optim.Optimizer], module: nn.Module) -> None:
-    """Raise ``ValueError`` when two optimizers hold the same parameter (each must step its own parameters)."""
-    name_of = {param: name for name, param in module.named_parameters()}
-    owner: dict[nn.Parameter, int] = {}
-    for index, optimizer in enumerate(optimizers):
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                first = owner.setdefault(param, index)
-                if first != index:
-                    name = name_of.get(param, f"of shape {tuple(param.shape)}")
-                    raise ValueError(
-                        f"Optimizers #{first} and #{index} of `configure_optimizers` both hold parameter `{name}`."
-                        " ShardedOptimizerStrategy supports several optimizers with disjoint parameters only: give"
-                        " each parameter to one optimizer (param groups set different hyperparameters)."
-                    )
 
 
 class ShardedOptimizer:
