@@ -11,7 +11,11 @@ and AdamW. For each callback and strategy, in one pair of forked ranks:
   state) equal DDP's;
 * each rank's copy holds its shard (every parameter a DTensor) or its stage only, never the whole model;
 * resuming from that checkpoint ends where the uninterrupted run ended;
-* ``checkpoint_format="sharded"`` is refused at set-up, on every rank, before the first step.
+* ``checkpoint_format="sharded"`` is refused at set-up, on every rank, before the first step;
+* ZeRO-3 resumes an optimizer without state (plain SGD) with EMA.
+
+In one process: a copy held like a stage keeps the stage's layers and loads its part of a whole state (a tied
+weight named once), and a copy that differs from the module is refused, naming the difference.
 
 ``tests/test_callbacks.py`` runs the same callbacks under every strategy against one device (with
 ``data_parallel``, ``zero1`` and ``zero2`` too).
@@ -19,6 +23,7 @@ and AdamW. For each callback and strategy, in one pair of forked ranks:
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +42,9 @@ from typing_extensions import override
 
 from lightning_parallel import PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel._compat import averaged_copy_of
+from lightning_parallel.distributed.averaged_copy import StageCopyLayout, hold_copy
+from lightning_parallel.distributed.pipeline.partition import RemoteLayer
+from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 
 WORLD_SIZE = 2
 EPOCH_STEPS = 2
@@ -255,3 +263,35 @@ def test_sharded_checkpoint_format_is_refused_before_training_on_every_rank(rank
         refused = result["refused", strategy]
         assert refused["error"] is not None and refused["global_step"] == 0, refused
         assert refused["error"].startswith("`EMAWeightAveraging` needs `checkpoint_format='consolidated'`")
+
+
+# ------------------------------------------------------------------ one process: holding a copy like a stage
+def _stage_of_tied_model() -> tuple[nn.Module, nn.Module, StageCopyLayout]:
+    """A whole copy, and the module as pipeline rank 1 of 2 holds it (the embedding and first block elsewhere)."""
+    model = _LanguageModel()
+    whole_copy = copy.deepcopy(model)
+    model.embedding = RemoteLayer("embedding", 0)
+    model.blocks[0] = RemoteLayer("blocks.0", 0)
+    keys = list(whole_copy.state_dict())
+    aliases = {"head.weight": "embedding.weight"}
+    return model, whole_copy, StageCopyLayout(ParallelDims(2, 1, 2), keys, aliases)
+
+
+def test_a_stage_copy_holds_the_stage_and_loads_its_part_of_a_whole_state() -> None:
+    model, whole_copy, layout = _stage_of_tied_model()
+    whole_state = {name: torch.randn_like(t) for name, t in whole_copy.state_dict().items()}
+    del whole_state["head.weight"]  # a state naming the tied weight once, by its canonical name
+    hold_copy(whole_copy, model, layout)
+    assert [n for n, _ in whole_copy.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert isinstance(whole_copy.embedding, RemoteLayer)
+    whole_copy.load_state_dict(whole_state)  # strict: this rank's entries, the tied head from the embedding's
+    torch.testing.assert_close(whole_copy.head.weight, whole_state["embedding.weight"])
+    torch.testing.assert_close(whole_copy.blocks[1].mlp[0].weight, whole_state["blocks.1.mlp.0.weight"])
+    assert hold_copy(whole_copy, model, layout) is hold_copy(whole_copy, model, layout)  # held once
+
+
+def test_a_copy_of_another_module_is_refused_naming_the_difference() -> None:
+    model, whole_copy, layout = _stage_of_tied_model()
+    model.extra = nn.Linear(2, 2)  # built after the callback copied the module
+    with pytest.raises(ValueError, match=r"does not hold the same parameters as the module .*'extra.weight'"):
+        hold_copy(whole_copy, model, layout)
