@@ -12,10 +12,10 @@ averages, and the copy's state dicts speak whole states (a gather to rank 0 when
 loading), so the consolidated checkpoint holds exactly what the callback writes on one device.
 
 The anchors fall short here: Lightning's ``FSDPStrategy`` refuses SWA ("SWA does not currently support sharded
-models") and ``WeightAveraging`` warns that it does not support sharded layers; both average the whole model on
-every rank under DDP. We keep the user's callback object and code as they are and change only what its copy holds,
-because the callbacks read the copy through a private attribute (``_compat.averaged_copy_of``) that we cannot
-otherwise reach before their first update.
+models") and ``WeightAveraging`` warns that it "doesn't support sharding model layers"; under ``DDPStrategy`` both
+average the whole model on every rank. Rather than wrapping or replacing the user's callback, we change only what
+its copy holds (reached through the callback's private ``_average_model``: ``_compat.averaged_copy_of``) and hook
+the copy's state dicts, so Lightning's hooks, their order and its checkpoint format stay exactly as they are.
 
 **``ModelPruning``** masks parameters in place, globally over all of them by default, and is refused where a rank
 does not hold whole parameters of the whole model (ZeRO-3, a pipeline of more than one rank): it would fail
