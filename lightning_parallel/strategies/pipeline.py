@@ -141,12 +141,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         stages_per_rank: Virtual stages per rank for the multi-stage schedules; ``"auto"`` is 2 for those, else 1
             (always 1 on a one-rank pipeline).
         partition: ``"compute"`` balances stages by forward FLOPs counted with shape-only (fake) parameters for an
-            example batch (no memory; deterministic, the same on every rank), ``"measured"`` by each layer's forward + backward time on
-            rank 0's device for that batch (shared with the other ranks), ``"parameters"`` by parameter count, or a
-            list with the first layer index of every stage but the first.
+            example batch (no memory; deterministic, the same on every rank), ``"measured"`` by each layer's forward
+            + backward time on rank 0's device for that batch (shared with the other ranks), ``"parameters"`` by
+            parameter count, or a list with the first layer index of every stage but the first.
         activation_checkpointing: recompute blocks in backward instead of keeping their activations, on every
-            stage: ``False``, ``True`` (every repeated block, e.g. the transformer blocks ``pipeline_layers()``
-            returns) or a set of module classes such as ``{Block}``. With 1F1B a stage then holds each in-flight
+            stage: ``False``, ``True`` (every block: the classes a Hugging Face model declares in
+            ``_no_split_modules``, else repeated blocks such as the transformer blocks) or a set of module classes such
+            as ``{Block}``. With 1F1B a stage then holds each in-flight
             micro-batch's block inputs instead of all its activations; names and checkpoints are unchanged.
         verify_layers: Before the split, on the first batch of every run, check on every rank that
             ``pipeline_layers()`` applied in order gives ``forward``'s result (a ``ValueError`` naming the first layer
