@@ -201,7 +201,15 @@ def test_zero_padding_and_sharding_arithmetic() -> None:
     assert [r.gradients for r in zero1.ranks] == [padded * 4] * 4  # the reduced shard is a slice of the bucket
     # Adam(W): 2 states for the owned real elements; the last rank's shard holds the 2 padding elements.
     assert [r.optimizer_state for r in zero1.ranks] == [2 * 4 * 31_698] * 3 + [2 * 4 * 31_696]
-    assert zero1.ranks[0].communication == {"reduce_scatter": padded * 4, "all_gather": padded * 4}
+    # Plus the "got a gradient" flags: one byte per parameter tensor (29), all-reduced at every sync.
+    flags = len(spec.params)
+    assert flags == 29
+    assert zero1.ranks[0].communication == {"reduce_scatter": padded * 4, "all_gather": padded * 4, "all_reduce": flags}
+    on_gloo = plan(spec.module, world_size=4, batch_size=BATCH, seq_len=SEQ, process_group_backend="gloo")
+    assert on_gloo.configuration("zero2").ranks[0].communication == {
+        "all_reduce": padded * 4 + flags,
+        "all_gather": padded * 4,
+    }
 
 
 def test_fsdp_units_and_roots_match_apply_fully_shard() -> None:

@@ -21,8 +21,10 @@ Layout (Megatron's distributed optimizer / DeepSpeed ZeRO):
   cannot tell it from a zero one. Each sync also all-reduces one "got a gradient since the last sync" flag per
   parameter; a view gets ``.grad`` only if its parameter got one on some rank (average ``sum / N``, as DDP) or
   still holds one (no ``zero_grad`` since). Frozen parameters the optimizer holds are bucketed too, so unfreezing
-  needs no new layout. ``toggle_optimizer`` switches ``requires_grad`` of the views (the optimizer's tensors): a
-  view switched off keeps its ``.grad`` through a sync, as a frozen parameter does on one device.
+  needs no new layout. The flags are one byte per bucketed parameter per sync, counted in ``stats`` as an
+  all-reduce (as the planner counts them). ``toggle_optimizer`` switches ``requires_grad`` of the views (the
+  optimizer's tensors): a view switched off keeps its ``.grad`` through a sync, as a frozen parameter does on one
+  device.
 
 Stage 1 keeps the full flat gradient buffers (``Psi`` bytes) between steps and reduce-scatters each one *in place*:
 the reduced shard is rank r's own slice of its full buffer (NCCL and gloo both allow an output that is the input's
@@ -481,6 +483,8 @@ class ShardedParameterBuckets:
         device = self.buckets[0].flat_params.device if self.buckets else torch.device("cpu")
         used = torch.frombuffer(self._used, dtype=torch.uint8).to(device, copy=True) if self._used else None
         used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True) if self._used else None
+        if self.stats is not None and used is not None:  # one byte per bucketed parameter (the planner counts it)
+            self.stats.record("all_reduce", used.numel() * used.element_size())
         for bucket in self.buckets:
             if bucket.work is not None:
                 self._complete(bucket)

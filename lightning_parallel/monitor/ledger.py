@@ -10,11 +10,14 @@ wrappers and the per-step phase times.
 
 **Where the numbers come from.** Our own code records at each call it makes (``CommunicationStats.record``):
 DDP's gradient all-reduce through a communication hook (``DataParallelStrategy(track_communication=True)``), the
-ZeRO-1/2 buckets' reduce-scatter and all-gather, the pipeline replicas' gradient all-reduce. For code we do not own,
+ZeRO-1/2 buckets' reduce-scatter and all-gather and their "got a gradient" flags (one byte per parameter tensor,
+all-reduced at each sync), the pipeline replicas' gradient all-reduce. For code we do not own,
 :class:`CollectiveTap` wraps the torch functions it calls, only while a monitor is attached and only inside training
 batches, and restores them afterwards: FSDP2's all-gathers and reduce-scatters (ZeRO-3) and torch pipelining's P2P
-sends/receives. Control messages (the one-element non-finite-loss flag, the broadcast of logged values, checkpoint
-gathers) are not counted: the ledger holds the traffic that scales with the model and the batch.
+sends/receives. Control messages of a fixed size (the one-element non-finite-loss flag, the 16-byte ``requires_grad``
+fingerprint of ``distributed/trainable.py`` all-reduced every step, the broadcast of logged values, checkpoint
+gathers) are not counted: the ledger holds the traffic that scales with the model and the batch, and the planner
+predicts exactly that.
 """
 
 from __future__ import annotations

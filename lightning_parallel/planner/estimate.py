@@ -16,7 +16,8 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   each bucket is padded to a multiple of N. Parameters: the padded buckets. Gradients: stage 1 keeps the padded
   full bucket (its reduced shard is rank r's slice of it: reduced in place), stage 2 the shard only. Optimizer
   state: only the elements of rank r's shard that are real parameters (the padding is never stepped). Per step: one
-  reduce-scatter (an all-reduce on gloo, where it is faster) and one all-gather of every padded bucket.
+  reduce-scatter (an all-reduce on gloo, where it is faster) and one all-gather of every padded bucket, and one
+  all-reduce of the "got a gradient" flags, one byte per parameter tensor (:data:`GRADIENT_FLAG_BYTES`).
 * ZeRO with 16-bit parameters (``"bf16-true"``/``"16-true"``) keeps fp32 master weights by default
   (``ShardedOptimizerStrategy(master_weights="fp32")``; ``master_weights=False`` here models ``None``). Stages 1-2:
   parameters are the 2-byte padded buckets; gradients stage 1 the 2-byte full bucket plus a 4-byte reduced shard,
@@ -279,6 +280,25 @@ def zero_buckets(spec: ModelSpec, *, element_bytes: int, bucket_cap_mb: float) -
     return buckets
 
 
+GRADIENT_FLAG_BYTES = 1
+"""ZeRO-1/2's "got a gradient" flag: one ``uint8`` per bucketed parameter, all-reduced at every gradient sync
+(``ShardedParameterBuckets.finish_gradient_sync``), so unused parameters are not stepped."""
+
+
+def _zero_communication(
+    ctx: EstimateContext, num_params: int, *, ranks: int, reduced: int, gathered: int
+) -> dict[str, int]:
+    """Bytes per step of ZeRO-1/2 sharded over ``ranks``: the gradient buckets (``reduced`` bytes, reduce-scattered,
+    or all-reduced as ``ctx.gradient_reduction`` says), the parameter buckets (``gathered`` bytes, all-gathered) and
+    the flags of ``num_params`` parameters (all-reduced, :data:`GRADIENT_FLAG_BYTES` each). One rank communicates
+    nothing: its "collectives" are copies, and none is counted."""
+    if ranks <= 1:
+        return {}
+    comm = {ctx.gradient_reduction: reduced, "all_gather": gathered}
+    comm["all_reduce"] = comm.get("all_reduce", 0) + num_params * GRADIENT_FLAG_BYTES
+    return comm
+
+
 MASTER_BYTES = 4
 """Bytes per element of ZeRO's master weights, their gradients (reduced in fp32) and optimizer state."""
 
@@ -305,8 +325,8 @@ def estimate_zero12(
         shards = sum(p // n for p in padded)
         # Stage 1 reduces in place into its full bucket unless the shard is an fp32 copy beside 16-bit buckets.
         grads = sum(padded) * e + (shards * g if master else 0) if stage == 1 else shards * g
-        # One rank (16-bit parameters with fp32 masters) communicates nothing: its "collectives" are copies.
-        comm = {ctx.gradient_reduction: sum(padded) * g, "all_gather": sum(padded) * e} if n > 1 else {}
+        reduced, gathered = sum(padded) * g, sum(padded) * e
+        comm = _zero_communication(ctx, len(ctx.spec.params), ranks=n, reduced=reduced, gathered=gathered)
         optimizer = ctx.state_count * owned * s + (shards * MASTER_BYTES if master else 0)
         ranks.append(RankEstimate(sum(padded) * e, grads, optimizer, comm, act))
     strategy = _strategy_line(ctx, f"zero{stage}", "ShardedOptimizerStrategy", f"stage={stage}")
@@ -396,8 +416,11 @@ def estimate_pipeline(
             comm = {"send": sends, "recv": sends} if sends else {}
         held = (local * e, local * e, ctx.state_count * local * e)
         if dp > 1 and zero_stage:
-            buckets = zero_buckets(_stage_spec(ctx, plan, stages), element_bytes=e, bucket_cap_mb=bucket_cap_mb)
-            params, grads, state, sharded = _stage_sharded(ctx, buckets, zero_stage=zero_stage, replica=r // p, dp=dp)
+            stage_spec = _stage_spec(ctx, plan, stages)
+            buckets = zero_buckets(stage_spec, element_bytes=e, bucket_cap_mb=bucket_cap_mb)
+            params, grads, state, sharded = _stage_sharded(
+                ctx, buckets, len(stage_spec.params), zero_stage=zero_stage, replica=r // p, dp=dp
+            )
             held = (params, grads, state)
             comm.update(sharded)
         elif dp > 1:
@@ -471,16 +494,17 @@ def _stage_spec(ctx: EstimateContext, plan: object, stages: list[int]) -> ModelS
 
 
 def _stage_sharded(
-    ctx: EstimateContext, buckets: list[int], *, zero_stage: int, replica: int, dp: int
+    ctx: EstimateContext, buckets: list[int], num_params: int, *, zero_stage: int, replica: int, dp: int
 ) -> tuple[int, int, int, dict[str, int]]:
     """Bytes of parameters, gradients and optimizer state, and communication, of one stage's ``replica`` when its
-    buckets are sharded over ``dp`` replicas (fp32 parameters: the pipeline supports 32-true and bf16-mixed)."""
+    buckets (of ``num_params`` parameters) are sharded over ``dp`` replicas (fp32 parameters: the pipeline supports
+    32-true and bf16-mixed)."""
     e = ctx.element_bytes
     padded = [-(-b // dp) * dp for b in buckets]
     shards = [q // dp for q in padded]
     owned = sum(max(0, min(b, (replica + 1) * s) - replica * s) for b, s in zip(buckets, shards, strict=True))
     grads = sum(padded) if zero_stage == 1 else sum(shards)  # stage 1: the shard is a slice of the bucket
-    comm = {ctx.gradient_reduction: sum(padded) * e, "all_gather": sum(padded) * e}
+    comm = _zero_communication(ctx, num_params, ranks=dp, reduced=sum(padded) * e, gathered=sum(padded) * e)
     return sum(padded) * e, grads * e, ctx.state_count * owned * e, comm
 
 
