@@ -285,3 +285,23 @@ def test_namedtuple_inputs_keep_their_type():
     check_layers_compose_to_forward(model, model.pipeline_layers(), ((pair,), {}))
     assert len(layer_compute_costs(model.pipeline_layers(), (pair,))) == 2
     assert len(measure_layer_times(model.pipeline_layers(), (pair,), device=torch.device("cpu"), repeats=1)) == 2
+
+
+def test_attention_on_cpu_counts_in_the_compute_partition():
+    # torch's FLOP counter has no formula for the CPU attention kernel; without ours an attention layer weighed as
+    # little as its projections, and `partition="compute"` piled attention layers onto one CPU stage.
+    attention = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    class SelfAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = attention
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.attention(x, x, x, need_weights=False)[0]
+
+    x = torch.randn(2, 64, 16)
+    (cost,) = layer_compute_costs([SelfAttention()], (x,))
+    projections = 2 * 2 * 64 * 16 * (3 * 16 + 16)  # q, k, v and output projections: 2 * tokens * d_in * d_out
+    scores = 2 * 2 * 2 * 64 * 64 * 8 * 2  # (Q K^T and A V) x 2 FLOPs x batch x heads x T x T x head_dim
+    assert cost >= projections + scores

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from lightning_parallel.distributed.pipeline._compat import FakeTensorMode
 
@@ -56,7 +56,8 @@ def count_forward_flops(
     tensors = [*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)]
     state: dict[str, Tensor] = {name: fake_mode.from_tensor(tensor) for name, tensor in tensors}
     # from_tensor remembers each tensor: tied parameters get one stand-in, so functional_call keeps them tied.
-    with _attributes_restored(layer), torch.no_grad(), FlopCounterMode(display=False) as counter:
+    counting = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
+    with _attributes_restored(layer), torch.no_grad(), counting as counter:
         output = torch.func.functional_call(layer, state, tuple(args), dict(kwargs or {}))
     return output, int(counter.get_total_flops())
 
@@ -80,3 +81,17 @@ def _attributes_restored(layer: nn.Module) -> Iterator[None]:
 
 
 _MISSING = object()
+
+
+def _attention_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+# torch's counter knows the CUDA attention kernels but not the CPU one that `scaled_dot_product_attention` dispatches
+# to on CPU (it counts 0 there, measured with torch 2.13): a layer with attention would weigh only its projections,
+# and `partition="compute"` would put too many attention blocks on one CPU stage. Count it as the CUDA kernels are.
+_CPU_ATTENTION = (
+    {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops}
+    if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    else {}
+)
