@@ -384,6 +384,7 @@ def test_refusals_name_the_problem_and_the_fix_on_every_rank():
 def test_declared_plan_layers_compose_to_the_models_forward(kind):
     # One process: the layers made from the plan, chained, give the model's own logits (a padding mask included).
     from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
+    from lightning_parallel.distributed.pipeline.partition import layer_compute_costs
     from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
 
     torch.manual_seed(0)
@@ -393,6 +394,10 @@ def test_declared_plan_layers_compose_to_the_models_forward(kind):
     example = call.model_inputs((), {"input_ids": ids, "attention_mask": mask, "labels": ids})
     assert set(example[1]) == {"attention_mask"}  # labels stay on the last stage
     check_layers_compose_to_forward(module, layers, example, reference=call.reference)
+    # partition="compute" counts every layer (raises if one cannot be counted): no fallback to parameter counts.
+    costs = layer_compute_costs(layers, *example)
+    blocks = costs[1:-1]
+    assert len(set(blocks)) == 1 and blocks[0] > costs[0]  # equal blocks; the embedding is a lookup
 
 
 # ------------------------------------------------------------------------------------------------- launched

@@ -277,23 +277,10 @@ class BlockInputs:
         """Run the base model's ``forward`` (from ``input_ids`` or ``inputs_embeds``) up to its last block; cache
         every block's other arguments; return the hidden states block 0 receives.
 
-        On the ``meta`` device (FLOP counting before the split) ``forward``'s data-dependent checks cannot run: the
-        arguments are then computed from zeros of the same shapes on the CPU and moved to ``meta``, and block 0
-        receives the embedding's output (the shapes are what counts there).
+        Also under the FLOP count before the split, whose fake parameters make the embedding's output fake: the
+        arguments ``forward`` builds from the shapes (position ids, masks) stay real, so its checks on them run.
         """
-        embedding = self.plan.base.get_submodule(self.plan.pre[0]) if self.plan.pre else None
-        on_meta = any(t.is_meta for t in (*inputs.values(), *side.values()))
-        if "input_ids" in inputs and embedding is not None and next(embedding.parameters(), torch.empty(0)).is_meta:
-            on_meta, inputs = True, {"inputs_embeds": embedding(inputs["input_ids"])}
-        if not on_meta:
-            first = self._record(side, inputs)
-        else:
-            (reference,) = inputs.values()  # the embedding's output, or the hidden states' shape: (B, T, H)
-            zeros = torch.zeros(tuple(reference.shape), dtype=self.embedding_dtype)
-            cpu_side = {name: torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t.cpu() for name, t in side.items()}
-            self._record(cpu_side, {"inputs_embeds": zeros})
-            self._calls = apply_to_collection(self._calls, Tensor, lambda t: t.to("meta"))
-            first = reference
+        first = self._record(side, inputs)
         self._key = self._key_of(first, side)
         self._kept = tuple(side.values())
         return first
@@ -361,10 +348,6 @@ class _Epilogue(nn.Module):
     def forward(self, hidden_states: Tensor, **side: Tensor) -> Tensor:
         plan: DeclaredPlan = object.__getattribute__(self, "_plan")
         inputs: BlockInputs = object.__getattribute__(self, "_inputs")
-        if hidden_states.is_meta:  # FLOP counting before the split: the same modules, in order, on shapes only
-            for part in self.parts.values():
-                hidden_states = part(hidden_states)
-            return hidden_states
         zeros = hidden_states.new_zeros(tuple(hidden_states.shape), dtype=inputs.embedding_dtype)
         output = run_around_blocks(
             plan, plan.model, inputs.blocks, {}, {"inputs_embeds": zeros}, side, final=hidden_states
