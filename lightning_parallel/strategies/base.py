@@ -8,7 +8,10 @@ it different:
   against torchrun/SLURM/MPI, joins the group and records where the peers run (``strategies/launch.py``);
   ``_configure_launcher`` refuses fork/spawn under an external launcher and uses our fork-safe launcher
   (:attr:`launcher_type`: the ZeRO and pipeline strategies send the whole model back to the parent);
-* failures: ``on_exception`` names a dead peer (``strategies/failures.py``);
+* failures: ``on_exception`` names a dead peer (``strategies/failures.py``) and publishes this rank's failure;
+  barriers, broadcasts, boolean reductions and the end of training wait for the other ranks on the store, watching
+  for a published failure, so a failed rank whose process lives on never leaves the others waiting
+  (``strategies/failure_board.py``);
 * a non-finite loss: one decision on every rank (``strategies/nonfinite.py``), gradients dropped after backward;
 * instrumentation: :attr:`communication_stats`, :attr:`track_communication` and :attr:`events`, the protocol
   ``ParallelismMonitor`` reads (``lightning_parallel.instrumentation``);
@@ -26,6 +29,7 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.module import LightningModule
@@ -45,6 +49,7 @@ from lightning_parallel.distributed.activation_checkpointing import (
 )
 from lightning_parallel.instrumentation import Instrumentation, StrategyEvents
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format
+from lightning_parallel.strategies.failure_board import FailureBoard
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
 from lightning_parallel.strategies.fork_safety import ForkSafeLauncher
 from lightning_parallel.strategies.launch import (
@@ -124,6 +129,7 @@ class LightningParallelStrategy(DDPStrategy):
         self.events = StrategyEvents()
         """Timed phases of the sync paths (``lightning_parallel.instrumentation``); the monitor subscribes."""
         self._peers: PeerTable | None = None
+        self._failure_board: FailureBoard | None = None
         self._finite_check: FiniteCheck | None = None
 
     # ------------------------------------------------------------------ launch
@@ -150,6 +156,17 @@ class LightningParallelStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self._peers = set_up_distributed_environment(self, super().setup_environment)
+        if self._failure_board is not None:  # a previous run of this strategy object
+            self._failure_board.close()
+        self._failure_board = None
+        if self._peers is not None and dist.group.WORLD is not None:
+            self._failure_board = FailureBoard(
+                dist.group.WORLD.get_group_store(),
+                peers=self._peers,
+                global_rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=self.timeout,
+            )
 
     @override
     def _configure_launcher(self) -> None:
@@ -158,7 +175,50 @@ class LightningParallelStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # Not DDPStrategy's: its advice names `ddp_find_unused_parameters_true`, a strategy of Lightning's.
-        explain_peer_failure(exception, self._peers, self.global_rank)
+        board = self._failure_board
+        explain_peer_failure(exception, self._peers, self.global_rank, board.failure() if board else None)
+        if board is not None:
+            board.publish(exception)  # the other ranks stop waiting for this one (the first failure wins)
+
+    # ------------------------------------------------------------------ waiting for the other ranks
+    def _wait_for_peers(self, what: str) -> None:
+        """Collective (on the store): return once every rank got here; raise ``PeerFailedError`` naming the rank as
+        soon as one published a failure or its process is gone. Call before any collective that a rank may reach
+        while a peer has already left the run (between steps, at the end); not per step."""
+        if self._failure_board is not None and dist.is_available() and dist.is_initialized():
+            self._failure_board.rendezvous(what)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Every rank waits here for the others, on the process group's store: a rank whose peer failed (and
+        published it) leaves at once naming that rank, where a gloo or NCCL barrier would wait for the timeout."""
+        if self._failure_board is None:
+            super().barrier(name)
+        else:
+            self._wait_for_peers(f"the barrier {name!r}" if name else "a barrier")
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._wait_for_peers(f"a broadcast from rank {src}")
+        return super().broadcast(obj, src)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        self._wait_for_peers("a decision reduced over the ranks")
+        return super().reduce_boolean_decision(decision, all=all)
+
+    @override
+    def on_train_end(self) -> None:
+        # A rank whose callbacks failed in `on_train_end` (or at the last step) never gets here: the others learn it
+        # here instead of in the teardown's gathers or the user's next collective.
+        self._wait_for_peers("the end of training")
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        if self._failure_board is not None:
+            self._failure_board.close()  # stops the heartbeat; later rendezvous (a save after fit) still work
+        super().teardown()
 
     # ------------------------------------------------------------------ activation checkpointing
     def _apply_activation_checkpointing(self, module: nn.Module) -> None:

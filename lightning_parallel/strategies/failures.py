@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from typing import cast
 
@@ -32,10 +33,12 @@ _PEER_FAILURE_PATTERNS = (
 
 @dataclass(frozen=True)
 class PeerTable:
-    """Host name and process id of every rank, indexed by global rank."""
+    """Host name and process id of every rank, indexed by global rank, and an id of this run (rank 0's)."""
 
     hosts: tuple[str, ...]
     pids: tuple[int, ...]
+    run_id: str = ""
+    """The same on every rank, new for every set-up: scopes the run's keys in the store (``failure_board.py``)."""
 
     def dead_local_ranks(self) -> list[int]:
         here = socket.gethostname()
@@ -61,19 +64,28 @@ def _alive(pid: int) -> bool:
 
 
 def record_peers() -> PeerTable | None:
-    """Collective: every rank's host and pid (``None`` when not distributed)."""
+    """Collective: every rank's host and pid, and rank 0's id for this run (``None`` when not distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    entries: list[tuple[str, int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(entries, (socket.gethostname(), os.getpid()))
-    gathered = cast(list[tuple[str, int]], entries)  # every rank filled its entry
-    return PeerTable(hosts=tuple(e[0] for e in gathered), pids=tuple(e[1] for e in gathered))
+    entries: list[tuple[str, int, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, (socket.gethostname(), os.getpid(), uuid.uuid4().hex))
+    gathered = cast(list[tuple[str, int, str]], entries)  # every rank filled its entry
+    return PeerTable(hosts=tuple(e[0] for e in gathered), pids=tuple(e[1] for e in gathered), run_id=gathered[0][2])
 
 
-def explain_peer_failure(exception: BaseException, peers: PeerTable | None, global_rank: int) -> None:
-    """Prefix a collective failure caused by a dead peer with which rank died (when it can be known)."""
+def explain_peer_failure(
+    exception: BaseException, peers: PeerTable | None, global_rank: int, published: str | None = None
+) -> None:
+    """Prefix a collective failure caused by a dead or failed peer with which rank it was (when it can be known).
+
+    ``published`` is the failure another rank published before (``"rank r failed: ..."``, see ``failure_board.py``):
+    the cause when that rank's process is still alive, or when it failed first and then exited.
+    """
     text = str(exception)
     if peers is None or not any(pattern in text for pattern in _PEER_FAILURE_PATTERNS):
+        return
+    if published is not None and not published.startswith(f"rank {global_rank} failed"):
+        exception.args = (f"Rank {global_rank}: a collective failed because {published}. Original error: {text}",)
         return
     dead = peers.dead_local_ranks()
     deadline = time.monotonic() + 2.0  # the peer's sockets close while its process is still being torn down

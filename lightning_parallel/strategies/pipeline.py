@@ -811,6 +811,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             if module is not None:
                 mark_orphaned(module)
             return
+        self._wait_for_peers("the teardown's gather of the stages")  # a peer that failed after training skips it
         reassemble(
             module,
             layers=self._all_layers,

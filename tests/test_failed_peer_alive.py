@@ -1,0 +1,187 @@
+"""A rank whose ``fit`` fails while its process lives on (a notebook kernel, a script that cleans up, a debugger)
+never leaves the other ranks waiting: they leave within seconds, naming the failed rank and its error.
+
+Without the failure board the survivor waited for the process-group timeout: in the default ``ModelCheckpoint``'s
+reductions and barrier at the epoch end, or in the pipeline's teardown gather.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch.distributed as dist
+from distributed_harness import DistributedTestError, run_distributed
+from torch.utils.data import DataLoader
+from training_helpers import SEQ_LEN, make_module, make_trainer
+
+from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel.demos import RandomTokenDataset
+from lightning_parallel.strategies import failure_board
+from lightning_parallel.strategies.failure_board import FailureBoard, PeerFailedError
+from lightning_parallel.strategies.failures import record_peers
+
+PROCESS_GROUP_TIMEOUT = 300  # far beyond the harness deadline: leaving through the timeout fails the test
+HARNESS_DEADLINE = 90
+SURVIVOR_LIMIT = 15.0  # seconds from the failure to the survivor's error; measured ~0.5 s on a loaded 2-core machine
+MAX_STEPS = 4
+
+
+class _FailOnRankOne(pl.Callback):
+    """Rank 1 raises in ``on_train_end`` or in ``on_train_batch_end`` of the last step; rank 0 goes on."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.where == "last_batch_end" and trainer.global_rank == 1 and trainer.global_step == MAX_STEPS:
+            raise RuntimeError("on_train_batch_end failed on rank 1 at the last step")
+
+    def on_train_end(self, trainer, pl_module):
+        if self.where == "train_end" and trainer.global_rank == 1:
+            raise RuntimeError("on_train_end failed on rank 1")
+
+
+def _strategy(spec: str):
+    if spec == "data_parallel":
+        return DataParallelStrategy(timeout=PROCESS_GROUP_TIMEOUT)
+    if spec == "pipeline":
+        return PipelineParallelStrategy(num_microbatches=2, timeout=PROCESS_GROUP_TIMEOUT)
+    return ShardedOptimizerStrategy(stage=int(spec[-1]), timeout=PROCESS_GROUP_TIMEOUT)
+
+
+def _fit_and_stay_alive(rank: int, world_size: int, spec: str, where: str, workdir: str) -> dict:
+    """Fit; on rank 1 stay alive after the failure (as a notebook kernel would) until rank 0 has its answer."""
+    loader = DataLoader(RandomTokenDataset(64, SEQ_LEN, seed=rank), batch_size=4)
+    # The default ModelCheckpoint (checkpointing on): its epoch-end reductions and barrier are where rank 0 waited.
+    trainer = make_trainer(
+        _strategy(spec),
+        devices=world_size,
+        max_steps=MAX_STEPS,
+        callbacks=[_FailOnRankOne(where)],
+        enable_checkpointing=True,
+        default_root_dir=workdir,
+    )
+    start = time.monotonic()
+    error = ""
+    try:
+        trainer.fit(make_module(), train_dataloaders=loader)
+    except Exception as exception:
+        error = f"{type(exception).__name__}: {exception}"
+    seconds = time.monotonic() - start
+    done = Path(workdir) / "rank0_done"
+    if rank == 0:
+        done.touch()
+    else:
+        deadline = time.monotonic() + HARNESS_DEADLINE / 2
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # alive, connections open, the process group still initialised
+        assert dist.is_initialized()
+    return {"error": error, "seconds": seconds}
+
+
+@pytest.mark.parametrize("where", ["train_end", "last_batch_end"])
+@pytest.mark.parametrize("spec", ["data_parallel", "zero3", "pipeline"])
+def test_survivor_leaves_within_seconds_when_a_failed_peer_stays_alive(spec, where, tmp_path):
+    survivor, failed = run_distributed(
+        _fit_and_stay_alive,
+        2,
+        args=(spec, where, str(tmp_path)),
+        init_process_group=False,
+        timeout=HARNESS_DEADLINE,
+    )
+    assert failed["error"].startswith("RuntimeError: on_train"), failed
+    assert survivor["error"].startswith("PeerFailedError: Rank 0: rank 1 failed: RuntimeError: on_train"), survivor
+    assert "failed on rank 1" in survivor["error"]
+    # Both fits run the same steps first, so the survivor's whole fit bounds how long it waited.
+    assert survivor["seconds"] < failed["seconds"] + SURVIVOR_LIMIT, (failed, survivor)
+
+
+# ---------------------------------------------------------------------- the board alone, on a plain process group
+def _board(rank: int, world_size: int, *, hosts: tuple[str, ...] | None = None) -> FailureBoard:
+    """A board over the harness's group; ``hosts`` pretends the ranks run on other machines."""
+    peers = record_peers()
+    assert peers is not None
+    if hosts is not None:
+        peers = replace(peers, hosts=hosts)
+    store = dist.group.WORLD.get_group_store()
+    return FailureBoard(store, peers=peers, global_rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+
+
+def _timed_rendezvous(board: FailureBoard) -> tuple[str, float]:
+    start = time.monotonic()
+    try:
+        board.rendezvous("the test's rendezvous")
+    except PeerFailedError as error:
+        return str(error), time.monotonic() - start
+    return "", time.monotonic() - start
+
+
+def _published_failure(rank: int, world_size: int) -> tuple[str, float, str]:
+    first = _board(rank, world_size)
+    first.rendezvous("the start")
+    if rank == 1:
+        first.publish(ValueError("the user's cleanup failed\nsecond line"))
+        time.sleep(3)  # alive and connected, in no collective: only the board can tell rank 0
+        outcome: tuple[str, float] = ("", 0.0)
+    else:
+        outcome = _timed_rendezvous(first)
+    # A new run in the same process group (a new set-up) does not see the old run's failure.
+    second = _board(rank, world_size)
+    second.rendezvous("the second run")
+    return (*outcome, str(second.failure()))
+
+
+def test_rendezvous_names_a_peer_that_published_its_failure():
+    survivor, _ = run_distributed(_published_failure, 2, timeout=60)
+    message, seconds, second_run_failure = survivor
+    assert message.startswith("Rank 0: rank 1 failed: ValueError: the user's cleanup failed. "), message
+    assert "second line" not in message and "the test's rendezvous" in message
+    assert seconds < 2.5, seconds  # rank 1 stays in its sleep for 3 s
+    assert second_run_failure == "None"
+
+
+def _peer_exits(rank: int, world_size: int, workdir: str) -> None:
+    board = _board(rank, world_size)
+    board.rendezvous("the start")
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(3)  # gone without a word (killed, or exited in its own cleanup)
+    Path(workdir, "survivor.json").write_text(json.dumps(_timed_rendezvous(board)))
+
+
+def test_rendezvous_notices_a_local_peer_that_exited(tmp_path):
+    with pytest.raises(DistributedTestError, match="rank 1 died with exit code 3"):
+        run_distributed(_peer_exits, 2, args=(str(tmp_path),), timeout=60)
+    message, seconds = json.loads((tmp_path / "survivor.json").read_text())
+    assert message.startswith("Rank 0: rank(s) [1] stopped (their processes ["), message
+    assert seconds < 3.0, seconds
+
+
+def _heartbeats(rank: int, world_size: int, monkeypatch_values: tuple[float, float]) -> list[tuple[str, float]]:
+    failure_board.HEARTBEAT_INTERVAL, failure_board.HEARTBEAT_STALE = monkeypatch_values  # this forked rank only
+    hosts = ("host-a", "host-b")  # no pid can be checked across hosts: the heartbeat is all there is
+    closed = _board(rank, world_size, hosts=hosts)
+    if rank == 1:
+        closed.close()  # stopped on purpose (the end of fit): not taken for a dead rank
+        time.sleep(2.0)
+    outcomes = [_timed_rendezvous(closed)]
+    silent = _board(rank, world_size, hosts=hosts)
+    if rank == 1:
+        silent._stop.set()  # frozen (or gone on another host): the heartbeat stops without a word
+        time.sleep(3.0)
+        return outcomes
+    return [*outcomes, _timed_rendezvous(silent)]
+
+
+def test_rendezvous_notices_a_silent_peer_on_another_host_but_waits_for_a_closed_one():
+    (closed, silent), _ = run_distributed(_heartbeats, 2, args=((0.1, 1.0),), timeout=60)
+    assert closed[0] == "" and closed[1] > 1.5, closed  # waited out rank 1's 2 s without a heartbeat
+    assert silent[0].startswith("Rank 0: rank(s) [1] on other hosts sent no heartbeat for 1 s"), silent
+    assert silent[1] < 2.5, silent
