@@ -143,12 +143,19 @@ class FailureBoard:
         heartbeats: dict[int, tuple[int, float]] = {}
         while count < self.world_size:
             now = time.monotonic()
-            if now >= next_check:
-                self._raise_if_a_peer_failed(what)
-                next_check = now + _CHECK_EVERY
-            if self._remote_ranks and now >= next_heartbeat_check:
-                self._raise_if_a_remote_peer_is_silent(what, heartbeats)
-                next_heartbeat_check = now + HEARTBEAT_INTERVAL
+            try:
+                if now >= next_check:
+                    self._raise_if_a_peer_failed(what)
+                    next_check = now + _CHECK_EVERY
+                if self._remote_ranks and now >= next_heartbeat_check:
+                    self._raise_if_a_remote_peer_is_silent(what, heartbeats)
+                    next_heartbeat_check = now + HEARTBEAT_INTERVAL
+            except PeerFailedError:
+                # A rank counts itself before it moves on, so one that got here and then exited (or failed later)
+                # has counted already: read the counter again after the check, which is then conclusive.
+                if self._store.add(key, 0) >= self.world_size:
+                    return
+                raise
             if now - start > self.timeout.total_seconds():
                 raise TimeoutError(
                     f"Rank {self.global_rank} waited {self.timeout.total_seconds():g} s at {what} but only {count} of"
