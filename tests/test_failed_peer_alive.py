@@ -29,7 +29,6 @@ from lightning_parallel.strategies.failures import record_peers
 
 PROCESS_GROUP_TIMEOUT = 300  # far beyond the harness deadline: leaving through the timeout fails the test
 HARNESS_DEADLINE = 90
-SURVIVOR_LIMIT = 15.0  # seconds from the failure to the survivor's error; measured ~0.5 s on a loaded 2-core machine
 MAX_STEPS = 4
 
 
@@ -68,13 +67,11 @@ def _fit_and_stay_alive(rank: int, world_size: int, spec: str, where: str, workd
         enable_checkpointing=True,
         default_root_dir=workdir,
     )
-    start = time.monotonic()
     error = ""
     try:
         trainer.fit(make_module(), train_dataloaders=loader)
     except Exception as exception:
         error = f"{type(exception).__name__}: {exception}"
-    seconds = time.monotonic() - start
     done = Path(workdir) / "rank0_done"
     if rank == 0:
         done.touch()
@@ -83,7 +80,7 @@ def _fit_and_stay_alive(rank: int, world_size: int, spec: str, where: str, workd
         while not done.exists() and time.monotonic() < deadline:
             time.sleep(0.1)  # alive, connections open, the process group still initialised
         assert dist.is_initialized()
-    return {"error": error, "seconds": seconds}
+    return {"error": error}
 
 
 @pytest.mark.parametrize("where", ["train_end", "last_batch_end"])
@@ -99,8 +96,8 @@ def test_survivor_leaves_within_seconds_when_a_failed_peer_stays_alive(spec, whe
     assert failed["error"].startswith("RuntimeError: on_train"), failed
     assert survivor["error"].startswith("PeerFailedError: Rank 0: rank 1 failed: RuntimeError: on_train"), survivor
     assert "failed on rank 1" in survivor["error"]
-    # Both fits run the same steps first, so the survivor's whole fit bounds how long it waited.
-    assert survivor["seconds"] < failed["seconds"] + SURVIVOR_LIMIT, (failed, survivor)
+    # No wall-clock assertion: rank 1 stays alive until rank 0 has its answer, and the collective timeout (300 s) is
+    # far beyond the harness deadline, so only the board can have ended rank 0's wait, as its message says.
 
 
 # ---------------------------------------------------------------------- the board alone, on a plain process group
@@ -114,36 +111,43 @@ def _board(rank: int, world_size: int, *, hosts: tuple[str, ...] | None = None) 
     return FailureBoard(store, peers=peers, global_rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
 
 
-def _timed_rendezvous(board: FailureBoard) -> tuple[str, float]:
-    start = time.monotonic()
+def _rendezvous_error(board: FailureBoard) -> str:
     try:
         board.rendezvous("the test's rendezvous")
     except PeerFailedError as error:
-        return str(error), time.monotonic() - start
-    return "", time.monotonic() - start
+        return str(error)
+    return ""
 
 
-def _published_failure(rank: int, world_size: int) -> tuple[str, float, str]:
+def _wait_for(path: Path) -> None:
+    """Stay alive, in no collective, until ``path`` exists (bounded: the harness's deadline ends a hang anyway)."""
+    deadline = time.monotonic() + 50
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _published_failure(rank: int, world_size: int, workdir: str) -> tuple[str, bool, str]:
+    answered = Path(workdir, "rank0_answered")
     first = _board(rank, world_size)
     first.rendezvous("the start")
     if rank == 1:
         first.publish(ValueError("the user's cleanup failed\nsecond line"))
-        time.sleep(3)  # alive and connected, in no collective: only the board can tell rank 0
-        outcome: tuple[str, float] = ("", 0.0)
+        _wait_for(answered)  # alive and connected until rank 0 has its answer: only the board can tell rank 0
+        outcome: tuple[str, bool] = ("", True)
     else:
-        outcome = _timed_rendezvous(first)
+        outcome = (_rendezvous_error(first), True)
+        answered.touch()
     # A new run in the same process group (a new set-up) does not see the old run's failure.
     second = _board(rank, world_size)
     second.rendezvous("the second run")
     return (*outcome, str(second.failure()))
 
 
-def test_rendezvous_names_a_peer_that_published_its_failure():
-    survivor, _ = run_distributed(_published_failure, 2, timeout=60)
-    message, seconds, second_run_failure = survivor
+def test_rendezvous_names_a_peer_that_published_its_failure(tmp_path):
+    survivor, _ = run_distributed(_published_failure, 2, args=(str(tmp_path),), timeout=60)
+    message, _, second_run_failure = survivor  # rank 1 was alive until rank 0 had this answer
     assert message.startswith("Rank 0: rank 1 failed: ValueError: the user's cleanup failed. "), message
     assert "second line" not in message and "the test's rendezvous" in message
-    assert seconds < 2.5, seconds  # rank 1 stays in its sleep for 3 s
     assert second_run_failure == "None"
 
 
@@ -153,35 +157,34 @@ def _peer_exits(rank: int, world_size: int, workdir: str) -> None:
     if rank == 1:
         time.sleep(0.5)
         os._exit(3)  # gone without a word (killed, or exited in its own cleanup)
-    Path(workdir, "survivor.json").write_text(json.dumps(_timed_rendezvous(board)))
+    Path(workdir, "survivor.json").write_text(json.dumps(_rendezvous_error(board)))
 
 
 def test_rendezvous_notices_a_local_peer_that_exited(tmp_path):
     with pytest.raises(DistributedTestError, match="rank 1 died with exit code 3"):
         run_distributed(_peer_exits, 2, args=(str(tmp_path),), timeout=60)
-    message, seconds = json.loads((tmp_path / "survivor.json").read_text())
+    message = json.loads((tmp_path / "survivor.json").read_text())  # not the board's 60 s TimeoutError
     assert message.startswith("Rank 0: rank(s) [1] stopped (their processes ["), message
-    assert seconds < 3.0, seconds
 
 
-def _heartbeats(rank: int, world_size: int, monkeypatch_values: tuple[float, float]) -> list[tuple[str, float]]:
+def _heartbeats(rank: int, world_size: int, monkeypatch_values: tuple[float, float]) -> list[str]:
     failure_board.HEARTBEAT_INTERVAL, failure_board.HEARTBEAT_STALE = monkeypatch_values  # this forked rank only
     hosts = ("host-a", "host-b")  # no pid can be checked across hosts: the heartbeat is all there is
     closed = _board(rank, world_size, hosts=hosts)
     if rank == 1:
         closed.close()  # stopped on purpose (the end of fit): not taken for a dead rank
         time.sleep(2.0)
-    outcomes = [_timed_rendezvous(closed)]
+    outcomes = [_rendezvous_error(closed)]
     silent = _board(rank, world_size, hosts=hosts)
     if rank == 1:
         silent._stop.set()  # frozen (or gone on another host): the heartbeat stops without a word
         time.sleep(3.0)
         return outcomes
-    return [*outcomes, _timed_rendezvous(silent)]
+    return [*outcomes, _rendezvous_error(silent)]
 
 
 def test_rendezvous_notices_a_silent_peer_on_another_host_but_waits_for_a_closed_one():
     (closed, silent), _ = run_distributed(_heartbeats, 2, args=((0.1, 1.0),), timeout=60)
-    assert closed[0] == "" and closed[1] > 1.5, closed  # waited out rank 1's 2 s without a heartbeat
-    assert silent[0].startswith("Rank 0: rank(s) [1] on other hosts sent no heartbeat for 1 s"), silent
-    assert silent[1] < 2.5, silent
+    assert closed == "", closed  # waited out rank 1's 2 s without a heartbeat (stale after 1 s): closed on purpose
+    # Rank 1 never reaches this rendezvous; only the heartbeat check (not the board's 60 s timeout) ends the wait.
+    assert silent.startswith("Rank 0: rank(s) [1] on other hosts sent no heartbeat for 1 s"), silent

@@ -3,15 +3,14 @@
 User code that freezes a layer on rank 0 only (``if self.global_rank == 0: ...``) would make the ranks average
 different gradients: DDP's re-wrap failed inside torch's cross-rank check, ZeRO-1/2 silently trained the frozen layer
 on the other rank's gradients, FSDP2 reduce-scattered gradients of different layouts. Each case runs a real 2-rank
-fit; both ranks must raise our error, naming the parameters and the ranks, within seconds (the strategies' collective
-timeout is 30 s, so a rank that waited for the other would fail the time bound).
+fit; both ranks must raise our error, naming the parameters and the ranks (a rank that waited for the other would
+end in the collective's timeout error instead, not in ours).
 
 All cases run in one pair of forked ranks, one Trainer per case.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -22,7 +21,6 @@ from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.distributed.trainable import disagreement_message
 
 COLLECTIVE_TIMEOUT_S = 30
-DEADLINE_S = 15.0  # well below the collective timeout: nobody waited for a peer that never came
 
 
 class _FrozenOnRankZero(FreezeScheduleModel):
@@ -54,16 +52,15 @@ CASES = {
 }
 
 
-def _fit_each_case(rank: int, world_size: int) -> dict[str, tuple[str, str, float]]:
+def _fit_each_case(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     results = {}
     for name, (make_strategy, at_step) in CASES.items():
-        start = time.monotonic()
         try:
             trainer(make_strategy(), world_size).fit(_FrozenOnRankZero(at_step), loader(world_size, rank))
             outcome = ("no error", "")
         except Exception as error:
             outcome = (type(error).__name__, str(error))
-        results[name] = (*outcome, time.monotonic() - start)
+        results[name] = outcome
     return results
 
 
@@ -78,12 +75,11 @@ def test_rank_dependent_requires_grad_is_named_on_every_rank(outcomes, case) -> 
         "DataParallelStrategy" if case.startswith("data_parallel") else f"ShardedOptimizerStrategy(stage={case[4]})"
     )
     for rank, results in enumerate(outcomes):
-        kind, message, seconds = results[case]
+        kind, message = results[case]
         assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
         assert message.startswith(f"{strategy}: the ranks disagree on which parameters require grad"), message
         assert "`backbone.0.weight`, `backbone.0.bias`: trainable on rank 1, frozen on rank 0" in message, message
         assert "the same way on every rank" in message, message
-        assert seconds < DEADLINE_S, f"rank {rank} took {seconds:.1f} s"
 
 
 def test_the_message_groups_parameters_by_where_they_are_trainable() -> None:
