@@ -137,7 +137,26 @@ class _DecoderModel(nn.Module):
         self.norm = _RMSNorm(layout.hidden_size)
 
 
-class _CausalLM(nn.Module):
+class _StandIn(nn.Module):
+    """What both stand-ins share: ``forward`` is the chain of ``pipeline_layers()``, the shape is the config's."""
+
+    layout: DecoderLayout
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        x = input_ids
+        for layer in self.pipeline_layers():
+            x = layer(x)  # (B, T, hidden), then (B, T, vocab)
+        return x
+
+    def transformer_shape(self) -> TransformerShape:
+        """The planner's hook: the shape the config gives."""
+        return _shape(self.layout)
+
+
+class _CausalLM(_StandIn):
     """``LlamaForCausalLM`` and its relatives: ``model.{embed_tokens, layers, norm}`` and ``lm_head``."""
 
     def __init__(self, layout: DecoderLayout) -> None:
@@ -148,19 +167,9 @@ class _CausalLM(nn.Module):
         if layout.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        x = input_ids
-        for layer in self.pipeline_layers():
-            x = layer(x)  # (B, T, hidden), then (B, T, vocab)
-        return x
-
     def pipeline_layers(self) -> list[nn.Module]:
         """``[embed_tokens, *layers, norm + lm_head]``, as the strategy cuts a model by its declared plan."""
         return [self.model.embed_tokens, *self.model.layers, _Epilogue(self.model.norm, self.lm_head)]
-
-    def transformer_shape(self) -> TransformerShape:
-        """The planner's hook: the shape the config gives."""
-        return _shape(self.layout)
 
 
 # ---------------------------------------------------------------------------------------------- GPT-2
@@ -234,7 +243,7 @@ class _GPT2Embedding(nn.Module):
         return self.wte(input_ids) + self.wpe(positions)  # (B, T, hidden)
 
 
-class _GPT2LMHeadModel(nn.Module):
+class _GPT2LMHeadModel(_StandIn):
     """``GPT2LMHeadModel``: ``transformer.{wte, wpe, h, ln_f}`` and ``lm_head``."""
 
     def __init__(self, layout: DecoderLayout) -> None:
@@ -245,17 +254,7 @@ class _GPT2LMHeadModel(nn.Module):
         if layout.tie_word_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        x = input_ids
-        for layer in self.pipeline_layers():
-            x = layer(x)  # (B, T, hidden), then (B, T, vocab)
-        return x
-
     def pipeline_layers(self) -> list[nn.Module]:
         """``[wte + wpe, *h, ln_f + lm_head]``."""
         t = self.transformer
         return [_GPT2Embedding(t.wte, t.wpe), *t.h, _Epilogue(t.ln_f, self.lm_head)]
-
-    def transformer_shape(self) -> TransformerShape:
-        """The planner's hook: the shape the config gives."""
-        return _shape(self.layout)
