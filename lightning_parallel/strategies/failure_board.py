@@ -128,15 +128,19 @@ class FailureBoard:
         # Rank 0 usually hosts the store (Lightning's launch): it must not leave, and maybe exit and take the store
         # with it, while another rank still polls the counter above. So it also waits until every rank has seen it
         # complete; the others need the store no more for this point.
+        # A rank may exit right after it counted itself out, while a slower one has yet to: `left_ranks` names who
+        # counted, so that rank 0 takes only a rank gone *before* counting for a failed one.
         if self.global_rank == 0:
-            self._count_up_and_wait(f"{key}/left", what)
-            self._store.delete_key(f"{key}/arrived")
-            self._store.delete_key(f"{key}/left")
+            self._count_up_and_wait(f"{key}/left", what, counted_ranks_key=f"{key}/left_ranks")
+            for suffix in ("arrived", "left", "left_ranks"):
+                self._store.delete_key(f"{key}/{suffix}")
         else:
+            self._store.append(f"{key}/left_ranks", f"{self.global_rank},")
             self._store.add(f"{key}/left", 1)
 
-    def _count_up_and_wait(self, key: str, what: str) -> None:
-        """Add one to ``key``, then poll it until it reaches the world size, checking for failed peers meanwhile."""
+    def _count_up_and_wait(self, key: str, what: str, *, counted_ranks_key: str | None = None) -> None:
+        """Add one to ``key``, then poll it until it reaches the world size, checking for failed peers meanwhile.
+        ``counted_ranks_key`` (optional) lists the ranks that counted themselves and may have exited since."""
         start = time.monotonic()
         count = self._store.add(key, 1)
         delay, next_check, next_heartbeat_check = 0.001, 0.0, start + HEARTBEAT_INTERVAL
@@ -145,7 +149,7 @@ class FailureBoard:
             now = time.monotonic()
             try:
                 if now >= next_check:
-                    self._raise_if_a_peer_failed(what)
+                    self._raise_if_a_peer_failed(what, counted_ranks_key)
                     next_check = now + _CHECK_EVERY
                 if self._remote_ranks and now >= next_heartbeat_check:
                     self._raise_if_a_remote_peer_is_silent(what, heartbeats)
@@ -165,7 +169,12 @@ class FailureBoard:
             delay = min(delay * 2, _POLL_LIMIT)
             count = self._store.add(key, 0)
 
-    def _raise_if_a_peer_failed(self, what: str) -> None:
+    def _ranks_that_counted(self, counted_ranks_key: str | None) -> frozenset[int]:
+        if counted_ranks_key is None or not self._store.check([counted_ranks_key]):
+            return frozenset()
+        return frozenset(int(rank) for rank in self._store.get(counted_ranks_key).decode().split(",") if rank)
+
+    def _raise_if_a_peer_failed(self, what: str, counted_ranks_key: str | None = None) -> None:
         failure = self.failure()
         if failure is not None:
             raise PeerFailedError(
@@ -173,6 +182,9 @@ class FailureBoard:
                 " process may still be alive, so no collective would have noticed)."
             )
         dead = self._peers.dead_local_ranks()
+        if dead and counted_ranks_key is not None:  # read only when needed: a store round-trip
+            counted = self._ranks_that_counted(counted_ranks_key)
+            dead = [rank for rank in dead if rank not in counted]
         if dead:
             raise PeerFailedError(
                 f"Rank {self.global_rank}: rank(s) {dead} stopped (their processes"
