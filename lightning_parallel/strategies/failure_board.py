@@ -135,7 +135,7 @@ class FailureBoard:
             for suffix in ("arrived", "left", "left_ranks"):
                 self._store.delete_key(f"{key}/{suffix}")
         else:
-            self._store.append(f"{key}/left_ranks", f"{self.global_rank},")
+            self._store.append(f"{key}/left_ranks", f"{self.global_rank},")  # type: ignore[attr-defined]  # not in the stubs
             self._store.add(f"{key}/left", 1)
 
     def _count_up_and_wait(self, key: str, what: str, *, counted_ranks_key: str | None = None) -> None:
