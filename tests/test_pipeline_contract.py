@@ -20,6 +20,7 @@ from training_helpers import SEED, assert_weights_close
 
 from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy
 from lightning_parallel.distributed.pipeline import ContractError
+from lightning_parallel.distributed.pipeline.contract import model_inputs_of_batch
 
 NUM_CLASSES = 4
 
@@ -236,3 +237,69 @@ def test_data_times_pipeline_validates_like_data_parallel():
     for metrics in results:
         for key, value in reference[0].items():
             assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+# ------------------------------------------------------------------ pipeline_inputs(batch): the step runs once
+class CountingClassifier(Classifier):
+    """Counts its training steps (as random masking or augmentation before `self(...)` would draw)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_calls = 0
+
+    def training_step(self, batch, batch_idx):
+        self.step_calls += 1
+        return super().training_step(batch, batch_idx)
+
+
+class DeclaringClassifier(CountingClassifier):
+    def pipeline_inputs(self, batch):
+        return batch[0]  # the argument of `self(x)` in the step
+
+
+def _fit_counting(rank: int, world_size: int, distributed: bool) -> dict:
+    results = {}
+    for declares_inputs in (True, False) if distributed else (True,):
+        pl.seed_everything(SEED, verbose=False)
+        module = DeclaringClassifier() if declares_inputs else CountingClassifier()
+        if distributed:
+            strategy = PipelineParallelStrategy(num_microbatches=4, timeout=60)
+            train = DataLoader(TRAIN, batch_size=8)
+        else:
+            strategy = "auto"
+            sampler = DistributedSampler(TRAIN, 1, 0, shuffle=True, seed=SEED)
+            train = DataLoader(TRAIN, batch_size=8, sampler=sampler)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=strategy,
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, train_dataloaders=train)
+        weights = trainer.strategy.lightning_module_state_dict() if distributed else module.state_dict()
+        results[declares_inputs] = {"calls": module.step_calls, "weights": weights}
+    return results
+
+
+def test_a_module_that_declares_its_pipeline_inputs_runs_its_step_once_per_micro_batch():
+    (reference,) = run_distributed(_fit_counting, 1, args=(False,), init_process_group=False, timeout=120)
+    first, last = run_distributed(_fit_counting, 2, args=(True,), init_process_group=False, timeout=120)
+    # As on one device with 4-fold accumulation: once per micro-batch, on the last stage only.
+    assert (first[True]["calls"], last[True]["calls"]) == (0, 3 * 4)
+    assert_weights_close(first[True]["weights"], reference[True]["weights"], rtol=1e-5, atol=1e-6)
+    # Without `pipeline_inputs`, every rank runs the step up to `self(...)` once per batch (and once at set-up).
+    assert (first[False]["calls"], last[False]["calls"]) == (3 + 1, 3 * 4 + 3 + 1)
+    assert_weights_close(first[False]["weights"], reference[True]["weights"], rtol=1e-5, atol=1e-6)
+
+
+def test_pipeline_inputs_of_the_wrong_kind_is_a_clear_error():
+    class Wrong(DeclaringClassifier):
+        def pipeline_inputs(self, batch):
+            return 3
+
+    with pytest.raises(ContractError, match=r"Wrong.pipeline_inputs\(batch\)` returned int; .* a tensor, a tuple"):
+        model_inputs_of_batch(Wrong(), "training_step", ((torch.zeros(2, 8), torch.zeros(2)), 0), {})

@@ -39,7 +39,7 @@ from lightning_parallel.distributed.pipeline.consolidate import (
     sharded_meta,
     slice_optimizer_state,
 )
-from lightning_parallel.distributed.pipeline.contract import ModelCall, capture_model_inputs, replay_logs
+from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch, replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
 from lightning_parallel.distributed.pipeline.gradients import average_across_replicas, clip_by_global_norm
 from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, batch_size_of
@@ -499,7 +499,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             batch = next(iter(loader))
         except (StopIteration, TypeError):
             return None
-        inputs = capture_model_inputs(module, step, (batch, 0), {}, call=call)
+        inputs = model_inputs_of_batch(module, step, (batch, 0), {}, call=call)
         size = batch_size_of(inputs)
         if step == "training_step" and size is not None and size % self.num_microbatches:
             raise ValueError(

@@ -2,8 +2,10 @@
 
 Torch/Lightning-module level, no Trainer logic. Three things happen to a step:
 
-* :func:`capture_model_inputs` runs the step until it calls ``self(...)`` and returns those arguments (the first
-  stage's input); nothing after that call runs, and nothing is logged.
+* :func:`model_inputs_of_batch` gives the first stage's input for a batch: the module's own
+  ``pipeline_inputs(batch)`` when it defines one (the step does not run), else :func:`capture_model_inputs`, which
+  runs the step until it calls ``self(...)`` and returns those arguments; nothing after that call runs, and nothing
+  is logged (that partial run is one run of the step more per batch than on one device).
 * :func:`run_step_with_output` runs the step on one micro-batch with ``self(...)`` returning the pipeline's output
   for it, recording what the step logs instead of logging it.
 * :func:`aggregate_logs` / :func:`replay_logs` turn the per-micro-batch records into one ``self.log`` call per name,
@@ -13,7 +15,7 @@ Torch/Lightning-module level, no Trainer logic. Three things happen to a step:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,12 +27,18 @@ from torch import Tensor, nn
 # keeps its own state across micro-batches and must be recognised so it is not averaged like a value.
 from torchmetrics import Metric
 
+PIPELINE_INPUTS_HOOK = "pipeline_inputs"
+"""The optional LightningModule method ``pipeline_inputs(batch)``: the arguments of the step's model call for
+``batch`` (a tensor, a tuple of positional arguments or a dict of keyword arguments)."""
+
 __all__ = [
+    "PIPELINE_INPUTS_HOOK",
     "ContractError",
     "LogRecord",
     "ModelCall",
     "aggregate_logs",
     "capture_model_inputs",
+    "model_inputs_of_batch",
     "replay_logs",
     "run_step_with_output",
     "step_loss",
@@ -126,6 +134,38 @@ def capture_model_inputs(
         except _InputsCaptured as captured:
             return call.model_inputs(captured.args, captured.kwargs)
     raise ContractError(f"`{step}` returned without calling {_called(module, call)}. {_CONTRACT}")
+
+
+def model_inputs_of_batch(
+    module: nn.Module, step: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, call: ModelCall | None = None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The pipeline's input for the step ``module.<step>(*args, **kwargs)`` (``args[0]`` is the batch).
+
+    A module that defines ``pipeline_inputs(batch)`` says it itself, and its step then runs exactly as often as on one
+    device with ``num_microbatches``-fold accumulation: once per micro-batch, on the last stage. Otherwise the step
+    runs up to its model call (:func:`capture_model_inputs`): one partial run more per batch, whose side effects and
+    random draws (masking, augmentation, counters) happen one time too many.
+
+    Raises:
+        ContractError: If ``pipeline_inputs`` returns something else than a tensor, a tuple or a dict, or (without
+            it) the step returns without calling the model.
+    """
+    call = call or ModelCall(module)
+    declare = getattr(module, PIPELINE_INPUTS_HOOK, None)
+    if declare is None:
+        return capture_model_inputs(module, step, args, kwargs, call=call)
+    declared = declare(args[0])
+    if isinstance(declared, Tensor):
+        return call.model_inputs((declared,), {})
+    if isinstance(declared, Mapping):
+        return call.model_inputs((), dict(declared))
+    if isinstance(declared, tuple | list):
+        return call.model_inputs(tuple(declared), {})
+    raise ContractError(
+        f"`{type(module).__name__}.{PIPELINE_INPUTS_HOOK}(batch)` returned {type(declared).__name__}; it must return"
+        f" the arguments of {_called(module, call)} in `{step}` for that batch: a tensor, a tuple of positional"
+        " arguments or a dict of keyword arguments."
+    )
 
 
 def _called(module: nn.Module, call: ModelCall) -> str:

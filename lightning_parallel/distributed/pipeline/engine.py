@@ -21,7 +21,7 @@ from lightning_parallel.distributed.pipeline.contract import (
     ContractError,
     ModelCall,
     aggregate_logs,
-    capture_model_inputs,
+    model_inputs_of_batch,
     run_step_with_output,
     step_loss,
     to_portable,
@@ -122,7 +122,7 @@ class PipelineEngine:
 
     def capture_inputs(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
         """The arguments of the step's ``self(...)`` call and their batch size."""
-        model_inputs = capture_model_inputs(self.module, step, args, kwargs, call=self.call)
+        model_inputs = model_inputs_of_batch(self.module, step, args, kwargs, call=self.call)
         size = batch_size_of(model_inputs)
         if size is None:
             raise ContractError(
