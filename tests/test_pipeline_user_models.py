@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from training_helpers import assert_weights_close
 
 from lightning_parallel import PipelineParallelStrategy
+from lightning_parallel.accounting import LiveTensorPeak
 from lightning_parallel.distributed.pipeline import check_layers_compose_to_forward
 from lightning_parallel.distributed.pipeline.partition import (
     StageModule,
@@ -305,3 +306,15 @@ def test_attention_on_cpu_counts_in_the_compute_partition():
     projections = 2 * 2 * 64 * 16 * (3 * 16 + 16)  # q, k, v and output projections: 2 * tokens * d_in * d_out
     scores = 2 * 2 * 2 * 64 * 64 * 8 * 2  # (Q K^T and A V) x 2 FLOPs x batch x heads x T x T x head_dim
     assert cost >= projections + scores
+
+
+def test_the_layer_check_compares_a_large_output_without_copying_it_whole_in_float64():
+    # A language model's logits (batch x sequence x vocabulary) dominate the set-up peak of the check: forward's
+    # output and the chain's are held once each; the float64 comparison runs in chunks (it held 4 more copies).
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1 << 16))
+    x = torch.randn(64, 8)
+    output_bytes = 64 * (1 << 16) * 4
+    with LiveTensorPeak() as peak:
+        check_layers_compose_to_forward(model, list(model), ((x,), {}))
+    result = peak.result()
+    assert result.peak_bytes - result.start_bytes <= 2 * output_bytes + 3 * (1 << 20) * 8, result

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -140,18 +140,35 @@ def _difference(
             if value.shape != reference.shape:
                 return f"shape {tuple(value.shape)} against {tuple(reference.shape)} in `forward`"
             if not _close(value, reference, rtol, atol):
-                gap = (value.double() - reference.double()).abs().max().item()
-                return f"largest absolute difference {gap:.3g}"
+                return f"largest absolute difference {_largest_gap(value, reference):.3g}"
         elif isinstance(value, Tensor) or isinstance(reference, Tensor):
             return f"a {type(value).__name__} against a {type(reference).__name__} in `forward`"
     return None
 
 
+_CHUNK = 1 << 20
+"""Elements compared at a time: the comparison runs in float64, and a whole model output in float64 (a language
+model's logits: batch x sequence x vocabulary) would cost several times the output's size at the peak of set-up."""
+
+
+def _chunks(value: Tensor, reference: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+    return zip(value.detach().reshape(-1).split(_CHUNK), reference.detach().reshape(-1).split(_CHUNK), strict=True)
+
+
 def _close(value: Tensor, reference: Tensor, rtol: float, atol: float) -> bool:
     if not (value.is_floating_point() or value.is_complex()):
         return bool(torch.equal(value, reference))
-    scale = max(1.0, float(reference.detach().abs().max())) if reference.numel() else 1.0
-    return bool(torch.allclose(value.double(), reference.double(), rtol=rtol, atol=atol * scale, equal_nan=True))
+    if not reference.numel():
+        return True
+    scale = max(1.0, max(float(r.abs().max()) for _, r in _chunks(value, reference)))
+    return all(
+        torch.allclose(v.double(), r.double(), rtol=rtol, atol=atol * scale, equal_nan=True)
+        for v, r in _chunks(value, reference)
+    )
+
+
+def _largest_gap(value: Tensor, reference: Tensor) -> float:
+    return max(float((v.double() - r.double()).abs().max()) for v, r in _chunks(value, reference))
 
 
 def _named(names: dict[int, str], layer: nn.Module) -> str:
