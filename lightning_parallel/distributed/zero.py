@@ -68,6 +68,7 @@ from lightning_parallel.accounting import (
     optimizer_state_tensors,
     storage_bytes,
 )
+from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_, grad_norm_over_ranks
 
 __all__ = [
     "DEFAULT_BUCKETS_IN_FLIGHT",
@@ -579,33 +580,24 @@ class ShardedParameterBuckets:
         wanted = {id(param) for param in params}
         return [i for i, bucket in enumerate(self.buckets) if any(id(s.param) in wanted for s in bucket.segments)]
 
-    @torch.no_grad()
     def global_grad_norm(self, norm_type: float = 2.0, views: Iterable[ShardView] | None = None) -> Tensor:
         """Collective. Norm of the full averaged gradient of ``views`` (default: all), from the reduced shards (each
         element is owned by one rank); views without ``.grad`` count as no gradient, as torch skips them."""
-        grads = [view.grad for view in (self.views() if views is None else views) if view.tensor.grad is not None]
-        device = self.buckets[0].flat_params.device if self.buckets else torch.device("cpu")
-        if norm_type == float("inf"):
-            local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
-            total = local.to(torch.float32).clone()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
-            return total
-        local = sum((g.to(torch.float32).abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
-        dist.all_reduce(local, group=self.group)
-        return local.pow(1.0 / norm_type)
+        chosen = [view.tensor for view in (self.views() if views is None else views)]
+        return grad_norm_over_ranks(chosen, norm_type=norm_type, groups=[self.group], device=self._device)
 
-    @torch.no_grad()
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, views: Iterable[ShardView] | None = None
     ) -> Tensor:
         """Collective. ``torch.nn.utils.clip_grad_norm_`` semantics over the sharded gradients of ``views``."""
-        chosen = self.views() if views is None else list(views)
-        total_norm = self.global_grad_norm(norm_type, chosen)
-        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for view in chosen:
-            if view.tensor.grad is not None:
-                view.grad.mul_(coefficient.to(view.grad.dtype))
-        return total_norm
+        chosen = [view.tensor for view in (self.views() if views is None else views)]
+        return clip_grad_norm_over_ranks_(
+            chosen, max_norm, norm_type=norm_type, groups=[self.group], device=self._device
+        )
+
+    @property
+    def _device(self) -> torch.device:
+        return self.buckets[0].flat_params.device if self.buckets else torch.device("cpu")
 
     # ------------------------------------------------------------------ accounting
     def memory_report(
