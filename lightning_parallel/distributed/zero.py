@@ -69,6 +69,7 @@ from lightning_parallel.accounting import (
     storage_bytes,
 )
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_, grad_norm_over_ranks
+from lightning_parallel.distributed.zero_layout import BucketMember, bucket_layout, padded_numel
 
 __all__ = [
     "DEFAULT_BUCKETS_IN_FLIGHT",
@@ -233,24 +234,12 @@ class ShardedParameterBuckets:
 
     # ------------------------------------------------------------------ layout
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]], bucket_cap_mb: float) -> list[_Bucket]:
-        groups: list[list[tuple[str, nn.Parameter]]] = []
-        current: list[tuple[str, nn.Parameter]] = []
-        current_bytes = 0
-        cap = bucket_cap_mb * 2**20
-        for name, param in named:
-            differs = current and (param.dtype != current[0][1].dtype or param.device != current[0][1].device)
-            if current and (differs or current_bytes + param.numel() * param.element_size() > cap):
-                groups.append(current)
-                current, current_bytes = [], 0
-            current.append((name, param))
-            current_bytes += param.numel() * param.element_size()
-        if current:
-            groups.append(current)
-        return [self._make_bucket(members) for members in groups]
+        members = [BucketMember(p.numel(), p.element_size(), (p.dtype, p.device)) for _, p in named]
+        layout = bucket_layout(members, bucket_cap_mb=bucket_cap_mb)
+        return [self._make_bucket([named[i] for i in indices]) for indices in layout]
 
     def _make_bucket(self, members: list[tuple[str, nn.Parameter]]) -> _Bucket:
-        total = sum(param.numel() for _, param in members)
-        padded = -(-total // self.world_size) * self.world_size
+        padded = padded_numel(sum(param.numel() for _, param in members), self.world_size)
         reference = members[0][1]
         flat = torch.zeros(padded, dtype=reference.dtype, device=reference.device)
         segments, offset = [], 0
