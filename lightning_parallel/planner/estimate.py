@@ -38,7 +38,7 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   autocast the residual stream between blocks stays fp32); replicas all-reduce their stage's gradients. Bubble:
   ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v*m+p-1)`` for interleaved 1F1B with v stages per rank
   (Narayanan et al., 2021). With ``zero_stage`` 1 or 2 (dp > 1) each stage's parameters are bucketed as ZeRO-1/2
-  buckets them (:func:`zero_buckets` of the stage's parameters, each bucket padded to a multiple of dp) and the
+  buckets them (:func:`planned_buckets` of the stage's parameters, each bucket padded to a multiple of dp) and the
   replicas reduce-scatter and all-gather them instead of the all-reduce: ZeRO-1/2's arithmetic per stage, over dp
   ranks (the all-reduce of tied-weight copies is not modelled there). Without it, a weight tied across stages (an
   embedding shared with the LM head) is held by every rank that runs a user of it, and those ranks all-reduce its
