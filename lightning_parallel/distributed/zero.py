@@ -68,6 +68,8 @@ from lightning_parallel.accounting import (
     optimizer_state_tensors,
     storage_bytes,
 )
+from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_, grad_norm_over_ranks
+from lightning_parallel.distributed.zero_layout import BucketMember, bucket_layout, padded_numel
 
 __all__ = [
     "DEFAULT_BUCKETS_IN_FLIGHT",
@@ -232,24 +234,12 @@ class ShardedParameterBuckets:
 
     # ------------------------------------------------------------------ layout
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]], bucket_cap_mb: float) -> list[_Bucket]:
-        groups: list[list[tuple[str, nn.Parameter]]] = []
-        current: list[tuple[str, nn.Parameter]] = []
-        current_bytes = 0
-        cap = bucket_cap_mb * 2**20
-        for name, param in named:
-            differs = current and (param.dtype != current[0][1].dtype or param.device != current[0][1].device)
-            if current and (differs or current_bytes + param.numel() * param.element_size() > cap):
-                groups.append(current)
-                current, current_bytes = [], 0
-            current.append((name, param))
-            current_bytes += param.numel() * param.element_size()
-        if current:
-            groups.append(current)
-        return [self._make_bucket(members) for members in groups]
+        members = [BucketMember(p.numel(), p.element_size(), (p.dtype, p.device)) for _, p in named]
+        layout = bucket_layout(members, bucket_cap_mb=bucket_cap_mb)
+        return [self._make_bucket([named[i] for i in indices]) for indices in layout]
 
     def _make_bucket(self, members: list[tuple[str, nn.Parameter]]) -> _Bucket:
-        total = sum(param.numel() for _, param in members)
-        padded = -(-total // self.world_size) * self.world_size
+        padded = padded_numel(sum(param.numel() for _, param in members), self.world_size)
         reference = members[0][1]
         flat = torch.zeros(padded, dtype=reference.dtype, device=reference.device)
         segments, offset = [], 0
@@ -579,33 +569,24 @@ class ShardedParameterBuckets:
         wanted = {id(param) for param in params}
         return [i for i, bucket in enumerate(self.buckets) if any(id(s.param) in wanted for s in bucket.segments)]
 
-    @torch.no_grad()
     def global_grad_norm(self, norm_type: float = 2.0, views: Iterable[ShardView] | None = None) -> Tensor:
         """Collective. Norm of the full averaged gradient of ``views`` (default: all), from the reduced shards (each
         element is owned by one rank); views without ``.grad`` count as no gradient, as torch skips them."""
-        grads = [view.grad for view in (self.views() if views is None else views) if view.tensor.grad is not None]
-        device = self.buckets[0].flat_params.device if self.buckets else torch.device("cpu")
-        if norm_type == float("inf"):
-            local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
-            total = local.to(torch.float32).clone()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
-            return total
-        local = sum((g.to(torch.float32).abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
-        dist.all_reduce(local, group=self.group)
-        return local.pow(1.0 / norm_type)
+        chosen = [view.tensor for view in (self.views() if views is None else views)]
+        return grad_norm_over_ranks(chosen, norm_type=norm_type, groups=[self.group], device=self._device)
 
-    @torch.no_grad()
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, views: Iterable[ShardView] | None = None
     ) -> Tensor:
         """Collective. ``torch.nn.utils.clip_grad_norm_`` semantics over the sharded gradients of ``views``."""
-        chosen = self.views() if views is None else list(views)
-        total_norm = self.global_grad_norm(norm_type, chosen)
-        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for view in chosen:
-            if view.tensor.grad is not None:
-                view.grad.mul_(coefficient.to(view.grad.dtype))
-        return total_norm
+        chosen = [view.tensor for view in (self.views() if views is None else views)]
+        return clip_grad_norm_over_ranks_(
+            chosen, max_norm, norm_type=norm_type, groups=[self.group], device=self._device
+        )
+
+    @property
+    def _device(self) -> torch.device:
+        return self.buckets[0].flat_params.device if self.buckets else torch.device("cpu")
 
     # ------------------------------------------------------------------ accounting
     def memory_report(

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
 from lightning_parallel.distributed.blocks import find_blocks
+from lightning_parallel.distributed.broadcast import broadcast_from_rank0  # re-exported: the ZeRO-3 backend's
 from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, even_split
 
 __all__ = [
@@ -189,29 +190,6 @@ def _splits_a_tie(root: nn.Module, unit: nn.Module) -> bool:
     for name, param in root.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)
     return any(0 < sum(n.startswith(prefix) for n in names) < len(names) for names in names_of.values())
-
-
-@torch.no_grad()
-def broadcast_from_rank0(module: nn.Module, device: torch.device) -> None:
-    """Collective. Every materialised parameter and buffer takes rank 0's value, as DDP and stages 1-2 do before
-    training: a re-launched rank builds its own initial weights (a script without a common seed, weights loaded on
-    rank 0 only), and sharding them as they are would train a mix of the ranks' models. ``device`` is the device the
-    backend communicates from (the rank's GPU for NCCL).
-
-    Meta tensors are skipped (every rank skips the same ones): :func:`materialize_meta_module` initialises their
-    shards from a seed drawn on rank 0, so those values do not depend on the other ranks' seeds either. Already
-    sharded parameters (a second ``fit``) are skipped.
-    """
-    seen: set[int] = set()
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if tensor.is_meta or isinstance(tensor, DTensor) or id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        # NCCL broadcasts device tensors only; a model built on the CPU goes through one tensor's copy at a time.
-        on_device = tensor.detach() if tensor.device == device else tensor.detach().to(device)
-        dist.broadcast(on_device, src=0)
-        if on_device.data_ptr() != tensor.data_ptr():
-            tensor.detach().copy_(on_device)
 
 
 def materialize_meta_module(module: nn.Module, device: torch.device) -> bool:

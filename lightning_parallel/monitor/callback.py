@@ -30,6 +30,7 @@ from lightning_parallel.instrumentation import Instrumentation, InstrumentedStra
 from lightning_parallel.monitor.figure import write_figure
 from lightning_parallel.monitor.ledger import CollectiveTap, PhaseTimes
 from lightning_parallel.monitor.report import format_table
+from lightning_parallel.strategies.base import unwrap_optimizer
 
 __all__ = ["ParallelismMonitor", "StepRecord"]
 
@@ -222,7 +223,7 @@ class ParallelismMonitor(Callback):
             return {
                 "parameters": parameters,
                 "gradients": gradients,
-                "optimizer_state": list(optimizer_state_tensors(_unwrapped(optimizers))),
+                "optimizer_state": list(optimizer_state_tensors([unwrap_optimizer(o) for o in optimizers])),
             }
 
         tracker = LiveTensorPeak(categories=categories, device=trainer.strategy.root_device)
@@ -396,17 +397,12 @@ def _memory_report(trainer: pl.Trainer) -> dict[str, int]:
         measured = report()
     else:  # Lightning's own strategies: parameters, `.grad` and optimizer state of the module as it is
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        measured = module_memory_report(trainer.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        measured = module_memory_report(trainer.lightning_module, unwrap_optimizer(optimizer))
     return {
         "parameters": measured.parameters,
         "gradients": measured.gradients,
         "optimizer_state": measured.optimizer_state,
     }
-
-
-def _unwrapped(optimizers: list[Any]) -> list[torch.optim.Optimizer]:
-    """Lightning's ``LightningOptimizer`` wrappers unwrapped (the optimizer whose ``state`` holds the tensors)."""
-    return [getattr(o, "_optimizer", o) for o in optimizers]
 
 
 def _synchronize(device: torch.device) -> None:

@@ -6,13 +6,15 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
 * Bytes held are tensor storages (each counted once) after an optimizer step: parameters, gradients, and the
   optimizer's per-element state (``exp_avg``/``exp_avg_sq`` for Adam(W), ``momentum_buffer`` for SGD with momentum;
   the 0-dim ``step`` counters are not counted). Optimizer state has the parameters' dtype.
-* Precision: ``"32-true"`` and the ``*-mixed`` precisions keep fp32 parameters and gradients (4 bytes; autocast
-  only changes activations); ``"16-true"``/``"bf16-true"`` store 2 bytes per element.
+* Precision: ``"32-true"`` and the ``*-mixed`` precisions keep the parameters' dtypes as the model built them (fp32,
+  4 bytes, unless a layer was built in 16 bits; autocast only changes activations); ``"16-true"``/``"bf16-true"``
+  store 2 bytes per element. The data-parallel, ZeRO-3 and pipeline (without ZeRO) estimates assume one dtype.
 * Communication per step is the monitor's definition (:mod:`lightning_parallel.accounting`): the full buffer of
   each collective on this rank; ring wire bytes are ``2(N-1)/N`` of an all-reduce and ``(N-1)/N`` of a
   reduce-scatter or all-gather.
 * Data parallel: everything replicated; one all-reduce of all gradients (DDP's buckets hold exactly the gradients).
-* ZeRO-1/2 (ours): trainable parameters, in reverse registration order, fill flat buckets of ``bucket_cap_mb``;
+* ZeRO-1/2 (ours): trainable parameters, in reverse registration order, fill flat buckets of ``bucket_cap_mb``, a
+  new bucket at each change of dtype (the buckets' own :func:`.zero_layout.bucket_layout`);
   each bucket is padded to a multiple of N. Parameters: the padded buckets. Gradients: stage 1 keeps the padded
   full bucket (its reduced shard is rank r's slice of it: reduced in place), stage 2 the shard only. Optimizer
   state: only the elements of rank r's shard that are real parameters (the padding is never stepped). Per step: one
@@ -36,7 +38,7 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   autocast the residual stream between blocks stays fp32); replicas all-reduce their stage's gradients. Bubble:
   ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v*m+p-1)`` for interleaved 1F1B with v stages per rank
   (Narayanan et al., 2021). With ``zero_stage`` 1 or 2 (dp > 1) each stage's parameters are bucketed as ZeRO-1/2
-  buckets them (:func:`zero_buckets` of the stage's parameters, each bucket padded to a multiple of dp) and the
+  buckets them (:func:`planned_buckets` of the stage's parameters, each bucket padded to a multiple of dp) and the
   replicas reduce-scatter and all-gather them instead of the all-reduce: ZeRO-1/2's arithmetic per stage, over dp
   ranks (the all-reduce of tied-weight copies is not modelled there). Without it, a weight tied across stages (an
   embedding shared with the LM head) is held by every rank that runs a user of it, and those ranks all-reduce its
@@ -59,6 +61,7 @@ from dataclasses import dataclass, field
 from lightning_parallel.accounting import ring_wire_bytes
 from lightning_parallel.distributed.pipeline.partition import StagePlan, resolve_pipeline_layers
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, find_tied_parameters
+from lightning_parallel.distributed.zero_layout import BucketMember, bucket_layout, padded_numel
 from lightning_parallel.planner.shape import TransformerShape
 from lightning_parallel.planner.spec import ModelSpec, ParamSpec
 
@@ -74,6 +77,7 @@ __all__ = [
     "estimate_zero3",
     "estimate_zero12",
     "pipeline_bubble",
+    "planned_buckets",
     "zero_buckets",
 ]
 
@@ -263,21 +267,40 @@ def estimate_data_parallel(ctx: EstimateContext) -> ConfigEstimate:
     return ConfigEstimate("data_parallel", strategy, [rank] * ctx.world_size)
 
 
+@dataclass(frozen=True)
+class PlannedBucket:
+    """One ZeRO-1/2 flat bucket as ``ShardedParameterBuckets`` builds it."""
+
+    numel: int
+    """Elements before padding."""
+    element_size: int
+    """Bytes per element of its parameters (one dtype per bucket)."""
+
+
+def trained_element_size(param: ParamSpec, element_bytes: int) -> int:
+    """Bytes per element of ``param`` in training: a 16-bit ``"*-true"`` precision (``element_bytes`` 2) converts every
+    parameter (Lightning's ``HalfPrecision.convert_module``); 32-bit and mixed precisions keep the dtype the model was
+    built with (a bf16 layer stays bf16 beside fp32 ones)."""
+    if element_bytes < MASTER_BYTES or param.element_size is None:
+        return element_bytes
+    return param.element_size
+
+
+def planned_buckets(spec: ModelSpec, *, element_bytes: int, bucket_cap_mb: float) -> list[PlannedBucket]:
+    """The flat buckets ``ShardedParameterBuckets`` builds, in bucket order: the same :func:`bucket_layout` over the
+    parameters in reverse registration order, a bucket per dtype run."""
+    sizes = [trained_element_size(param, element_bytes) for param in reversed(spec.params)]
+    numels = [param.numel for param in reversed(spec.params)]
+    members = [BucketMember(numel, size, size) for numel, size in zip(numels, sizes, strict=True)]
+    return [
+        PlannedBucket(sum(numels[i] for i in indices), sizes[indices[0]])
+        for indices in bucket_layout(members, bucket_cap_mb=bucket_cap_mb)
+    ]
+
+
 def zero_buckets(spec: ModelSpec, *, element_bytes: int, bucket_cap_mb: float) -> list[int]:
     """Element counts of the flat buckets ``ShardedParameterBuckets`` builds (before padding), in bucket order."""
-    cap = bucket_cap_mb * 2**20
-    buckets: list[int] = []
-    current = current_bytes = 0
-    for param in reversed(spec.params):
-        size = param.numel * element_bytes
-        if current and current_bytes + size > cap:
-            buckets.append(current)
-            current = current_bytes = 0
-        current += param.numel
-        current_bytes += size
-    if current:
-        buckets.append(current)
-    return buckets
+    return [bucket.numel for bucket in planned_buckets(spec, element_bytes=element_bytes, bucket_cap_mb=bucket_cap_mb)]
 
 
 GRADIENT_FLAG_BYTES = 1
@@ -312,23 +335,16 @@ def estimate_zero12(
     ctx: EstimateContext, *, stage: int, bucket_cap_mb: float, master_weights: bool | None = None
 ) -> ConfigEstimate:
     """ZeRO-1/2 (ours). ``master_weights``: fp32 masters of 16-bit parameters; ``None``: when they are 16-bit."""
-    n, e = ctx.world_size, ctx.element_bytes
-    master = _keeps_master(ctx, master_weights)
-    g = s = MASTER_BYTES if master else e  # reduced gradient shard and optimizer state
+    n = ctx.world_size
     ranks = []
-    buckets = zero_buckets(ctx.spec, element_bytes=e, bucket_cap_mb=bucket_cap_mb)
-    padded = [-(-b // n) * n for b in buckets]
+    buckets = planned_buckets(ctx.spec, element_bytes=ctx.element_bytes, bucket_cap_mb=bucket_cap_mb)
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
     for r in range(n):
-        owned = sum(max(0, min(b, (r + 1) * (p // n)) - r * (p // n)) for b, p in zip(buckets, padded, strict=True))
-        shards = sum(p // n for p in padded)
-        # Stage 1 reduces in place into its full bucket unless the shard is an fp32 copy beside 16-bit buckets.
-        grads = sum(padded) * e + (shards * g if master else 0) if stage == 1 else shards * g
-        reduced, gathered = sum(padded) * g, sum(padded) * e
-        comm = _zero_communication(ctx, len(ctx.spec.params), ranks=n, reduced=reduced, gathered=gathered)
-        optimizer = ctx.state_count * owned * s + (shards * MASTER_BYTES if master else 0)
-        ranks.append(RankEstimate(sum(padded) * e, grads, optimizer, comm, act))
+        params, grads, optimizer, comm = _zero_sharded(
+            ctx, buckets, len(ctx.spec.params), stage=stage, rank=r, ranks=n, master_weights=master_weights
+        )
+        ranks.append(RankEstimate(params, grads, optimizer, comm, act))
     strategy = _strategy_line(ctx, f"zero{stage}", "ShardedOptimizerStrategy", f"stage={stage}")
     return ConfigEstimate(f"zero{stage}", strategy, ranks)
 
@@ -417,9 +433,10 @@ def estimate_pipeline(
         held = (local * e, local * e, ctx.state_count * local * e)
         if dp > 1 and zero_stage:
             stage_spec = _stage_spec(ctx, plan, stages)
-            buckets = zero_buckets(stage_spec, element_bytes=e, bucket_cap_mb=bucket_cap_mb)
-            params, grads, state, sharded = _stage_sharded(
-                ctx, buckets, len(stage_spec.params), zero_stage=zero_stage, replica=r // p, dp=dp
+            buckets = planned_buckets(stage_spec, element_bytes=e, bucket_cap_mb=bucket_cap_mb)
+            # The pipeline's ZeRO keeps no fp32 masters (it supports 32-true and bf16-mixed).
+            params, grads, state, sharded = _zero_sharded(
+                ctx, buckets, len(stage_spec.params), stage=zero_stage, rank=r // p, ranks=dp, master_weights=False
             )
             held = (params, grads, state)
             comm.update(sharded)
@@ -489,23 +506,41 @@ def _stage_spec(ctx: EstimateContext, plan: object, stages: list[int]) -> ModelS
     local = {id(q) for s in stages for i in plan.layers_of(s) for q in layers[i].parameters()}  # type: ignore[attr-defined]
     named = module.named_parameters()
     return ModelSpec(
-        ctx.spec.name, [ParamSpec(n, tuple(q.shape)) for n, q in named if id(q) in local and q.requires_grad]
+        ctx.spec.name,
+        [ParamSpec(n, tuple(q.shape), q.element_size()) for n, q in named if id(q) in local and q.requires_grad],
     )
 
 
-def _stage_sharded(
-    ctx: EstimateContext, buckets: list[int], num_params: int, *, zero_stage: int, replica: int, dp: int
+def _zero_sharded(
+    ctx: EstimateContext,
+    buckets: list[PlannedBucket],
+    num_params: int,
+    *,
+    stage: int,
+    rank: int,
+    ranks: int,
+    master_weights: bool | None,
 ) -> tuple[int, int, int, dict[str, int]]:
-    """Bytes of parameters, gradients and optimizer state, and communication, of one stage's ``replica`` when its
-    buckets (of ``num_params`` parameters) are sharded over ``dp`` replicas (fp32 parameters: the pipeline supports
-    32-true and bf16-mixed)."""
-    e = ctx.element_bytes
-    padded = [-(-b // dp) * dp for b in buckets]
-    shards = [q // dp for q in padded]
-    owned = sum(max(0, min(b, (replica + 1) * s) - replica * s) for b, s in zip(buckets, shards, strict=True))
-    grads = sum(padded) if zero_stage == 1 else sum(shards)  # stage 1: the shard is a slice of the bucket
-    comm = _zero_communication(ctx, num_params, ranks=dp, reduced=sum(padded) * e, gathered=sum(padded) * e)
-    return sum(padded) * e, grads * e, ctx.state_count * owned * e, comm
+    """Bytes of parameters, gradients and optimizer state, and communication per step, of ``rank`` when ``buckets``
+    (of ``num_params`` parameters) are sharded over ``ranks`` by ZeRO-1/2. Each bucket of 16-bit parameters keeps an
+    fp32 master shard unless ``master_weights`` is ``False``; its gradients are then reduced in fp32 into an fp32
+    shard and its optimizer state is fp32."""
+    params = grads = optimizer = reduced = gathered = 0
+    for bucket in buckets:
+        e = bucket.element_size
+        master = master_weights is not False and e < MASTER_BYTES
+        g = MASTER_BYTES if master else e  # the reduced gradient shard and the optimizer state
+        padded = padded_numel(bucket.numel, ranks)
+        shard = padded // ranks
+        owned = max(0, min(bucket.numel, (rank + 1) * shard) - rank * shard)  # the padding is never stepped
+        params += padded * e
+        # Stage 1 reduces in place into its full bucket unless the shard is an fp32 copy beside a 16-bit bucket.
+        grads += padded * e + (shard * g if master else 0) if stage == 1 else shard * g
+        optimizer += ctx.state_count * owned * g + (shard * MASTER_BYTES if master else 0)
+        reduced += padded * g
+        gathered += padded * e
+    comm = _zero_communication(ctx, num_params, ranks=ranks, reduced=reduced, gathered=gathered)
+    return params, grads, optimizer, comm
 
 
 def _blocks_in(ctx: EstimateContext, plan: object, stages: list[int]) -> float:

@@ -44,6 +44,8 @@ class ParamSpec:
 
     name: str
     shape: tuple[int, ...]
+    element_size: int | None = None
+    """Bytes per element in the dtype the model was built with; ``None``: unknown (the precision's)."""
 
     @property
     def numel(self) -> int:
@@ -187,7 +189,7 @@ def _from_module(name: str, module: nn.Module) -> ModelSpec:
         units.append(UnitSpec(params=own, is_root=unit is holder))
     return ModelSpec(
         name=name,
-        params=[ParamSpec(n, tuple(p.shape)) for n, p in named],
+        params=[ParamSpec(n, tuple(p.shape), p.element_size()) for n, p in named],
         units=units,
         module=module,
         shape=transformer_shape_of(module),

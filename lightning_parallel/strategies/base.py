@@ -288,5 +288,6 @@ class LightningParallelStrategy(DDPStrategy):
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
-    """The torch optimizer inside Lightning's ``LightningOptimizer`` (or ``optimizer`` itself)."""
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` (or ``optimizer`` itself); the package's one
+    unwrapping (the monitor uses it too)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

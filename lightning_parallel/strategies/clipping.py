@@ -1,55 +1,133 @@
-"""Clipping by a norm over parameters this rank does not all hold, as a subclass of the Trainer's precision plugin.
+"""Clipping by a norm over parameters this rank does not all hold, through fixed subclasses of Lightning's precision
+plugins.
 
 Lightning clips through ``precision_plugin.clip_grad_by_norm``. Under ZeRO each rank holds a shard of the gradients,
-under the pipeline the gradients of its stages only, so the norm must be reduced across ranks. Rather than replace
-the method on the Trainer's plugin object, :func:`with_clipping` returns a copy whose class subclasses the plugin's
-own (``32-true``, ``16-mixed``, ``bf16-mixed``, ...), so all its other behaviour stays: Lightning's
-``FSDPPrecision`` pattern, for whichever plugin the user chose.
+under the pipeline the gradients of its stages only, so the norm must be reduced across ranks. Lightning's own
+sharded strategies use a fixed precision class of their own (``FSDPPrecision``); so do we, one per precision
+Lightning builds from ``Trainer(precision=...)``: :func:`with_clipping` builds the matching one from the Trainer's
+plugin through the public constructors (the Trainer's plugin object is left as it is). A plugin class we do not know
+(a user's own subclass) cannot be rebuilt from its constructor: only for it, :func:`with_clipping` falls back to an
+adapter subclass created at run time that shares the plugin's attributes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
-from lightning.pytorch.plugins.precision import Precision
+import torch
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
-__all__ = ["with_clipping"]
+__all__ = [
+    "ClippingDoublePrecision",
+    "ClippingHalfPrecision",
+    "ClippingMixedPrecision",
+    "ClippingPrecision",
+    "with_clipping",
+    "with_scaler",
+]
 
 ClipFunction = Callable[[Optimizer, float], None]
 
 
 class _ClippingOverRanks:
-    """Marks a precision plugin built by :func:`with_clipping`."""
+    """What the clipping plugins add to Lightning's: ``clip_grad_by_norm`` calls :attr:`clip_over_ranks`."""
 
-    _clip_over_ranks: ClipFunction
+    clip_over_ranks: ClipFunction
+    """``clip(optimizer, clip_val)``: the strategy's clipping over ranks."""
 
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self._clip_over_ranks(optimizer, float(clip_val))
-
-
-_CLIPPING_TYPES: dict[type[Precision], type[Precision]] = {}
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:  # Lightning's `Precision` hook
+        self.clip_over_ranks(optimizer, float(clip_val))
 
 
-def _clipping_type(base: type[Precision]) -> type[Precision]:
-    if base not in _CLIPPING_TYPES:
-        name = f"ClippingOverRanks{base.__name__}"
-        _CLIPPING_TYPES[base] = type(name, (_ClippingOverRanks, base), {"__module__": __name__})
-    return _CLIPPING_TYPES[base]
+class ClippingPrecision(_ClippingOverRanks, Precision):
+    """``"32-true"`` clipping over ranks."""
+
+    def __init__(self, *, clip: ClipFunction) -> None:
+        super().__init__()
+        self.clip_over_ranks = clip
+
+
+class ClippingDoublePrecision(_ClippingOverRanks, DoublePrecision):
+    """``"64-true"`` clipping over ranks."""
+
+    def __init__(self, *, clip: ClipFunction) -> None:
+        super().__init__()
+        self.clip_over_ranks = clip
+
+
+class ClippingHalfPrecision(_ClippingOverRanks, HalfPrecision):
+    """``"16-true"`` / ``"bf16-true"`` clipping over ranks."""
+
+    def __init__(self, precision: Any, *, clip: ClipFunction) -> None:
+        super().__init__(precision)
+        self.clip_over_ranks = clip
+
+
+class ClippingMixedPrecision(_ClippingOverRanks, MixedPrecision):
+    """``"16-mixed"`` / ``"bf16-mixed"`` clipping over ranks (with the given grad scaler for ``"16-mixed"``)."""
+
+    def __init__(self, precision: Any, device: str, scaler: torch.amp.GradScaler | None = None, *, clip: ClipFunction):
+        super().__init__(precision, device, scaler)
+        self.clip_over_ranks = clip
 
 
 def with_clipping(plugin: Precision, clip: ClipFunction) -> Precision:
-    """A copy of ``plugin`` whose ``clip_grad_by_norm(optimizer, clip_val)`` calls ``clip(optimizer, clip_val)``.
+    """A plugin like ``plugin`` whose ``clip_grad_by_norm(optimizer, clip_val)`` calls ``clip(optimizer, clip_val)``.
 
-    The Trainer's plugin object is left as it is; the copy shares its attributes (the grad scaler, ...). Applied to
-    a plugin it built before (a second fit on the same strategy), it keeps the type and takes the new ``clip``.
+    The Trainer's plugin object is left as it is; a ``"16-mixed"`` plugin's grad scaler is shared. Applied to a plugin
+    it built before (a second fit on the same strategy), it returns it with the new ``clip``.
     """
     if isinstance(plugin, _ClippingOverRanks):
-        plugin._clip_over_ranks = clip
+        plugin.clip_over_ranks = clip
         return plugin
-    cls = _clipping_type(type(plugin))
+    kind = type(plugin)
+    if kind is Precision:
+        return ClippingPrecision(clip=clip)
+    if kind is DoublePrecision:
+        return ClippingDoublePrecision(clip=clip)
+    if kind is HalfPrecision:
+        return ClippingHalfPrecision(cast(HalfPrecision, plugin).precision, clip=clip)
+    if kind is MixedPrecision:
+        mixed = cast(MixedPrecision, plugin)
+        return ClippingMixedPrecision(mixed.precision, mixed.device, mixed.scaler, clip=clip)
+    return _adapted(plugin, clip)
+
+
+def with_scaler(plugin: Precision, scaler: torch.amp.GradScaler) -> Precision:
+    """A ``"16-mixed"`` plugin like ``plugin`` (Lightning's or one of ours) with ``scaler``; other plugins as they are.
+
+    Raises:
+        TypeError: for a ``"16-mixed"`` plugin of a class we cannot rebuild (a user's own subclass).
+    """
+    if getattr(plugin, "scaler", None) is None:
+        return plugin
+    if type(plugin) is MixedPrecision:
+        return MixedPrecision(cast(Any, plugin.precision), plugin.device, scaler)
+    if type(plugin) is ClippingMixedPrecision:
+        return ClippingMixedPrecision(plugin.precision, plugin.device, scaler, clip=plugin.clip_over_ranks)
+    raise TypeError(
+        f"The precision plugin `{type(plugin).__name__}` has a grad scaler, which must be torch's `ShardedGradScaler`"
+        " when the gradients are sharded (each rank checks only its shard for inf/nan). Use"
+        " `Trainer(precision='16-mixed')` without a custom plugin, or `precision='bf16-mixed'` (no scaler)."
+    )
+
+
+# ------------------------------------------------------------------------------------------ fallback adapter
+_ADAPTER_TYPES: dict[type[Precision], type[Precision]] = {}
+
+
+def _adapted(plugin: Precision, clip: ClipFunction) -> Precision:
+    """The fallback for a precision class we do not know: a subclass made at run time (once per class), whose
+    instance shares ``plugin``'s attributes. None of Lightning's hooks lets a strategy clip through a plugin whose
+    constructor it cannot call."""
+    base = type(plugin)
+    if base not in _ADAPTER_TYPES:
+        name = f"ClippingOverRanks{base.__name__}"
+        _ADAPTER_TYPES[base] = type(name, (_ClippingOverRanks, base), {"__module__": __name__})
+    cls = _ADAPTER_TYPES[base]
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(plugin.__dict__)
-    cast(_ClippingOverRanks, wrapped)._clip_over_ranks = clip
+    cast(_ClippingOverRanks, wrapped).clip_over_ranks = clip
     return wrapped

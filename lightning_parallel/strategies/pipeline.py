@@ -28,6 +28,7 @@ from lightning_parallel.distributed.checkpoint import (
     save_sharded_checkpoint,
     scalar_states,
 )
+from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.consolidate import (
     consolidate_buffers,
@@ -41,7 +42,7 @@ from lightning_parallel.distributed.pipeline.consolidate import (
 )
 from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch, replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
-from lightning_parallel.distributed.pipeline.gradients import average_across_replicas, clip_by_global_norm
+from lightning_parallel.distributed.pipeline.gradients import average_across_replicas
 from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, batch_size_of
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
 from lightning_parallel.distributed.pipeline.partition import (
@@ -677,9 +678,12 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             return
         params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"] if p.grad is not None]
         counted, copies = split_counted(
-            [(p, p.grad) for p in params], {id(p) for p in params if names.get(id(p)) in uncounted}
+            [(p, p) for p in params], {id(p) for p in params if names.get(id(p)) in uncounted}
         )
-        clip_by_global_norm(counted, clip_val, group=dims.pipeline_group, device=self.root_device, copies=copies)
+        # Replicas of a stage hold equal, already averaged gradients: the pipeline group splits them.
+        clip_grad_norm_over_ranks_(
+            counted, clip_val, groups=[dims.pipeline_group], device=self.root_device, copies=copies
+        )
 
     @override
     def gradient_tensors(self) -> list[Tensor]:

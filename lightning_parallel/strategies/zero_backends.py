@@ -55,7 +55,7 @@ from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, chec
 from lightning_parallel.instrumentation import StrategyEvents
 from lightning_parallel.strategies.base import unwrap_optimizer
 from lightning_parallel.strategies.checkpointing import ShardedPieces, load_module_state
-from lightning_parallel.strategies.clipping import with_clipping
+from lightning_parallel.strategies.clipping import with_clipping, with_scaler
 from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks, hold_averaged_copies
 
 __all__ = [
@@ -565,11 +565,11 @@ class FullyShardBackend(ReplicatedBackend):
 def with_sharded_grad_scaler(plugin: Precision, device: torch.device) -> Precision:
     """`16-mixed`: each rank sees only its shard's gradients, so the inf/nan check that decides whether to skip the
     step must be all-reduced, or ranks would diverge. Torch's ``ShardedGradScaler`` does exactly that."""
-    if getattr(plugin, "scaler", None) is not None:  # only MixedPrecision("16-mixed") has one
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    if getattr(plugin, "scaler", None) is None:  # only MixedPrecision("16-mixed") has one
+        return plugin
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        plugin.scaler = ShardedGradScaler(device=device.type)  # type: ignore[attr-defined]
-    return plugin
+    return with_scaler(plugin, ShardedGradScaler(device=device.type))
 
 
 # ---------------------------------------------------------------------- helpers

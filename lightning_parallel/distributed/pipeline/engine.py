@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.pipeline.contract import (
@@ -64,13 +65,11 @@ def _slice_output(output: Any, rows: int) -> Any:
 
 
 def _signature(value: Any) -> tuple[Any, ...]:
-    if isinstance(value, Tensor):
-        return (tuple(value.shape), value.dtype)
-    if isinstance(value, tuple | list):
-        return tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _signature(v)) for k, v in sorted(value.items()))
-    return (type(value).__name__,)
+    """Shape and dtype of each tensor of ``value``, in order (namedtuples, mappings and dataclasses walked as
+    Lightning walks batches): what torch sizes a runtime's buffers from."""
+    found: list[tuple[tuple[int, ...], torch.dtype]] = []
+    apply_to_collection(value, Tensor, lambda t: found.append((tuple(t.shape), t.dtype)), allow_frozen=True)
+    return tuple(found)
 
 
 class PipelineEngine:

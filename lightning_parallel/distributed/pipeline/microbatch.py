@@ -6,7 +6,7 @@ torch-free package, not ``lightning.pytorch``): tuples, lists, namedtuples, mapp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -17,17 +17,13 @@ __all__ = ["DivisibleBatches", "batch_size_of", "detached_cpu", "pad_batch", "sl
 
 
 def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, tuple | list):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
+    found: list[Tensor] = []
+    apply_to_collection(value, Tensor, found.append, allow_frozen=True)
+    return found
 
 
 def batch_size_of(value: Any) -> int | None:
-    """Size of dim 0 of the first tensor in ``value`` (a tensor or nested tuples/lists/dicts); ``None`` if none."""
+    """Size of dim 0 of the first tensor in ``value`` (a tensor or a collection of them); ``None`` if none."""
     for tensor in _tensors(value):
         if tensor.dim() > 0:
             return tensor.size(0)

@@ -178,21 +178,30 @@ class PipelineRuntime:
         return _compat.schedule_backward_initialized(self.schedule)
 
 
-def _side_effect_free_stage_class() -> type[PipelineStage]:
+class SideEffectFreePipelineStage(PipelineStage):
     """``PipelineStage`` whose metadata inference leaves the stage's buffers and the RNG streams as they were.
 
     torch infers shapes by running each stage's forward once more before the first micro-batch: the first stage on
     micro-batch 0, the others on uninitialised tensors. In training mode that updated BatchNorm's running statistics
-    with garbage on the later stages and ``num_batches_tracked`` one too high (issue 10, item 7).
+    with garbage on the later stages and ``num_batches_tracked`` one too high (issue 10, item 7). torch has no public
+    hook around that run, so this fixed class overrides the private method that runs it, whose name depends on the
+    torch version (:func:`._compat.stage_inference_method`); the other name passes through unchanged. (Recent torch's
+    static mode, every stage's ``input_args``/``output_args`` given up front, would skip the run: it needs each
+    stage's shapes for every batch shape before its first step.)
     """
-    name = _compat.stage_inference_method(PipelineStage)
-    inference = getattr(PipelineStage, name)
 
-    def without_side_effects(self: PipelineStage, *args: Any, **kwargs: Any) -> Any:
+    def _compute_outputs(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_inference("_compute_outputs", args, kwargs)
+
+    def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_inference("_shape_inference", args, kwargs)
+
+    def _run_inference(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        inference = getattr(super(), name)
+        if name != _compat.stage_inference_method(PipelineStage):
+            return inference(*args, **kwargs)
         with preserved_state(self.submod, devices=[self.device]):
-            return inference(self, *args, **kwargs)
-
-    return type("SideEffectFreePipelineStage", (PipelineStage,), {name: without_side_effects})
+            return inference(*args, **kwargs)
 
 
 def build_runtime(
@@ -214,9 +223,9 @@ def build_runtime(
     accumulated in earlier steps, pytorch/torchtitan#1733). ``side_names``: the model call's side inputs
     (:mod:`.side_inputs`), which every stage carries along.
     """
-    stage_class = _side_effect_free_stage_class()
-    stages = [
-        stage_class(
+    _compat.stage_inference_method(PipelineStage)  # this torch has the method the stages wrap (a clear error if not)
+    stages: list[PipelineStage] = [
+        SideEffectFreePipelineStage(
             StageModule(
                 [layers[i] for i in plan.layers_of(stage_index)],
                 side_names=side_names,

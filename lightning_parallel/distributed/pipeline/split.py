@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_parallel.distributed.broadcast import broadcast_from_rank0  # re-exported: the strategy's
 from lightning_parallel.distributed.pipeline.partition import (
     PartitionMethod,
     StagePlan,
@@ -72,24 +73,3 @@ def check_same_plan(plan: StagePlan, world_size: int) -> None:
             f"Ranks computed different stage splits {plans} (their example batches differ in shape). Pass an"
             " explicit `partition=[...]`."
         )
-
-
-@torch.no_grad()
-def broadcast_from_rank0(module: nn.Module, device: torch.device) -> None:
-    """Collective, before the split: every rank takes global rank 0's parameters and buffers (the whole model).
-
-    Under the re-launching start method each rank builds its own module; one built without a common seed (or with
-    weights loaded on rank 0 only) differs per rank, and each stage would start from the weights of the rank that
-    holds it: a model that exists nowhere. DDP and ZeRO broadcast rank 0's weights for the same reason. The whole
-    model is sent once, tensor by tensor through ``device`` (NCCL needs device tensors), while every rank still holds
-    all of it; replicas of a stage then start equal too.
-    """
-    seen: set[int] = set()
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if id(tensor) in seen or tensor.is_meta:
-            continue
-        seen.add(id(tensor))
-        on_device = tensor.data.to(device)
-        dist.broadcast(on_device, src=0)
-        if on_device is not tensor.data:
-            tensor.data.copy_(on_device)

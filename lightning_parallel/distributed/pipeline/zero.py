@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_parallel.accounting import CommunicationStats, MemoryReport
-from lightning_parallel.distributed.pipeline.gradients import clip_by_global_norm
+from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 from lightning_parallel.distributed.pipeline.tied import TiedLayout
 from lightning_parallel.distributed.zero import ShardedParameterBuckets, ShardView
@@ -157,16 +157,11 @@ class PipelineZero:
         """Collective. torch's clip over ``optimizer``'s parameters, the norm over every shard of every stage; the
         copies of tied parameters in ``uncounted`` (canonical names another rank counts) are scaled, not counted."""
         views = [view for view in self.sharded_for(optimizer).views if view.tensor.grad is not None]
-        counted = [view.grad for view in views if self.canonical_name(view) not in uncounted]
-        copies = [view.grad for view in views if self.canonical_name(view) in uncounted]
-        return clip_by_global_norm(
-            counted,
-            max_norm,
-            group=self.dims.pipeline_group,
-            shard_group=self.dims.data_parallel_group,
-            device=device,
-            copies=copies,
-        )
+        counted = [view.tensor for view in views if self.canonical_name(view) not in uncounted]
+        copies = [view.tensor for view in views if self.canonical_name(view) in uncounted]
+        # The replicas of a stage hold disjoint shards of its gradients, the pipeline ranks the stages.
+        groups = [self.dims.data_parallel_group, self.dims.pipeline_group]
+        return clip_grad_norm_over_ranks_(counted, max_norm, groups=groups, device=device, copies=copies)
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Collective over the replicas: all-gather the buckets ``optimizer`` stepped."""

@@ -1,0 +1,114 @@
+"""One ZeRO-1/2 bucket layout (``distributed/zero_layout.py``) for the buckets and the planner: a model with a bf16
+layer between fp32 ones gets a bucket per dtype run, and the planner's bytes per rank and per step EQUAL what
+ParallelismMonitor measures for it (the planner's former copy of the layout put all three layers in one fp32
+bucket)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from distributed_harness import run_distributed
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from training_helpers import make_trainer
+
+from lightning_parallel import ShardedOptimizerStrategy
+from lightning_parallel.distributed.zero import ShardedParameterBuckets
+from lightning_parallel.distributed.zero_layout import BucketMember, bucket_layout
+from lightning_parallel.monitor import ParallelismMonitor
+from lightning_parallel.planner import plan
+from lightning_parallel.planner.estimate import planned_buckets
+from lightning_parallel.planner.spec import model_spec
+
+STAGES = (1, 2)
+STEPS = 2
+
+
+class MixedDtypes(pl.LightningModule):
+    """fp32, bf16, fp32 layers of 35, 40 and 18 elements: odd or not a multiple of 4, so buckets pad differently
+    when they are split by dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 7)
+        self.b = nn.Linear(7, 5).to(torch.bfloat16)
+        self.c = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.b(torch.tanh(self.a(x)).to(torch.bfloat16)).float()
+        return self.c(hidden)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self(x).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def test_a_bucket_per_dtype_run_and_the_cap() -> None:
+    members = [BucketMember(10, 4, "fp32"), BucketMember(10, 4, "fp32"), BucketMember(4, 2, "bf16")]
+    members += [BucketMember(100, 4, "fp32"), BucketMember(1, 4, "fp32")]
+    assert bucket_layout(members, bucket_cap_mb=1) == [[0, 1], [2], [3, 4]]
+    # A cap of 80 bytes: 10 + 10 fp32 elements fill it; a member over the cap gets its own bucket.
+    assert bucket_layout(members, bucket_cap_mb=80 / 2**20) == [[0, 1], [2], [3], [4]]
+    assert bucket_layout([], bucket_cap_mb=1) == []
+
+
+def _built_buckets(rank: int, world_size: int) -> list[tuple[int, torch.dtype]]:
+    buckets = ShardedParameterBuckets(MixedDtypes(), stage=2)
+    return [(sum(s.numel for s in bucket.segments), bucket.flat_params.dtype) for bucket in buckets.buckets]
+
+
+def test_planner_buckets_are_the_built_ones() -> None:
+    (built,) = run_distributed(_built_buckets, world_size=1)
+    assert built == [(18, torch.float32), (40, torch.bfloat16), (35, torch.float32)]
+    planned = planned_buckets(model_spec(MixedDtypes()), element_bytes=4, bucket_cap_mb=25.0)
+    sizes = {torch.float32: 4, torch.bfloat16: 2}
+    assert [(b.numel, b.element_size) for b in planned] == [(numel, sizes[dtype]) for numel, dtype in built]
+
+
+def _measure(rank: int, world_size: int, devices: int) -> dict[int, dict]:
+    """In an isolated process: fit ZeRO-1 and ZeRO-2 with the monitor on `devices` fork-launched ranks."""
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    summaries = {}
+    for stage in STAGES:
+        with tempfile.TemporaryDirectory() as tmp:
+            monitor = ParallelismMonitor(summary_path=Path(tmp, "summary.json"), figure_path=False)
+            strategy = ShardedOptimizerStrategy(stage=stage, start_method="fork")
+            trainer = make_trainer(strategy, devices=devices, max_steps=STEPS, callbacks=[monitor])
+            data = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)))
+            trainer.fit(MixedDtypes(), train_dataloaders=DataLoader(data, batch_size=4))
+            summaries[stage] = json.loads(Path(tmp, "summary.json").read_text())
+    return summaries
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[int, dict]:
+    (summaries,) = run_distributed(
+        _measure, world_size=1, args=(2,), init_process_group=False, launcher_env=False, timeout=180
+    )
+    return summaries
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_planner_equals_monitor_with_mixed_dtypes(measured: dict[int, dict], stage: int) -> None:
+    predicted = plan(MixedDtypes(), world_size=2, batch_size=4, seq_len=1, process_group_backend="gloo")
+    predicted_ranks = predicted.configuration(f"zero{stage}").ranks
+    summary = measured[stage]
+    assert len(summary["ranks"]) == 2 == len(predicted_ranks)
+    for ranks, expected in zip(summary["ranks"], predicted_ranks, strict=True):
+        assert ranks["memory"] == {
+            "parameters": expected.parameters,
+            "gradients": expected.gradients,
+            "optimizer_state": expected.optimizer_state,
+        }, f"rank {ranks['rank']}"
+        assert ranks["steps"][-1]["communication"] == expected.communication, f"rank {ranks['rank']}"
