@@ -57,6 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_parallel.accounting import ring_wire_bytes
+from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.partition import StagePlan, resolve_pipeline_layers
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, find_tied_parameters
 from lightning_parallel.planner.shape import TransformerShape
@@ -149,6 +150,8 @@ class ConfigEstimate:
         group = world_size
         if self.name.startswith("pipeline"):
             group = world_size // int(self.name.split("pp=")[1].split(",")[0])
+        elif " shard=" in self.name:  # hybrid ZeRO: the shard group; the replica all-reduce is in `other_groups`
+            group = int(self.name.split("shard=")[1])
         return max(_rank_wire_bytes(r, group) for r in self.ranks)
 
 
@@ -309,10 +312,18 @@ def _keeps_master(ctx: EstimateContext, master_weights: bool | None) -> bool:
 
 
 def estimate_zero12(
-    ctx: EstimateContext, *, stage: int, bucket_cap_mb: float, master_weights: bool | None = None
+    ctx: EstimateContext,
+    *,
+    stage: int,
+    bucket_cap_mb: float,
+    master_weights: bool | None = None,
+    shard_size: int | None = None,
 ) -> ConfigEstimate:
-    """ZeRO-1/2 (ours). ``master_weights``: fp32 masters of 16-bit parameters; ``None``: when they are 16-bit."""
-    n, e = ctx.world_size, ctx.element_bytes
+    """ZeRO-1/2 (ours). ``master_weights``: fp32 masters of 16-bit parameters; ``None``: when they are 16-bit.
+    ``shard_size``: hybrid sharding over groups of that many ranks (``None``: every rank); each rank then also
+    all-reduces its reduced gradient shards and the flags across the replica groups."""
+    layout = MeshLayout.for_sharding(ctx.world_size, shard_size)
+    n, e = layout.shard_size, ctx.element_bytes
     master = _keeps_master(ctx, master_weights)
     g = s = MASTER_BYTES if master else e  # reduced gradient shard and optimizer state
     ranks = []
@@ -320,22 +331,46 @@ def estimate_zero12(
     padded = [-(-b // n) * n for b in buckets]
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
-    for r in range(n):
+    shards = sum(p // n for p in padded)
+    for rank in range(ctx.world_size):
+        r = layout.shard_rank(rank)
         owned = sum(max(0, min(b, (r + 1) * (p // n)) - r * (p // n)) for b, p in zip(buckets, padded, strict=True))
-        shards = sum(p // n for p in padded)
         # Stage 1 reduces in place into its full bucket unless the shard is an fp32 copy beside 16-bit buckets.
         grads = sum(padded) * e + (shards * g if master else 0) if stage == 1 else shards * g
         reduced, gathered = sum(padded) * g, sum(padded) * e
         comm = _zero_communication(ctx, len(ctx.spec.params), ranks=n, reduced=reduced, gathered=gathered)
+        across = _across_replicas(comm, layout, shards * g + len(ctx.spec.params) * GRADIENT_FLAG_BYTES)
         optimizer = ctx.state_count * owned * s + (shards * MASTER_BYTES if master else 0)
-        ranks.append(RankEstimate(sum(padded) * e, grads, optimizer, comm, act))
-    strategy = _strategy_line(ctx, f"zero{stage}", "ShardedOptimizerStrategy", f"stage={stage}")
-    return ConfigEstimate(f"zero{stage}", strategy, ranks)
+        ranks.append(RankEstimate(sum(padded) * e, grads, optimizer, comm, act, other_groups=across))
+    return ConfigEstimate(*_zero_name(ctx, stage, shard_size, layout), ranks)
 
 
-def estimate_zero3(ctx: EstimateContext, *, master_weights: bool | None = None) -> ConfigEstimate:
-    """ZeRO-3 (FSDP2). ``master_weights``: fp32 sharded masters of 16-bit parameters; ``None``: when 16-bit."""
-    n, e = ctx.world_size, ctx.element_bytes
+def _zero_name(ctx: EstimateContext, stage: int, shard_size: int | None, layout: MeshLayout) -> tuple[str, str]:
+    """The configuration's name and strategy line: ``zero2``, or ``zero2 shard=4`` under hybrid sharding."""
+    if shard_size is None or shard_size == ctx.world_size:
+        return f"zero{stage}", _strategy_line(ctx, f"zero{stage}", "ShardedOptimizerStrategy", f"stage={stage}")
+    checkpointing = ", activation_checkpointing=True" if ctx.activation_checkpointing else ""
+    strategy = f"ShardedOptimizerStrategy(stage={stage}, shard_size={shard_size}{checkpointing})"
+    return f"zero{stage} shard={layout.shard_size}", strategy
+
+
+def _across_replicas(comm: dict[str, int], layout: MeshLayout, num_bytes: int) -> list[tuple[str, int, int]]:
+    """Hybrid sharding: add the all-reduce of ``num_bytes`` across the replica groups to ``comm`` and return it as
+    the one collective over another group than the shard group (for :meth:`ConfigEstimate.wire_bytes`)."""
+    if layout.replicate_size == 1:
+        return []
+    comm["all_reduce"] = comm.get("all_reduce", 0) + num_bytes
+    return [("all_reduce", num_bytes, layout.replicate_size)]
+
+
+def estimate_zero3(
+    ctx: EstimateContext, *, master_weights: bool | None = None, shard_size: int | None = None
+) -> ConfigEstimate:
+    """ZeRO-3 (FSDP2). ``master_weights``: fp32 sharded masters of 16-bit parameters; ``None``: when 16-bit.
+    ``shard_size``: HSDP over groups of that many ranks (``None``: every rank); each unit's reduced gradient shard
+    is then all-reduced across the replica groups."""
+    layout = MeshLayout.for_sharding(ctx.world_size, shard_size)
+    n, e = layout.shard_size, ctx.element_bytes
     compute = e  # bytes per element all-gathered for compute
     if _keeps_master(ctx, master_weights):
         e = MASTER_BYTES  # the shards, their gradients (reduced in fp32) and the optimizer state
@@ -353,17 +388,18 @@ def estimate_zero3(ctx: EstimateContext, *, master_weights: bool | None = None) 
     gather = sum((1 if u.is_root else 2) * n * sum(padded_shard[i] for i in u.params) for u in units)
     scatter = sum(n * sum(padded_shard[i] for i in u.params) for u in units)
     comm = {"all_gather": gather * compute, "reduce_scatter": scatter * e}
+    across = _across_replicas(comm, layout, scatter // n * e)  # each unit's reduced shard
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
     ranks = []
-    for r in range(n):
+    for rank in range(ctx.world_size):
+        r = layout.shard_rank(rank)
         chunk = [-(-d0 // n) for d0 in rows]
         local = sum(max(0, min(c, d0 - r * c)) * rn for c, d0, rn in zip(chunk, rows, row_numel, strict=True))
         held = sum(padded_shard) * e
-        ranks.append(RankEstimate(held, held, ctx.state_count * local * e, dict(comm), act))
-    return ConfigEstimate(
-        "zero3", _strategy_line(ctx, "zero3", "ShardedOptimizerStrategy", "stage=3"), ranks, notes=notes
-    )
+        ranks.append(RankEstimate(held, held, ctx.state_count * local * e, dict(comm), act, other_groups=across))
+    name, strategy = _zero_name(ctx, 3, shard_size, layout)
+    return ConfigEstimate(name, strategy, ranks, notes=notes)
 
 
 def pipeline_bubble(

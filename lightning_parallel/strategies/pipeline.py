@@ -28,6 +28,7 @@ from lightning_parallel.distributed.checkpoint import (
     save_sharded_checkpoint,
     scalar_states,
 )
+from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.consolidate import (
     consolidate_buffers,
@@ -353,9 +354,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        p = self.pipeline_parallel_size
-        return {"num_replicas": self.world_size // p, "rank": self.global_rank // p}
+    def mesh_layout(self) -> MeshLayout:
+        """``(world_size / P) x 1 x P``: the data-parallel replicas of each stage on the ``replicate`` axis."""
+        return MeshLayout(self.world_size, pipeline_parallel_size=self.pipeline_parallel_size)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -454,7 +455,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         )
         # First collectives: every check above ran on every rank.
         if self._dims is None:
-            dims.build_groups(self.root_device.type)
+            dims.mesh = self.device_mesh  # built in `setup_environment` (its groups: a collective done there)
         check_same_plan(plan, self.world_size)
         broadcast_from_rank0(module, self.root_device)  # every stage and replica starts from rank 0's weights
         layout = TiedLayout(tuple(self._tied), plan)
