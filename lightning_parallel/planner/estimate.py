@@ -427,7 +427,8 @@ def estimate_pipeline(
     """``PipelineParallelStrategy``; ``zero_stage`` 1 or 2 shards each stage's optimizer state (and gradients) over
     its dp replicas as ZeRO-1/2 does (nothing is sharded at dp = 1)."""
     p, v, n, e = pipeline_parallel_size, stages_per_rank, ctx.world_size, ctx.element_bytes
-    dp = n // p
+    layout = MeshLayout(n, pipeline_parallel_size=p)  # the strategy's mesh: replicas x pipeline ranks
+    dp = layout.data_parallel_size
     num_stages = p * v
     m = num_microbatches or num_stages
     plan = ctx.spec.stage_plan(
@@ -442,7 +443,7 @@ def estimate_pipeline(
     tied_sync = _tied_sync(ctx, plan)
     ranks = []
     for r in range(n):
-        pr = r % p
+        pr = layout.pipeline_rank(r)
         stages = plan.stages_of(pr)
         local = sum(numels[i] for s in stages for i in plan.layers_of(s))
         comm: dict[str, int] = {}
@@ -455,7 +456,7 @@ def estimate_pipeline(
             stage_spec = _stage_spec(ctx, plan, stages)
             buckets = zero_buckets(stage_spec, element_bytes=e, bucket_cap_mb=bucket_cap_mb)
             params, grads, state, sharded = _stage_sharded(
-                ctx, buckets, len(stage_spec.params), zero_stage=zero_stage, replica=r // p, dp=dp
+                ctx, buckets, len(stage_spec.params), zero_stage=zero_stage, replica=layout.data_parallel_rank(r), dp=dp
             )
             held = (params, grads, state)
             comm.update(sharded)

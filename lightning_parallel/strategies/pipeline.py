@@ -659,7 +659,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     @override
     def instrumentation(self) -> Instrumentation:
         return Instrumentation(
-            data_parallel_size=self.world_size // self.pipeline_parallel_size,
+            data_parallel_size=self.mesh_layout.data_parallel_size,
             tap="pipeline",
             times_exposed_communication=True,
             is_pipeline=True,

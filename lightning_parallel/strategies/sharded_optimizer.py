@@ -379,7 +379,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     @override
     def instrumentation(self) -> Instrumentation:
         return Instrumentation(
-            data_parallel_size=self.world_size,
+            data_parallel_size=self.mesh_layout.data_parallel_size,
             tap=self.backend.collective_tap,
             times_exposed_communication=self.backend.times_exposed_communication,
         )
