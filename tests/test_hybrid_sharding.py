@@ -6,6 +6,7 @@ training case, a few steps of the tiny GPT each:
 * a ``shard_size`` that does not divide the world is refused on every rank before any collective (the run goes on);
 * stages 1, 2 and 3 each equal one device on the same global batch (fp32 rounding), with the monitor's bytes held
   and bytes per step equal to the planner's (``zero{S} shard=2``), and the groups the mesh hands out;
+* stage 3 built on the meta device initialises both replicas of a shard alike;
 * checkpoints written under ``shard_size=2`` resume exactly under ``shard_size=None`` and under one device, and
   one-device checkpoints resume under ``shard_size=2`` (tests/test_checkpoints.py's uninterrupted reference).
 """
@@ -23,9 +24,11 @@ import torch
 from distributed_harness import run_distributed
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_checkpoints import _assert_same_training_state, _loader, _trainer, _uninterrupted
-from training_helpers import assert_weights_close, fit_tiny, make_module
+from torch.utils.data import DataLoader
+from training_helpers import assert_weights_close, fit_tiny, make_module, make_trainer
 
 from lightning_parallel import ShardedOptimizerStrategy
+from lightning_parallel.demos import RandomTokenDataset
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.monitor import ParallelismMonitor
 from lightning_parallel.planner import plan
@@ -85,7 +88,19 @@ def _train(rank: int, world_size: int, directory: str) -> dict[str, Any]:
             results[f"weights{stage}"] = weights
             results[f"summary{stage}"] = json.loads(summary_path.read_text())
     results["sampler"] = strategy.distributed_sampler_kwargs
+    results["meta_init_shards"] = _meta_init_shards(world_size)
     return results
+
+
+def _meta_init_shards(world_size: int) -> dict[str, torch.Tensor]:
+    """Stage 3 built on the meta device: each rank initialises only its shard; both replicas of a shard must draw
+    the same values (seeded by the shard rank). One step, then this rank's local shards."""
+    strategy = ShardedOptimizerStrategy(stage=3, shard_size=SHARD_SIZE)
+    trainer = make_trainer(strategy, devices=world_size, max_steps=1)
+    with trainer.init_module(empty_init=True):
+        module = make_module()
+    trainer.fit(module, train_dataloaders=DataLoader(RandomTokenDataset(16, 16, seed=7), batch_size=2))
+    return {name: param.to_local().detach().clone() for name, param in module.named_parameters()}
 
 
 @cache
@@ -106,6 +121,13 @@ def _fit_one_device(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return _trained(str(tmp_path_factory.mktemp("hybrid")))
+
+
+def test_meta_device_init_gives_both_replicas_of_a_shard_the_same_values(trained: list[dict[str, Any]]) -> None:
+    shards = [result["meta_init_shards"] for result in trained]
+    for rank in (0, 1):  # rank r and r + 2 hold the same shard in the two replica groups
+        assert_weights_close(shards[rank], shards[rank + 2], rtol=0, atol=0)
+    assert any(not torch.equal(shards[0][name], shards[1][name]) for name in shards[0] if shards[0][name].numel())
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
