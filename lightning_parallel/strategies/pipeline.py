@@ -160,14 +160,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             ``torch.distributed.checkpoint`` directory from all ranks in parallel (the package's shared sharded
             layout). Both load under any layout and strategy of this package. ``"sharded"`` is refused with
             ``zero_stage > 0``.
-        zero_stage: ZeRO inside the pipeline, across the data-parallel replicas of each stage (the mesh's ``"dp"``
-            axis): ``0`` (off: every replica holds its stage's whole gradients and optimizer state), ``1`` (each
-            replica keeps the optimizer state of ``1/dp`` of its stage's parameters: ``8 * stage_params / dp``
-            bytes for Adam(W) in fp32), ``2`` (the gradients too: ``4 * stage_params / dp`` bytes kept after the
-            reduce-scatter). The replicas' all-reduce becomes a reduce-scatter after the schedule and an
-            all-gather of the stepped parameters (the same bytes); the optimizer must update elementwise
-            (AdamW, SGD, ...). Without data parallelism nothing is sharded. Weights and consolidated checkpoints
-            are those of ``zero_stage=0``.
+        zero_stage: ZeRO inside the pipeline, across the data-parallel replicas of each stage (the mesh's
+            ``"replicate"`` axis): ``0`` (off: every replica holds its stage's whole gradients and optimizer state),
+            ``1`` (each replica keeps the optimizer state of ``1/dp`` of its stage's parameters:
+            ``8 * stage_params / dp`` bytes for Adam(W) in fp32), ``2`` (the gradients too:
+            ``4 * stage_params / dp`` bytes kept after the reduce-scatter). The replicas' all-reduce becomes a
+            reduce-scatter after the schedule and an all-gather of the stepped parameters (the same bytes); the
+            optimizer must update elementwise (AdamW, SGD, ...). Without data parallelism nothing is sharded. Weights
+            and consolidated checkpoints are those of ``zero_stage=0``.
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
