@@ -27,8 +27,8 @@ from test_checkpoints import _assert_same_training_state, _loader, _trainer, _un
 from torch.utils.data import DataLoader
 from training_helpers import assert_weights_close, fit_tiny, make_module, make_trainer
 
-from lightning_parallel import ShardedOptimizerStrategy
-from lightning_parallel.demos import RandomTokenDataset
+from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.monitor import ParallelismMonitor
 from lightning_parallel.planner import plan
@@ -99,7 +99,23 @@ def _train(rank: int, world_size: int, directory: str) -> dict[str, Any]:
             results[f"summary{stage}"] = json.loads(summary_path.read_text())
     results["sampler"] = strategy.distributed_sampler_kwargs
     results["meta_init_shards"] = _meta_init_shards(world_size)
+    results["data_parallel_mesh"] = _data_parallel_mesh(world_size)
     return results
+
+
+class _ReadsTheMesh(GPTLightningModule):
+    """Reads the strategy's mesh in ``configure_model``, as a user building a parallel model would."""
+
+    def configure_model(self) -> None:
+        mesh = self.trainer.strategy.device_mesh
+        self.seen_mesh = (mesh.mesh_dim_names, tuple(mesh.shape))
+
+
+def _data_parallel_mesh(world_size: int) -> tuple:
+    module = _ReadsTheMesh("tiny", block_size=16, bias=False)
+    trainer = make_trainer(DataParallelStrategy(), devices=world_size, max_steps=1)
+    trainer.fit(module, train_dataloaders=DataLoader(RandomTokenDataset(8, 16, seed=7), batch_size=2))
+    return module.seen_mesh
 
 
 def _meta_init_shards(world_size: int) -> dict[str, torch.Tensor]:
@@ -133,6 +149,13 @@ def _fit_one_device(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return _trained(str(tmp_path_factory.mktemp("hybrid")))
+
+
+def test_every_strategy_exposes_the_mesh(trained: list[dict[str, Any]]) -> None:
+    # Data parallel: every rank a replica; readable in `configure_model`.
+    assert trained[0]["data_parallel_mesh"] == (("replicate", "shard", "pp"), (4, 1, 1))
+    with pytest.raises(RuntimeError, match=r"`ShardedOptimizerStrategy.device_mesh` is built in `setup_environment`"):
+        ShardedOptimizerStrategy(shard_size=2).device_mesh  # noqa: B018
 
 
 def test_meta_device_init_gives_both_replicas_of_a_shard_the_same_values(trained: list[dict[str, Any]]) -> None:
