@@ -89,6 +89,14 @@ HYBRID_CASES = {
         {"num_nodes": 2},
     )
     for stage in (1, 2, 3)
+} | {
+    # bf16-true: the replicas all-reduce the fp32 gradient shards beside the fp32 masters.
+    f"zero{stage}_shard2_bf16_true": (
+        lambda ws, stage=stage: ShardedOptimizerStrategy(stage=stage, shard_size=2, start_method="fork"),
+        lambda ws, stage=stage: f"zero{stage} shard=2",
+        {"num_nodes": 2, "precision": "bf16-true"},
+    )
+    for stage in (2, 3)
 }
 
 
