@@ -5,6 +5,7 @@
     torchrun --nproc-per-node=2 examples/sharded_optimizer.py --stage 2
     torchrun --nnodes=2 --nproc-per-node=2 --node-rank=R --master-addr=HOST0 --master-port=29500 \
         examples/sharded_optimizer.py --stage 2                        # two nodes (R = 0 and 1)
+    # the same, sharded within each node and replicated across the two (hybrid sharding): add --shard-size 2
     srun python examples/sharded_optimizer.py --stage 2                # SLURM (examples/slurm/)
     mpirun -np 4 python examples/sharded_optimizer.py --stage 2        # MPI (needs mpi4py)
 
@@ -26,6 +27,9 @@ from lightning_parallel.demos import GPTLightningModule, RandomTokenDataModule, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
+    parser.add_argument(
+        "--shard-size", type=int, default=None, help="ranks per shard group, replicated across groups (hybrid)"
+    )
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--devices", type=int, default=None, help="processes per node (default: the launcher's, or 2)")
     parser.add_argument("--num-nodes", type=int, default=None, help="default: the launcher's, or 1")
@@ -44,7 +48,7 @@ def main() -> None:
     devices, num_nodes = launched_layout(args.devices, args.num_nodes)
     pl.seed_everything(0)
     strategy = ShardedOptimizerStrategy(
-        stage=args.stage, checkpoint_format=args.checkpoint_format, timeout=args.timeout
+        stage=args.stage, shard_size=args.shard_size, checkpoint_format=args.checkpoint_format, timeout=args.timeout
     )
     trainer = pl.Trainer(
         accelerator=args.accelerator,

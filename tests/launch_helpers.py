@@ -40,6 +40,7 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "zero1": ("sharded_optimizer.py", ["--stage", "1"]),
     "zero2": ("sharded_optimizer.py", ["--stage", "2"]),
     "zero3": ("sharded_optimizer.py", ["--stage", "3"]),
+    "zero2_hybrid": ("sharded_optimizer.py", ["--stage", "2", "--shard-size", "2"]),
     "pipeline": ("pipeline_parallel.py", ["--pipeline-parallel-size", "2"]),
     "pipeline_zero2": ("pipeline_parallel.py", ["--pipeline-parallel-size", "2", "--zero-stage", "2"]),
 }

@@ -43,13 +43,21 @@ def _c10d(node_rank: int, port: int, address: str = "127.0.0.1") -> list[str]:
 
 # One loopback run per strategy; the rendezvous form alternates so both forms run without extra runs. The pipeline
 # is DP x PP = 2 x 2 at world size 4: each pipeline's 2 stages on one node, the gradient all-reduce across nodes
-# (with `zero_stage=2`: the reduce-scatter and all-gather of each stage's shards across nodes).
+# (with `zero_stage=2`: the reduce-scatter and all-gather of each stage's shards across nodes). `zero2_hybrid`
+# shards within each node (`shard_size=2`) and all-reduces the shards across the two nodes.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "rendezvous"),
     # No zero3 here: a torchrun job without spare restarts would fail on the known FSDP2 at-exit abort
     # (docs/reliability.md); ZeRO-3 under torchrun is covered by tests/test_recovery.py, which gives it one.
-    [("data_parallel", _static), ("zero1", _c10d), ("zero2", _c10d), ("pipeline", _static), ("pipeline_zero2", _c10d)],
+    [
+        ("data_parallel", _static),
+        ("zero1", _c10d),
+        ("zero2", _c10d),
+        ("zero2_hybrid", _static),
+        ("pipeline", _static),
+        ("pipeline_zero2", _c10d),
+    ],
 )
 def test_two_torchrun_nodes_on_loopback_train_like_one_device(strategy, rendezvous, tmp_path):
     port, save = find_free_port(), tmp_path / "final.ckpt"

@@ -80,16 +80,34 @@ CASES = {
         {"schedule": "Interleaved1F1B"},
     ),
 }
+# Hybrid sharding at world size 4 only: 2 shard groups of 2 ranks ("two nodes": the planner lists these layouts for
+# `num_nodes > 1`), the gradient shards and flags all-reduced across the groups.
+HYBRID_CASES = {
+    f"zero{stage}_shard2": (
+        lambda ws, stage=stage: ShardedOptimizerStrategy(stage=stage, shard_size=2, start_method="fork"),
+        lambda ws, stage=stage: f"zero{stage} shard=2",
+        {"num_nodes": 2},
+    )
+    for stage in (1, 2, 3)
+} | {
+    # bf16-true: the replicas all-reduce the fp32 gradient shards beside the fp32 masters.
+    f"zero{stage}_shard2_bf16_true": (
+        lambda ws, stage=stage: ShardedOptimizerStrategy(stage=stage, shard_size=2, start_method="fork"),
+        lambda ws, stage=stage: f"zero{stage} shard=2",
+        {"num_nodes": 2, "precision": "bf16-true"},
+    )
+    for stage in (2, 3)
+}
 
 
 def _measure(rank: int, world_size: int, case: str, devices: int) -> dict:
     """In an isolated process: fit with the monitor on `devices` fork-launched ranks, return its JSON summary."""
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
-    strategy = CASES[case][0](devices)
+    strategy = {**CASES, **HYBRID_CASES}[case][0](devices)
     with tempfile.TemporaryDirectory() as tmp:
         monitor = ParallelismMonitor(summary_path=Path(tmp, "summary.json"), figure_path=False)
-        precision = CASES[case][2].get("precision", "32-true")
+        precision = {**CASES, **HYBRID_CASES}[case][2].get("precision", "32-true")
         trainer = make_trainer(strategy, devices=devices, max_steps=STEPS, callbacks=[monitor], precision=precision)
         loader = DataLoader(RandomTokenDataset(64, SEQ, seed=3), batch_size=BATCH)
         trainer.fit(_module(), train_dataloaders=loader)
@@ -97,13 +115,14 @@ def _measure(rank: int, world_size: int, case: str, devices: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    ("case", "world_size"), [(case, ws) for case in CASES for ws in (2, 4)] + [(case, 4) for case in HYBRID_CASES]
+)
 def test_planner_equals_monitor(case: str, world_size: int) -> None:
     (summary,) = run_distributed(
         _measure, world_size=1, args=(case, world_size), init_process_group=False, launcher_env=False, timeout=240
     )
-    _, config_name, planner_args = CASES[case]
+    _, config_name, planner_args = {**CASES, **HYBRID_CASES}[case]
     # Measured on gloo, where ZeRO-1/2 all-reduce their buckets (faster there than a reduce-scatter).
     predicted = plan(
         _module(), world_size=world_size, batch_size=BATCH, seq_len=SEQ, process_group_backend="gloo", **planner_args

@@ -167,7 +167,11 @@ class ShardedParameterBuckets:
     Args:
         module: the model; its trainable parameters are moved into flat buffers in place.
         stage: 1 (optimizer state sharded) or 2 (optimizer state and gradients sharded).
-        group: the data-parallel process group (``None``: the default group).
+        group: the process group that shards the buckets (``None``: the default group).
+        replicate_group: hybrid sharding (``ShardedOptimizerStrategy(shard_size=...)``): the ranks holding the same
+            shard in the other shard groups (the mesh's ``replicate`` axis); each reduced gradient shard is then
+            all-reduced across it (``1/K`` of the bucket's bytes), so gradients are averaged over every rank.
+            ``None``: ``group`` is every rank there is.
         bucket_cap_mb: bucket size in MiB.
         frozen: parameters to bucket although ``requires_grad`` is off (those the optimizers hold, so unfreezing
             them later needs no new layout). Other frozen parameters stay outside the buckets, never communicated.
@@ -187,6 +191,7 @@ class ShardedParameterBuckets:
         *,
         stage: int,
         group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
         frozen: Iterable[nn.Parameter] = (),
         max_buckets_in_flight: int = DEFAULT_BUCKETS_IN_FLIGHT,
@@ -205,6 +210,8 @@ class ShardedParameterBuckets:
         self.gradient_reduction: GradientReduction = gradient_reduction or default_gradient_reduction(group)
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.replicate_group = replicate_group
+        self.replicate_size = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self.sync_gradients = True
         self.stats: CommunicationStats | None = None
         """Where to count collective bytes (``None``: not counted); see :class:`CommunicationStats`."""
@@ -413,7 +420,7 @@ class ShardedParameterBuckets:
             send = bucket.send = bucket.full_grads.to(bucket.master.dtype)
             if self.stage == 2:  # the fp32 copy is what is reduced: free the 16-bit bucket now
                 bucket.full_grads = None
-        send.div_(self.world_size)
+        send.div_(self.world_size * self.replicate_size)  # the average over every rank (hybrid: every group too)
         # torch's `.grad` semantics: a sync after the optimizer's `zero_grad()` starts from zero, a sync without it
         # (manual optimization accumulating over several synchronised backwards) adds to the previous gradients.
         # A view without `.grad` (cleared, or never used) holds no gradient: its slot restarts from zero.
@@ -483,6 +490,7 @@ class ShardedParameterBuckets:
             bucket.launched = False
         if used_work is not None:
             used_work.wait()
+        self._all_reduce_across_replicas(used)
         used_anywhere = used.tolist() if used is not None else []
         for bucket in self.buckets:
             self._take_reduced(bucket, used_anywhere)
@@ -496,6 +504,25 @@ class ShardedParameterBuckets:
         self._used[:] = bytes(len(self._used))
         if not self._launch_order_settled and self.buckets:
             self._settle_launch_order(device)
+
+    def _all_reduce_across_replicas(self, used: Tensor | None) -> None:
+        """Collective over :attr:`replicate_group` (hybrid sharding only): sum each bucket's freshly reduced shard
+        (already divided by every rank's count) and take the maximum of the "got a gradient" flags, in bucket order on
+        every rank. Each shard is ``1/K`` of its bucket: cheaper than an all-reduce of whole buckets over the world."""
+        if self.replicate_group is None:
+            return
+        works = []
+        for bucket in self.buckets:
+            fresh = bucket.shard_grads if bucket.pending_shard is None else bucket.pending_shard
+            if self.stats is not None:
+                self.stats.record("all_reduce", fresh.numel() * fresh.element_size())
+            works.append(dist.all_reduce(fresh, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True))
+        if used is not None:
+            if self.stats is not None:
+                self.stats.record("all_reduce", used.numel() * used.element_size())
+            works.append(dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.replicate_group, async_op=True))
+        for work in works:
+            work.wait()
 
     def _clear_unowned(self, bucket: _Bucket) -> None:
         """In place (stage 1), after a sync: zero the full buffer outside the owned slice (the next accumulation adds

@@ -51,6 +51,7 @@ __all__ = [
     "materialize_meta_module",
     "refresh_gradient_dtypes",
     "round_parameters",
+    "shard_coordinates",
     "sharded_pieces",
     "upcast_16bit_parameters",
 ]
@@ -214,7 +215,7 @@ def materialize_meta_module(module: nn.Module, device: torch.device) -> bool:
             found = True
     if not found:
         return False
-    with torch.no_grad(), _seed_per_rank_from_rank0(device):
+    with torch.no_grad(), _seed_per_rank_from_rank0(device, shard_rank=_shard_rank_of(module)):
         for submodule in reversed(list(module.modules())):
             reset = getattr(submodule, "reset_parameters", None)
             if callable(reset) and not isinstance(submodule, Metric):
@@ -222,9 +223,41 @@ def materialize_meta_module(module: nn.Module, device: torch.device) -> bool:
     return True
 
 
+def _shard_rank_of(module: nn.Module) -> int | None:
+    """This rank's position on the axis that shards ``module``'s parameters (``None``: none is a DTensor)."""
+    for param in module.parameters():
+        if isinstance(param, DTensor):
+            return shard_coordinates(param)[0]
+    return None
+
+
+def shard_coordinates(param: Tensor) -> tuple[int, int]:
+    """``(rank, size)`` of this rank on the mesh axis that shards ``param``'s dim 0 (FSDP2: ``Shard(0)``; under HSDP
+    the other axis replicates). A plain tensor: the world's."""
+    if isinstance(param, DTensor):
+        for dim, placement in enumerate(param.placements):
+            if placement.is_shard():
+                return param.device_mesh.get_local_rank(dim), param.device_mesh.size(dim)
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def is_first_replica(param: Tensor) -> bool:
+    """Whether this rank is on the first replica group of ``param`` (HSDP: the one that writes its pieces)."""
+    if not isinstance(param, DTensor):
+        return True
+    return all(
+        param.device_mesh.get_local_rank(dim) == 0
+        for dim, placement in enumerate(param.placements)
+        if placement.is_replicate()
+    )
+
+
 @contextmanager
-def _seed_per_rank_from_rank0(device: torch.device) -> Generator[None, None, None]:
-    """Collective when ranks are joined on the CPU: initialise shards from ``seed + rank``, ``seed`` drawn on rank 0.
+def _seed_per_rank_from_rank0(device: torch.device, *, shard_rank: int | None = None) -> Generator[None, None, None]:
+    """Collective when ranks are joined on the CPU: initialise shards from ``seed + shard_rank``, ``seed`` drawn on
+    rank 0 (``shard_rank``: the rank on the axis that shards; under HSDP the replicas of a shard draw the same values;
+    ``None``: the global rank).
 
     On the CPU, DTensor has no random-number tracker (it warns "DTensor random operators may not have complete support
     on cpu device mesh") and draws each shard from the rank's own generator: with a common seed
@@ -238,7 +271,7 @@ def _seed_per_rank_from_rank0(device: torch.device) -> Generator[None, None, Non
     with torch.random.fork_rng(devices=[]):
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         dist.broadcast(seed, src=0)
-        torch.manual_seed(int(seed.item()) + dist.get_rank())
+        torch.manual_seed(int(seed.item()) + (dist.get_rank() if shard_rank is None else shard_rank))
         yield
 
 
@@ -346,12 +379,12 @@ def _holds_tensor_state(state: Mapping[Any, Any]) -> bool:
 def sharded_pieces(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[FlatPiece]:
     """This rank's rows of every parameter and optimizer state, as flat pieces (FSDP2 shards dim 0 like
     ``torch.chunk``, so rank r's rows are one contiguous range of the flattened tensor)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     pieces = []
     for name, param in module.named_parameters():
         local = _local(param.detach())
-        if param.dim() == 0 or local.numel() == 0:
-            if param.dim() == 0 and rank == 0:
+        rank, world_size = shard_coordinates(param)
+        if param.dim() == 0 or local.numel() == 0 or not is_first_replica(param):
+            if param.dim() == 0 and dist.get_rank() == 0:
                 pieces.append(FlatPiece("param", name, 0, 1, local.reshape(1)))
             continue
         row_numel = param.numel() // param.shape[0]
@@ -365,10 +398,11 @@ def sharded_pieces(module: nn.Module, optimizer: torch.optim.Optimizer | None) -
     return pieces
 
 
-def _local_range(param: Tensor, rank: int, world_size: int) -> tuple[int, int]:
+def _local_range(param: Tensor) -> tuple[int, int]:
     local = _local(param)
+    rank, world_size = shard_coordinates(param)
     if param.dim() == 0:
-        return (0, 1) if rank == 0 else (0, 0)
+        return (0, 1) if dist.get_rank() == 0 else (0, 0)
     row_numel = param.numel() // param.shape[0] if param.shape[0] else 0
     start = even_split(param.shape[0], rank, world_size)[0] * row_numel
     return start, start + local.numel()
@@ -380,9 +414,8 @@ def load_from_reader(
 ) -> None:
     """Collective. Load this rank's rows of parameters (``optimizer=None``) or of the optimizer state straight
     from a sharded checkpoint, never the whole tensors."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     named = dict(module.named_parameters())
-    ranges = {name: _local_range(param, rank, world_size) for name, param in named.items()}
+    ranges = {name: _local_range(param) for name, param in named.items()}
     if optimizer is None:
         _load_parameters(module, named, ranges, reader, strict=strict)
     else:

@@ -59,6 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_parallel.accounting import ring_wire_bytes
+from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.partition import StagePlan, resolve_pipeline_layers
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, find_tied_parameters
 from lightning_parallel.distributed.zero_layout import BucketMember, bucket_layout, padded_numel
@@ -153,6 +154,8 @@ class ConfigEstimate:
         group = world_size
         if self.name.startswith("pipeline"):
             group = world_size // int(self.name.split("pp=")[1].split(",")[0])
+        elif " shard=" in self.name:  # hybrid ZeRO: the shard group; the replica all-reduce is in `other_groups`
+            group = int(self.name.split("shard=")[1])
         return max(_rank_wire_bytes(r, group) for r in self.ranks)
 
 
@@ -332,26 +335,59 @@ def _keeps_master(ctx: EstimateContext, master_weights: bool | None) -> bool:
 
 
 def estimate_zero12(
-    ctx: EstimateContext, *, stage: int, bucket_cap_mb: float, master_weights: bool | None = None
+    ctx: EstimateContext,
+    *,
+    stage: int,
+    bucket_cap_mb: float,
+    master_weights: bool | None = None,
+    shard_size: int | None = None,
 ) -> ConfigEstimate:
-    """ZeRO-1/2 (ours). ``master_weights``: fp32 masters of 16-bit parameters; ``None``: when they are 16-bit."""
-    n = ctx.world_size
+    """ZeRO-1/2 (ours). ``master_weights``: fp32 masters of 16-bit parameters; ``None``: when they are 16-bit.
+    ``shard_size``: hybrid sharding over groups of that many ranks (``None``: every rank); each rank then also
+    all-reduces its reduced gradient shards and the flags across the replica groups."""
+    layout = MeshLayout.for_sharding(ctx.world_size, shard_size)
+    n = layout.shard_size
     ranks = []
     buckets = planned_buckets(ctx.spec, element_bytes=ctx.element_bytes, bucket_cap_mb=bucket_cap_mb)
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
-    for r in range(n):
+    num_params = len(ctx.spec.params)
+    for rank in range(ctx.world_size):
         params, grads, optimizer, comm = _zero_sharded(
-            ctx, buckets, len(ctx.spec.params), stage=stage, rank=r, ranks=n, master_weights=master_weights
+            ctx, buckets, num_params, stage=stage, rank=layout.shard_rank(rank), ranks=n, master_weights=master_weights
         )
-        ranks.append(RankEstimate(params, grads, optimizer, comm, act))
-    strategy = _strategy_line(ctx, f"zero{stage}", "ShardedOptimizerStrategy", f"stage={stage}")
-    return ConfigEstimate(f"zero{stage}", strategy, ranks)
+        shard_bytes = _reduced_shard_bytes(buckets, n, master_weights)
+        across = _across_replicas(comm, layout, shard_bytes + num_params * GRADIENT_FLAG_BYTES)
+        ranks.append(RankEstimate(params, grads, optimizer, comm, act, other_groups=across))
+    return ConfigEstimate(*_zero_name(ctx, stage, shard_size, layout), ranks)
 
 
-def estimate_zero3(ctx: EstimateContext, *, master_weights: bool | None = None) -> ConfigEstimate:
-    """ZeRO-3 (FSDP2). ``master_weights``: fp32 sharded masters of 16-bit parameters; ``None``: when 16-bit."""
-    n, e = ctx.world_size, ctx.element_bytes
+def _zero_name(ctx: EstimateContext, stage: int, shard_size: int | None, layout: MeshLayout) -> tuple[str, str]:
+    """The configuration's name and strategy line: ``zero2``, or ``zero2 shard=4`` under hybrid sharding."""
+    if shard_size is None or shard_size == ctx.world_size:
+        return f"zero{stage}", _strategy_line(ctx, f"zero{stage}", "ShardedOptimizerStrategy", f"stage={stage}")
+    checkpointing = ", activation_checkpointing=True" if ctx.activation_checkpointing else ""
+    strategy = f"ShardedOptimizerStrategy(stage={stage}, shard_size={shard_size}{checkpointing})"
+    return f"zero{stage} shard={layout.shard_size}", strategy
+
+
+def _across_replicas(comm: dict[str, int], layout: MeshLayout, num_bytes: int) -> list[tuple[str, int, int]]:
+    """Hybrid sharding: add the all-reduce of ``num_bytes`` across the replica groups to ``comm`` and return it as
+    the one collective over another group than the shard group (for :meth:`ConfigEstimate.wire_bytes`)."""
+    if layout.replicate_size == 1:
+        return []
+    comm["all_reduce"] = comm.get("all_reduce", 0) + num_bytes
+    return [("all_reduce", num_bytes, layout.replicate_size)]
+
+
+def estimate_zero3(
+    ctx: EstimateContext, *, master_weights: bool | None = None, shard_size: int | None = None
+) -> ConfigEstimate:
+    """ZeRO-3 (FSDP2). ``master_weights``: fp32 sharded masters of 16-bit parameters; ``None``: when 16-bit.
+    ``shard_size``: HSDP over groups of that many ranks (``None``: every rank); each unit's reduced gradient shard
+    is then all-reduced across the replica groups."""
+    layout = MeshLayout.for_sharding(ctx.world_size, shard_size)
+    n, e = layout.shard_size, ctx.element_bytes
     compute = e  # bytes per element all-gathered for compute
     if _keeps_master(ctx, master_weights):
         e = MASTER_BYTES  # the shards, their gradients (reduced in fp32) and the optimizer state
@@ -369,17 +405,18 @@ def estimate_zero3(ctx: EstimateContext, *, master_weights: bool | None = None) 
     gather = sum((1 if u.is_root else 2) * n * sum(padded_shard[i] for i in u.params) for u in units)
     scatter = sum(n * sum(padded_shard[i] for i in u.params) for u in units)
     comm = {"all_gather": gather * compute, "reduce_scatter": scatter * e}
+    across = _across_replicas(comm, layout, scatter // n * e)  # each unit's reduced shard
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
     ranks = []
-    for r in range(n):
+    for rank in range(ctx.world_size):
+        r = layout.shard_rank(rank)
         chunk = [-(-d0 // n) for d0 in rows]
         local = sum(max(0, min(c, d0 - r * c)) * rn for c, d0, rn in zip(chunk, rows, row_numel, strict=True))
         held = sum(padded_shard) * e
-        ranks.append(RankEstimate(held, held, ctx.state_count * local * e, dict(comm), act))
-    return ConfigEstimate(
-        "zero3", _strategy_line(ctx, "zero3", "ShardedOptimizerStrategy", "stage=3"), ranks, notes=notes
-    )
+        ranks.append(RankEstimate(held, held, ctx.state_count * local * e, dict(comm), act, other_groups=across))
+    name, strategy = _zero_name(ctx, 3, shard_size, layout)
+    return ConfigEstimate(name, strategy, ranks, notes=notes)
 
 
 def pipeline_bubble(
@@ -407,7 +444,8 @@ def estimate_pipeline(
     """``PipelineParallelStrategy``; ``zero_stage`` 1 or 2 shards each stage's optimizer state (and gradients) over
     its dp replicas as ZeRO-1/2 does (nothing is sharded at dp = 1)."""
     p, v, n, e = pipeline_parallel_size, stages_per_rank, ctx.world_size, ctx.element_bytes
-    dp = n // p
+    layout = MeshLayout(n, pipeline_parallel_size=p)  # the strategy's mesh: replicas x pipeline ranks
+    dp = layout.data_parallel_size
     num_stages = p * v
     m = num_microbatches or num_stages
     plan = ctx.spec.stage_plan(
@@ -422,7 +460,7 @@ def estimate_pipeline(
     tied_sync = _tied_sync(ctx, plan)
     ranks = []
     for r in range(n):
-        pr = r % p
+        pr = layout.pipeline_rank(r)
         stages = plan.stages_of(pr)
         local = sum(numels[i] for s in stages for i in plan.layers_of(s))
         comm: dict[str, int] = {}
@@ -436,7 +474,13 @@ def estimate_pipeline(
             buckets = planned_buckets(stage_spec, element_bytes=e, bucket_cap_mb=bucket_cap_mb)
             # The pipeline's ZeRO keeps no fp32 masters (it supports 32-true and bf16-mixed).
             params, grads, state, sharded = _zero_sharded(
-                ctx, buckets, len(stage_spec.params), stage=zero_stage, rank=r // p, ranks=dp, master_weights=False
+                ctx,
+                buckets,
+                len(stage_spec.params),
+                stage=zero_stage,
+                rank=layout.data_parallel_rank(r),
+                ranks=dp,
+                master_weights=False,
             )
             held = (params, grads, state)
             comm.update(sharded)
@@ -541,6 +585,16 @@ def _zero_sharded(
         gathered += padded * e
     comm = _zero_communication(ctx, num_params, ranks=ranks, reduced=reduced, gathered=gathered)
     return params, grads, optimizer, comm
+
+
+def _reduced_shard_bytes(buckets: list[PlannedBucket], ranks: int, master_weights: bool | None) -> int:
+    """Bytes of one rank's reduced gradient shards of ``buckets`` sharded over ``ranks`` (fp32 for a 16-bit bucket
+    with master weights), as :func:`_zero_sharded` counts them."""
+    total = 0
+    for bucket in buckets:
+        master = master_weights is not False and bucket.element_size < MASTER_BYTES
+        total += padded_numel(bucket.numel, ranks) // ranks * (MASTER_BYTES if master else bucket.element_size)
+    return total
 
 
 def _blocks_in(ctx: EstimateContext, plan: object, stages: list[int]) -> float:

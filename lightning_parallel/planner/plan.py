@@ -125,7 +125,8 @@ def plan(
 ) -> Plan:
     """Predict bytes held per rank and bytes communicated per step for every strategy configuration, and pick one.
 
-    Configurations: data parallel, ZeRO 1/2/3, and a pipeline ``p x dp`` for every divisor ``p >= 2`` of the world
+    Configurations: data parallel, ZeRO 1/2/3 (on several nodes also hybrid, ``zero2 shard=<devices per node>``:
+    sharded within a node, replicated across nodes), and a pipeline ``p x dp`` for every divisor ``p >= 2`` of the world
     size (models with ``pipeline_layers()`` and at least ``p`` layers). Formulas and assumptions:
     :mod:`lightning_parallel.planner.estimate`; recommendation rule: :mod:`lightning_parallel.planner.recommend`.
 
@@ -185,6 +186,10 @@ def plan(
     if world_size > 1:
         configs += [estimate_zero12(ctx, stage=s, bucket_cap_mb=bucket_cap_mb) for s in (1, 2)]
         configs.append(estimate_zero3(ctx))
+        per_node = world_size // num_nodes
+        if num_nodes > 1 and per_node > 1:  # hybrid: shard within a node, replicate across the nodes
+            configs += [estimate_zero12(ctx, stage=s, bucket_cap_mb=bucket_cap_mb, shard_size=per_node) for s in (1, 2)]
+            configs.append(estimate_zero3(ctx, shard_size=per_node))
         configs += _pipelines(ctx, spec, num_microbatches=num_microbatches, schedule=schedule)
     for config in configs:
         config.fits = None if device_memory is None else config.max_total <= device_memory

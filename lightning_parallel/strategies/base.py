@@ -15,6 +15,10 @@ it different:
 * a non-finite loss: one decision on every rank (``strategies/nonfinite.py``), gradients dropped after backward;
 * instrumentation: :attr:`communication_stats`, :attr:`track_communication` and :attr:`events`, the protocol
   ``ParallelismMonitor`` reads (``lightning_parallel.instrumentation``);
+* the rank layout: :attr:`mesh_layout` (degrees of the ``replicate`` x ``shard`` x ``pp`` axes, checked on every rank
+  before the group is joined) and :attr:`device_mesh`, torch's ``DeviceMesh`` of it, built once in
+  ``setup_environment`` (``distributed/mesh.py``); the samplers, ZeRO's groups and the pipeline's take their ranks
+  from it;
 * bytes held (:meth:`memory_report`), and checkpoints of either format loaded by every strategy.
 
 Three levels below Lightning's ``ParallelStrategy`` (``DDPStrategy`` -> this -> ours) instead of the two the house
@@ -38,6 +42,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -47,6 +52,7 @@ from lightning_parallel.distributed.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
+from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.instrumentation import Instrumentation, StrategyEvents
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format
 from lightning_parallel.strategies.failure_board import FailureBoard
@@ -131,6 +137,8 @@ class LightningParallelStrategy(DDPStrategy):
         self._peers: PeerTable | None = None
         self._failure_board: FailureBoard | None = None
         self._finite_check: FiniteCheck | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self._device_mesh_key: tuple[MeshLayout, int] | None = None
 
     # ------------------------------------------------------------------ launch
     @property
@@ -153,9 +161,48 @@ class LightningParallelStrategy(DDPStrategy):
             raise RuntimeError(f"{type(self).__name__} has no LightningModule yet: the Trainer connects it in `fit`.")
         return module
 
+    # ------------------------------------------------------------------ rank layout
+    @property
+    def mesh_layout(self) -> MeshLayout:
+        """The degrees of the mesh's ``replicate`` x ``shard`` x ``pp`` axes for this world size (plain arithmetic,
+        no process group needed; raises ``ValueError`` for degrees that do not fit the world size). Data parallel:
+        every rank a replica; subclasses say their own."""
+        return MeshLayout(self.world_size)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """torch's ``DeviceMesh`` of :attr:`mesh_layout`, axes ``("replicate", "shard", "pp")``, built once in
+        ``setup_environment``, as Lightning's ``ModelParallelStrategy`` exposes it (``configure_model`` may use it).
+        Raises ``RuntimeError`` when read before that."""
+        if self._device_mesh is None:
+            raise RuntimeError(
+                f"`{type(self).__name__}.device_mesh` is built in `setup_environment`, when the Trainer joins the"
+                " processes; it was read before that. Read it in `configure_model` or later."
+            )
+        return self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank of `replicate` x `shard` reads its own slice of the batch; a pipeline's ranks read the same one.
+        layout = self.mesh_layout
+        return {"num_replicas": layout.data_parallel_size, "rank": layout.data_parallel_rank(self.global_rank)}
+
+    def _build_device_mesh(self, layout: MeshLayout) -> None:
+        """Collective (every rank, after joining): the mesh of ``layout``; kept for a later ``fit`` of the same
+        layout in the same process group (new process groups on every fit would pile up)."""
+        key = (layout, id(dist.group.WORLD))  # a process group re-created after a restart needs new subgroups
+        if self._device_mesh is not None and self._device_mesh_key == key:
+            return
+        self._device_mesh = layout.build(self.root_device.type)
+        self._device_mesh_key = key
+
     @override
     def setup_environment(self) -> None:
+        layout = self.mesh_layout  # local: a layout that does not fit the world raises on every rank before joining
         self._peers = set_up_distributed_environment(self, super().setup_environment)
+        if dist.is_available() and dist.is_initialized():
+            self._build_device_mesh(layout)
         if self._failure_board is not None:  # a previous run of this strategy object
             self._failure_board.close()
         self._failure_board = None

@@ -29,6 +29,7 @@ from lightning_parallel.distributed.checkpoint import (
     scalar_states,
 )
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
+from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.consolidate import (
     consolidate_buffers,
@@ -160,14 +161,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             ``torch.distributed.checkpoint`` directory from all ranks in parallel (the package's shared sharded
             layout). Both load under any layout and strategy of this package. ``"sharded"`` is refused with
             ``zero_stage > 0``.
-        zero_stage: ZeRO inside the pipeline, across the data-parallel replicas of each stage (the mesh's ``"dp"``
-            axis): ``0`` (off: every replica holds its stage's whole gradients and optimizer state), ``1`` (each
-            replica keeps the optimizer state of ``1/dp`` of its stage's parameters: ``8 * stage_params / dp``
-            bytes for Adam(W) in fp32), ``2`` (the gradients too: ``4 * stage_params / dp`` bytes kept after the
-            reduce-scatter). The replicas' all-reduce becomes a reduce-scatter after the schedule and an
-            all-gather of the stepped parameters (the same bytes); the optimizer must update elementwise
-            (AdamW, SGD, ...). Without data parallelism nothing is sharded. Weights and consolidated checkpoints
-            are those of ``zero_stage=0``.
+        zero_stage: ZeRO inside the pipeline, across the data-parallel replicas of each stage (the mesh's
+            ``"replicate"`` axis): ``0`` (off: every replica holds its stage's whole gradients and optimizer state),
+            ``1`` (each replica keeps the optimizer state of ``1/dp`` of its stage's parameters:
+            ``8 * stage_params / dp`` bytes for Adam(W) in fp32), ``2`` (the gradients too:
+            ``4 * stage_params / dp`` bytes kept after the reduce-scatter). The replicas' all-reduce becomes a
+            reduce-scatter after the schedule and an all-gather of the stepped parameters (the same bytes); the
+            optimizer must update elementwise (AdamW, SGD, ...). Without data parallelism nothing is sharded. Weights
+            and consolidated checkpoints are those of ``zero_stage=0``.
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
@@ -354,9 +355,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        p = self.pipeline_parallel_size
-        return {"num_replicas": self.world_size // p, "rank": self.global_rank // p}
+    def mesh_layout(self) -> MeshLayout:
+        """``(world_size / P) x 1 x P``: the data-parallel replicas of each stage on the ``replicate`` axis."""
+        return MeshLayout(self.world_size, pipeline_parallel_size=self.pipeline_parallel_size)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -455,7 +456,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         )
         # First collectives: every check above ran on every rank.
         if self._dims is None:
-            dims.build_groups(self.root_device.type)
+            dims.mesh = self.device_mesh  # built in `setup_environment` (its groups: a collective done there)
         check_same_plan(plan, self.world_size)
         broadcast_from_rank0(module, self.root_device)  # every stage and replica starts from rank 0's weights
         layout = TiedLayout(tuple(self._tied), plan)
@@ -659,7 +660,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     @override
     def instrumentation(self) -> Instrumentation:
         return Instrumentation(
-            data_parallel_size=self.world_size // self.pipeline_parallel_size,
+            data_parallel_size=self.mesh_layout.data_parallel_size,
             tap="pipeline",
             times_exposed_communication=True,
             is_pipeline=True,

@@ -24,6 +24,7 @@ from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.averaged_copy import shard_whole_state
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
+from lightning_parallel.distributed.mesh import MeshLayout, validate_shard_size
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
@@ -64,8 +65,19 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     of bf16 gradients (stage 1) and ``12*Psi/N`` of fp32 masters and moments; docs/zero.md gives each stage's exact
     bytes. ``memory_report()`` counts the masters as optimizer state.
 
+    Hybrid sharding (FSDP's ``HYBRID_SHARD``, torchtitan's ``dp_replicate x dp_shard``): ``shard_size=K`` shards over
+    groups of ``K`` consecutive ranks (e.g. the devices of one node) and replicates across the ``world_size / K``
+    groups: ``N`` above becomes ``K``, and each step adds one all-reduce of the reduced gradient shard (``Psi / K``
+    bytes) across the groups, so gradients are averaged over every rank and training equals one device on the
+    global batch. The layout is :attr:`device_mesh`'s ``("replicate", "shard")`` axes (``distributed/mesh.py``).
+
     Args:
         stage: 1, 2 or 3.
+        shard_size: ranks per shard group (a divisor of the world size); ``None`` (default) shards over every rank.
+            Stages 1-2 reduce-scatter (gloo: all-reduce) each gradient bucket within the group, all-reduce the
+            ``1/K`` shard across the groups and all-gather the stepped parameters within the group; stage 3 is
+            FSDP2's HSDP (``fully_shard`` on the 2-D mesh). Checkpoints do not depend on it: either format resumes
+            under another ``shard_size``, another world size or another strategy.
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         timeout: seconds (or ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
@@ -105,6 +117,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self,
         stage: Literal[1, 2, 3] = 2,
         *,
+        shard_size: int | None = None,
         start_method: StartMethod = "popen",
         timeout: timedelta | float = default_pg_timeout,
         process_group_backend: str | None = None,
@@ -141,6 +154,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             )
         if not bucket_cap_mb > 0:
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB.")
+        validate_shard_size(shard_size)
         super().__init__(
             start_method=start_method,
             timeout=timeout,
@@ -154,6 +168,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.stage = stage
+        self.shard_size = shard_size
         self.bucket_cap_mb = bucket_cap_mb
         self.checkpoint_format = checkpoint_format
         self.master_weights = master_weights
@@ -164,6 +179,14 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self._memory_logged = False
 
     # ------------------------------------------------------------------ set-up
+    @property
+    @override
+    def mesh_layout(self) -> MeshLayout:
+        """``(world_size / shard_size) x shard_size x 1``; ``shard_size=None``: ``1 x world_size x 1``. Raises
+        ``ValueError`` (on every rank, before the group is joined) for a ``shard_size`` that does not divide the
+        world size."""
+        return MeshLayout.for_sharding(self.world_size, self.shard_size)
+
     @property
     def is_sharding(self) -> bool:
         """Whether states are sharded (world size > 1); at world size 1 training is plain single-device, except that
@@ -213,6 +236,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             "callbacks": trainer.callbacks,
             "rank": self.global_rank,
             "world_size": self.world_size,
+            "mesh": self.device_mesh if self.is_sharding else None,
             "master_weights": self.master_weights,
             "overlap_param_gather": fitting and self.is_sharding and self._overlaps_param_gather(trainer),
         }
@@ -355,7 +379,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     @override
     def instrumentation(self) -> Instrumentation:
         return Instrumentation(
-            data_parallel_size=self.world_size,
+            data_parallel_size=self.mesh_layout.data_parallel_size,
             tap=self.backend.collective_tap,
             times_exposed_communication=self.backend.times_exposed_communication,
         )
@@ -436,7 +460,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if not self._writes_sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         optimizer = unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
-        save_sharded(self, checkpoint, filepath, parts=self.backend.sharded_pieces(optimizer), optimizer=optimizer)
+        parts = self.backend.sharded_pieces(optimizer)
+        if self.mesh_layout.replicate_rank(self.global_rank) != 0:
+            parts.pieces = []  # another replica group writes the same values (hybrid sharding)
+        save_sharded(self, checkpoint, filepath, parts=parts, optimizer=optimizer)
         return None
 
     @override

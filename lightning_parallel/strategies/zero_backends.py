@@ -27,10 +27,11 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar, Literal, Protocol, cast
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -47,6 +48,7 @@ from lightning_parallel.distributed.checkpoint import (
     scalar_states,
 )
 from lightning_parallel.distributed.compression import CommunicationStats
+from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
 from lightning_parallel.distributed.zero3_compat import initialise_root
@@ -91,6 +93,7 @@ class ZeroBackend(Protocol):
         callbacks: Sequence[Any],
         rank: int,
         world_size: int,
+        mesh: DeviceMesh | None,
         master_weights: MasterWeights,
     ) -> None: ...
 
@@ -184,10 +187,30 @@ class ReplicatedBackend:
     empty_init_on_meta: ClassVar[bool] = False
     collective_tap: ClassVar[Literal["fsdp"] | None] = None
 
-    def __init__(self, *, rank: int = 0, world_size: int = 1, events: StrategyEvents | None = None, **_: Any) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        mesh: DeviceMesh | None = None,
+        events: StrategyEvents | None = None,
+        **_: Any,
+    ) -> None:
         self.rank, self.world_size = rank, world_size
+        self.mesh = mesh
+        """The strategy's mesh (axes ``replicate``, ``shard``, ``pp``): the sharded backends shard over its ``shard``
+        axis and average across its ``replicate`` axis; ``None`` at world size 1."""
         self.events = events or StrategyEvents()
         self.module: nn.Module | None = None
+
+    def _groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """``(shard group, replicate group)`` from :attr:`mesh` (``None`` for an axis of one rank or without a mesh:
+        the world shards alone)."""
+        if self.mesh is None:
+            return None, None
+        shard = self.mesh.get_group("shard")
+        replicate = self.mesh.get_group("replicate") if self.mesh["replicate"].size() > 1 else None
+        return shard, replicate
 
     @property
     def times_exposed_communication(self) -> bool:
@@ -300,9 +323,12 @@ class FlatBucketBackend(ReplicatedBackend):
             check_shardable(optimizer, warn=rank_zero_warn)
         # Frozen parameters the optimizers hold are bucketed too: unfreezing them later needs no new layout.
         held = [param for optimizer in optimizers for group in optimizer.param_groups for param in group["params"]]
+        shard_group, replicate_group = self._groups()
         self.buckets = ShardedParameterBuckets(
             self.held,
             stage=self.stage,
+            group=shard_group,
+            replicate_group=replicate_group,
             bucket_cap_mb=self.bucket_cap_mb,
             frozen=held,
             master_dtype=torch.float32 if self.master_weights == "fp32" else None,
@@ -430,9 +456,18 @@ class FullyShardBackend(ReplicatedBackend):
     empty_init_on_meta: ClassVar[bool] = True
     collective_tap: ClassVar[Literal["fsdp"] | None] = "fsdp"  # FSDP2's all-gathers and reduce-scatters
 
-    def __init__(self, *, callbacks: Sequence[Any] = (), master_weights: MasterWeights = "fp32", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        callbacks: Sequence[Any] = (),
+        master_weights: MasterWeights = "fp32",
+        stats: CommunicationStats | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.callbacks = callbacks
+        self.stats = stats
+        """Where to count HSDP's all-reduce across replica groups (FSDP2's other collectives: the monitor's tap)."""
         self.master_weights = master_weights
         self.compute_dtype: torch.dtype | None = None
         """The 16-bit dtype FSDP2 computes in while the sharded parameters are the fp32 masters, else ``None``."""
@@ -445,7 +480,11 @@ class FullyShardBackend(ReplicatedBackend):
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         check_parameter_callbacks(self.callbacks, strategy_name="zero3", layout="each parameter as a DTensor shard")
         self.module = module
-        mesh = init_device_mesh(device.type, (self.world_size,))
+        # FSDP2 on the `shard` axis; with several replica groups HSDP on `replicate` x `shard` (placements
+        # (Replicate(), Shard(0)): reduce-scatter in the group, then all-reduce of the shard across the groups).
+        _, replicate = self._groups()
+        mesh = self._mesh_or_world(device)
+        mesh = mesh["replicate", "shard"] if replicate is not None else mesh["shard"]
         zero3.broadcast_from_rank0(module, device)  # start from rank 0's weights, as stages 1-2 and DDP do
         if self.master_weights == "fp32":
             self.compute_dtype = zero3.upcast_16bit_parameters(module) or self.compute_dtype
@@ -457,6 +496,8 @@ class FullyShardBackend(ReplicatedBackend):
             zero3.round_parameters(module, self.compute_dtype)  # initialised in fp32: as a 16-bit init would be
         module.to(device)
         initialise_root(self.units[-1])  # `module`: the root whichever unit's forward runs first
+        if replicate is not None and self.stats is not None:
+            self._count_replica_all_reduce()
         # Weight-averaging callbacks copied the whole module in their `setup`: each copy now holds this rank's shard of
         # every parameter, starting from the module's (rank 0's) rows, as DDP's rank 0 copy starts from its module.
         self.averaged_copies = hold_averaged_copies(self.callbacks, module, ShardedCopyLayout(device))
@@ -467,6 +508,23 @@ class FullyShardBackend(ReplicatedBackend):
                 unit.register_forward_pre_hook(lambda unit, _: zero3.refresh_gradient_dtypes(unit))
                 for unit in self.units
             ]
+
+    def _mesh_or_world(self, device: torch.device) -> DeviceMesh:
+        if self.mesh is not None:
+            return self.mesh
+        return MeshLayout.for_sharding(self.world_size, None).build(device.type)  # used without a strategy
+
+    def _count_replica_all_reduce(self) -> None:
+        """Count HSDP's all-reduce of each unit's reduced gradient shard across the replica groups into
+        :attr:`stats` (as ``"all_reduce"``, the shard's bytes): FSDP2 calls the hook with the all-reduced tensor."""
+        stats = self.stats
+        assert stats is not None
+
+        def count(reduced: Tensor) -> None:
+            stats.record("all_reduce", reduced.numel() * reduced.element_size())
+
+        for unit in self._fsdp_units:
+            unit.set_all_reduce_hook(count)
 
     def convert_module(self, plugin: Precision, module: nn.Module) -> None:
         """A module sharded with fp32 masters by an earlier ``fit`` is left as it is: ``bf16-true``'s cast would round

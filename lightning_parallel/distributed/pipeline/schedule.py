@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -23,6 +23,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.partition import StageModule, StagePlan
 from lightning_parallel.distributed.pipeline.side_effects import preserved_state
@@ -103,8 +104,9 @@ def check_count(name: str, value: Any) -> None:
 
 @dataclass
 class ParallelDims:
-    """Ranks laid out as a ``("dp", "pp")`` device mesh: ``data_parallel_size x pipeline_parallel_size``, the
-    pipeline ranks of a replica adjacent (torchtitan's ``ParallelDims`` layout).
+    """A pipeline rank's view of the shared mesh (``distributed/mesh.py``): ``data_parallel_size x
+    pipeline_parallel_size`` ranks, the pipeline ranks of a replica adjacent (torchtitan's ``ParallelDims`` layout),
+    the replicas of each stage on the mesh's ``"replicate"`` axis.
 
     ``global_rank = data_parallel_rank * pipeline_parallel_size + pipeline_rank``.
     """
@@ -113,7 +115,12 @@ class ParallelDims:
     global_rank: int
     pipeline_parallel_size: int
     mesh: DeviceMesh | None = field(default=None, repr=False)
-    """The named mesh, axes ``("dp", "pp")``; ``None`` before :meth:`build_groups`."""
+    """The strategy's mesh, axes ``("replicate", "shard", "pp")`` (shard of size 1); ``None`` before
+    :meth:`build_groups` or before the strategy handed its own."""
+
+    @property
+    def layout(self) -> MeshLayout:
+        return MeshLayout(self.world_size, pipeline_parallel_size=self.pipeline_parallel_size)
 
     @property
     def pipeline_group(self) -> Any:
@@ -122,8 +129,8 @@ class ParallelDims:
 
     @property
     def data_parallel_group(self) -> Any:
-        """Process group of the replicas of this rank's stages: the mesh's ``"dp"`` axis."""
-        return self._mesh().get_group("dp")
+        """Process group of the replicas of this rank's stages: the mesh's ``"replicate"`` axis."""
+        return self._mesh().get_group("replicate")
 
     def _mesh(self) -> DeviceMesh:
         if self.mesh is None:
@@ -132,24 +139,24 @@ class ParallelDims:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.pipeline_parallel_size
+        return self.layout.data_parallel_size
 
     @property
     def pipeline_rank(self) -> int:
-        return self.global_rank % self.pipeline_parallel_size
+        return self.layout.pipeline_rank(self.global_rank)
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.global_rank // self.pipeline_parallel_size
+        return self.layout.data_parallel_rank(self.global_rank)
 
     def pipeline_global_rank(self, pipeline_rank: int) -> int:
         """Global rank of ``pipeline_rank`` in this rank's replica."""
-        return self.data_parallel_rank * self.pipeline_parallel_size + pipeline_rank
+        return self.layout.global_rank(self.data_parallel_rank, 0, pipeline_rank)
 
     def build_groups(self, device_type: str) -> None:
-        """Collective: create the ``("dp", "pp")`` mesh and its process groups on every rank, in the same order."""
-        shape = (self.data_parallel_size, self.pipeline_parallel_size)
-        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "pp"))
+        """Collective: create the mesh and its process groups on every rank, in the same order (a strategy hands its
+        own ``device_mesh`` instead)."""
+        self.mesh = self.layout.build(device_type)
 
 
 @dataclass

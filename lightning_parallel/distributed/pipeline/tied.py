@@ -125,12 +125,13 @@ class TiedGradientSync:
 
     def __init__(self, layout: TiedLayout, dims: ParallelDims) -> None:
         self.layout = layout
-        p = dims.pipeline_parallel_size
+        p, mesh = dims.pipeline_parallel_size, dims.layout
         self._groups: list[tuple[Any, list[str]]] = []
         """(process group, canonical names) of the sets this rank belongs to."""
         for ranks, names in layout.rank_sets().items():
             for replica in range(dims.data_parallel_size):
-                group = dims.pipeline_group if len(ranks) == p else dist.new_group([replica * p + r for r in ranks])
+                members = [mesh.global_rank(replica, 0, r) for r in ranks]  # pipeline ranks `ranks` of `replica`
+                group = dims.pipeline_group if len(ranks) == p else dist.new_group(members)
                 if replica == dims.data_parallel_rank and dims.pipeline_rank in ranks:
                     self._groups.append((group, names))
 

@@ -1,6 +1,6 @@
 """ZeRO inside the pipeline: each stage's optimizer state (stage 1) and gradients (stage 2) sharded across its replicas.
 
-Torch-only. The building blocks are ZeRO-1/2's own, over the mesh's ``"dp"`` axis instead of the world:
+Torch-only. The building blocks are ZeRO-1/2's own, over the mesh's ``"replicate"`` axis instead of the world:
 :class:`~lightning_parallel.distributed.zero.ShardedParameterBuckets` holds the rank's stage parameters in flat
 buckets padded to a multiple of the data-parallel size, and
 :class:`~lightning_parallel.distributed.zero_optimizer.ShardedOptimizer` points the user's optimizer at the
@@ -15,7 +15,7 @@ buckets padded to a multiple of the data-parallel size, and
   each; every owner writes its slice into a zero tensor of the parameter's size, and one all-reduce over all
   replicas of the ranks sharing the copy sums the copies' averaged gradients (each element has one non-zero term
   per copy, so the sum is exact and every member gets the same bits: the copies stay bitwise equal).
-* Clipping: a shard's squares are summed over the ``"dp"`` group, then over the ``"pp"`` group.
+* Clipping: a shard's squares are summed over the ``"replicate"`` group, then over the ``"pp"`` group.
 
 Per rank: optimizer state ``K * stage_params / dp`` (exactly, when each bucket's size is a multiple of ``dp``: the
 padding holds no state), gradients ``stage_params + stage_params / dp`` (stage 1) or ``stage_params / dp``
