@@ -138,7 +138,8 @@ class LightningParallelStrategy(DDPStrategy):
         self._failure_board: FailureBoard | None = None
         self._finite_check: FiniteCheck | None = None
         self._device_mesh: DeviceMesh | None = None
-        self._device_mesh_key: tuple[MeshLayout, int] | None = None
+        self._device_mesh_key: MeshLayout | None = None
+        self._device_mesh_world: Any = None
 
     # ------------------------------------------------------------------ launch
     @property
@@ -191,11 +192,13 @@ class LightningParallelStrategy(DDPStrategy):
     def _build_device_mesh(self, layout: MeshLayout) -> None:
         """Collective (every rank, after joining): the mesh of ``layout``; kept for a later ``fit`` of the same
         layout in the same process group (new process groups on every fit would pile up)."""
-        key = (layout, id(dist.group.WORLD))  # a process group re-created after a restart needs new subgroups
-        if self._device_mesh is not None and self._device_mesh_key == key:
+        # A process group re-created after a restart needs new subgroups: compared by identity (the reference kept
+        # here means a new group can never reuse the old one's `id`).
+        world = dist.group.WORLD
+        if self._device_mesh is not None and self._device_mesh_key == layout and self._device_mesh_world is world:
             return
         self._device_mesh = layout.build(self.root_device.type)
-        self._device_mesh_key = key
+        self._device_mesh_key, self._device_mesh_world = layout, world
 
     @override
     def setup_environment(self) -> None:
