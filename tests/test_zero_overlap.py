@@ -28,7 +28,7 @@ from torch import nn
 from torch.overrides import _get_current_function_mode
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_parallel import ShardedOptimizerStrategy
+from lightning_parallel import ParallelismMonitor, ShardedOptimizerStrategy
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
 
@@ -142,7 +142,8 @@ def _overlapped_ranks(rank: int, world_size: int) -> dict[str, Any]:
     for stage in (1, 2):
         timing, reader = _TimingCallback(), _EmaAndClip()
         strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.004)  # ~1 KiB-parameter buckets: many
-        results[f"zero{stage}"] = _fit(strategy, world_size, rank, [timing])
+        # With our monitor too: it reports the bytes every rank holds after each step (storages' sizes only).
+        results[f"zero{stage}"] = _fit(strategy, world_size, rank, [timing, ParallelismMonitor(log_every_n_steps=100)])
         results[f"zero{stage}_pending"] = timing.pending
         results[f"zero{stage}_guarded"] = timing.guarded_waits
         strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.004)

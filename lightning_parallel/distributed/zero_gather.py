@@ -39,8 +39,8 @@ parameter earlier and read afterwards), and reads from other threads (the mode i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Generator, Iterable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch.distributed as dist
@@ -144,6 +144,16 @@ class OverlappedParameterGather:
                     work.wait()
         if not self._pending and (self.guarding or self._guard_pushed):
             self._stop_guarding()
+
+    @contextmanager
+    def reading_metadata_only(self) -> Generator[None, None, None]:
+        """Local. The guard lets everything pass inside: for our own code that reads only storages' sizes (a memory
+        report between steps), which ``untyped_storage()`` would otherwise make wait."""
+        guarding, self.guarding = self.guarding, False
+        try:
+            yield
+        finally:
+            self.guarding = guarding and bool(self._pending)
 
     def wait_for_tensors(self, tensors: Iterable[Any]) -> None:
         """Local. Wait for the pending buckets whose flat buffer any of ``tensors`` (nested in lists, tuples and
