@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -143,7 +145,9 @@ def _overlapped_ranks(rank: int, world_size: int) -> dict[str, Any]:
         timing, reader = _TimingCallback(), _EmaAndClip()
         strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.004)  # ~1 KiB-parameter buckets: many
         # With our monitor too: it reports the bytes every rank holds after each step (storages' sizes only).
-        results[f"zero{stage}"] = _fit(strategy, world_size, rank, [timing, ParallelismMonitor(log_every_n_steps=100)])
+        with tempfile.TemporaryDirectory(prefix="lp-overlap-") as folder:
+            monitor = ParallelismMonitor(figure_path=False, summary_path=Path(folder, "monitor.json"))
+            results[f"zero{stage}"] = _fit(strategy, world_size, rank, [timing, monitor])
         results[f"zero{stage}_pending"] = timing.pending
         results[f"zero{stage}_guarded"] = timing.guarded_waits
         strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.004)
