@@ -3,12 +3,14 @@
 * Equivalence: a transformer of ``nn.TransformerEncoderLayer`` blocks (whose attention reads ``out_proj.weight``
   without calling ``out_proj``) trains under zero1/zero2 with the overlap exactly as on one device, with the
   all-gathers really still pending between steps.
+* Manual optimization with a forward right after ``opt.step()`` (two steps per batch) trains as on one device.
 * Callbacks need no declaration: a timing callback that overrides ``on_train_batch_end`` and reads nothing leaves the
   all-gathers pending (the stale-read guard never waited), and a callback that averages every parameter (EMA) and
   clips them in place there gets exactly the one-device values (the guard waited for what it read).
 * The guard itself (no Trainer): metadata reads pass, any value read of a parameter, of ``.data``, of a
   ``state_dict()`` entry or of a view of a bucket waits for that bucket only, and the guard leaves the torch function
-  mode stack at the first block's forward; ``state_dict()`` waits for every bucket.
+  mode stack at the first block's forward, having waited for the buckets outside the blocks; ``state_dict()``
+  waits for every bucket.
 * Layout: each block waits for every bucket holding a parameter of the whole block (``out_proj`` included), the
   other buckets are waited for before the training step, and buckets are launched in the order they are needed.
 """
@@ -66,6 +68,24 @@ class EncoderModel(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+class _TwoStepsPerBatch(EncoderModel):
+    """Manual optimization, two optimizer steps per batch (even samples, then odd ones): the second forward starts
+    right after ``opt.step()``, reading the embedding before the first block and the head after the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        x, y = batch
+        for half in (slice(0, None, 2), slice(1, None, 2)):  # the same samples on one device as on two ranks
+            loss = nn.functional.mse_loss(self(x[half]), y[half])
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+
+
 class _TimingCallback(Callback):
     """A user's timing callback: overrides ``on_train_batch_end`` and reads no parameter (no declaration). It records
     whether all-gathers are still pending there and how often the guard had to wait so far."""
@@ -118,9 +138,11 @@ def _data(world_size: int, rank: int) -> DataLoader:
     return DataLoader(TensorDataset(x[index], y[index]), batch_size=per_rank, shuffle=False)
 
 
-def _fit(strategy: Any, world_size: int, rank: int, callbacks: list[Callback]) -> dict[str, torch.Tensor]:
+def _fit(
+    strategy: Any, world_size: int, rank: int, callbacks: list[Callback], make: type[EncoderModel] = EncoderModel
+) -> dict[str, torch.Tensor]:
     pl.seed_everything(0, verbose=False)
-    module = EncoderModel()
+    module = make()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -154,16 +176,23 @@ def _overlapped_ranks(rank: int, world_size: int) -> dict[str, Any]:
         results[f"zero{stage}_reader"] = _fit(strategy, world_size, rank, [reader])
         results[f"zero{stage}_average"] = reader.average
         results[f"zero{stage}_reader_guarded"] = reader.guarded_waits
+        strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.004)
+        results[f"zero{stage}_manual"] = _fit(strategy, world_size, rank, [], make=_TwoStepsPerBatch)
     return results
 
 
 def _single_device(rank: int, world_size: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     reader = _EmaAndClip()
-    return {"plain": _fit("auto", 1, 0, []), "reader": _fit("auto", 1, 0, [reader]), "average": reader.average}
+    return {
+        "plain": _fit("auto", 1, 0, []),
+        "reader": _fit("auto", 1, 0, [reader]),
+        "average": reader.average,
+        "manual": _fit("auto", 1, 0, [], make=_TwoStepsPerBatch),
+    }
 
 
-def test_overlapped_gather_trains_like_one_device_with_or_without_callbacks_that_read_parameters() -> None:
+def test_overlap_trains_like_one_device_with_parameter_reading_callbacks_and_manual_optimization() -> None:
     (reference,) = run_distributed(_single_device, 1, init_process_group=False, timeout=120)
     for result in run_distributed(_overlapped_ranks, 2, init_process_group=False, timeout=240):
         for stage in ("zero1", "zero2"):
@@ -173,7 +202,8 @@ def test_overlapped_gather_trains_like_one_device_with_or_without_callbacks_that
             # One that reads and writes every parameter: the guard waited for every bucket, every step.
             guarded = result[f"{stage}_reader_guarded"]
             assert guarded[0] > 0 and all(b - a == guarded[0] for a, b in pairwise(guarded)), guarded
-            for key, expected_of in (("", "plain"), ("_reader", "reader"), ("_average", "average")):
+            cases = (("", "plain"), ("_reader", "reader"), ("_average", "average"), ("_manual", "manual"))
+            for key, expected_of in cases:
                 for name, expected in reference[expected_of].items():
                     actual = result[f"{stage}{key}"][name]
                     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=f"{stage}{key} {name}")
@@ -213,6 +243,10 @@ def _guarded_reads(rank: int, world_size: int) -> dict[str, Any]:
     gather.launch(everything)
     module.state_dict()  # detaches every parameter: waits for every bucket
     out["state_dict"] = not still_pending()
+    gather.launch(everything)
+    module.layers[0](torch.randn(2, 5, 16))  # a block first (manual optimization after `opt.step()`): the rest too
+    out["rest_at_first_block"] = not set(gather.rest) & still_pending() and not gather.guarding
+    gather.wait_all()
     gather.launch(everything)
     module(torch.randn(2, 5, 8))  # the embedding's read waits for its bucket; the first block ends the guard
     out["embed_waited"] = bucket_of[id(embed)] not in still_pending()
