@@ -7,10 +7,10 @@
 * Callbacks need no declaration: a timing callback that overrides ``on_train_batch_end`` and reads nothing leaves the
   all-gathers pending (the stale-read guard never waited), and a callback that averages every parameter (EMA) and
   clips them in place there gets exactly the one-device values (the guard waited for what it read).
-* The guard itself (no Trainer): metadata reads pass, any value read of a parameter, of ``.data``, of a
-  ``state_dict()`` entry or of a view of a bucket waits for that bucket only, and the guard leaves the torch function
-  mode stack at the first block's forward, having waited for the buckets outside the blocks; ``state_dict()``
-  waits for every bucket.
+* The guard itself (no Trainer): metadata reads pass, any value read of a parameter (``.sum()``, ``.data``,
+  ``.tolist()``, an in-place op under ``no_grad``) or of a view of a bucket waits for that bucket only, and the guard
+  leaves the torch function mode stack at the first block's forward, having waited for the buckets outside the
+  blocks; ``state_dict()`` waits for every bucket.
 * Layout: each block waits for every bucket holding a parameter of the whole block (``out_proj`` included), the
   other buckets are waited for before the training step, and buckets are launched in the order they are needed.
 """
