@@ -37,7 +37,8 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q -ra
 
-# The `medium` preset (~25 minutes on 2 CPU cores): gpt-20m, ours and every anchor interleaved, 3 repeats.
+# The `medium` preset (~35 minutes on 2 CPU cores, estimated: ~25 before the six user-callback fits per repeat were
+# added): gpt-20m, ours and every anchor interleaved, with and without a plain user callback, 3 repeats.
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all --preset medium
 

@@ -1,7 +1,8 @@
 """DataParallelStrategy against its anchor, Lightning's own DDPStrategy, side by side in interleaved repeats.
 
 A third configuration, ours with ``gradient_compression="fp16"``, is compared with ours in fp32: the same steps for
-exactly half the all-reduce bytes (wire bytes ratio 0.5).
+exactly half the all-reduce bytes (wire bytes ratio 0.5). Ours and the anchor also run with a plain user callback
+(``harness.UserTimingCallback``: overrides ``on_train_batch_end``, reads nothing), what a typical script gets.
 """
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ import sys
 from dataclasses import dataclass
 
 from benchmarks.anchors import MeasuredDDPStrategy
-from benchmarks.harness import Comparison, Contender, Outcome, Workload, compare, run_interleaved
+from benchmarks.harness import (
+    Comparison,
+    Contender,
+    Outcome,
+    Workload,
+    compare,
+    run_interleaved,
+    with_user_callback,
+)
 from benchmarks.report import comparison_table, load_notes, outcome_table, section
 from lightning_parallel.strategies import DataParallelStrategy
 
@@ -18,22 +27,32 @@ __all__ = ["CONTENDERS", "NAME", "PAIRS", "PRESETS", "Config", "DataParallelResu
 
 NAME = "data_parallel"
 
+_OURS = Contender(
+    name="ours",
+    label="ours: DataParallelStrategy",
+    make_strategy=lambda: DataParallelStrategy(start_method="fork"),
+    is_ours=True,
+)
+_DDP = Contender(name="lightning_ddp", label="anchor: Lightning DDPStrategy", make_strategy=MeasuredDDPStrategy)
+
 CONTENDERS: tuple[Contender, ...] = (
-    Contender(
-        name="ours",
-        label="ours: DataParallelStrategy",
-        make_strategy=lambda: DataParallelStrategy(start_method="fork"),
-        is_ours=True,
-    ),
-    Contender(name="lightning_ddp", label="anchor: Lightning DDPStrategy", make_strategy=MeasuredDDPStrategy),
+    _OURS,
+    _DDP,
     Contender(
         name="ours_fp16",
         label="ours: DataParallelStrategy(gradient_compression='fp16')",
         make_strategy=lambda: DataParallelStrategy(start_method="fork", gradient_compression="fp16"),
         is_ours=True,
     ),
+    # What a typical script gets: one plain callback that overrides `on_train_batch_end` and reads nothing.
+    with_user_callback(_OURS),
+    with_user_callback(_DDP),
 )
-PAIRS: tuple[tuple[str, str], ...] = (("ours", "lightning_ddp"), ("ours_fp16", "ours"))
+PAIRS: tuple[tuple[str, str], ...] = (
+    ("ours", "lightning_ddp"),
+    ("ours_fp16", "ours"),
+    ("ours_user_callback", "lightning_ddp_user_callback"),
+)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ __all__ = [
     "Contender",
     "Outcome",
     "Run",
+    "UserTimingCallback",
     "Workload",
     "compare",
     "compile_backend",
@@ -50,6 +51,7 @@ __all__ = [
     "one_line",
     "run_interleaved",
     "train",
+    "with_user_callback",
 ]
 
 
@@ -99,6 +101,31 @@ def _gpt(workload: Workload) -> pl.LightningModule:
     return GPTLightningModule(workload.preset, **workload.overrides)
 
 
+class UserTimingCallback(pl.Callback):
+    """What almost every training script adds: a callback that overrides ``on_train_batch_end`` (here it times the
+    step) and reads no parameter. Declares nothing (no ``reads_parameters``)."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.seconds: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seconds.append(time.perf_counter() - self.started)
+
+
+def with_user_callback(contender: Contender) -> Contender:
+    """``contender`` training with a :class:`UserTimingCallback` too, named ``<name>_user_callback``."""
+    return replace(
+        contender,
+        name=f"{contender.name}_user_callback",
+        label=f"{contender.label}, with a user callback",
+        make_callbacks=lambda: [UserTimingCallback()],
+    )
+
+
 def compile_backend(workload: Workload) -> str:
     """``torch.compile``'s backend for ``workload``: ``inductor`` on GPUs; ``aot_eager`` on CPU, where inductor's C++
     compile costs ~20 s per graph on our 2-core machine (tests/test_compile.py), several graphs per fit (DDP splits the
@@ -141,6 +168,8 @@ class Contender:
     """Create the model under ``trainer.init_module(empty_init=True)`` (how a user gets ZeRO-3's memory benefit)."""
     is_ours: bool = False
     """Ours must run; an anchor that raises is reported as not available."""
+    make_callbacks: Callable[[], list[pl.Callback]] = list
+    """The user's callbacks beside the benchmark's monitor (:func:`with_user_callback`)."""
 
 
 @dataclass
@@ -235,7 +264,7 @@ def _fit(contender: Contender, workload: Workload) -> Run:
             devices=workload.devices,
             strategy=contender.make_strategy(),
             max_steps=workload.steps,
-            callbacks=[ParallelismMonitor(figure_path=False, summary_path=summary_path)],
+            callbacks=[ParallelismMonitor(figure_path=False, summary_path=summary_path), *contender.make_callbacks()],
             default_root_dir=folder,
             limit_val_batches=0,
             num_sanity_val_steps=0,

@@ -5,7 +5,7 @@ Usage::
     python -m benchmarks.run_all [--preset tiny|small|medium|large] [--repeats N] [--steps N] [--only zero,pipeline]
                                  [--output benchmarks/RESULTS.md]
 
-``medium`` (default, ``make bench``, ~25 minutes on 2 cores) is the CPU suite at a realistic size: ``gpt-20m`` (20.5 M
+``medium`` (default, ``make bench``, ~35 minutes on 2 cores) is the CPU suite at a realistic size: ``gpt-20m`` (20.5 M
 parameters) at world size 2, ours and every anchor interleaved in 3 repeats (scaling at 1, 2, 4 on a 12.7 M model);
 ``small`` the same on the 3 M demo model (faster, less decisive); ``large`` the GPU sizes (``gpt-125m``, NCCL), not run
 by us yet; ``tiny`` takes a few minutes (what the tests run). Every section records the machine's load during its runs

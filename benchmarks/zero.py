@@ -5,7 +5,9 @@ DeepSpeed.
   bytes held, peak memory, bytes on the wire and exposed communication per step of the same runs. Besides the
   anchors: ours at stages 1 and 2 with ``overlap_param_gather=False`` (what overlapping the parameter all-gather with
   the next forward buys), ZeRO-3 against Lightning's FSDP2 path (``ModelParallelStrategy`` + ``fully_shard`` per
-  block), and ZeRO-2 and Lightning's DDP each with the model compiled in place (the compiled ratio).
+  block), ZeRO-2 and Lightning's DDP each with the model compiled in place (the compiled ratio), and ZeRO-1/2/3 and
+  Lightning's DDP each with a plain user callback (``harness.UserTimingCallback``: overrides ``on_train_batch_end``,
+  reads nothing), what a typical training script gets.
 * **Scaling** (``scaling``, a model whose AdamW state dominates): ours and DDP once at each of ``world_sizes``;
   bytes held by the largest rank and on the wire per step, beside ``lightning_parallel.planner.plan``'s prediction
   for those and larger world sizes.
@@ -39,6 +41,7 @@ from benchmarks.harness import (
     compile_backend,
     compiled,
     run_interleaved,
+    with_user_callback,
 )
 from benchmarks.report import comparison_table, load_notes, markdown_table, mib, outcome_table, section
 from lightning_parallel.demos.gpt import GPTConfig
@@ -71,11 +74,13 @@ def _ours_without_overlap(stage: int) -> Contender:
     )
 
 
+_DDP_CONTENDER = Contender(name=DDP, label="anchor: Lightning DDPStrategy", make_strategy=MeasuredDDPStrategy)
+
 CONTENDERS: tuple[Contender, ...] = (
     _ours(1),
     _ours(2),
     _ours(3),
-    Contender(name=DDP, label="anchor: Lightning DDPStrategy", make_strategy=MeasuredDDPStrategy),
+    _DDP_CONTENDER,
     Contender(
         name="ddp_zero_redundancy",
         label="anchor: Lightning DDP + ZeroRedundancyOptimizer",
@@ -119,6 +124,9 @@ CONTENDERS: tuple[Contender, ...] = (
         make_strategy=MeasuredDDPStrategy,
         make_module=compiled(),
     ),
+    # What a typical script gets: one plain callback that overrides `on_train_batch_end` and reads nothing.
+    *(with_user_callback(_ours(stage)) for stage in (1, 2, 3)),
+    with_user_callback(_DDP_CONTENDER),
 )
 """Every configuration of the throughput part, in the order of the first repeat."""
 PAIRS: tuple[tuple[str, str], ...] = (
@@ -130,6 +138,8 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("zero2_compiled", "ddp_compiled"),
     ("zero1", "zero1_no_overlap"),
     ("zero2", "zero2_no_overlap"),
+    *((f"zero{stage}_user_callback", f"{DDP}_user_callback") for stage in (1, 2, 3)),
+    ("zero2_user_callback", "zero2"),
 )
 """(ours, anchor) compared in the summary."""
 SCALED: tuple[str, ...] = ("zero1", "zero2", "zero3", DDP)

@@ -3,36 +3,38 @@
 * Equivalence: a transformer of ``nn.TransformerEncoderLayer`` blocks (whose attention reads ``out_proj.weight``
   without calling ``out_proj``) trains under zero1/zero2 with the overlap exactly as on one device, with the
   all-gathers really still pending between steps.
+* Manual optimization with a forward right after ``opt.step()`` (two steps per batch) trains as on one device.
+* Callbacks need no declaration: a timing callback that overrides ``on_train_batch_end`` and reads nothing leaves the
+  all-gathers pending (the stale-read guard never waited), and a callback that averages every parameter (EMA) and
+  clips them in place there gets exactly the one-device values (the guard waited for what it read).
+* The guard itself (no Trainer): metadata reads pass, any value read of a parameter (``.sum()``, ``.data``,
+  ``.tolist()``, an in-place op under ``no_grad``) or of a view of a bucket waits for that bucket only, and the guard
+  leaves the torch function mode stack at the first block's forward, having waited for the buckets outside the
+  blocks; ``state_dict()`` waits for every bucket.
 * Layout: each block waits for every bucket holding a parameter of the whole block (``out_proj`` included), the
   other buckets are waited for before the training step, and buckets are launched in the order they are needed.
-* ``"auto"`` keeps the overlap off where a hook may read parameters between two steps (an EMA callback, a module's
-  ``on_train_batch_start``, manual optimization), and on for Lightning's own default callbacks.
 """
 
 from __future__ import annotations
 
+import tempfile
+import time
+from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from distributed_harness import run_distributed
-from lightning.pytorch.callbacks import (
-    Callback,
-    EMAWeightAveraging,
-    ModelCheckpoint,
-    ModelSummary,
-    TQDMProgressBar,
-)
-from model_zoo import FreezeScheduleModel, TwoOptimizerGAN
+from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.overrides import _get_current_function_mode
 from torch.utils.data import DataLoader, TensorDataset
-from training_helpers import make_module
 
 from lightning_parallel import ParallelismMonitor, ShardedOptimizerStrategy
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
-from lightning_parallel.strategies.param_gather import parameter_readers_between_steps
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -66,17 +68,59 @@ class EncoderModel(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-class _PendingProbe(Callback):
-    """Records, between two steps, whether all-gathers are still pending (it reads no parameter values)."""
+class _TwoStepsPerBatch(EncoderModel):
+    """Manual optimization, two optimizer steps per batch (even samples, then odd ones): the second forward starts
+    right after ``opt.step()``, reading the embedding before the first block and the head after the blocks."""
 
-    reads_parameters = False
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        x, y = batch
+        for half in (slice(0, None, 2), slice(1, None, 2)):  # the same samples on one device as on two ranks
+            loss = nn.functional.mse_loss(self(x[half]), y[half])
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+
+
+class _TimingCallback(Callback):
+    """A user's timing callback: overrides ``on_train_batch_end`` and reads no parameter (no declaration). It records
+    whether all-gathers are still pending there and how often the guard had to wait so far."""
 
     def __init__(self) -> None:
         self.pending: list[bool] = []
+        self.guarded_waits: list[int] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.started = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        gather = trainer.strategy.backend.gather
+        self.seconds = time.perf_counter() - self.started
+        gather = getattr(trainer.strategy, "backend", None) and trainer.strategy.backend.gather
         self.pending.append(gather is not None and gather.is_pending)
+        self.guarded_waits.append(gather.num_guarded_waits if gather is not None else -1)
+
+
+class _EmaAndClip(_TimingCallback):
+    """Reads every parameter between steps (an exponential moving average of them, under ``no_grad``) and writes
+    them in place (clips them), as a user's EMA or weight-clipping callback would, without any declaration."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.average: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                if name in self.average:
+                    self.average[name].mul_(0.5).add_(param.data, alpha=0.5)
+                else:
+                    self.average[name] = param.detach().clone()
+                param.clamp_(-0.2, 0.2)
+        super().on_train_batch_end(trainer, module, *args)
 
 
 def _data(world_size: int, rank: int) -> DataLoader:
@@ -94,9 +138,11 @@ def _data(world_size: int, rank: int) -> DataLoader:
     return DataLoader(TensorDataset(x[index], y[index]), batch_size=per_rank, shuffle=False)
 
 
-def _fit(strategy: Any, world_size: int, rank: int, callbacks: list[Callback]) -> dict[str, torch.Tensor]:
+def _fit(
+    strategy: Any, world_size: int, rank: int, callbacks: list[Callback], make: type[EncoderModel] = EncoderModel
+) -> dict[str, torch.Tensor]:
     pl.seed_everything(0, verbose=False)
-    module = EncoderModel()
+    module = make()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -118,25 +164,100 @@ def _overlapped_ranks(rank: int, world_size: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     for stage in (1, 2):
-        probe = _PendingProbe()
+        timing, reader = _TimingCallback(), _EmaAndClip()
         strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.004)  # ~1 KiB-parameter buckets: many
-        results[f"zero{stage}"] = _fit(strategy, world_size, rank, [probe])
-        results[f"zero{stage}_pending"] = probe.pending
+        # With our monitor too: it reports the bytes every rank holds after each step (storages' sizes only).
+        with tempfile.TemporaryDirectory(prefix="lp-overlap-") as folder:
+            monitor = ParallelismMonitor(figure_path=False, summary_path=Path(folder, "monitor.json"))
+            results[f"zero{stage}"] = _fit(strategy, world_size, rank, [timing, monitor])
+        results[f"zero{stage}_pending"] = timing.pending
+        results[f"zero{stage}_guarded"] = timing.guarded_waits
+        strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.004)
+        results[f"zero{stage}_reader"] = _fit(strategy, world_size, rank, [reader])
+        results[f"zero{stage}_average"] = reader.average
+        results[f"zero{stage}_reader_guarded"] = reader.guarded_waits
+        strategy = ShardedOptimizerStrategy(stage=stage, bucket_cap_mb=0.004)
+        results[f"zero{stage}_manual"] = _fit(strategy, world_size, rank, [], make=_TwoStepsPerBatch)
     return results
 
 
-def _single_device(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+def _single_device(rank: int, world_size: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    return _fit("auto", 1, 0, [])
+    reader = _EmaAndClip()
+    return {
+        "plain": _fit("auto", 1, 0, []),
+        "reader": _fit("auto", 1, 0, [reader]),
+        "average": reader.average,
+        "manual": _fit("auto", 1, 0, [], make=_TwoStepsPerBatch),
+    }
 
 
-def test_overlapped_gather_trains_like_one_device_with_gathers_pending_between_steps() -> None:
+def test_overlap_trains_like_one_device_with_parameter_reading_callbacks_and_manual_optimization() -> None:
     (reference,) = run_distributed(_single_device, 1, init_process_group=False, timeout=120)
     for result in run_distributed(_overlapped_ranks, 2, init_process_group=False, timeout=240):
         for stage in ("zero1", "zero2"):
+            # A callback that reads nothing: the all-gathers are still in flight after every step, never waited for.
             assert result[f"{stage}_pending"] == [True] * STEPS, result[f"{stage}_pending"]
-            for name, expected in reference.items():
-                torch.testing.assert_close(result[stage][name], expected, rtol=1e-5, atol=1e-6, msg=f"{stage} {name}")
+            assert result[f"{stage}_guarded"] == [0] * STEPS, result[f"{stage}_guarded"]
+            # One that reads and writes every parameter: the guard waited for every bucket, every step.
+            guarded = result[f"{stage}_reader_guarded"]
+            assert guarded[0] > 0 and all(b - a == guarded[0] for a, b in pairwise(guarded)), guarded
+            cases = (("", "plain"), ("_reader", "reader"), ("_average", "average"), ("_manual", "manual"))
+            for key, expected_of in cases:
+                for name, expected in reference[expected_of].items():
+                    actual = result[f"{stage}{key}"][name]
+                    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=f"{stage}{key} {name}")
+
+
+def _guarded_reads(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = EncoderModel()
+    buckets = ShardedParameterBuckets(module, stage=1, bucket_cap_mb=0.004)
+    gather = OverlappedParameterGather(buckets, module)
+    bucket_of = {id(s.param): i for i, b in enumerate(buckets.buckets) for s in b.segments}
+    everything = range(len(buckets.buckets))
+    head, embed = module.head.weight, module.embed.weight
+    out: dict[str, Any] = {}
+
+    def still_pending() -> set[int]:
+        return set(gather._pending)
+
+    gather.launch(everything)
+    out["innermost_after_launch"] = _get_current_function_mode() is gather._guard
+    _ = (head.shape, head.dtype, head.requires_grad, head.grad, head.numel(), head.size(), hash(head))
+    head.requires_grad_(True)
+    out["metadata"] = still_pending() == set(everything)
+    reads = {
+        "sum": lambda: head.sum(),
+        "data": lambda: head.data.mul(1),
+        "no_grad_in_place": lambda: torch.no_grad()(lambda: head.mul_(1))(),
+        "tolist": lambda: head.tolist(),
+        "flat_view": lambda: buckets.buckets[bucket_of[id(head)]].flat_params[:3].clone(),
+    }
+    for name, read in reads.items():
+        gather.wait_all()
+        gather.launch(everything)
+        read()
+        out[name] = still_pending() == set(everything) - {bucket_of[id(head)]}
+    gather.wait_all()
+    gather.launch(everything)
+    module.state_dict()  # detaches every parameter: waits for every bucket
+    out["state_dict"] = not still_pending()
+    gather.launch(everything)
+    module.layers[0](torch.randn(2, 5, 16))  # a block first (manual optimization after `opt.step()`): the rest too
+    out["rest_at_first_block"] = not set(gather.rest) & still_pending() and not gather.guarding
+    gather.wait_all()
+    gather.launch(everything)
+    module(torch.randn(2, 5, 8))  # the embedding's read waits for its bucket; the first block ends the guard
+    out["embed_waited"] = bucket_of[id(embed)] not in still_pending()
+    out["guard_left_at_forward"] = not gather.guarding and _get_current_function_mode() is None
+    gather.remove_hooks()
+    return out
+
+
+def test_the_guard_waits_for_exactly_the_buckets_that_user_code_reads_between_steps() -> None:
+    for out in run_distributed(_guarded_reads, 2, timeout=60):
+        assert out == dict.fromkeys(out, True), out
 
 
 def _layout(rank: int, world_size: int) -> dict[str, Any]:
@@ -177,36 +298,6 @@ def test_each_block_waits_for_the_buckets_of_all_its_parameters_and_the_rest_bef
         ]
         assert first_use == sorted(first_use)  # then block by block, in forward order
         assert layout["pending_after_launch"] and not layout["pending_after_wait"]
-
-
-class _ReadsOnBatchEnd(Callback):
-    def on_train_batch_end(self, *args: Any) -> None:
-        pass
-
-
-class _DeclaredHarmless(_ReadsOnBatchEnd):
-    reads_parameters = False
-
-
-# Modules are built in the test, not at collection: `make_module` seeds through Lightning, which sets
-# `PL_GLOBAL_SEED` in this process's environment, where subprocesses of later tests would inherit it.
-@pytest.mark.parametrize(
-    ("make", "callbacks", "readers"),
-    [
-        (make_module, [ModelCheckpoint(), TQDMProgressBar(), ModelSummary(), ParallelismMonitor()], []),
-        (make_module, [EMAWeightAveraging()], ["EMAWeightAveraging.on_train_batch_end"]),
-        (make_module, [_ReadsOnBatchEnd()], ["_ReadsOnBatchEnd.on_train_batch_end"]),
-        (make_module, [_DeclaredHarmless()], []),
-        (FreezeScheduleModel, [], ["FreezeScheduleModel.on_train_batch_start"]),
-        (TwoOptimizerGAN, [], ["manual optimization (`automatic_optimization=False`)"]),
-    ],
-    ids=["lightning-defaults", "ema", "user-callback", "declared-harmless", "module-hook", "manual"],
-)
-def test_auto_overlaps_only_when_no_hook_may_read_parameters_between_steps(make, callbacks, readers, monkeypatch):
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # restored after the test, whatever `make` sets
-    found = parameter_readers_between_steps(make(), callbacks)
-    assert all(reader in found for reader in readers), found  # named (EMA also reads in its epoch hooks)
-    assert bool(found) == bool(readers)
 
 
 def test_bad_overlap_value_is_refused() -> None:

@@ -102,10 +102,6 @@ class RunStats(Callback):
         warmup_steps: Training batches to skip before measuring (>= 0).
     """
 
-    reads_parameters = False
-    """Its hooks read no parameter values (only storages' sizes), so ZeRO-1/2 may overlap the parameter all-gather
-    with the next forward while it runs (``ShardedOptimizerStrategy(overlap_param_gather="auto")``)."""
-
     def __init__(self, warmup_steps: int = 2) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"`warmup_steps={warmup_steps!r}` must be an integer >= 0 (training batches to skip).")

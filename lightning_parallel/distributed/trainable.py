@@ -15,6 +15,7 @@ depends on the flags.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,12 @@ _SHOWN = 8  # parameter names listed per group in the error
 
 
 def check_same_trainable_parameters(
-    module: nn.Module, *, owner: str, device: torch.device, group: dist.ProcessGroup | None = None
+    module: nn.Module,
+    *,
+    owner: str,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    flags: Sequence[bool] | None = None,
 ) -> None:
     """Collective over ``group``. Raise ``RuntimeError`` on every rank when the ranks disagree on which of
     ``module``'s parameters require grad, naming them and the ranks.
@@ -36,8 +42,12 @@ def check_same_trainable_parameters(
         owner: how the error names the caller (``"DataParallelStrategy"``).
         device: where the fingerprint tensor lives (the rank's CUDA device under NCCL).
         group: the ranks that average gradients together (``None``: every rank).
+        flags: ``requires_grad`` of ``module.parameters()`` in order, if the caller already read them (a caller that
+            checks every step keeps the parameters in a tuple instead of walking the module each time).
     """
-    fingerprint = _fingerprint([param.requires_grad for param in module.parameters()])
+    if flags is None:
+        flags = [param.requires_grad for param in module.parameters()]
+    fingerprint = _fingerprint(flags)
     # The maximum of the fingerprint and of its negation (= minus the minimum): equal on every rank only if the
     # fingerprints all are (two integers; the names travel only when they differ).
     extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
@@ -83,7 +93,7 @@ def disagreement_message(layouts: list[list[tuple[str, bool]]], *, owner: str) -
     )
 
 
-def _fingerprint(flags: list[bool]) -> int:
+def _fingerprint(flags: Sequence[bool]) -> int:
     """A 56-bit digest of the flags in parameter order (the same on every rank for the same flags): cheap enough
     for every step (one byte per parameter hashed)."""
     return int.from_bytes(hashlib.blake2b(bytes(flags), digest_size=7).digest(), "little")

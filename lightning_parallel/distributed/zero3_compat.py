@@ -8,6 +8,11 @@ communication context is created lazily); :func:`is_initialised_root` tells whic
 :func:`initialise_root` runs FSDP2's lazy initialisation of the root unit (``FSDPState._lazy_init``), which FSDP2 runs
 only at the first forward of whichever unit comes first and which has no public entry point. Checked against torch
 2.13: a version that renames these fields fails here with a named error, not silently.
+
+Also the one torch private of the stage 1-2 overlap (``distributed/zero_gather.py``): :func:`current_function_mode`
+(``torch.overrides._get_current_function_mode``), the innermost active ``TorchFunctionMode``. The overlap's
+stale-read guard is entered after the optimizer step and left at the next forward, not in one ``with`` block, so it
+pops itself only when it is the innermost mode (``TorchFunctionMode.__exit__`` pops whichever mode is innermost).
 """
 
 from __future__ import annotations
@@ -18,8 +23,20 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
-__all__ = ["initialise_root", "is_initialised_root", "propagate_requires_grad", "reshard_after_forward_disabled"]
+__all__ = [
+    "current_function_mode",
+    "initialise_root",
+    "is_initialised_root",
+    "propagate_requires_grad",
+    "reshard_after_forward_disabled",
+]
+
+
+def current_function_mode() -> TorchFunctionMode | None:
+    """The innermost active ``TorchFunctionMode`` of this thread, or ``None``."""
+    return _get_current_function_mode()
 
 
 def _saved_reshard_settings(unit: FSDPModule) -> tuple[Any, bool | None, list[tuple[Any, Any]]]:

@@ -21,20 +21,36 @@ What is left exposed is waited for before anything else reads parameters (:meth:
 gradient sync, checkpoints, evaluation, the end of fit). A model without repeated blocks gains nothing and loses
 nothing: all its buckets are "the rest", and so are a compiled model's (a hook inside a compiled region would
 break its graph).
+
+**User code between the step and the next forward** (Lightning's ``on_train_batch_end``, ``on_train_batch_start``,
+an EMA callback, logging, the start of ``training_step``, manual optimization after ``opt.step()``) may read any
+parameter while its all-gather is still in flight. A stale read is made impossible, not unlikely: from the launch
+until the first block's forward (or until nothing is pending) a ``TorchFunctionMode``, the *guard*, sees every torch
+function and tensor method called from Python, and before one whose tensor arguments share storage with a pending
+bucket (a parameter, ``param.data``, a ``state_dict()`` entry, a view of the flat buffer, the optimizer's shard
+views) it waits for that bucket. Reads under ``torch.no_grad()``, in-place writes (``p.clamp_()``), ``.tolist()``,
+``.numpy()``, ``copy.deepcopy`` and ``torch.save`` all go through such a function. Functions that read only metadata
+(``shape``, ``dtype``, ``requires_grad``, ``grad``, ``numel()``, hashing) do not wait, so a callback that reads no
+parameter (a timer, a logger) leaves the all-gather in flight. At the first block's forward the guard waits for the
+rest (manual optimization may run a forward right after ``opt.step()``) and leaves: inside forward and backward it
+costs nothing. What it cannot see: memory aliased *before* the step outside torch (a NumPy array made from a
+parameter earlier and read afterwards), and reads from other threads (the mode is per thread).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Generator, Iterable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.distributed.blocks import find_blocks
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
+from lightning_parallel.distributed.zero3_compat import current_function_mode
 
 __all__ = ["OverlappedParameterGather"]
 
@@ -78,8 +94,19 @@ class OverlappedParameterGather:
         self.launch_order: list[int] = sorted(first_needed, key=lambda index: (first_needed[index], -index))
         """Every bucket, in the order it is first needed."""
         self._pending: dict[int, dist.Work] = {}
+        self._index_of_storage = {
+            bucket.flat_params.untyped_storage().data_ptr(): i for i, bucket in enumerate(buckets.buckets)
+        }
+        self._guard = _StaleReadGuard(self)
+        self._guard_pushed = False  # on this thread's torch function mode stack (maybe below a user's mode)
+        self.guarding = False
+        """Whether the guard waits for the buckets user code touches (from :meth:`launch` to the first block's
+        forward, or until nothing is pending)."""
+        self.num_guarded_waits = 0
+        """Buckets the guard had to wait for because user code touched them while their all-gather was in flight
+        (0 when the code between steps reads no parameter: the all-gather stayed overlapped)."""
         self._hooks: list[RemovableHandle] = [
-            block.register_forward_pre_hook(lambda _module, _args, indices=indices: self.wait(indices))
+            block.register_forward_pre_hook(lambda _module, _args, indices=indices: self._before_block(indices))
             for block, indices in zip(blocks, self.block_buckets, strict=True)
         ]
 
@@ -87,6 +114,14 @@ class OverlappedParameterGather:
     def is_pending(self) -> bool:
         """Whether some launched all-gather has not been waited for."""
         return bool(self._pending)
+
+    def _before_block(self, indices: list[int]) -> None:
+        """A block's forward pre-hook: the forward has begun, so the rest must be current and the guard may leave;
+        then wait for this block's buckets."""
+        if self.guarding or self._guard_pushed:
+            self.wait(self.rest)  # already done before a training step; not after `opt.step()` in manual optimization
+            self._stop_guarding()
+        self.wait(indices)
 
     def launch(self, indices: Iterable[int]) -> None:
         """Collective (asynchronous). All-gather buckets ``indices`` (the stepped optimizer's), in :attr:`launch_order`.
@@ -97,6 +132,8 @@ class OverlappedParameterGather:
                 if index in self._pending:  # stepped twice without a forward in between: the older one first
                     self._pending.pop(index).wait()
                 self._pending[index] = self.buckets.launch_parameter_gather(index)
+        if self._pending:
+            self._start_guarding()
 
     def wait(self, indices: Iterable[int]) -> None:
         """Local. Wait for the pending all-gathers of buckets ``indices`` (no-op for those already complete)."""
@@ -105,6 +142,29 @@ class OverlappedParameterGather:
             with self.waiting():
                 for work in works:
                     work.wait()
+        if not self._pending and (self.guarding or self._guard_pushed):
+            self._stop_guarding()
+
+    @contextmanager
+    def reading_metadata_only(self) -> Generator[None, None, None]:
+        """Local. The guard lets everything pass inside: for our own code that reads only storages' sizes (a memory
+        report between steps), which ``untyped_storage()`` would otherwise make wait."""
+        guarding, self.guarding = self.guarding, False
+        try:
+            yield
+        finally:
+            self.guarding = guarding and bool(self._pending)
+
+    def wait_for_tensors(self, tensors: Iterable[Any]) -> None:
+        """Local. Wait for the pending buckets whose flat buffer any of ``tensors`` (nested in lists, tuples and
+        dicts) is or views; the guard calls it before a torch function runs on them."""
+        touched: set[int] = set()
+        _collect_storages(tensors, touched)
+        indices = [self._index_of_storage[ptr] for ptr in touched if ptr in self._index_of_storage]
+        pending = [index for index in indices if index in self._pending]
+        if pending:
+            self.num_guarded_waits += len(pending)
+            self.wait(pending)
 
     def wait_for_rest(self) -> None:
         """Local. Wait for every bucket holding a parameter outside the repeated blocks (before the training step)."""
@@ -118,13 +178,76 @@ class OverlappedParameterGather:
         """Local. Forget the pending all-gathers without waiting (training failed: a dead peer never completes them;
         the parameters outside this rank's shards may be stale)."""
         self._pending.clear()
+        self._stop_guarding()
 
     def remove_hooks(self) -> None:
         """Local. Wait for what is pending and stop hooking the blocks."""
         self.wait_all()
+        self._stop_guarding()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+    def _start_guarding(self) -> None:
+        self.guarding = True
+        if not self._guard_pushed:
+            self._guard.__enter__()
+            self._guard_pushed = True
+
+    def _stop_guarding(self) -> None:
+        """Stop waiting on reads; leave the mode stack if the guard is innermost. Under a mode the user entered
+        since (``with torch.device(...)`` around the forward), or while the guard itself runs (torch takes a mode off
+        the stack during its ``__torch_function__``), it stays as a pass-through until a later wait or block finds it
+        innermost."""
+        self.guarding = False
+        if self._guard_pushed and current_function_mode() is self._guard:
+            self._guard.__exit__(None, None, None)
+            self._guard_pushed = False
+
+
+class _StaleReadGuard(TorchFunctionMode):
+    """Before any torch function whose tensor arguments share storage with a bucket whose all-gather is in flight,
+    waits for that bucket (see the module docstring). Only metadata reads pass without waiting."""
+
+    def __init__(self, gather: OverlappedParameterGather) -> None:
+        super().__init__()
+        self.gather = gather
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        # Inside this method the mode is off: the storage lookups below and `func` itself are not seen again.
+        if self.gather.guarding and func not in _READS_NO_VALUES:
+            self.gather.wait_for_tensors((args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _collect_storages(values: Any, found: set[int]) -> None:
+    """Add the storage address of every tensor in ``values`` (nested lists, tuples, dicts) to ``found``."""
+    if isinstance(values, Tensor):
+        try:
+            found.add(values.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, a wrapper subclass): not a bucket view
+            pass
+    elif isinstance(values, list | tuple):
+        for value in values:
+            _collect_storages(value, found)
+    elif isinstance(values, dict):
+        for value in values.values():
+            _collect_storages(value, found)
+
+
+_METADATA = ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "layout", "ndim", "grad_fn")
+_READS_NO_VALUES: frozenset[Any] = frozenset(
+    [getattr(Tensor, name).__get__ for name in _METADATA]
+    + [
+        getattr(getattr(Tensor, name), method)
+        for name in ("requires_grad", "grad")
+        for method in ("__set__", "__delete__")
+    ]
+    + [Tensor.size, Tensor.dim, Tensor.numel, Tensor.nelement, Tensor.element_size, Tensor.stride]
+    + [Tensor.is_floating_point, Tensor.is_complex, Tensor.requires_grad_, Tensor.__hash__, Tensor.data_ptr]
+)
+"""Torch functions that read or set a tensor's metadata only (or its ``.grad``, a separate tensor): no wait."""
 
 
 def _is_compiled(module: nn.Module) -> bool:

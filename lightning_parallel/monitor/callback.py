@@ -104,10 +104,6 @@ class ParallelismMonitor(Callback):
             It sees every op of that step through a Python dispatch mode: slower, so one step. ``None``: off.
     """
 
-    reads_parameters = False
-    """Its hooks read no parameter values (only storages' sizes), so ZeRO-1/2 may overlap the parameter all-gather
-    with the next forward while it runs (``ShardedOptimizerStrategy(overlap_param_gather="auto")``)."""
-
     def __init__(
         self,
         *,

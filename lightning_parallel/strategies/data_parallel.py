@@ -182,7 +182,10 @@ class DataParallelStrategy(LightningParallelStrategy):
     def _remember_ddp_parameters(self) -> None:
         """What DDP registered at wrapping: the ``requires_grad`` flags, and the names in DDP's parameter order."""
         module = self.module
-        self._ddp_trainable = _trainable_flags(module.parameters())
+        # Walked once per wrap, not at every step (the flags are read twice per step; the walk over the module tree
+        # was most of what this strategy added per step in Python): DDP itself holds the parameters it was built with.
+        self._parameters = tuple(module.parameters())
+        self._ddp_trainable = _trainable_flags(self._parameters)
         self._step_trainable = self._ddp_trainable
         self._ddp_parameter_names = _ddp_parameter_names(module)
 
@@ -198,8 +201,8 @@ class DataParallelStrategy(LightningParallelStrategy):
         model = self.model
         if not isinstance(model, DistributedDataParallel):
             return
-        self._check_same_trainable_parameters()
-        flags = _trainable_flags(self.module.parameters())
+        flags = _trainable_flags(self._parameters)
+        self._check_same_trainable_parameters(flags)
         self._step_trainable = flags
         if flags == self._ddp_trainable or not model.require_backward_grad_sync:
             return
@@ -215,17 +218,18 @@ class DataParallelStrategy(LightningParallelStrategy):
             f" DistributedDataParallel so every rank averages the same gradients.{restart}"
         )
 
-    def _check_same_trainable_parameters(self) -> None:
+    def _check_same_trainable_parameters(self, flags: tuple[bool, ...] | None = None) -> None:
         """Collective (every step, and before the first wrap): the ranks agree on which parameters require grad, or
         every rank raises naming them. A rank that alone changed them would re-wrap DDP alone, and its collectives
-        would meet the others' all-reduces (one all-reduce of two integers; names travel only on a mismatch)."""
-        check_same_trainable_parameters(self.module, owner="DataParallelStrategy", device=self.root_device)
+        would meet the others' all-reduces (one all-reduce of two integers; names travel only on a mismatch).
+        ``flags``: the parameters' ``requires_grad`` in order, if already read."""
+        check_same_trainable_parameters(self.module, owner="DataParallelStrategy", device=self.root_device, flags=flags)
 
     def _check_trainable_set_unchanged_in_step(self) -> None:
         """Automatic optimization: refuse a ``requires_grad`` change made after the step's forward started."""
         if self._step_trainable is None or not self.module.automatic_optimization:
             return
-        flags = _trainable_flags(self.module.parameters())
+        flags = _trainable_flags(self._parameters)
         if flags == self._step_trainable:
             return
         unfrozen, frozen = _changed(self.module, self._step_trainable, flags)
@@ -313,6 +317,7 @@ class DataParallelStrategy(LightningParallelStrategy):
 
     _ddp_trainable: tuple[bool, ...] | None = None
     _step_trainable: tuple[bool, ...] | None = None
+    _parameters: tuple[nn.Parameter, ...] = ()
     _ddp_parameter_names: tuple[str, ...] = ()
 
     @override

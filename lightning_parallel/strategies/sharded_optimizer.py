@@ -14,7 +14,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -32,7 +32,6 @@ from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import save_sharded
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
-from lightning_parallel.strategies.param_gather import parameter_readers_between_steps
 from lightning_parallel.strategies.parameter_callbacks import check_averaging_checkpoint_format
 from lightning_parallel.strategies.zero_backends import MasterWeights, ZeroBackend, backend_type
 
@@ -90,12 +89,14 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             Applied before FSDP2 wraps the units; parameter names and checkpoints are unchanged; see docs/memory.md.
         nonfinite_loss: what every rank does when the loss is NaN/inf on any rank: ``"skip"`` the step (default),
             ``"stop"`` (raise ``FloatingPointError``) or ``"ignore"`` (no check).
-        overlap_param_gather: stages 1-2: ``True`` starts the all-gather of the stepped parameters after the step and
-            waits for each bucket where it is first needed (each repeated block's at its forward, the others' before
-            the training step), so it overlaps the next forward as in Megatron; ``False`` waits at the end of the
-            step. ``"auto"`` (default) overlaps unless a hook between two steps may read parameters (manual
-            optimization, a callback's or the module's ``on_train_batch_end`` and similar; see
-            ``strategies/param_gather.py``). Checkpoints, evaluation and backward always see current parameters.
+        overlap_param_gather: stages 1-2: ``True`` or ``"auto"`` (default) start the all-gather of the stepped
+            parameters after the step and wait for each bucket where it is first needed (each repeated block's at its
+            forward, the others' before the training step), so it overlaps the next forward as in Megatron. Code that
+            runs in between (callbacks' and the module's ``on_train_batch_end``, an EMA, manual optimization after
+            ``opt.step()``) cannot read a stale value: any torch operation on a parameter there first waits for its
+            bucket (``distributed/zero_gather.py``), so a callback that reads no parameter keeps the overlap and one
+            that does reads what it would without it. ``False`` waits at the end of the step. Checkpoints,
+            evaluation and backward always see current parameters.
         master_weights: with 16-bit parameters (``precision="bf16-true"`` or ``"16-true"``), ``"fp32"`` (default)
             keeps an fp32 master copy of this rank's shard that the optimizer steps, rounded to the 16-bit weights
             after each step, and reduces gradients in fp32; ``None`` steps the 16-bit parameters directly, as plain
@@ -238,7 +239,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             "world_size": self.world_size,
             "mesh": self.device_mesh if self.is_sharding else None,
             "master_weights": self.master_weights,
-            "overlap_param_gather": fitting and self.is_sharding and self._overlaps_param_gather(trainer),
+            "overlap_param_gather": fitting and self.is_sharding and self._overlaps_param_gather(),
         }
         self._backend = backend_type(self.stage, is_sharding=self.is_sharding)(**options)
         self._backend.convert_module(self.precision_plugin, self.model)
@@ -260,22 +261,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
 
-    def _overlaps_param_gather(self, trainer: Any) -> bool:
-        """``overlap_param_gather`` resolved for this fit (stages 1-2; ``"auto"``: unless a hook may read parameters
-        between two steps). Decided from the module and the callbacks alone, so every rank decides the same."""
-        if self.overlap_param_gather is False:  # (stage 3's backend has no all-gather after the step to overlap)
-            return False
-        assert self.lightning_module is not None
-        readers = parameter_readers_between_steps(self.lightning_module, trainer.callbacks)
-        if self.overlap_param_gather == "auto":
-            return not readers
-        if readers:
-            rank_zero_warn(
-                f"`overlap_param_gather=True`: {', '.join(readers)} may read parameters between two steps, while"
-                " their all-gather may still be in flight (stale values). Pass `overlap_param_gather='auto'` or False"
-                " unless they read no parameters (a callback says so with `reads_parameters = False`)."
-            )
-        return True
+    def _overlaps_param_gather(self) -> bool:
+        """``overlap_param_gather`` resolved for this fit (stages 1-2): ``"auto"`` overlaps whatever the callbacks,
+        since the stale-read guard makes every read between steps wait for what it reads."""
+        return self.overlap_param_gather is not False  # (stage 3's backend has no all-gather after the step)
 
     @contextmanager
     def full_module(self) -> Generator[nn.Module, None, None]:
@@ -347,10 +336,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.backend.after_optimizer_step(unwrap_optimizer(optimizer))
-        if not self._memory_logged:
+        if not self._memory_logged:  # before the all-gather starts: its stale-read guard would wait for the sizes
             self._memory_logged = True
             self._log_memory_reports()
+        self.backend.after_optimizer_step(unwrap_optimizer(optimizer))
         return output
 
     def _log_memory_reports(self) -> None:

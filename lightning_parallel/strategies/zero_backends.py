@@ -399,6 +399,9 @@ class FlatBucketBackend(ReplicatedBackend):
     def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
         if self.buckets is None:  # not fitted (validate/test/predict): the module as it is
             return super().memory_report(optimizers)
+        if self.gather is not None:  # sizes only: a monitor's report between steps keeps the all-gather in flight
+            with self.gather.reading_metadata_only():
+                return self.buckets.memory_report(optimizers)
         return self.buckets.memory_report(optimizers)
 
     def model_state(self) -> dict[str, Any]:
