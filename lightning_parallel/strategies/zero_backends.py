@@ -16,9 +16,10 @@ state's ``"master_weights"`` entry.
 The strategy calls the :class:`ZeroBackend` protocol and never asks which backend it holds (DeepSpeed likewise
 picks its ZeRO optimizer once). It builds whichever :func:`backend_type` chose from two frozen records, passed whole:
 the user's settings (:class:`~lightning_parallel.distributed.zero_config.ZeroConfig`, validated in the strategy's
-``__init__``) and this run's :class:`ZeroContext` (ranks, mesh, listeners); each backend reads what it needs. Gradient clipping over shards goes through ``strategies.clipping.with_clipping``, a
-subclass of whichever precision plugin the Trainer chose (Lightning's ``FSDPPrecision`` pattern). The waits of the
-stage 1-2 sync run inside ``events.timed("exposed_communication")`` for whoever listens (the monitor).
+``__init__``) and this run's :class:`ZeroContext` (ranks, mesh, listeners); each backend reads what it needs.
+Gradient clipping over shards goes through ``strategies.clipping.with_clipping``, a subclass of whichever precision
+plugin the Trainer chose (Lightning's ``FSDPPrecision`` pattern). The waits of the stage 1-2 sync run inside
+``events.timed("exposed_communication")`` for whoever listens (the monitor).
 """
 
 from __future__ import annotations
