@@ -49,8 +49,9 @@ def test_importing_the_library_does_not_load_the_demo() -> None:
 
 
 def test_distributed_and_accounting_import_torch_only() -> None:
-    """Every module under ``distributed/`` (and ``accounting``), imported without the package's ``__init__`` (which
-    loads the strategies), pulls in no Lightning and no other layer of the package."""
+    """Every module under ``distributed/`` (and ``accounting``, ``choices``, ``instrumentation``), imported without
+    the package's ``__init__`` (which loads the strategies), pulls in no Lightning and no other layer of the
+    package."""
     offenders = json.loads(
         _fresh_python(
             f"""
@@ -61,7 +62,7 @@ def test_distributed_and_accounting_import_torch_only() -> None:
             sys.modules["lightning_parallel"] = package
             root = pathlib.Path({str(PACKAGE_DIR)!r})
             files = sorted((root / "distributed").rglob("*.py"))  # listed without importing (unlike pkgutil)
-            names = ["lightning_parallel.accounting", "lightning_parallel.instrumentation"]
+            names = ["lightning_parallel." + n for n in ("accounting", "choices", "instrumentation")]
             names += [".".join(("lightning_parallel", *f.relative_to(root).with_suffix("").parts)) for f in files]
             names = [n.removesuffix(".__init__") for n in names]
             forbidden = ("lightning.", "lightning_parallel.strategies", "lightning_parallel.monitor",

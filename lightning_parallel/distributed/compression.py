@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from lightning_parallel.accounting import CommunicationStats  # re-exported: the hooks' counter
+from lightning_parallel.choices import check_choice, choices_of
 
 __all__ = [
     "COMPRESSION_CHOICES",
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 GradientCompression = Literal["fp16", "bf16", "powersgd"]
-COMPRESSION_CHOICES: tuple[str, ...] = ("fp16", "bf16", "powersgd")
+COMPRESSION_CHOICES: tuple[str, ...] = choices_of(GradientCompression)
 
 _COMPRESSION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -48,12 +49,12 @@ DDPCommHook = Callable[[object, dist.GradBucket], torch.futures.Future[torch.Ten
 
 def validate_compression(compression: str | None, *, powersgd_rank: int, powersgd_start_iter: int) -> None:
     """Raise ``ValueError`` for an unknown compression name or bad PowerSGD options (no collective involved)."""
-    if compression is not None and compression not in COMPRESSION_CHOICES:
-        raise ValueError(
-            f"Unknown `gradient_compression={compression!r}`. Valid options: None, "
-            + ", ".join(repr(c) for c in COMPRESSION_CHOICES)
-            + "."
-        )
+    check_choice(
+        "gradient_compression",
+        compression,
+        None | GradientCompression,  # None listed first
+        unknown=True,
+    )
     if isinstance(powersgd_rank, bool) or not isinstance(powersgd_rank, int) or powersgd_rank < 1:
         raise ValueError(
             f"`powersgd_rank={powersgd_rank!r}` is invalid: the PowerSGD approximation rank must be an integer >= 1"

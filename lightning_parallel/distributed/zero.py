@@ -33,7 +33,9 @@ the reduced shard is rank r's own slice of its full buffer (NCCL and gloo both a
 overlap it get a fresh ``.grad`` from autograd in the next backward (the others accumulate in place into their slot of
 the bucket), and the slice is zeroed at the first gradient of the next accumulation. Stage 2 frees each bucket's full
 buffer as soon as its reduce-scatter completes and keeps only the ``Psi / N`` shard. Optimizer state exists only for
-the owned views: ``K * Psi / N``. Neither stage ever holds a second full copy of gradients or optimizer state.
+the owned views: ``K * Psi / N``. Neither stage ever holds a second full copy of gradients or optimizer state. What
+each view's ``.grad`` is across syncs (kept, carried aside, cleared: torch's semantics on one device, also in place)
+is decided in ``distributed/zero_accumulation.py``.
 
 Peak memory, not only the steady state: at stage 2 at most ``max_buckets_in_flight`` reduce-scatters are in flight
 (launching one more first waits for the oldest and frees its full buffer), so the full-size gradient bytes alive
@@ -53,7 +55,7 @@ bf16 into the flat buffer, which is then all-gathered (in bf16, ``2 Psi`` bytes 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -69,6 +71,12 @@ from lightning_parallel.accounting import (
     storage_bytes,
 )
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_, grad_norm_over_ranks
+from lightning_parallel.distributed.zero_accumulation import (
+    clear_unowned,
+    reduce_output,
+    start_accumulation,
+    take_reduced,
+)
 from lightning_parallel.distributed.zero_layout import BucketMember, bucket_layout, padded_numel
 
 __all__ = [
@@ -110,7 +118,10 @@ class ShardView:
 
 
 @dataclass
-class _Bucket:
+class FlatBucket:
+    """One flat bucket's tensors and sync state (a record of :class:`ShardedParameterBuckets`; the fields from
+    ``pending_shard`` to ``carried`` that keep views' ``.grad`` as torch's are handled by ``zero_accumulation``)."""
+
     segments: list[_Segment]
     numel: int  # padded to a multiple of the world size
     shard_numel: int
@@ -205,7 +216,7 @@ class ShardedParameterBuckets:
         self.stage = stage
         self.master_dtype = master_dtype
         self.max_buckets_in_flight = max_buckets_in_flight
-        self._in_flight: deque[_Bucket] = deque()  # stage 2: launched reduce-scatters whose full buffer is alive
+        self._in_flight: deque[FlatBucket] = deque()  # stage 2: launched reduce-scatters whose full buffer is alive
         self.group = group
         self.gradient_reduction: GradientReduction = gradient_reduction or default_gradient_reduction(group)
         self.world_size = dist.get_world_size(group)
@@ -225,7 +236,7 @@ class ShardedParameterBuckets:
         """Order in which complete buckets are reduce-scattered: their index (reverse registration) until the first
         sync, then the order in which rank 0's first backward completed them (:meth:`_settle_launch_order`)."""
         self._launch_order_settled = False
-        self._bucket_of: dict[nn.Parameter, tuple[_Bucket, _Segment]] = {
+        self._bucket_of: dict[nn.Parameter, tuple[FlatBucket, _Segment]] = {
             segment.param: (bucket, segment) for bucket in self.buckets for segment in bucket.segments
         }
         for index, (_, segment) in enumerate(self._bucket_of.values()):
@@ -240,12 +251,12 @@ class ShardedParameterBuckets:
             param.requires_grad_(not frozen_now)
 
     # ------------------------------------------------------------------ layout
-    def _build_buckets(self, named: list[tuple[str, nn.Parameter]], bucket_cap_mb: float) -> list[_Bucket]:
+    def _build_buckets(self, named: list[tuple[str, nn.Parameter]], bucket_cap_mb: float) -> list[FlatBucket]:
         members = [BucketMember(p.numel(), p.element_size(), (p.dtype, p.device)) for _, p in named]
         layout = bucket_layout(members, bucket_cap_mb=bucket_cap_mb)
         return [self._make_bucket([named[i] for i in indices]) for indices in layout]
 
-    def _make_bucket(self, members: list[tuple[str, nn.Parameter]]) -> _Bucket:
+    def _make_bucket(self, members: list[tuple[str, nn.Parameter]]) -> FlatBucket:
         padded = padded_numel(sum(param.numel() for _, param in members), self.world_size)
         reference = members[0][1]
         flat = torch.zeros(padded, dtype=reference.dtype, device=reference.device)
@@ -264,7 +275,7 @@ class ShardedParameterBuckets:
         start = self.rank * shard_numel
         full_grads = torch.zeros_like(flat) if self.stage == 1 else None
         in_place = full_grads is not None and master is None
-        bucket = _Bucket(
+        bucket = FlatBucket(
             segments=segments,
             numel=padded,
             shard_numel=shard_numel,
@@ -289,7 +300,7 @@ class ShardedParameterBuckets:
         master = self.master_dtype
         return master is not None and dtype.is_floating_point and torch.finfo(dtype).bits < torch.finfo(master).bits
 
-    def _copy_to_master(self, bucket: _Bucket) -> None:
+    def _copy_to_master(self, bucket: FlatBucket) -> None:
         if bucket.master is not None:
             start = self.rank * bucket.shard_numel
             bucket.master.copy_(bucket.flat_params[start : start + bucket.shard_numel])
@@ -301,7 +312,7 @@ class ShardedParameterBuckets:
         for bucket in self.buckets:
             self._copy_to_master(bucket)
 
-    def _owned_views(self, bucket: _Bucket) -> list[ShardView]:
+    def _owned_views(self, bucket: FlatBucket) -> list[ShardView]:
         shard_start = self.rank * bucket.shard_numel
         shard_stop = shard_start + bucket.shard_numel
         views = []
@@ -348,8 +359,7 @@ class ShardedParameterBuckets:
             bucket.expected = sum(1 for s in bucket.segments if s.param.requires_grad)
         if bucket.full_grads is None:
             bucket.full_grads = torch.zeros(bucket.numel, dtype=bucket.flat_params.dtype, device=param.device)
-        if bucket.holds_reduced:
-            self._start_accumulation(bucket)
+        start_accumulation(bucket)
         assert param.grad is not None
         target = bucket.full_grads[segment.offset : segment.offset + segment.numel]
         if self.stage == 1 and param.grad.data_ptr() == target.data_ptr():
@@ -394,44 +404,19 @@ class ShardedParameterBuckets:
         self._launch_order_settled = True
         self._completed.clear()
 
-    def _start_accumulation(self, bucket: _Bucket) -> None:
-        """In place (stage 1): before this bucket's first gradient after a sync, empty the owned slice, which holds the
-        last sync's averages. What views still hold as ``.grad`` (no ``zero_grad`` since) is carried aside, so the
-        next sync adds to it as torch accumulates; a view without ``.grad`` contributes nothing. Parameters overlapping
-        the slice have no ``.grad`` since that sync (:meth:`finish_gradient_sync`), so nothing was added into it yet."""
-        kept = [view for view in bucket.views if view.tensor.grad is not None]
-        if kept:
-            carried = torch.zeros_like(bucket.shard_grads)
-            for view in kept:
-                carried[view.grad_offset : view.grad_offset + view.grad.numel()].copy_(view.grad)
-            bucket.carried = carried
-        bucket.shard_grads.zero_()
-        bucket.holds_reduced = False
-
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: FlatBucket) -> None:
         if bucket.full_grads is None:  # no parameter of this bucket got a gradient on this rank
             bucket.full_grads = torch.zeros(
                 bucket.numel, dtype=bucket.flat_params.dtype, device=bucket.flat_params.device
             )
-        if bucket.holds_reduced:
-            self._start_accumulation(bucket)
+        start_accumulation(bucket)
         send = bucket.full_grads
         if bucket.master is not None:  # reduce in the master's precision: an fp32 copy while the collective runs
             send = bucket.send = bucket.full_grads.to(bucket.master.dtype)
             if self.stage == 2:  # the fp32 copy is what is reduced: free the 16-bit bucket now
                 bucket.full_grads = None
         send.div_(self.world_size * self.replicate_size)  # the average over every rank (hybrid: every group too)
-        # torch's `.grad` semantics: a sync after the optimizer's `zero_grad()` starts from zero, a sync without it
-        # (manual optimization accumulating over several synchronised backwards) adds to the previous gradients.
-        # A view without `.grad` (cleared, or never used) holds no gradient: its slot restarts from zero.
-        cleared = [view for view in bucket.views if view.tensor.grad is None]
-        if bucket.reduces_in_place or len(cleared) == len(bucket.views):
-            output = bucket.shard_grads  # in place: kept gradients were carried aside by `_start_accumulation`
-        else:
-            output = torch.empty_like(bucket.shard_grads)
-            for view in cleared:
-                view.grad.zero_()
-        bucket.pending_shard = None if output is bucket.shard_grads else output
+        output = reduce_output(bucket)  # the shard, or beside it when views keep gradients (torch's `.grad`)
         if self.stats is not None:  # bytes of the full (unsharded) buffer, for either collective
             self.stats.record(self.gradient_reduction, send.numel() * send.element_size())
         if self.gradient_reduction == "all_reduce":
@@ -446,7 +431,7 @@ class ShardedParameterBuckets:
             self._in_flight.append(bucket)
             self._release_reduced_buckets()
 
-    def _complete(self, bucket: _Bucket) -> None:
+    def _complete(self, bucket: FlatBucket) -> None:
         """Wait for ``bucket``'s gradient collective; after an all-reduce, take this rank's slice of the result."""
         assert bucket.work is not None
         bucket.work.wait()
@@ -491,19 +476,23 @@ class ShardedParameterBuckets:
         if used_work is not None:
             used_work.wait()
         self._all_reduce_across_replicas(used)
-        used_anywhere = used.tolist() if used is not None else []
+        got_gradient = self._got_gradient_anywhere(used.tolist() if used is not None else [])
         for bucket in self.buckets:
-            self._take_reduced(bucket, used_anywhere)
+            take_reduced(bucket, got_gradient=got_gradient)
             if self.stage == 2:
                 bucket.full_grads = None
             elif bucket.reduces_in_place:
-                self._clear_unowned(bucket)
+                clear_unowned(bucket, rank=self.rank)
             elif bucket.full_grads is not None:
                 bucket.full_grads.zero_()
         self._next_launch = 0
         self._used[:] = bytes(len(self._used))
         if not self._launch_order_settled and self.buckets:
             self._settle_launch_order(device)
+
+    def _got_gradient_anywhere(self, used_anywhere: list[int]) -> Callable[[nn.Parameter], bool]:
+        """Whether a bucketed parameter got a gradient on some rank, from the all-reduced flags."""
+        return lambda param: bool(used_anywhere[self._bucket_of[param][1].index])
 
     def _all_reduce_across_replicas(self, used: Tensor | None) -> None:
         """Collective over :attr:`replicate_group` (hybrid sharding only): sum each bucket's freshly reduced shard
@@ -523,45 +512,6 @@ class ShardedParameterBuckets:
             works.append(dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.replicate_group, async_op=True))
         for work in works:
             work.wait()
-
-    def _clear_unowned(self, bucket: _Bucket) -> None:
-        """In place (stage 1), after a sync: zero the full buffer outside the owned slice (the next accumulation adds
-        there) and take ``.grad`` from the parameters overlapping the slice, so that autograd gives them a fresh one
-        instead of adding into the averages the optimizer is about to read."""
-        assert bucket.full_grads is not None
-        start = self.rank * bucket.shard_numel
-        bucket.full_grads[:start].zero_()
-        bucket.full_grads[start + bucket.shard_numel :].zero_()
-        for segment in bucket.owned_segments:
-            segment.param.grad = None
-        bucket.holds_reduced = True
-
-    def _take_reduced(self, bucket: _Bucket, used_anywhere: list[int]) -> None:
-        """Set each view's ``.grad`` after a sync, as torch would for its parameter.
-
-        A view keeps ``.grad`` it already had (no ``zero_grad`` since: torch accumulates) and gets one when its
-        parameter got a gradient on some rank; otherwise it stays ``None``, so the optimizer leaves it alone. A view
-        switched off by ``toggle_optimizer`` (``requires_grad=False``) keeps its previous gradient unchanged.
-        """
-        pending = bucket.pending_shard if bucket.carried is None else bucket.carried
-        bucket.pending_shard = bucket.carried = None
-        if bucket.reduces_in_place and pending is not None:  # the shard holds this sync's averages; `pending` the kept
-            for view in bucket.views:
-                had_grad = view.tensor.grad is not None
-                takes = view.tensor.requires_grad and used_anywhere[self._bucket_of[view.param][1].index]
-                kept = pending[view.grad_offset : view.grad_offset + view.grad.numel()]
-                view.grad.add_(kept) if takes else view.grad.copy_(kept)
-                view.tensor.grad = view.grad if (had_grad or takes) else None
-            return
-        for view in bucket.views:
-            had_grad = view.tensor.grad is not None
-            index = self._bucket_of[view.param][1].index
-            takes = view.tensor.requires_grad and used_anywhere[index]
-            if pending is not None and takes:
-                view.grad.add_(pending[view.grad_offset : view.grad_offset + view.grad.numel()])
-            elif pending is None and not takes:
-                view.grad.zero_()  # the reduced values are not this view's: it had no gradient and gets none
-            view.tensor.grad = view.grad if (had_grad or takes) else None
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_parallel.choices import check_choice
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.compression import (
     GradientCompression,
@@ -38,9 +39,10 @@ from lightning_parallel.strategies.checkpointing import load_module_state
 from lightning_parallel.strategies.launch import StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
 
-__all__ = ["UNUSED_PARAMETERS_MESSAGE", "DataParallelStrategy"]
+__all__ = ["UNUSED_PARAMETERS_MESSAGE", "DataParallelStrategy", "UnevenInputs"]
 
-_UNEVEN_CHOICES = ("auto", True, False)
+UnevenInputs = Literal["auto"] | bool
+
 _REDUCTION_NOT_FINISHED = "Expected to have finished reduction in the prior iteration"
 UNUSED_PARAMETERS_MESSAGE = (
     "Your LightningModule has parameters that got no gradient from the loss returned by training_step. If that is"
@@ -116,7 +118,7 @@ class DataParallelStrategy(LightningParallelStrategy):
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
-        uneven_inputs: Literal["auto"] | bool = "auto",
+        uneven_inputs: UnevenInputs = "auto",
         nonfinite_loss: NonFiniteLoss = "skip",
         track_communication: bool = False,
         activation_checkpointing: ActivationCheckpointing = False,
@@ -127,8 +129,7 @@ class DataParallelStrategy(LightningParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         validate_compression(gradient_compression, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter)
-        if uneven_inputs not in _UNEVEN_CHOICES or not isinstance(uneven_inputs, str | bool):
-            raise ValueError(f"`uneven_inputs={uneven_inputs!r}` is invalid. Valid options: 'auto', True, False.")
+        check_choice("uneven_inputs", uneven_inputs, UnevenInputs)
         if not bucket_cap_mb > 0:
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB (25 is DDP's).")
         super().__init__(

@@ -16,12 +16,12 @@ from typing import Any, Literal
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
+from lightning_parallel.choices import check_choice
 from lightning_parallel.strategies.failures import record_peers
 from lightning_parallel.strategies.fork_safety import ForkSafeLauncher
 from lightning_parallel.strategies.shutdown import destroy_process_group_at_exit
 
 __all__ = [
-    "START_METHODS",
     "ConsolidatingLauncher",
     "StartMethod",
     "check_start_method_fits_launcher",
@@ -35,16 +35,21 @@ __all__ = [
 ]
 
 StartMethod = Literal["popen", "spawn", "fork"]
-START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork")
 
 
 def validate_start_method(start_method: str) -> str:
     """Return ``start_method`` if valid, else raise ``ValueError`` listing the valid ones and when to use each."""
-    if start_method not in START_METHODS:
-        raise ValueError(
-            f"Unknown `start_method={start_method!r}`. Valid options: 'popen' (re-launch the script, the default"
-            " for scripts and the CLI), 'spawn' (fresh interpreters, picklable code), 'fork' (Jupyter notebooks)."
-        )
+    check_choice(
+        "start_method",
+        start_method,
+        StartMethod,
+        notes={
+            "popen": "re-launch the script, the default for scripts and the CLI",
+            "spawn": "fresh interpreters, picklable code",
+            "fork": "Jupyter notebooks",
+        },
+        unknown=True,
+    )
     if start_method == "fork" and not hasattr(os, "fork"):
         raise ValueError("`start_method='fork'` is not available on this platform. Use 'spawn' or 'popen'.")
     return start_method

@@ -25,8 +25,9 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
+from lightning_parallel.choices import check_choice
+
 __all__ = [
-    "NONFINITE_CHOICES",
     "FiniteCheck",
     "NonFiniteLoss",
     "drop_gradients",
@@ -35,15 +36,15 @@ __all__ = [
 ]
 
 NonFiniteLoss = Literal["skip", "stop", "ignore"]
-NONFINITE_CHOICES: tuple[str, ...] = ("skip", "stop", "ignore")
 
 
-def validate_nonfinite(policy: str) -> None:
-    if policy not in NONFINITE_CHOICES:
-        raise ValueError(
-            f"`nonfinite_loss={policy!r}` is invalid. Valid options: 'skip' (every rank drops the step),"
-            " 'stop' (every rank raises), 'ignore' (no check)."
-        )
+def validate_nonfinite(policy: object) -> None:
+    check_choice(
+        "nonfinite_loss",
+        policy,
+        NonFiniteLoss,
+        notes={"skip": "every rank drops the step", "stop": "every rank raises", "ignore": "no check"},
+    )
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:

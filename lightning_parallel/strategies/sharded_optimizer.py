@@ -21,11 +21,13 @@ from typing_extensions import override
 
 from lightning_parallel._compat import optimizers_to_device
 from lightning_parallel.accounting import MemoryReport
+from lightning_parallel.choices import check_choice
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.averaged_copy import shard_whole_state
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
-from lightning_parallel.distributed.mesh import MeshLayout, validate_shard_size
+from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
+from lightning_parallel.distributed.zero_config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
@@ -33,7 +35,7 @@ from lightning_parallel.strategies.checkpointing import save_sharded
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
 from lightning_parallel.strategies.parameter_callbacks import check_averaging_checkpoint_format
-from lightning_parallel.strategies.zero_backends import MasterWeights, ZeroBackend, backend_type
+from lightning_parallel.strategies.zero_backends import ZeroBackend, ZeroContext, backend_type
 
 __all__ = ["ShardedOptimizerStrategy"]
 
@@ -134,28 +136,14 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        if isinstance(stage, bool) or stage not in (1, 2, 3):
-            raise ValueError(
-                f"`stage={stage!r}` is invalid. Valid options: 1 (optimizer state sharded), 2 (+ gradients),"
-                " 3 (+ parameters)."
-            )
-        if checkpoint_format not in ("consolidated", "sharded"):
-            raise ValueError(
-                f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
-            )
-        if master_weights not in ("fp32", None):
-            raise ValueError(
-                f"`master_weights={master_weights!r}` is invalid. Valid options: 'fp32' (step fp32 master weights of"
-                " 16-bit parameters, the default), None (step the 16-bit parameters directly)."
-            )
-        if overlap_param_gather not in (True, False, "auto"):
-            raise ValueError(
-                f"`overlap_param_gather={overlap_param_gather!r}` is invalid. Valid options: 'auto' (the default),"
-                " True, False."
-            )
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB.")
-        validate_shard_size(shard_size)
+        config = ZeroConfig(  # validates (before any collective)
+            stage=stage,
+            shard_size=shard_size,
+            bucket_cap_mb=bucket_cap_mb,
+            master_weights=master_weights,
+            overlap_param_gather=overlap_param_gather,
+        )
+        check_choice("checkpoint_format", checkpoint_format, CheckpointFormat)
         super().__init__(
             start_method=start_method,
             timeout=timeout,
@@ -168,16 +156,34 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.stage = stage
-        self.shard_size = shard_size
-        self.bucket_cap_mb = bucket_cap_mb
+        self.zero_config = config
+        """The ZeRO settings of the arguments above, validated; the backend chosen in ``setup`` is built from it."""
         self.checkpoint_format = checkpoint_format
-        self.master_weights = master_weights
-        self.overlap_param_gather = overlap_param_gather
         self._backend: ZeroBackend | None = None
         self._keeps_masters_alone = False
         """World size 1 fitting 16-bit parameters with fp32 masters (set in ``setup``)."""
         self._memory_logged = False
+
+    # ------------------------------------------------------------------ settings (read from `zero_config`)
+    @property
+    def stage(self) -> Stage:
+        return self.zero_config.stage
+
+    @property
+    def shard_size(self) -> int | None:
+        return self.zero_config.shard_size
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        return self.zero_config.bucket_cap_mb
+
+    @property
+    def master_weights(self) -> MasterWeights:
+        return self.zero_config.master_weights
+
+    @property
+    def overlap_param_gather(self) -> OverlapParamGather:
+        return self.zero_config.overlap_param_gather
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -229,19 +235,15 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         if fitting:
             self._check_same_trainable_parameters()  # before the buckets or FSDP2 units lay out the gradients
-        options: dict[str, Any] = {
-            "stage": self.stage,
-            "bucket_cap_mb": self.bucket_cap_mb,
-            "stats": self.communication_stats if self.track_communication else None,
-            "events": self.events,
-            "callbacks": trainer.callbacks,
-            "rank": self.global_rank,
-            "world_size": self.world_size,
-            "mesh": self.device_mesh if self.is_sharding else None,
-            "master_weights": self.master_weights,
-            "overlap_param_gather": fitting and self.is_sharding and self._overlaps_param_gather(),
-        }
-        self._backend = backend_type(self.stage, is_sharding=self.is_sharding)(**options)
+        context = ZeroContext(
+            rank=self.global_rank,
+            world_size=self.world_size,
+            mesh=self.device_mesh if self.is_sharding else None,
+            events=self.events,
+            stats=self.communication_stats if self.track_communication else None,
+            callbacks=trainer.callbacks,
+        )
+        self._backend = backend_type(self.stage, is_sharding=self.is_sharding)(self.zero_config, context)
         self._backend.convert_module(self.precision_plugin, self.model)
         self._keeps_masters_alone = (
             fitting and not self.is_sharding and self.master_weights == "fp32" and _has_16bit_parameters(self.model)
@@ -249,7 +251,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if self._keeps_masters_alone:
             # World size 1 converts the module as plain Lightning does (`bf16-true` casts it); only now is it known
             # that 16-bit parameters are to be stepped through fp32 masters, by the backend that keeps them.
-            self._backend = backend_type(self.stage, is_sharding=False, keeps_masters=True)(**options)
+            self._backend = backend_type(self.stage, is_sharding=False, keeps_masters=True)(self.zero_config, context)
         self._apply_activation_checkpointing(self.module)  # before FSDP2 (stage 3) wraps its units
         self._backend.setup_module(self.module, self.root_device)
         if fitting:
@@ -260,11 +262,6 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
-
-    def _overlaps_param_gather(self) -> bool:
-        """``overlap_param_gather`` resolved for this fit (stages 1-2): ``"auto"`` overlaps whatever the callbacks,
-        since the stale-read guard makes every read between steps wait for what it reads."""
-        return self.overlap_param_gather is not False  # (stage 3's backend has no all-gather after the step)
 
     @contextmanager
     def full_module(self) -> Generator[nn.Module, None, None]:

@@ -14,9 +14,12 @@ checkpoints hold the bf16 model (as single-device ``bf16-true`` saves it) and th
 state's ``"master_weights"`` entry.
 
 The strategy calls the :class:`ZeroBackend` protocol and never asks which backend it holds (DeepSpeed likewise
-picks its ZeRO optimizer once). Gradient clipping over shards goes through ``strategies.clipping.with_clipping``, a
-subclass of whichever precision plugin the Trainer chose (Lightning's ``FSDPPrecision`` pattern). The waits of the
-stage 1-2 sync run inside ``events.timed("exposed_communication")`` for whoever listens (the monitor).
+picks its ZeRO optimizer once). It builds whichever :func:`backend_type` chose from two frozen records, passed whole:
+the user's settings (:class:`~lightning_parallel.distributed.zero_config.ZeroConfig`, validated in the strategy's
+``__init__``) and this run's :class:`ZeroContext` (ranks, mesh, listeners); each backend reads what it needs.
+Gradient clipping over shards goes through ``strategies.clipping.with_clipping``, a subclass of whichever precision
+plugin the Trainer chose (Lightning's ``FSDPPrecision`` pattern). The waits of the stage 1-2 sync run inside
+``events.timed("exposed_communication")`` for whoever listens (the monitor).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Generator, Iterable, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, cast
 
 import torch
@@ -52,6 +56,7 @@ from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
 from lightning_parallel.distributed.zero3_compat import initialise_root
+from lightning_parallel.distributed.zero_config import ZeroConfig
 from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
 from lightning_parallel.instrumentation import StrategyEvents
@@ -63,16 +68,30 @@ from lightning_parallel.strategies.parameter_callbacks import check_parameter_ca
 __all__ = [
     "FlatBucketBackend",
     "FullyShardBackend",
-    "MasterWeights",
     "ReplicatedBackend",
     "ZeroBackend",
+    "ZeroContext",
     "backend_type",
     "with_sharded_grad_scaler",
 ]
 
 
-MasterWeights = Literal["fp32"] | None
-"""``"fp32"``: 16-bit parameters are stepped through fp32 master weights in the shard; ``None``: stepped directly."""
+@dataclass(frozen=True, kw_only=True)
+class ZeroContext:
+    """What the strategy's ``setup`` hands a backend beside the user's :class:`ZeroConfig`: this run's ranks, its
+    mesh and who listens. The defaults are one rank and no listener (a backend used without a strategy)."""
+
+    rank: int = 0
+    world_size: int = 1
+    mesh: DeviceMesh | None = None
+    """The strategy's mesh (axes ``replicate``, ``shard``, ``pp``): the sharded backends shard over its ``shard``
+    axis and average across its ``replicate`` axis; ``None`` at world size 1."""
+    events: StrategyEvents = field(default_factory=StrategyEvents)
+    """Where the stage 1-2 sync waits are timed (``events.timed("exposed_communication")``)."""
+    stats: CommunicationStats | None = None
+    """Where to count the bytes of our own collectives (the monitor's ledger), or ``None``."""
+    callbacks: Sequence[Any] = ()
+    """The Trainer's callbacks (stage 3 holds the weight-averaging ones' copies as shards)."""
 
 
 class ZeroBackend(Protocol):
@@ -83,19 +102,7 @@ class ZeroBackend(Protocol):
     collective_tap: ClassVar[Literal["fsdp"] | None]
     """Collectives issued by code we do not own that a monitor must tap to count (FSDP2's), else ``None``."""
 
-    def __init__(
-        self,
-        *,
-        stage: int,
-        bucket_cap_mb: float,
-        stats: CommunicationStats | None,
-        events: StrategyEvents,
-        callbacks: Sequence[Any],
-        rank: int,
-        world_size: int,
-        mesh: DeviceMesh | None,
-        master_weights: MasterWeights,
-    ) -> None: ...
+    def __init__(self, config: ZeroConfig, context: ZeroContext) -> None: ...
 
     @property
     def times_exposed_communication(self) -> bool:
@@ -180,27 +187,20 @@ class ReplicatedBackend:
     """World size 1 (fp32 parameters, ``master_weights=None``, or not fitting): the module and optimizers as they
     are. The two sharded backends reuse its plain-module methods.
 
-    Keyword arguments meant for the other backends (``stage``, ``bucket_cap_mb``, ``stats``, ``callbacks``) are
-    ignored, so the strategy builds whichever backend :func:`backend_type` chose with one call.
+    Every backend is built from the whole :class:`ZeroConfig` and :class:`ZeroContext` (so the strategy builds
+    whichever :func:`backend_type` chose with one call) and reads from them what it needs: this one only the ranks,
+    the mesh and the events.
     """
 
     empty_init_on_meta: ClassVar[bool] = False
     collective_tap: ClassVar[Literal["fsdp"] | None] = None
 
-    def __init__(
-        self,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        mesh: DeviceMesh | None = None,
-        events: StrategyEvents | None = None,
-        **_: Any,
-    ) -> None:
-        self.rank, self.world_size = rank, world_size
-        self.mesh = mesh
-        """The strategy's mesh (axes ``replicate``, ``shard``, ``pp``): the sharded backends shard over its ``shard``
-        axis and average across its ``replicate`` axis; ``None`` at world size 1."""
-        self.events = events or StrategyEvents()
+    def __init__(self, config: ZeroConfig, context: ZeroContext) -> None:
+        self.config = config
+        self.rank, self.world_size = context.rank, context.world_size
+        self.mesh = context.mesh
+        """The strategy's mesh (see :attr:`ZeroContext.mesh`); ``None`` at world size 1."""
+        self.events = context.events
         self.module: nn.Module | None = None
 
     def _groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
@@ -296,20 +296,9 @@ class ReplicatedBackend:
 class FlatBucketBackend(ReplicatedBackend):
     """Stages 1-2: flat buckets reduce-scattered during backward, each optimizer stepping this rank's shard."""
 
-    def __init__(
-        self,
-        *,
-        stage: int,
-        bucket_cap_mb: float,
-        stats: CommunicationStats | None = None,
-        master_weights: MasterWeights = "fp32",
-        overlap_param_gather: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.stage, self.bucket_cap_mb, self.stats = stage, bucket_cap_mb, stats
-        self.master_weights = master_weights
-        self.overlap_param_gather = overlap_param_gather
+    def __init__(self, config: ZeroConfig, context: ZeroContext) -> None:
+        super().__init__(config, context)
+        self.stats = context.stats
         self.buckets: ShardedParameterBuckets | None = None
         self.gather: OverlappedParameterGather | None = None  # fitting with `overlap_param_gather`
         self.sharded_optimizers: list[ShardedOptimizer] = []  # one per optimizer, in order
@@ -326,16 +315,16 @@ class FlatBucketBackend(ReplicatedBackend):
         shard_group, replicate_group = self._groups()
         self.buckets = ShardedParameterBuckets(
             self.held,
-            stage=self.stage,
+            stage=self.config.stage,
             group=shard_group,
             replicate_group=replicate_group,
-            bucket_cap_mb=self.bucket_cap_mb,
+            bucket_cap_mb=self.config.bucket_cap_mb,
             frozen=held,
-            master_dtype=torch.float32 if self.master_weights == "fp32" else None,
+            master_dtype=torch.float32 if self.config.master_weights == "fp32" else None,
         )
         if self.stats is not None:
             self.buckets.stats = self.stats
-        if self.overlap_param_gather:
+        if self.config.overlaps_param_gather(world_size=self.world_size):
             self.gather = OverlappedParameterGather(
                 self.buckets, self.held, waiting=lambda: self.events.timed("exposed_communication")
             )
@@ -459,19 +448,11 @@ class FullyShardBackend(ReplicatedBackend):
     empty_init_on_meta: ClassVar[bool] = True
     collective_tap: ClassVar[Literal["fsdp"] | None] = "fsdp"  # FSDP2's all-gathers and reduce-scatters
 
-    def __init__(
-        self,
-        *,
-        callbacks: Sequence[Any] = (),
-        master_weights: MasterWeights = "fp32",
-        stats: CommunicationStats | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.callbacks = callbacks
-        self.stats = stats
+    def __init__(self, config: ZeroConfig, context: ZeroContext) -> None:
+        super().__init__(config, context)
+        self.callbacks = context.callbacks
+        self.stats = context.stats
         """Where to count HSDP's all-reduce across replica groups (FSDP2's other collectives: the monitor's tap)."""
-        self.master_weights = master_weights
         self.compute_dtype: torch.dtype | None = None
         """The 16-bit dtype FSDP2 computes in while the sharded parameters are the fp32 masters, else ``None``."""
         self.units: list[nn.Module] = []  # each also an `FSDPModule` (fully_shard changes their class)
@@ -489,7 +470,7 @@ class FullyShardBackend(ReplicatedBackend):
         mesh = self._mesh_or_world(device)
         mesh = mesh["replicate", "shard"] if replicate is not None else mesh["shard"]
         zero3.broadcast_from_rank0(module, device)  # start from rank 0's weights, as stages 1-2 and DDP do
-        if self.master_weights == "fp32":
+        if self.config.master_weights == "fp32":
             self.compute_dtype = zero3.upcast_16bit_parameters(module) or self.compute_dtype
         policy = (
             MixedPrecisionPolicy() if self.compute_dtype is None else zero3.master_weight_policy(self.compute_dtype)
@@ -533,7 +514,7 @@ class FullyShardBackend(ReplicatedBackend):
         """A module sharded with fp32 masters by an earlier ``fit`` is left as it is: ``bf16-true``'s cast would round
         the masters and re-point FSDP2's shards at bf16 copies (its buffers were converted then); the 16-bit dtype
         the plugin converts to (seen on a probe module) is the compute dtype again."""
-        if self.master_weights == "fp32" and any(isinstance(param, DTensor) for param in module.parameters()):
+        if self.config.master_weights == "fp32" and any(isinstance(param, DTensor) for param in module.parameters()):
             probe = nn.Linear(1, 1)
             plugin.convert_module(probe)
             if probe.weight.dtype in (torch.bfloat16, torch.float16):

@@ -13,13 +13,13 @@ from world size N and the reverse.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 from torch.optim import Optimizer
 
-from lightning_parallel.distributed.compression import CommunicationStats
+from lightning_parallel.distributed.zero_config import ZeroConfig
 from lightning_parallel.distributed.zero_optimizer import check_shardable
-from lightning_parallel.strategies.zero_backends import FlatBucketBackend, MasterWeights
+from lightning_parallel.strategies.zero_backends import FlatBucketBackend, ZeroContext
 
 __all__ = ["MasterWeightBackend"]
 
@@ -36,18 +36,10 @@ class MasterWeightBackend(FlatBucketBackend):
     Its one-process collectives are copies: nothing is counted as communication, and no wait is timed as exposed.
     """
 
-    def __init__(
-        self,
-        *,
-        stage: int,
-        bucket_cap_mb: float,
-        stats: CommunicationStats | None = None,
-        master_weights: MasterWeights = "fp32",
-        **kwargs: Any,
-    ) -> None:
-        assert master_weights == "fp32", "the strategy chooses this backend for `master_weights='fp32'` only"
-        del stats  # one rank communicates nothing: no bytes to count
-        super().__init__(stage=min(stage, 2), bucket_cap_mb=bucket_cap_mb, master_weights="fp32", **kwargs)
+    def __init__(self, config: ZeroConfig, context: ZeroContext) -> None:
+        assert config.master_weights == "fp32", "the strategy chooses this backend for `master_weights='fp32'` only"
+        # Stage 3 steps stage 2's buckets; one rank communicates nothing: no bytes to count.
+        super().__init__(replace(config, stage=min(config.stage, 2)), replace(context, stats=None))
 
     @property
     def times_exposed_communication(self) -> bool:

@@ -1,0 +1,73 @@
+"""The ZeRO settings as one frozen, validated record, built once from ``ShardedOptimizerStrategy``'s arguments.
+
+Torch-only (no Lightning). The strategy builds a :class:`ZeroConfig` in ``__init__`` (every rank, before any
+collective: a bad value raises the same ``ValueError`` everywhere) and hands it whole to the backend it chooses in
+``setup`` (``strategies/zero_backends.py``), which reads the fields it needs. Whether ``shard_size`` divides the world
+size is checked once the world size is known (:class:`~lightning_parallel.distributed.mesh.MeshLayout`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_parallel.choices import check_choice
+from lightning_parallel.distributed.mesh import validate_shard_size
+
+__all__ = ["MasterWeights", "OverlapParamGather", "Stage", "ZeroConfig"]
+
+Stage = Literal[1, 2, 3]
+MasterWeights = Literal["fp32"] | None
+"""``"fp32"``: 16-bit parameters are stepped through fp32 master weights in the shard; ``None``: stepped directly."""
+OverlapParamGather = bool | Literal["auto"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """How ZeRO shards and steps; validated on construction (a ``ValueError`` naming the bad value and the fix).
+
+    ``ShardedOptimizerStrategy``'s docstring describes each setting at length; the fields keep its argument names.
+    """
+
+    stage: Stage = 2
+    """1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)."""
+    shard_size: int | None = None
+    """Ranks per shard group (a divisor of the world size); ``None`` shards over every rank."""
+    bucket_cap_mb: float = 25.0
+    """Size of the flat gradient buckets of stages 1-2, in MiB."""
+    master_weights: MasterWeights = "fp32"
+    """With 16-bit parameters, ``"fp32"`` steps fp32 masters of this rank's shard; ``None`` the 16-bit parameters."""
+    overlap_param_gather: OverlapParamGather = "auto"
+    """Stages 1-2: ``True``/``"auto"`` overlap the all-gather after the step with the next forward; ``False`` waits."""
+
+    def __post_init__(self) -> None:
+        check_choice(
+            "stage",
+            self.stage,
+            Stage,
+            notes={1: "optimizer state sharded", 2: "+ gradients", 3: "+ parameters"},
+        )
+        check_choice(
+            "master_weights",
+            self.master_weights,
+            MasterWeights,
+            notes={
+                "fp32": "step fp32 master weights of 16-bit parameters, the default",
+                None: "step the 16-bit parameters directly",
+            },
+        )
+        check_choice(
+            "overlap_param_gather",
+            self.overlap_param_gather,
+            OverlapParamGather,
+            notes={"auto": "the default", True: "", False: ""},
+        )
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"`bucket_cap_mb={self.bucket_cap_mb!r}` must be a positive number of MiB.")
+        validate_shard_size(self.shard_size)
+
+    def overlaps_param_gather(self, *, world_size: int) -> bool:
+        """:attr:`overlap_param_gather` resolved for a fit at ``world_size`` (stages 1-2): ``"auto"`` overlaps
+        whatever the callbacks, since the stale-read guard makes every read between steps wait for what it reads;
+        one rank has nothing to gather."""
+        return world_size > 1 and self.overlap_param_gather is not False
