@@ -148,6 +148,8 @@ class ParallelismMonitor(Callback):
         self._stats: CommunicationStats | None = None
         self._times = PhaseTimes()
         self._tap: CollectiveTap | None = None
+        self._tap_entered = False
+        self._in_batch = False
         self._strategy: InstrumentedStrategy | None = None  # ours, while subscribed to its events
         self._instrumentation: Instrumentation | None = None
         self._tracked_before: tuple[Any, bool] | None = None
@@ -178,19 +180,36 @@ class ParallelismMonitor(Callback):
             return
         self._instrumentation = instrumentation = strategy.instrumentation()
         if instrumentation.tap is not None:
-            tap = instrumentation.tap
-            self._tap = CollectiveTap(self._stats, self._times, fsdp=tap == "fsdp", pipeline=tap == "pipeline")
-            self._tap.install()
+            self._tap = CollectiveTap(self._stats, issuer=instrumentation.tap)
         self._strategy = strategy
         strategy.events.subscribe(self)
 
     def on_phase(self, phase: str, seconds: float) -> None:
         """A timed phase of the strategy (``lightning_parallel.instrumentation.PhaseListener``): this step's."""
-        setattr(self._times, phase, getattr(self._times, phase) + seconds)
+        if phase == "pipeline_step":
+            self._times.pipeline_step += seconds
+        elif phase == "exposed_communication":
+            self._times.exposed_communication += seconds
+
+    def on_chunk(self, kind: str, stage: int, start: float, end: float) -> None:
+        """A pipeline chunk this rank's stages ran (``PhaseListener``): busy time and timeline of a training batch."""
+        if self._in_batch:
+            self._times.pipeline_busy += end - start
+            self._times.events.append((kind, stage, start, end))
+
+    def _enter_tap(self) -> None:
+        if self._tap is not None and not self._tap_entered:
+            self._tap.__enter__()
+            self._tap_entered = True
+
+    def _exit_tap(self) -> None:
+        if self._tap is not None and self._tap_entered:
+            self._tap_entered = False
+            self._tap.__exit__(None, None, None)
 
     def _restore(self) -> None:
-        if self._tap is not None:
-            self._tap.remove()
+        self._in_batch = False
+        self._exit_tap()
         if self._strategy is not None:
             self._strategy.events.unsubscribe(self)
             self._strategy = None
@@ -201,9 +220,9 @@ class ParallelismMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._times = PhaseTimes()
-        if self._tap is not None:
-            self._tap.times = self._times
-            self._tap.active = True
+        self._in_batch = True
+        # Entered before the peak tracker and left after it: dispatch modes stack, the last entered leaves first.
+        self._enter_tap()
         self._before = dict(self._stats.bytes_by_collective) if self._stats is not None else {}
         self._step = trainer.global_step
         if self.peak_tensors_step is not None and trainer.global_step == self.peak_tensors_step:
@@ -255,8 +274,8 @@ class ParallelismMonitor(Callback):
         _synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._start
         self._stop_peak_tracking()
-        if self._tap is not None:
-            self._tap.active = False
+        self._exit_tap()
+        self._in_batch = False
         communication = None
         if self._stats is not None:
             after = self._stats.bytes_by_collective

@@ -481,6 +481,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             num_microbatches=self.num_microbatches,
             device=self.root_device,
             call=call,
+            on_chunk=self.events.chunk,
         )
 
     def _example_model_inputs(

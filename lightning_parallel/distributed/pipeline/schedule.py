@@ -7,6 +7,7 @@ every rank instead of hanging) and lays ranks out as ``data-parallel replica x p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,8 +31,10 @@ from lightning_parallel.distributed.pipeline.side_effects import preserved_state
 __all__ = [
     "MULTI_STAGE_SCHEDULES",
     "SCHEDULES",
+    "ChunkObserver",
     "ParallelDims",
     "PipelineRuntime",
+    "SideEffectFreePipelineStage",
     "build_runtime",
     "check_count",
     "resolve_schedule",
@@ -178,8 +181,13 @@ class PipelineRuntime:
         return _compat.schedule_backward_initialized(self.schedule)
 
 
+ChunkObserver = Callable[[str, int, float, float], None]
+"""``fn(kind, stage_index, start, end)``: a stage ran one ``"F"``/``"B"``/``"W"`` chunk (``time.perf_counter``)."""
+
+
 class SideEffectFreePipelineStage(PipelineStage):
-    """``PipelineStage`` whose metadata inference leaves the stage's buffers and the RNG streams as they were.
+    """``PipelineStage`` whose metadata inference leaves the stage's buffers and the RNG streams as they were, and
+    which reports the time of every chunk it runs to :attr:`on_chunk`.
 
     torch infers shapes by running each stage's forward once more before the first micro-batch: the first stage on
     micro-batch 0, the others on uninitialised tensors. In training mode that updated BatchNorm's running statistics
@@ -188,7 +196,33 @@ class SideEffectFreePipelineStage(PipelineStage):
     torch version (:func:`._compat.stage_inference_method`); the other name passes through unchanged. (Recent torch's
     static mode, every stage's ``input_args``/``output_args`` given up front, would skip the run: it needs each
     stage's shapes for every batch shape before its first step.)
+
+    Chunk times (a monitor's busy time and timeline) come from overriding the schedule-facing methods that run one
+    micro-batch (``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``): every torch schedule
+    drives a stage through them.
     """
+
+    on_chunk: ChunkObserver | None = None
+    """Told the kind, stage index and start/end of each chunk; ``None``: nothing is timed."""
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._observed("F", super().forward_one_chunk, args, kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._observed("B", super().backward_one_chunk, args, kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._observed("W", super().backward_weight_one_chunk, args, kwargs)
+
+    def _observed(self, kind: str, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        observer = self.on_chunk
+        if observer is None:
+            return run(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            observer(kind, self.stage_index, start, time.perf_counter())
 
     def _compute_outputs(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_inference("_compute_outputs", args, kwargs)
@@ -214,6 +248,7 @@ def build_runtime(
     device: torch.device,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     side_names: Sequence[str] = (),
+    on_chunk: ChunkObserver | None = None,
 ) -> PipelineRuntime:
     """Wrap this rank's stages in ``PipelineStage`` objects and build the schedule.
 
@@ -221,10 +256,10 @@ def build_runtime(
     LoopedBFS's for several. Gradients are never scaled by torch (``scale_grads=False``): the caller's loss already
     divides by the number of micro-batches and accumulation steps (torch's scaling would also rescale gradients
     accumulated in earlier steps, pytorch/torchtitan#1733). ``side_names``: the model call's side inputs
-    (:mod:`.side_inputs`), which every stage carries along.
+    (:mod:`.side_inputs`), which every stage carries along. ``on_chunk``: told of every chunk the stages run.
     """
     _compat.stage_inference_method(PipelineStage)  # this torch has the method the stages wrap (a clear error if not)
-    stages: list[PipelineStage] = [
+    built = [
         SideEffectFreePipelineStage(
             StageModule(
                 [layers[i] for i in plan.layers_of(stage_index)],
@@ -239,6 +274,9 @@ def build_runtime(
         )
         for stage_index in plan.stages_of(dims.pipeline_rank)
     ]
+    for stage in built:
+        stage.on_chunk = on_chunk
+    stages: list[PipelineStage] = list(built)
     name = schedule if loss_fn is not None else ("LoopedBFS" if len(stages) > 1 else "GPipe")
     schedule_class = SCHEDULES[name]
     if name in MULTI_STAGE_SCHEDULES:
