@@ -91,10 +91,10 @@ class Instrumentation:
 
     data_parallel_size: int
     """Replicas a global batch is split across (samples/s counts local batch x this)."""
-    tap: Literal["fsdp", "pipeline"] | None = None
-    """Collectives issued by code we do not own, which the monitor counts with a dispatch mode during training batches
-    (``monitor.ledger.CollectiveTap``): FSDP2's (ZeRO-3), or torch pipelining's P2P ops. ``None``: everything is
-    counted at the call site."""
+    tap: Literal["fsdp"] | None = None
+    """Collectives issued by code we do not own, which the monitor counts with a function mode during training
+    batches (``monitor.ledger.CollectiveTap``): FSDP2's (ZeRO-3). ``None``: everything is counted at the call site
+    (the pipeline's P2P ops by our own stage class)."""
     times_exposed_communication: bool = False
     """Whether the gradient sync waits run in our Python code, inside ``events.timed("exposed_communication")``
     (``False`` where they run inside autograd: DDP's reducer, FSDP2)."""

@@ -3,11 +3,9 @@
 * The ``c10d`` dispatcher ops that eager ``torch.distributed`` calls go through (``ProcessGroup`` methods call them,
   so a ``TorchDispatchMode`` sees them, as torch's own ``CommDebugMode`` does): ``_allgather_base_``
   (``all_gather_single`` / ``all_gather_into_tensor``), ``_reduce_scatter_base_`` (``reduce_scatter_single`` /
-  ``reduce_scatter_tensor``), ``allreduce_``, ``send`` and ``recv_`` (``isend`` / ``irecv`` of a P2P batch).
-* The modules whose calls the monitor counts, by ``__name__``: FSDP2 issues its all-gathers, reduce-scatters and
-  (HSDP) all-reduces from ``torch.distributed.fsdp._fully_shard``; torch pipelining sends and receives activations
-  and gradients from ``torch.distributed.pipelining.schedules`` (``_batch_p2p``); its one-off shape-inference
-  messages come from ``...pipelining.stage`` and are not counted. The issuer of an op is the innermost Python frame
+  ``reduce_scatter_tensor``), ``allreduce_``.
+* The module whose calls the monitor counts, by ``__name__``: FSDP2 issues its all-gathers, reduce-scatters and
+  (HSDP) all-reduces from ``torch.distributed.fsdp._fully_shard``. The issuer of an op is the innermost Python frame
   outside ``torch.distributed``'s front end (``distributed_c10d``, ``c10d_logger``, the ``torch._dynamo`` wrappers
   that disable compilation of its functions) and outside dispatch machinery (``torch._ops``, dispatch modes).
 """
@@ -20,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["COUNTED_OPS", "FSDP_ISSUERS", "PIPELINE_ISSUERS", "TRANSPARENT_MODULES", "TRANSPARENT_PREFIX"]
+__all__ = ["COUNTED_OPS", "FSDP_ISSUERS", "TRANSPARENT_MODULES", "TRANSPARENT_PREFIX"]
 
 
 def _first(args: tuple[Any, ...]) -> list[Tensor]:
@@ -41,12 +39,9 @@ COUNTED_OPS: dict[Any, tuple[str, Callable[[tuple[Any, ...]], list[Tensor]]]] = 
     _c10d._allgather_base_.default: ("all_gather", _first),  # (output, input, ...): the gathered output
     _c10d._reduce_scatter_base_.default: ("reduce_scatter", _second),  # (output, input, ...): the unsharded input
     _c10d.allreduce_.default: ("all_reduce", _listed),  # (tensors, ...)
-    _c10d.send.default: ("send", _listed),  # (tensors, group, dst, tag)
-    _c10d.recv_.default: ("recv", _listed),  # (tensors, group, src, tag)
 }
 
 FSDP_ISSUERS: tuple[str, ...] = ("torch.distributed.fsdp._fully_shard.",)
-PIPELINE_ISSUERS: tuple[str, ...] = ("torch.distributed.pipelining.schedules",)
 TRANSPARENT_MODULES = frozenset(
     {"torch.distributed.distributed_c10d", "torch.distributed.c10d_logger", "torch.utils._python_dispatch"}
 )

@@ -180,7 +180,7 @@ class ParallelismMonitor(Callback):
             return
         self._instrumentation = instrumentation = strategy.instrumentation()
         if instrumentation.tap is not None:
-            self._tap = CollectiveTap(self._stats, issuer=instrumentation.tap)
+            self._tap = CollectiveTap(self._stats)
         self._strategy = strategy
         strategy.events.subscribe(self)
 
@@ -221,12 +221,13 @@ class ParallelismMonitor(Callback):
     ) -> None:
         self._times = PhaseTimes()
         self._in_batch = True
-        # Entered before the peak tracker and left after it: dispatch modes stack, the last entered leaves first.
-        self._enter_tap()
         self._before = dict(self._stats.bytes_by_collective) if self._stats is not None else {}
         self._step = trainer.global_step
         if self.peak_tensors_step is not None and trainer.global_step == self.peak_tensors_step:
             self._start_peak_tracking(trainer)
+        # After the peak tracker: dispatch modes leave in the reverse order they entered, and the tap leaves first
+        # (at the optimizer step).
+        self._enter_tap()
         _synchronize(pl_module.device)
         self._start = time.perf_counter()
 
@@ -266,6 +267,7 @@ class ParallelismMonitor(Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._set_peak_phase("optimizer_step")
+        self._exit_tap()  # FSDP2 issues no collective in the step; its Python calls need not pass through the tap
 
     @override
     def on_train_batch_end(
@@ -273,8 +275,8 @@ class ParallelismMonitor(Callback):
     ) -> None:
         _synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._start
+        self._exit_tap()  # a batch without an optimizer step (accumulation); before the peak tracker, see above
         self._stop_peak_tracking()
-        self._exit_tap()
         self._in_batch = False
         communication = None
         if self._stats is not None:
@@ -398,6 +400,7 @@ class ParallelismMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._exit_tap()
         self._stop_peak_tracking()
         self._restore()
 
