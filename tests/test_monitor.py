@@ -111,21 +111,27 @@ def test_figure_is_skipped_without_matplotlib(monkeypatch: pytest.MonkeyPatch, t
 def _tap_counts(rank: int, world_size: int) -> dict[str, int]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))  # 44 parameters: 22 per rank, 176 bytes gathered
-    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    if world_size == 2:
+        mesh = init_device_mesh("cpu", (2,))
+    else:  # HSDP: sharded over 2 ranks, replicated twice; FSDP2 all-reduces the gradient shards across replicas
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh)
     model(torch.ones(3, 4)).sum().backward()  # outside the tap: not counted
     stats = CommunicationStats()
     with CollectiveTap(stats):
         model(torch.ones(3, 4)).sum().backward()
         dist.all_reduce(torch.ones(5))  # ours (or the user's), not FSDP2's
-        dist.all_gather_into_tensor(torch.zeros(4), torch.ones(2))
+        dist.all_gather_into_tensor(torch.zeros(2 * world_size), torch.ones(2))
     return dict(stats.bytes_by_collective)
 
 
-def test_tap_counts_only_what_fsdp2_issues() -> None:
-    """The dispatch mode sees every c10d op but records only those FSDP2 issues."""
-    for counts in run_distributed(_tap_counts, world_size=2):
-        assert set(counts) == {"all_gather", "reduce_scatter"}
-        assert counts["reduce_scatter"] == 176 and counts["all_gather"] % 176 == 0  # the unsharded input / full output
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tap_counts_only_what_fsdp2_issues(world_size: int) -> None:
+    """The dispatch mode sees every c10d op but records only those FSDP2 issues (HSDP's all-reduce included)."""
+    for counts in run_distributed(_tap_counts, world_size=world_size):
+        all_reduce = {"all_reduce": 88} if world_size == 4 else {}  # the gradient shard: 22 float32
+        assert counts == {"all_gather": counts["all_gather"], "reduce_scatter": 176, **all_reduce}
+        assert counts["all_gather"] % 176 == 0  # the gathered output (forward; backward too where resharded)
 
 
 def test_nothing_is_counted_without_a_monitor() -> None:
