@@ -41,7 +41,8 @@ COUNTED_OPS: dict[Any, tuple[str, Callable[[tuple[Any, ...]], list[Tensor]]]] = 
     _c10d.allreduce_.default: ("all_reduce", _listed),  # (tensors, ...)
 }
 
-FSDP_ISSUERS: tuple[str, ...] = ("torch.distributed.fsdp._fully_shard.",)
+FSDP_ISSUERS: tuple[str, ...] = ("torch.distributed.fsdp._fully_shard.", "torch.distributed._composable.fsdp.")
+"""FSDP2's package (torch >= 2.6), and where it lived before."""
 TRANSPARENT_MODULES = frozenset(
     {"torch.distributed.distributed_c10d", "torch.distributed.c10d_logger", "torch.utils._python_dispatch"}
 )
