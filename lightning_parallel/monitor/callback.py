@@ -74,7 +74,8 @@ class ParallelismMonitor(Callback):
       strategy's ``memory_report()`` where it has one) and the peak process memory (RSS on CPU, max allocated on CUDA).
     * communication: bytes per step by collective type (all-reduce, reduce-scatter, all-gather, send, recv), as
       defined in :mod:`lightning_parallel.monitor.ledger`, measured from the calls our strategies make. Under other
-      strategies (Lightning's ``DDPStrategy``, ...) it is "not measured".
+      strategies (Lightning's ``DDPStrategy``, ...) it is "not measured". FSDP2's collectives (ZeRO-3) are counted by
+      a dispatch mode over forward and backward, a Python call per op: its cost is part of ZeRO-3's step times.
     * pipeline: the bubble fraction per rank (time not spent in its stages' forward/backward chunks over the
       schedule's time) and a timeline of the last step.
 
