@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_parallel.accounting import (
@@ -75,7 +76,8 @@ class ParallelismMonitor(Callback):
     * communication: bytes per step by collective type (all-reduce, reduce-scatter, all-gather, send, recv), as
       defined in :mod:`lightning_parallel.monitor.ledger`, measured from the calls our strategies make. Under other
       strategies (Lightning's ``DDPStrategy``, ...) it is "not measured". FSDP2's collectives (ZeRO-3) are counted by
-      a dispatch mode over forward and backward, a Python call per op: its cost is part of ZeRO-3's step times.
+      a dispatch mode around FSDP2's pre-forward hooks and over backward, a Python call per op there: its cost is
+      part of ZeRO-3's step times.
     * pipeline: the bubble fraction per rank (time not spent in its stages' forward/backward chunks over the
       schedule's time) and a timeline of the last step.
 
@@ -149,7 +151,7 @@ class ParallelismMonitor(Callback):
         self._stats: CommunicationStats | None = None
         self._times = PhaseTimes()
         self._tap: CollectiveTap | None = None
-        self._tap_entered = False
+        self._tap_hooks: list[RemovableHandle] = []
         self._in_batch = False
         self._strategy: InstrumentedStrategy | None = None  # ours, while subscribed to its events
         self._instrumentation: Instrumentation | None = None
@@ -182,6 +184,7 @@ class ParallelismMonitor(Callback):
         self._instrumentation = instrumentation = strategy.instrumentation()
         if instrumentation.tap is not None:
             self._tap = CollectiveTap(self._stats)
+            self._tap_hooks = self._tap.hook_forward(pl_module)
         self._strategy = strategy
         strategy.events.subscribe(self)
 
@@ -198,19 +201,16 @@ class ParallelismMonitor(Callback):
             self._times.pipeline_busy += end - start
             self._times.events.append((kind, stage, start, end))
 
-    def _enter_tap(self) -> None:
-        if self._tap is not None and not self._tap_entered:
-            self._tap.__enter__()
-            self._tap_entered = True
-
     def _exit_tap(self) -> None:
-        if self._tap is not None and self._tap_entered:
-            self._tap_entered = False
-            self._tap.__exit__(None, None, None)
+        if self._tap is not None:
+            self._tap.stop()
 
     def _restore(self) -> None:
         self._in_batch = False
         self._exit_tap()
+        for handle in self._tap_hooks:
+            handle.remove()
+        self._tap_hooks = []
         if self._strategy is not None:
             self._strategy.events.unsubscribe(self)
             self._strategy = None
@@ -222,13 +222,12 @@ class ParallelismMonitor(Callback):
     ) -> None:
         self._times = PhaseTimes()
         self._in_batch = True
+        if self._tap is not None:
+            self._tap.counting = True  # entered around FSDP2's pre-forward hooks and over backward, see below
         self._before = dict(self._stats.bytes_by_collective) if self._stats is not None else {}
         self._step = trainer.global_step
         if self.peak_tensors_step is not None and trainer.global_step == self.peak_tensors_step:
             self._start_peak_tracking(trainer)
-        # After the peak tracker: dispatch modes leave in the reverse order they entered, and the tap leaves first
-        # (at the optimizer step).
-        self._enter_tap()
         _synchronize(pl_module.device)
         self._start = time.perf_counter()
 
@@ -264,11 +263,17 @@ class ParallelismMonitor(Callback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._set_peak_phase("backward")
+        if self._tap is not None and self._in_batch:
+            # Dispatch modes leave in the reverse order they entered: the tap (entered after the peak tracker) first.
+            self._tap.start()
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit_tap()
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._set_peak_phase("optimizer_step")
-        self._exit_tap()  # FSDP2 issues no collective in the step; its Python calls need not pass through the tap
 
     @override
     def on_train_batch_end(
@@ -276,7 +281,9 @@ class ParallelismMonitor(Callback):
     ) -> None:
         _synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._start
-        self._exit_tap()  # a batch without an optimizer step (accumulation); before the peak tracker, see above
+        if self._tap is not None:
+            self._tap.counting = False
+        self._exit_tap()  # before the peak tracker (see `on_before_backward`); a no-op after a normal backward
         self._stop_peak_tracking()
         self._in_batch = False
         communication = None

@@ -12,17 +12,17 @@ per-step phase times.
 **Where the numbers come from.** Our own code records at each call it makes (``CommunicationStats.record``):
 DDP's gradient all-reduce through a communication hook (``DataParallelStrategy(track_communication=True)``), the
 ZeRO-1/2 buckets' reduce-scatter and all-gather and their "got a gradient" flags (one byte per parameter tensor,
-all-reduced at each sync), the pipeline replicas' gradient all-reduce, and the P2P sends and receives of the pipeline's
-stages (``SideEffectFreePipelineStage`` reports the ops it hands torch's schedules). For code we do not own,
-:class:`CollectiveTap` is a ``TorchDispatchMode`` the monitor enters from the start of each training batch to its
-optimizer step: it sees every ``c10d`` op (eager ``torch.distributed`` calls go through them) and counts those issued
-by FSDP2 (ZeRO-3: all-gather, reduce-scatter, and the all-reduce across replicas under HSDP); the issuer is read from
-the Python frame that made the call, so our own collectives, which we record ourselves, and the user's are never
-counted twice. Nothing in torch is replaced. Control messages of a fixed size
+all-reduced at each sync), the pipeline replicas' gradient all-reduce, and the P2P sends and receives of the
+pipeline's stages (``SideEffectFreePipelineStage`` reports the ops it hands torch's schedules). For code we do not
+own, :class:`CollectiveTap` is a ``TorchDispatchMode`` the monitor enters during training batches around FSDP2's
+pre-forward hooks and over backward: it sees every ``c10d`` op (eager ``torch.distributed`` calls go through them)
+and counts those issued by FSDP2 (ZeRO-3: all-gather, reduce-scatter, and the all-reduce across replicas under
+HSDP); the issuer is read from the Python frame that made the call, so our own collectives, which we record
+ourselves, and the user's are never counted twice. Nothing in torch is replaced. Control messages of a fixed size
 (the one-element non-finite-loss flag, the 16-byte ``requires_grad`` fingerprint of ``distributed/trainable.py``
-all-reduced every step, the broadcast of logged values, checkpoint gathers, torch pipelining's one-off shape
-messages) are not counted: the ledger holds the traffic that scales with the model and the batch, and the planner
-predicts exactly that.
+all-reduced every step, the broadcast of logged values, checkpoint gathers, torch pipelining's one-off shape and
+warm-up messages) are not counted: the ledger holds the traffic that scales with the model and the batch, and the
+planner predicts exactly that.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode  # private: see `accounting.py`, which uses it too
+from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.accounting import COLLECTIVES, CommunicationStats, ring_wire_bytes, tensor_bytes
 from lightning_parallel.monitor import _compat
@@ -59,9 +62,13 @@ class CollectiveTap(TorchDispatchMode):
 
     Every op passes through :meth:`__torch_dispatch__` (a dictionary look-up); a ``c10d`` collective of
     :data:`._compat.COUNTED_OPS` is recorded into ``stats`` when the code that called it is FSDP2's
-    (:func:`issuing_module`). A Python call per op is not free (measured on the tiny GPT under ZeRO-3 on CPU: about
-    +60% of forward and backward time), so the monitor enters it only from the start of a training batch to the
-    optimizer step, in which FSDP2 issues nothing; runs without a monitor and evaluation pay nothing.
+    (:func:`issuing_module`). A Python call per op is not free (on the tiny GPT under ZeRO-3 on CPU, a mode over the
+    whole step added about 60% to forward, backward and optimizer step), so the monitor enters it only where FSDP2
+    issues collectives: around FSDP2's own pre-forward hook of each unit (:meth:`hook_forward`: the all-gathers of
+    forward) and over backward (the all-gathers of units resharded after forward, the reduce-scatters, HSDP's
+    all-reduce), during training batches. Runs without a monitor and evaluation pay nothing.
+
+    Usable as a context manager, or with :meth:`start` / :meth:`stop` (idempotent).
 
     Args:
         stats: the ledger to record into (the strategy's ``communication_stats``).
@@ -70,6 +77,9 @@ class CollectiveTap(TorchDispatchMode):
     def __init__(self, stats: CommunicationStats) -> None:
         super().__init__()
         self.stats = stats
+        self.counting = False
+        """Whether :meth:`hook_forward`'s hooks enter the tap (the monitor sets it for training batches)."""
+        self._entered = self._entered_by_hook = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         counted = _compat.COUNTED_OPS.get(func)
@@ -77,6 +87,40 @@ class CollectiveTap(TorchDispatchMode):
             collective, tensors = counted
             self.stats.record(collective, sum(tensor_bytes(tensor) for tensor in tensors(args)))
         return func(*args, **(kwargs or {}))
+
+    def start(self) -> None:
+        if not self._entered:
+            self.__enter__()
+            self._entered = True
+
+    def stop(self) -> None:
+        if self._entered:
+            self._entered = self._entered_by_hook = False
+            self.__exit__(None, None, None)
+
+    def hook_forward(self, module: nn.Module) -> list[RemovableHandle]:
+        """Enter the tap (while :attr:`counting`) just before FSDP2's pre-forward hook of every unit in ``module``,
+        which all-gathers the unit's parameters, and leave it just after; the forward itself runs without it.
+
+        FSDP2 registers its pre-forward hook with ``prepend=True`` when it shards a unit; ours, registered later, go
+        before it (``prepend=True``) and after it. Returns the handles (remove them to stop)."""
+        handles = []
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                handles.append(unit.register_forward_pre_hook(self._enter_before_unshard, prepend=True))
+                handles.append(unit.register_forward_pre_hook(self._leave_after_unshard))
+        return handles
+
+    def _enter_before_unshard(self, module: nn.Module, args: Any) -> None:
+        # Already entered (a unit's forward re-run in backward by activation checkpointing): leave it to its owner.
+        if self.counting and not self._entered:
+            self.start()
+            self._entered_by_hook = True
+
+    def _leave_after_unshard(self, module: nn.Module, args: Any) -> None:
+        if self._entered_by_hook:
+            self._entered_by_hook = False
+            self.stop()
 
 
 def issuing_module(frame: FrameType | None) -> str:
