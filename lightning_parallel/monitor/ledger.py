@@ -62,11 +62,12 @@ class CollectiveTap(TorchDispatchMode):
 
     Every op passes through :meth:`__torch_dispatch__` (a dictionary look-up); a ``c10d`` collective of
     :data:`._compat.COUNTED_OPS` is recorded into ``stats`` when the code that called it is FSDP2's
-    (:func:`issuing_module`). A Python call per op is not free (on the tiny GPT under ZeRO-3 on CPU, a mode over the
-    whole step added about 60% to forward, backward and optimizer step), so the monitor enters it only where FSDP2
-    issues collectives: around FSDP2's own pre-forward hook of each unit (:meth:`hook_forward`: the all-gathers of
-    forward) and over backward (the all-gathers of units resharded after forward, the reduce-scatters, HSDP's
-    all-reduce), during training batches. Runs without a monitor and evaluation pay nothing.
+    (:func:`issuing_module`). A Python call per op is not free (on the tiny GPT under ZeRO-3 on 2 CPU ranks, a mode
+    over the whole step added 40-70% to each of forward, backward and optimizer step), so the monitor enters it only
+    where FSDP2 issues collectives: around FSDP2's own pre-forward hook of each unit (:meth:`hook_forward`: the
+    all-gathers of forward) and over backward (the all-gathers of units resharded after forward, the reduce-scatters,
+    HSDP's all-reduce), during training batches. Runs without a monitor and evaluation pay nothing. No public hook
+    brackets FSDP2's backward collectives alone, so backward's ops all pass through it.
 
     Usable as a context manager, or with :meth:`start` / :meth:`stop` (idempotent).
 
