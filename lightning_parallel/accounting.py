@@ -367,6 +367,8 @@ class LiveTensorPeak(TorchDispatchMode):
             self._breakdown = self._attribute(list(self._live))
         # `UntypedStorage.resize_` is not an op the dispatch mode sees; FSDP2 frees a unit's gathered parameters
         # with `resize_(0)` and re-allocates them with `resize_(n)`. Wrapped for the region only (restored on exit).
+        # No public hook or dispatcher op reports it, which is why torch's own MemTracker wraps it the same way
+        # (torch/distributed/_tools/mem_tracker.py); allow-listed in tests/test_no_patching.py.
         self._original_resize = original = torch.UntypedStorage.resize_
 
         def resize_(storage: torch.UntypedStorage, size: int) -> Any:

@@ -1,8 +1,10 @@
 """Events our strategies emit, and what a strategy tells an observer (the monitor) it can measure.
 
-A strategy owns one :class:`StrategyEvents`. Its sync paths run inside ``events.timed(phase)``; whoever wants the
-seconds (``ParallelismMonitor``) subscribes a :class:`PhaseListener` for the duration of a fit and unsubscribes
-afterwards. Nothing is timed while nobody listens, and nobody replaces methods on another object's instance.
+A strategy owns one :class:`StrategyEvents`. Its sync paths run inside ``events.timed(phase)``, and a pipeline's
+stages report each forward/backward chunk they run (``events.chunk``); whoever wants the seconds
+(``ParallelismMonitor``) subscribes a :class:`PhaseListener` for the duration of a fit and unsubscribes afterwards.
+Nothing is timed while nobody listens (a chunk costs two clock reads), and nobody replaces methods on another
+object's instance.
 
 :class:`InstrumentedStrategy` is the small protocol the monitor reads instead of asking which strategy class it
 holds: the communication ledger, the switch that turns counting on, the events, and an :class:`Instrumentation`
@@ -37,9 +39,11 @@ pipeline replicas' all-reduce). ``pipeline_step``: the whole pipeline schedule o
 
 
 class PhaseListener(Protocol):
-    """Receives the seconds of every timed phase while subscribed."""
+    """Receives the seconds of every timed phase, and every pipeline chunk, while subscribed."""
 
     def on_phase(self, phase: str, seconds: float) -> None: ...
+
+    def on_chunk(self, kind: str, stage: int, start: float, end: float) -> None: ...
 
 
 class StrategyEvents:
@@ -74,6 +78,12 @@ class StrategyEvents:
             for listener in list(self._listeners):
                 listener.on_phase(phase, seconds)
 
+    def chunk(self, kind: str, stage: int, start: float, end: float) -> None:
+        """A pipeline stage ran one chunk: ``kind`` ``"F"``/``"B"``/``"W"`` (forward, backward, weight gradient) of
+        stage index ``stage`` from ``start`` to ``end`` (``time.perf_counter`` seconds); told to every listener."""
+        for listener in list(self._listeners):
+            listener.on_chunk(kind, stage, start, end)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Instrumentation:
@@ -81,9 +91,10 @@ class Instrumentation:
 
     data_parallel_size: int
     """Replicas a global batch is split across (samples/s counts local batch x this)."""
-    tap: Literal["fsdp", "pipeline"] | None = None
-    """Collectives issued by code we do not own, which the monitor counts with a scoped tap: FSDP2's (ZeRO-3), or
-    torch pipelining's P2P ops and stage chunks. ``None``: everything is counted at the call site."""
+    tap: Literal["fsdp"] | None = None
+    """Collectives issued by code we do not own, which the monitor counts with a function mode during training
+    batches (``monitor.ledger.CollectiveTap``): FSDP2's (ZeRO-3). ``None``: everything is counted at the call site
+    (the pipeline's P2P ops by our own stage class)."""
     times_exposed_communication: bool = False
     """Whether the gradient sync waits run in our Python code, inside ``events.timed("exposed_communication")``
     (``False`` where they run inside autograd: DDP's reducer, FSDP2)."""

@@ -1,5 +1,5 @@
 """ParallelismMonitor: degrades gracefully under Lightning's own DDPStrategy, logs through the Trainer's loggers,
-writes its table/JSON/PNG at the end of fit; its wrappers exist only while it is attached.
+writes its table/JSON/PNG at the end of fit; its tap counts only what FSDP2 issues.
 
 The exact bytes it measures under our strategies are checked against the planner in ``test_planner.py``."""
 
@@ -11,7 +11,6 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -19,14 +18,16 @@ import torch
 import torch.distributed as dist
 from distributed_harness import run_distributed
 from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 from training_helpers import make_trainer
 
 from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 from lightning_parallel.distributed.compression import CommunicationStats
-from lightning_parallel.monitor import CollectiveTap, ParallelismMonitor, _compat, format_table, write_figure
-from lightning_parallel.monitor.ledger import PhaseTimes
+from lightning_parallel.monitor import CollectiveTap, ParallelismMonitor, format_table, write_figure
 
 BATCH, SEQ, STEPS = 4, 16, 3
 
@@ -107,31 +108,30 @@ def test_figure_is_skipped_without_matplotlib(monkeypatch: pytest.MonkeyPatch, t
     assert not (tmp_path / "without.png").exists()
 
 
-def test_tap_restores_torch_and_counts_only_while_active() -> None:
-    schedules = _compat.schedules
-    originals = {name: getattr(dist, name) for name in _compat.fsdp_collective_names()}
-    batch_p2p, stage_forward = schedules._batch_p2p, _compat.PIPELINE_STAGE_CLASS.forward_one_chunk
+def _tap_counts(rank: int, world_size: int) -> dict[str, int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))  # 44 parameters: 22 per rank, 176 bytes gathered
+    if world_size == 2:
+        mesh = init_device_mesh("cpu", (2,))
+    else:  # HSDP: sharded over 2 ranks, replicated twice; FSDP2 all-reduces the gradient shards across replicas
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh)
+    model(torch.ones(3, 4)).sum().backward()  # outside the tap: not counted
     stats = CommunicationStats()
-    tap = CollectiveTap(stats, PhaseTimes(), fsdp=True, pipeline=True)
-    tap.install()
-    try:
-        assert all(getattr(dist, name) is not original for name, original in originals.items())
-        assert schedules._batch_p2p is not batch_p2p
-        # What torch's P2POp holds (building a real one needs a process group, which the pytest parent never has).
-        send = SimpleNamespace(op=dist.isend, tensor=torch.zeros(3, 5))
-        recv = SimpleNamespace(op=dist.irecv, tensor=torch.zeros(2, dtype=torch.float64))
-        schedules._batch_p2p([])  # the wrapper calls torch's own function (an empty list sends nothing)
-        wrapped = tap._counting_p2p(lambda ops: ops)
-        wrapped([send, recv])
-        assert stats.total_bytes == 0  # not inside a training batch
-        tap.active = True
-        wrapped([send, recv])
-        assert dict(stats.bytes_by_collective) == {"send": 60, "recv": 16}
-    finally:
-        tap.remove()
-    assert all(getattr(dist, name) is original for name, original in originals.items())
-    assert schedules._batch_p2p is batch_p2p
-    assert _compat.PIPELINE_STAGE_CLASS.forward_one_chunk is stage_forward
+    with CollectiveTap(stats):
+        model(torch.ones(3, 4)).sum().backward()
+        dist.all_reduce(torch.ones(5))  # ours (or the user's), not FSDP2's
+        dist.all_gather_into_tensor(torch.zeros(2 * world_size), torch.ones(2))
+    return dict(stats.bytes_by_collective)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tap_counts_only_what_fsdp2_issues(world_size: int) -> None:
+    """The dispatch mode sees every c10d op but records only those FSDP2 issues (HSDP's all-reduce included)."""
+    for counts in run_distributed(_tap_counts, world_size=world_size):
+        all_reduce = {"all_reduce": 88} if world_size == 4 else {}  # the gradient shard: 22 float32
+        assert counts == {"all_gather": counts["all_gather"], "reduce_scatter": 176, **all_reduce}
+        assert counts["all_gather"] % 176 == 0  # the gathered output (forward; backward too where resharded)
 
 
 def test_nothing_is_counted_without_a_monitor() -> None:

@@ -1,39 +1,49 @@
-"""Every private torch name the monitor wraps, in one place for version bumps (checked with torch 2.13).
+"""Every torch-internal name the monitor relies on, in one place for version bumps (checked with torch 2.13).
 
-* ``torch.distributed.pipelining.schedules._batch_p2p``: every schedule sends and receives activations and
-  gradients through it (a list of ``P2POp``); ``_wait_batch_p2p`` waits for them. The monitor counts the bytes of
-  the ops and times the waits.
-* ``torch.distributed.pipelining.stage._PipelineStageBase``: ``forward_one_chunk`` / ``backward_one_chunk`` /
-  ``backward_weight_one_chunk`` run one micro-batch of a stage; their time is the stage's busy time.
-* FSDP2 issues its collectives through the public ``torch.distributed.all_gather_single`` /
-  ``reduce_scatter_single`` (torch >= 2.12) or ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (older).
+* The ``c10d`` dispatcher ops that eager ``torch.distributed`` calls go through (``ProcessGroup`` methods call them,
+  so a ``TorchDispatchMode`` sees them, as torch's own ``CommDebugMode`` does): ``_allgather_base_``
+  (``all_gather_single`` / ``all_gather_into_tensor``), ``_reduce_scatter_base_`` (``reduce_scatter_single`` /
+  ``reduce_scatter_tensor``), ``allreduce_``.
+* The module whose calls the monitor counts, by ``__name__``: FSDP2 issues its all-gathers, reduce-scatters and
+  (HSDP) all-reduces from ``torch.distributed.fsdp._fully_shard``. The issuer of an op is the innermost Python frame
+  outside ``torch.distributed``'s front end (``distributed_c10d``, ``c10d_logger``, the ``torch._dynamo`` wrappers
+  that disable compilation of its functions) and outside dispatch machinery (``torch._ops``, dispatch modes).
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+from collections.abc import Callable
+from typing import Any
 
-import torch.distributed as dist
-from torch.distributed.pipelining import schedules as pipeline_schedules
-from torch.distributed.pipelining.stage import _PipelineStageBase
+import torch
+from torch import Tensor
 
-__all__ = ["FSDP_COLLECTIVES", "PIPELINE_STAGE_CLASS", "PIPELINE_STAGE_METHODS", "fsdp_collective_names", "schedules"]
+__all__ = ["COUNTED_OPS", "FSDP_ISSUERS", "TRANSPARENT_MODULES", "TRANSPARENT_PREFIX"]
 
-schedules: ModuleType = pipeline_schedules
-PIPELINE_STAGE_CLASS = _PipelineStageBase
-PIPELINE_STAGE_METHODS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
 
-FSDP_COLLECTIVES = {
-    "all_gather_single": "all_gather",
-    "reduce_scatter_single": "reduce_scatter",
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
+def _first(args: tuple[Any, ...]) -> list[Tensor]:
+    return [args[0]]
+
+
+def _second(args: tuple[Any, ...]) -> list[Tensor]:
+    return [args[1]]
+
+
+def _listed(args: tuple[Any, ...]) -> list[Tensor]:
+    return list(args[0])
+
+
+_c10d = torch.ops.c10d
+COUNTED_OPS: dict[Any, tuple[str, Callable[[tuple[Any, ...]], list[Tensor]]]] = {
+    # op: (our collective name, the tensors whose bytes count, per the ledger's definition)
+    _c10d._allgather_base_.default: ("all_gather", _first),  # (output, input, ...): the gathered output
+    _c10d._reduce_scatter_base_.default: ("reduce_scatter", _second),  # (output, input, ...): the unsharded input
+    _c10d.allreduce_.default: ("all_reduce", _listed),  # (tensors, ...)
 }
 
-
-def fsdp_collective_names() -> dict[str, str]:
-    """The ``torch.distributed`` functions FSDP2 calls in this torch version, mapped to our collective names."""
-    preferred = [name for name in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, name)]
-    if len(preferred) == 2:
-        return {name: FSDP_COLLECTIVES[name] for name in preferred}
-    return {name: FSDP_COLLECTIVES[name] for name in ("all_gather_into_tensor", "reduce_scatter_tensor")}
+FSDP_ISSUERS: tuple[str, ...] = ("torch.distributed.fsdp._fully_shard.", "torch.distributed._composable.fsdp.")
+"""FSDP2's package (torch >= 2.6), and where it lived before."""
+TRANSPARENT_MODULES = frozenset(
+    {"torch.distributed.distributed_c10d", "torch.distributed.c10d_logger", "torch.utils._python_dispatch"}
+)
+TRANSPARENT_PREFIX = "torch._"  # torch._ops (OpOverload.__call__), torch._dynamo (the front end's disable wrappers)

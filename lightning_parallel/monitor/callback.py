@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_parallel.accounting import (
@@ -74,7 +75,9 @@ class ParallelismMonitor(Callback):
       strategy's ``memory_report()`` where it has one) and the peak process memory (RSS on CPU, max allocated on CUDA).
     * communication: bytes per step by collective type (all-reduce, reduce-scatter, all-gather, send, recv), as
       defined in :mod:`lightning_parallel.monitor.ledger`, measured from the calls our strategies make. Under other
-      strategies (Lightning's ``DDPStrategy``, ...) it is "not measured".
+      strategies (Lightning's ``DDPStrategy``, ...) it is "not measured". FSDP2's collectives (ZeRO-3) are counted by
+      a dispatch mode around FSDP2's pre-forward hooks and over backward, a Python call per op there: its cost is
+      part of ZeRO-3's step times.
     * pipeline: the bubble fraction per rank (time not spent in its stages' forward/backward chunks over the
       schedule's time) and a timeline of the last step.
 
@@ -144,6 +147,8 @@ class ParallelismMonitor(Callback):
         self._stats: CommunicationStats | None = None
         self._times = PhaseTimes()
         self._tap: CollectiveTap | None = None
+        self._tap_hooks: list[RemovableHandle] = []
+        self._in_batch = False
         self._strategy: InstrumentedStrategy | None = None  # ours, while subscribed to its events
         self._instrumentation: Instrumentation | None = None
         self._tracked_before: tuple[Any, bool] | None = None
@@ -174,19 +179,34 @@ class ParallelismMonitor(Callback):
             return
         self._instrumentation = instrumentation = strategy.instrumentation()
         if instrumentation.tap is not None:
-            tap = instrumentation.tap
-            self._tap = CollectiveTap(self._stats, self._times, fsdp=tap == "fsdp", pipeline=tap == "pipeline")
-            self._tap.install()
+            self._tap = CollectiveTap(self._stats)
+            self._tap_hooks = self._tap.hook_forward(pl_module)
         self._strategy = strategy
         strategy.events.subscribe(self)
 
     def on_phase(self, phase: str, seconds: float) -> None:
         """A timed phase of the strategy (``lightning_parallel.instrumentation.PhaseListener``): this step's."""
-        setattr(self._times, phase, getattr(self._times, phase) + seconds)
+        if phase == "pipeline_step":
+            self._times.pipeline_step += seconds
+        elif phase == "exposed_communication":
+            self._times.exposed_communication += seconds
+
+    def on_chunk(self, kind: str, stage: int, start: float, end: float) -> None:
+        """A pipeline chunk this rank's stages ran (``PhaseListener``): busy time and timeline of a training batch."""
+        if self._in_batch:
+            self._times.pipeline_busy += end - start
+            self._times.events.append((kind, stage, start, end))
+
+    def _exit_tap(self) -> None:
+        if self._tap is not None:
+            self._tap.stop()
 
     def _restore(self) -> None:
-        if self._tap is not None:
-            self._tap.remove()
+        self._in_batch = False
+        self._exit_tap()
+        for handle in self._tap_hooks:
+            handle.remove()
+        self._tap_hooks = []
         if self._strategy is not None:
             self._strategy.events.unsubscribe(self)
             self._strategy = None
@@ -197,9 +217,9 @@ class ParallelismMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._times = PhaseTimes()
+        self._in_batch = True
         if self._tap is not None:
-            self._tap.times = self._times
-            self._tap.active = True
+            self._tap.counting = True  # entered around FSDP2's pre-forward hooks and over backward, see below
         self._before = dict(self._stats.bytes_by_collective) if self._stats is not None else {}
         self._step = trainer.global_step
         if self.peak_tensors_step is not None and trainer.global_step == self.peak_tensors_step:
@@ -239,6 +259,13 @@ class ParallelismMonitor(Callback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._set_peak_phase("backward")
+        if self._tap is not None and self._in_batch:
+            # Dispatch modes leave in the reverse order they entered: the tap (entered after the peak tracker) first.
+            self._tap.start()
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit_tap()
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -250,9 +277,11 @@ class ParallelismMonitor(Callback):
     ) -> None:
         _synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._start
-        self._stop_peak_tracking()
         if self._tap is not None:
-            self._tap.active = False
+            self._tap.counting = False
+        self._exit_tap()  # before the peak tracker (see `on_before_backward`); a no-op after a normal backward
+        self._stop_peak_tracking()
+        self._in_batch = False
         communication = None
         if self._stats is not None:
             after = self._stats.bytes_by_collective
@@ -375,6 +404,7 @@ class ParallelismMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._exit_tap()
         self._stop_peak_tracking()
         self._restore()
 

@@ -1,34 +1,41 @@
-"""Communication accounting for the monitor: what counts as "bytes", and scoped wrappers for code we do not own.
+"""Communication accounting for the monitor: what counts as "bytes", and the dispatch mode that counts collectives
+issued by code we do not own.
 
 **Definition.** ``bytes`` of a collective is the size of its *full* buffer on this rank: the tensor all-reduced, the
 (unsharded) input of a reduce-scatter, the (gathered) output of an all-gather, the tensor sent or received by a P2P
 op. That is a property of the call, independent of the backend's algorithm. What a ring algorithm puts on the wire
 per rank is ``2(N-1)/N`` of it for all-reduce and ``(N-1)/N`` for reduce-scatter and all-gather, which is why
 reduce-scatter + all-gather (ZeRO) moves the same wire bytes as one all-reduce (DDP): :func:`ring_wire_bytes`.
-The definitions live in :mod:`lightning_parallel.accounting` (re-exported here); this module adds the scoped
-wrappers and the per-step phase times.
+The definitions live in :mod:`lightning_parallel.accounting` (re-exported here); this module adds the tap and the
+per-step phase times.
 
 **Where the numbers come from.** Our own code records at each call it makes (``CommunicationStats.record``):
 DDP's gradient all-reduce through a communication hook (``DataParallelStrategy(track_communication=True)``), the
 ZeRO-1/2 buckets' reduce-scatter and all-gather and their "got a gradient" flags (one byte per parameter tensor,
-all-reduced at each sync), the pipeline replicas' gradient all-reduce. For code we do not own,
-:class:`CollectiveTap` wraps the torch functions it calls, only while a monitor is attached and only inside training
-batches, and restores them afterwards: FSDP2's all-gathers and reduce-scatters (ZeRO-3) and torch pipelining's P2P
-sends/receives. Control messages of a fixed size (the one-element non-finite-loss flag, the 16-byte ``requires_grad``
-fingerprint of ``distributed/trainable.py`` all-reduced every step, the broadcast of logged values, checkpoint
-gathers) are not counted: the ledger holds the traffic that scales with the model and the batch, and the planner
-predicts exactly that.
+all-reduced at each sync), the pipeline replicas' gradient all-reduce, and the P2P sends and receives of the
+pipeline's stages (``SideEffectFreePipelineStage`` reports the ops it hands torch's schedules). For code we do not
+own, :class:`CollectiveTap` is a ``TorchDispatchMode`` the monitor enters during training batches around FSDP2's
+pre-forward hooks and over backward: it sees every ``c10d`` op (eager ``torch.distributed`` calls go through them)
+and counts those issued by FSDP2 (ZeRO-3: all-gather, reduce-scatter, and the all-reduce across replicas under
+HSDP); the issuer is read from the Python frame that made the call, so our own collectives, which we record
+ourselves, and the user's are never counted twice. Nothing in torch is replaced. Control messages of a fixed size
+(the one-element non-finite-loss flag, the 16-byte ``requires_grad`` fingerprint of ``distributed/trainable.py``
+all-reduced every step, the broadcast of logged values, checkpoint gathers, torch pipelining's one-off shape and
+warm-up messages) are not counted: the ledger holds the traffic that scales with the model and the batch, and the
+planner predicts exactly that.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import sys
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
-import torch.distributed as dist
-from torch import Tensor
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode  # private: see `accounting.py`, which uses it too
+from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.accounting import COLLECTIVES, CommunicationStats, ring_wire_bytes, tensor_bytes
 from lightning_parallel.monitor import _compat
@@ -45,117 +52,86 @@ class PhaseTimes:
     pipeline_busy: float = 0.0
     """Running this rank's stages' forward/backward chunks."""
     pipeline_step: float = 0.0
-    """The whole pipeline schedule of the step (busy + idle)."""
-    pipeline_wait: float = 0.0
-    """Blocked in P2P waits (waiting for a neighbour stage)."""
+    """The whole pipeline schedule of the step (busy + idle: waiting for a neighbour stage, torch's bookkeeping)."""
     events: list[tuple[str, int, float, float]] = field(default_factory=list)
     """``(kind, stage, start, end)`` of every F/B/W chunk of the step (``time.perf_counter`` seconds)."""
 
 
-class CollectiveTap:
-    """Scoped wrappers counting bytes of collectives issued by FSDP2 (``fsdp``) or torch pipelining (``pipeline``).
+class CollectiveTap(TorchDispatchMode):
+    """Dispatch mode counting the bytes of the collectives FSDP2 issues (ZeRO-3) while it is entered.
 
-    :meth:`install` replaces the functions, :meth:`remove` restores the originals; counting happens only while
-    :attr:`active` is true (the monitor sets it for the duration of a training batch). Nothing is wrapped unless a
-    monitor installs a tap, so runs without a monitor pay nothing.
+    Every op passes through :meth:`__torch_dispatch__` (a dictionary look-up); a ``c10d`` collective of
+    :data:`._compat.COUNTED_OPS` is recorded into ``stats`` when the code that called it is FSDP2's
+    (:func:`issuing_module`). A Python call per op is not free (on the tiny GPT under ZeRO-3 on 2 CPU ranks, a mode
+    over the whole step added 40-70% to each of forward, backward and optimizer step), so the monitor enters it only
+    where FSDP2 issues collectives: around FSDP2's own pre-forward hook of each unit (:meth:`hook_forward`: the
+    all-gathers of forward) and over backward (the all-gathers of units resharded after forward, the reduce-scatters,
+    HSDP's all-reduce), during training batches. Runs without a monitor and evaluation pay nothing. No public hook
+    brackets FSDP2's backward collectives alone, so backward's ops all pass through it.
+
+    Usable as a context manager, or with :meth:`start` / :meth:`stop` (idempotent).
 
     Args:
         stats: the ledger to record into (the strategy's ``communication_stats``).
-        times: where to accumulate pipeline busy/wait seconds.
-        fsdp: wrap FSDP2's all-gather / reduce-scatter.
-        pipeline: wrap torch pipelining's P2P batches, waits and stage chunks.
     """
 
-    def __init__(self, stats: CommunicationStats, times: PhaseTimes, *, fsdp: bool, pipeline: bool) -> None:
+    def __init__(self, stats: CommunicationStats) -> None:
+        super().__init__()
         self.stats = stats
-        self.times = times
-        self.fsdp = fsdp
-        self.pipeline = pipeline
-        self.active = False
-        self._restore: list[tuple[Any, str, Any]] = []
+        self.counting = False
+        """Whether :meth:`hook_forward`'s hooks enter the tap (the monitor sets it for training batches)."""
+        self._entered = self._entered_by_hook = False
 
-    @property
-    def installed(self) -> bool:
-        return bool(self._restore)
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        counted = _compat.COUNTED_OPS.get(func)
+        if counted is not None and issuing_module(sys._getframe(1)).startswith(_compat.FSDP_ISSUERS):
+            collective, tensors = counted
+            self.stats.record(collective, sum(tensor_bytes(tensor) for tensor in tensors(args)))
+        return func(*args, **(kwargs or {}))
 
-    def install(self) -> None:
-        if self.installed:
-            return
-        if self.fsdp:
-            for name, collective in _compat.fsdp_collective_names().items():
-                self._wrap(dist, name, self._counting_collective(getattr(dist, name), collective))
-        if self.pipeline:
-            schedules = _compat.schedules
-            self._wrap(schedules, "_batch_p2p", self._counting_p2p(schedules._batch_p2p))
-            self._wrap(schedules, "_wait_batch_p2p", self._timed(schedules._wait_batch_p2p, "pipeline_wait"))
-            stage_class = _compat.PIPELINE_STAGE_CLASS
-            for name, kind in _compat.PIPELINE_STAGE_METHODS.items():
-                if hasattr(stage_class, name):
-                    self._wrap(stage_class, name, self._timed_chunk(getattr(stage_class, name), kind))
+    def start(self) -> None:
+        if not self._entered:
+            self.__enter__()
+            self._entered = True
 
-    def remove(self) -> None:
-        for owner, name, original in reversed(self._restore):
-            setattr(owner, name, original)
-        self._restore.clear()
-        self.active = False
+    def stop(self) -> None:
+        if self._entered:
+            self._entered = self._entered_by_hook = False
+            self.__exit__(None, None, None)
 
-    def _wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
-        self._restore.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, wrapper)
+    def hook_forward(self, module: nn.Module) -> list[RemovableHandle]:
+        """Enter the tap (while :attr:`counting`) just before FSDP2's pre-forward hook of every unit in ``module``,
+        which all-gathers the unit's parameters, and leave it just after; the forward itself runs without it.
 
-    def _counting_collective(self, original: Callable[..., Any], collective: str) -> Callable[..., Any]:
-        tap = self
+        FSDP2 registers its pre-forward hook with ``prepend=True`` when it shards a unit; ours, registered later, go
+        before it (``prepend=True``) and after it. Returns the handles (remove them to stop)."""
+        handles = []
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                handles.append(unit.register_forward_pre_hook(self._enter_before_unshard, prepend=True))
+                handles.append(unit.register_forward_pre_hook(self._leave_after_unshard))
+        return handles
 
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if tap.active:
-                # all-gather: (output, input) -> the gathered output; reduce-scatter: (output, input) -> the input.
-                output = kwargs.get("output_tensor", kwargs.get("output", args[0] if args else None))
-                source = kwargs.get("input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
-                full = output if collective == "all_gather" else source
-                if isinstance(full, Tensor):
-                    tap.stats.record(collective, tensor_bytes(full))
-            return original(*args, **kwargs)
+    def _enter_before_unshard(self, module: nn.Module, args: Any) -> None:
+        # Already entered (a unit's forward re-run in backward by activation checkpointing): leave it to its owner.
+        if self.counting and not self._entered:
+            self.start()
+            self._entered_by_hook = True
 
-        return wrapper
+    def _leave_after_unshard(self, module: nn.Module, args: Any) -> None:
+        if self._entered_by_hook:
+            self._entered_by_hook = False
+            self.stop()
 
-    def _counting_p2p(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        tap = self
 
-        def wrapper(p2p_ops: list[Any], *args: Any, **kwargs: Any) -> Any:
-            if tap.active:
-                for op in p2p_ops:
-                    kind = "send" if getattr(op.op, "__name__", "") == "isend" else "recv"
-                    tap.stats.record(kind, tensor_bytes(op.tensor))
-            return original(p2p_ops, *args, **kwargs)
-
-        return wrapper
-
-    def _timed(self, original: Callable[..., Any], phase: str) -> Callable[..., Any]:
-        tap = self
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not tap.active:
-                return original(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                setattr(tap.times, phase, getattr(tap.times, phase) + time.perf_counter() - start)
-
-        return wrapper
-
-    def _timed_chunk(self, original: Callable[..., Any], kind: str) -> Callable[..., Any]:
-        tap = self
-
-        def wrapper(stage: Any, *args: Any, **kwargs: Any) -> Any:
-            if not tap.active:
-                return original(stage, *args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return original(stage, *args, **kwargs)
-            finally:
-                end = time.perf_counter()
-                tap.times.pipeline_busy += end - start
-                tap.times.events.append((kind, int(getattr(stage, "stage_index", 0)), start, end))
-
-        return wrapper
+def issuing_module(frame: FrameType | None) -> str:
+    """``__name__`` of the module whose code issued the collective being dispatched: the innermost frame from
+    ``frame`` outwards that is neither ``torch.distributed``'s front end nor dispatch machinery ("": none).
+    Walked only for the few counted ops of a step."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        transparent = name in _compat.TRANSPARENT_MODULES or name.startswith(_compat.TRANSPARENT_PREFIX)
+        if not transparent and frame.f_code.co_name != "__torch_dispatch__":
+            return str(name)
+        frame = frame.f_back
+    return ""

@@ -482,6 +482,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             num_microbatches=self.num_microbatches,
             device=self.root_device,
             call=call,
+            on_chunk=self.events.chunk,
+            on_p2p=self.communication_stats.record if self.track_communication else None,
         )
 
     def _example_model_inputs(
@@ -661,7 +663,6 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def instrumentation(self) -> Instrumentation:
         return Instrumentation(
             data_parallel_size=self.mesh_layout.data_parallel_size,
-            tap="pipeline",
             times_exposed_communication=True,
             is_pipeline=True,
         )

@@ -9,6 +9,10 @@ layer-sync flag) are in :mod:`lightning_parallel._compat`, so this package impor
 * ``PipelineStage._compute_outputs`` (torch >= 2.12) / ``_shape_inference`` (earlier): the methods that run a stage's
   forward for metadata inference only; wrapped so that run leaves no trace in buffers (BatchNorm statistics) or RNG.
   If neither exists we refuse to build stages rather than silently update BatchNorm statistics twice.
+* ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk`` and
+  ``get_{fwd,bwd}_{send,recv}_ops``: public names of ``PipelineStage`` defined on its private base
+  ``_PipelineStageBase``, through which every schedule runs a micro-batch and builds its P2P ops;
+  ``SideEffectFreePipelineStage`` overrides them (calling torch's) to time chunks and count P2P bytes.
 * ``FakeTensorMode`` (``torch._subclasses.fake_tensor``): :mod:`.flops` counts a layer's FLOPs with fake stand-ins
   for its parameters (shapes without memory that report their real device), as torch's own ``FlopCounterMode`` tests
   and ``torch.export`` do.

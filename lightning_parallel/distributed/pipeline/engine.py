@@ -29,7 +29,13 @@ from lightning_parallel.distributed.pipeline.contract import (
 )
 from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, detached_cpu, pad_batch, slice_batch
 from lightning_parallel.distributed.pipeline.partition import StagePlan
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims, PipelineRuntime, build_runtime
+from lightning_parallel.distributed.pipeline.schedule import (
+    ChunkObserver,
+    P2PObserver,
+    ParallelDims,
+    PipelineRuntime,
+    build_runtime,
+)
 from lightning_parallel.distributed.pipeline.side_inputs import side_input_names
 
 __all__ = ["PipelineEngine", "StepOutcome"]
@@ -84,6 +90,8 @@ class PipelineEngine:
         num_microbatches: Micro-batches per batch.
         device: This rank's device.
         call: The model call of the step that the pipeline answers (default: ``self(...)`` of ``module``).
+        on_chunk: Told of every forward/backward chunk this rank's stages run (the strategy's events).
+        on_p2p: Told of every P2P op (``"send"``/``"recv"``, bytes) this rank's stages send or receive.
     """
 
     def __init__(
@@ -97,6 +105,8 @@ class PipelineEngine:
         num_microbatches: int,
         device: torch.device,
         call: ModelCall | None = None,
+        on_chunk: ChunkObserver | None = None,
+        on_p2p: P2PObserver | None = None,
     ) -> None:
         self.module = module
         self.call = call or ModelCall(module)
@@ -106,6 +116,7 @@ class PipelineEngine:
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.device = device
+        self.on_chunk, self.on_p2p = on_chunk, on_p2p
         self._runtimes: dict[tuple[Any, ...], PipelineRuntime] = {}
         self._state: _StepState | None = None
         self._current: PipelineRuntime | None = None
@@ -246,6 +257,8 @@ class PipelineEngine:
                 device=self.device,
                 loss_fn=self._loss_fn if mode == "train" else None,
                 side_names=side_input_names(model_inputs[1]),
+                on_chunk=self.on_chunk,
+                on_p2p=self.on_p2p,
             )
         return self._runtimes[key]
 

@@ -7,11 +7,13 @@ every rank instead of hanging) and lays ranks out as ``data-parallel replica x p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -23,6 +25,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from lightning_parallel.accounting import tensor_bytes
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.partition import StageModule, StagePlan
@@ -31,8 +34,11 @@ from lightning_parallel.distributed.pipeline.side_effects import preserved_state
 __all__ = [
     "MULTI_STAGE_SCHEDULES",
     "SCHEDULES",
+    "ChunkObserver",
+    "P2PObserver",
     "ParallelDims",
     "PipelineRuntime",
+    "SideEffectFreePipelineStage",
     "build_runtime",
     "check_count",
     "resolve_schedule",
@@ -185,8 +191,17 @@ class PipelineRuntime:
         return _compat.schedule_backward_initialized(self.schedule)
 
 
+ChunkObserver = Callable[[str, int, float, float], None]
+"""``fn(kind, stage_index, start, end)``: a stage ran one ``"F"``/``"B"``/``"W"`` chunk (``time.perf_counter``)."""
+
+P2PObserver = Callable[[str, int], None]
+"""``fn("send" | "recv", num_bytes)``: a stage handed the schedule one P2P op of ``num_bytes`` to send or receive."""
+
+
 class SideEffectFreePipelineStage(PipelineStage):
-    """``PipelineStage`` whose metadata inference leaves the stage's buffers and the RNG streams as they were.
+    """``PipelineStage`` whose metadata inference leaves the stage's buffers and the RNG streams as they were, and
+    which reports the time of every chunk it runs to :attr:`on_chunk` and every P2P op it sends or receives to
+    :attr:`on_p2p`.
 
     torch infers shapes by running each stage's forward once more before the first micro-batch: the first stage on
     micro-batch 0, the others on uninitialised tensors. In training mode that updated BatchNorm's running statistics
@@ -195,7 +210,55 @@ class SideEffectFreePipelineStage(PipelineStage):
     torch version (:func:`._compat.stage_inference_method`); the other name passes through unchanged. (Recent torch's
     static mode, every stage's ``input_args``/``output_args`` given up front, would skip the run: it needs each
     stage's shapes for every batch shape before its first step.)
+
+    Chunk times (a monitor's busy time and timeline) come from overriding the schedule-facing methods that run one
+    micro-batch (``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``): every torch schedule
+    drives a stage through them. P2P bytes come from the methods that build the activations' and gradients' send and
+    receive ops (``get_{fwd,bwd}_{send,recv}_ops``), which the schedules hand to ``batch_isend_irecv`` as they are:
+    each op's tensor is what is sent or received (torch's one-off neighbour warm-up at the first step is not counted).
     """
+
+    on_chunk: ChunkObserver | None = None
+    """Told the kind, stage index and start/end of each chunk; ``None``: nothing is timed."""
+    on_p2p: P2PObserver | None = None
+    """Told the kind and bytes of each P2P op; ``None``: nothing is counted."""
+
+    def get_fwd_send_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+        return self._counted("send", super().get_fwd_send_ops(*args, **kwargs))
+
+    def get_bwd_send_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+        return self._counted("send", super().get_bwd_send_ops(*args, **kwargs))
+
+    def get_fwd_recv_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+        return self._counted("recv", super().get_fwd_recv_ops(*args, **kwargs))
+
+    def get_bwd_recv_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+        return self._counted("recv", super().get_bwd_recv_ops(*args, **kwargs))
+
+    def _counted(self, kind: str, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        if self.on_p2p is not None:
+            for op in ops:
+                self.on_p2p(kind, tensor_bytes(op.tensor))
+        return ops
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._observed("F", super().forward_one_chunk, args, kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._observed("B", super().backward_one_chunk, args, kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._observed("W", super().backward_weight_one_chunk, args, kwargs)
+
+    def _observed(self, kind: str, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        observer = self.on_chunk
+        if observer is None:
+            return run(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            observer(kind, self.stage_index, start, time.perf_counter())
 
     def _compute_outputs(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_inference("_compute_outputs", args, kwargs)
@@ -221,6 +284,8 @@ def build_runtime(
     device: torch.device,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     side_names: Sequence[str] = (),
+    on_chunk: ChunkObserver | None = None,
+    on_p2p: P2PObserver | None = None,
 ) -> PipelineRuntime:
     """Wrap this rank's stages in ``PipelineStage`` objects and build the schedule.
 
@@ -228,10 +293,11 @@ def build_runtime(
     LoopedBFS's for several. Gradients are never scaled by torch (``scale_grads=False``): the caller's loss already
     divides by the number of micro-batches and accumulation steps (torch's scaling would also rescale gradients
     accumulated in earlier steps, pytorch/torchtitan#1733). ``side_names``: the model call's side inputs
-    (:mod:`.side_inputs`), which every stage carries along.
+    (:mod:`.side_inputs`), which every stage carries along. ``on_chunk`` / ``on_p2p``: told of every chunk the
+    stages run / P2P op they send or receive.
     """
     _compat.stage_inference_method(PipelineStage)  # this torch has the method the stages wrap (a clear error if not)
-    stages: list[PipelineStage] = [
+    built = [
         SideEffectFreePipelineStage(
             StageModule(
                 [layers[i] for i in plan.layers_of(stage_index)],
@@ -246,6 +312,9 @@ def build_runtime(
         )
         for stage_index in plan.stages_of(dims.pipeline_rank)
     ]
+    for stage in built:
+        stage.on_chunk, stage.on_p2p = on_chunk, on_p2p
+    stages: list[PipelineStage] = list(built)
     name = schedule if loss_fn is not None else ("LoopedBFS" if len(stages) > 1 else "GPipe")
     schedule_class = SCHEDULES[name]
     if name in MULTI_STAGE_SCHEDULES:
