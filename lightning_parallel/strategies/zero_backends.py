@@ -480,8 +480,6 @@ class FullyShardBackend(ReplicatedBackend):
             zero3.round_parameters(module, self.compute_dtype)  # initialised in fp32: as a 16-bit init would be
         module.to(device)
         initialise_root(self.units[-1])  # `module`: the root whichever unit's forward runs first
-        if replicate is not None and self.stats is not None:
-            self._count_replica_all_reduce()
         # Weight-averaging callbacks copied the whole module in their `setup`: each copy now holds this rank's shard of
         # every parameter, starting from the module's (rank 0's) rows, as DDP's rank 0 copy starts from its module.
         self.averaged_copies = hold_averaged_copies(self.callbacks, module, ShardedCopyLayout(device))
@@ -497,18 +495,6 @@ class FullyShardBackend(ReplicatedBackend):
         if self.mesh is not None:
             return self.mesh
         return MeshLayout.for_sharding(self.world_size, None).build(device.type)  # used without a strategy
-
-    def _count_replica_all_reduce(self) -> None:
-        """Count HSDP's all-reduce of each unit's reduced gradient shard across the replica groups into
-        :attr:`stats` (as ``"all_reduce"``, the shard's bytes): FSDP2 calls the hook with the all-reduced tensor."""
-        stats = self.stats
-        assert stats is not None
-
-        def count(reduced: Tensor) -> None:
-            stats.record("all_reduce", reduced.numel() * reduced.element_size())
-
-        for unit in self._fsdp_units:
-            unit.set_all_reduce_hook(count)
 
     def convert_module(self, plugin: Precision, module: nn.Module) -> None:
         """A module sharded with fp32 masters by an earlier ``fit`` is left as it is: ``bf16-true``'s cast would round
