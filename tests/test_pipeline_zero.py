@@ -17,6 +17,10 @@ batches:
 
 Every sharded run: weights equal one device, the tied copies are bitwise equal, and ``memory_report()`` shows each
 rank holding exactly half its stage's optimizer state (and, at stage 2, half its gradients).
+
+zero_stage=3 (issue 22, item 3) has a run of its own: FSDP2 shards each stage's parameters too, the tied copies
+included (every rank holds half of everything), on the same cases and schedules; its consolidated checkpoint is the
+single-device one and resumes on one device and under zero_stage=0, and the single-device one resumes under it.
 """
 
 from __future__ import annotations
@@ -29,10 +33,14 @@ import model_zoo as zoo
 import pytest
 import torch
 from distributed_harness import run_distributed
+from torch.distributed.tensor import DTensor
 from training_helpers import assert_checkpoint_is_single_devices, assert_weights_close
 
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.accounting import storage_bytes
+from lightning_parallel.distributed.pipeline.partition import StagePlan
+from lightning_parallel.distributed.pipeline.tied import TiedParameter
+from lightning_parallel.distributed.pipeline.zero import check_no_tie_within_a_rank
 
 SGD_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 ADAM_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # as tests/test_pipeline.py
@@ -57,7 +65,8 @@ class _AtTrainEnd(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         named = pl_module.named_parameters(remove_duplicate=False)
         self.facts = {
-            "copies": {n: p.detach().clone() for n, p in named if n in TIED},
+            # zero_stage=3: each copy whole (a collective over the stage's replicas, in the same order on each).
+            "copies": {n: _whole(p.detach()).clone() for n, p in named if n in TIED},
             "stage_numel": sum(p.numel() for p in pl_module.parameters()),
             "memory": trainer.strategy.memory_report().as_dict() if pl_module.trainer.world_size > 1 else None,
             # What the monitor's peak breakdown counts as gradients: the same storages memory_report() counts.
@@ -65,6 +74,10 @@ class _AtTrainEnd(pl.Callback):
             if pl_module.trainer.world_size > 1
             else None,
         }
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _fit(
@@ -194,15 +207,100 @@ def test_zero_inside_the_pipeline_trains_like_one_device_and_resumes_on_one_devi
         assert_weights_close(run["weights"], two_epochs, **ADAM_TOLERANCE)
 
 
-@pytest.mark.parametrize("zero_stage", [3, -1, True, "1", 1.0, None])
+@pytest.mark.parametrize("zero_stage", [4, -1, True, "1", 1.0, None])
 def test_invalid_zero_stage_is_refused_naming_the_value_and_the_options(zero_stage: Any) -> None:
     with pytest.raises(ValueError, match=r"`zero_stage=.*` is invalid\. Valid options: 0 .*1 .*2"):
         PipelineParallelStrategy(zero_stage=zero_stage)
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_zero_with_the_sharded_checkpoint_format_is_refused_with_the_fix(zero_stage: int) -> None:
     with pytest.raises(
         ValueError, match=rf"`zero_stage={zero_stage}` with `checkpoint_format='sharded'`.*'consolidated'"
     ):
         PipelineParallelStrategy(zero_stage=zero_stage, checkpoint_format="sharded")
+
+
+# ---------------------------------------------------------------------------------------------------- zero_stage=3
+def _four_ranks_zero3(rank: int, world_size: int, directory: str) -> dict[str, dict]:
+    """zero_stage=3 at 2 x 2; ``zero3_adam`` saves the checkpoint that the last run (and one device) resume."""
+    zero3 = f"{directory}/zero3.ckpt"
+    return {
+        "zero3_adam": _fit(zoo.TiedGPT, _pipeline(3), world_size, checkpoint=zero3, **_epochs(1)),
+        "zero3_sgd_clipped": _fit(SGDTiedGPT, _pipeline(3), world_size, gradient_clip_val=CLIP),
+        "zero3_accumulated": _fit(zoo.TiedGPT, _pipeline(3), world_size, accumulate_grad_batches=2),
+        "zero3_resumed": _fit(zoo.TiedGPT, _pipeline(3), world_size, resume=f"{directory}/single.ckpt", **_epochs(2)),
+        "plain_resumed": _fit(zoo.TiedGPT, _pipeline(0), world_size, resume=zero3, **_epochs(2)),
+        **{
+            f"zero3_{schedule}": _fit(zoo.TiedGPT, _pipeline(3, schedule), world_size, **_epochs(1))
+            for schedule in ("GPipe", "Interleaved1F1B")
+        },
+    }
+
+
+def _references_zero3(rank: int, world_size: int, directory: str) -> dict[str, dict]:
+    return {
+        "adam": _fit(zoo.TiedGPT, "auto", 1, checkpoint=f"{directory}/single.ckpt", **_epochs(1)),
+        "sgd_clipped": _fit(SGDTiedGPT, "auto", 1, gradient_clip_val=CLIP),
+        "accumulated": _fit(zoo.TiedGPT, "auto", 1, accumulate_grad_batches=2),
+        "two_epochs": _fit(zoo.TiedGPT, "auto", 1, **_epochs(2)),
+    }
+
+
+def _check_zero3_run(results: list[dict], reference: dict, tolerance: dict, *, state_elements: int) -> None:
+    for result in results:
+        assert_weights_close(result["weights"], reference["weights"], **tolerance)
+        assert result["is_tied"]  # the module is plain and whole after fit, the tie intact
+        assert not any(isinstance(t, DTensor) for t in result["weights"].values())
+    copies = [value for result in results for value in result["copies"].values()]
+    assert len(copies) == 4  # the embedding on the first stage's 2 ranks, the head on the last stage's 2
+    for copy in copies[1:]:
+        assert torch.equal(copy, copies[0])  # the copies stepped identically, bit for bit
+    for result in results:
+        numel = result["stage_numel"]
+        shard = 4 * numel // DP  # fp32; every parameter's rows split evenly over the 2 replicas (no padding)
+        assert result["memory"] == {
+            "parameters": shard,
+            "gradients": shard,
+            "optimizer_state": state_elements * shard,
+            "total": (2 + state_elements) * shard,
+        }
+        assert result["gradient_tensor_bytes"] == shard
+
+
+def test_zero3_inside_the_pipeline_shards_everything_trains_like_one_device_and_resumes(tmp_path: Path) -> None:
+    directory = str(tmp_path)
+    (single,) = run_distributed(_references_zero3, 1, args=(directory,), init_process_group=False, timeout=180)
+    results = run_distributed(_four_ranks_zero3, 4, args=(directory,), init_process_group=False, timeout=300)
+    runs = {name: [result[name] for result in results] for name in results[0]}
+    checkpoint = str(tmp_path / "zero3.ckpt")
+    (resumed,) = run_distributed(_resumed_on_one_device, 1, args=(checkpoint,), init_process_group=False, timeout=120)
+
+    _check_zero3_run(runs["zero3_adam"], single["adam"], ADAM_TOLERANCE, state_elements=2)
+    _check_zero3_run(runs["zero3_sgd_clipped"], single["sgd_clipped"], SGD_TOLERANCE, state_elements=1)
+    _check_zero3_run(runs["zero3_accumulated"], single["accumulated"], ADAM_TOLERANCE, state_elements=2)
+    for schedule in ("GPipe", "Interleaved1F1B"):
+        _check_zero3_run(runs[f"zero3_{schedule}"], single["adam"], ADAM_TOLERANCE, state_elements=2)
+    # Half of zero_stage=0's bytes per rank and more: parameters, gradients and state all halved.
+    saved = torch.load(checkpoint, weights_only=True)
+    expected = torch.load(tmp_path / "single.ckpt", weights_only=True)
+    assert_checkpoint_is_single_devices(saved, expected, **ADAM_TOLERANCE)
+    two_epochs = single["two_epochs"]["weights"]
+    for run in (resumed, *runs["plain_resumed"], *runs["zero3_resumed"]):
+        assert run["global_step"] == 2 * zoo.STEPS
+        assert_weights_close(run["weights"], two_epochs, **ADAM_TOLERANCE)
+
+
+def test_zero3_refuses_the_zero_bubble_schedule_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"`zero_stage=3` with `schedule='InterleavedZeroBubble'`.*`zero_stage=2`"):
+        PipelineParallelStrategy(zero_stage=3, schedule="InterleavedZeroBubble")
+
+
+def test_zero3_refuses_a_tied_weight_whose_users_share_a_pipeline_rank() -> None:
+    tied = [TiedParameter("embedding.weight", ((0, "weight"), (3, "weight")))]
+    # Looped placement: 4 stages on 2 ranks, stages 0 and 2 on rank 0, 1 and 3 on rank 1.
+    check_no_tie_within_a_rank(tied, StagePlan((0, 1, 2, 3), 4, 2), 2)  # layer 0 on rank 0, layer 3 on rank 1
+    with pytest.raises(ValueError, match=r"`zero_stage=3` cannot shard `embedding.weight`.*`zero_stage=2`"):
+        check_no_tie_within_a_rank(tied, StagePlan((0, 2), 4, 1), 1)
+    with pytest.raises(ValueError, match=r"pipeline layers \(0, 3\) that run on one pipeline rank"):
+        check_no_tie_within_a_rank([TiedParameter("w", ((0, "w"), (3, "w")))], StagePlan((0, 1, 2, 3), 4, 3), 3)

@@ -43,6 +43,13 @@ from lightning_parallel.distributed.pipeline.consolidate import (
 )
 from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch, replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
+from lightning_parallel.distributed.pipeline.fully_shard import (
+    PipelineFullyShard,
+    full_tensors,
+    load_whole_parameters,
+    shard_optimizer_state,
+    whole_optimizer_state,
+)
 from lightning_parallel.distributed.pipeline.gradients import average_across_replicas
 from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, batch_size_of
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
@@ -82,7 +89,7 @@ from lightning_parallel.distributed.pipeline.verify import (
     check_single_evaluation_optimizers,
     closure_evaluated_twice,
 )
-from lightning_parallel.distributed.pipeline.zero import PipelineZero, check_zero_stage
+from lightning_parallel.distributed.pipeline.zero import PipelineZero, check_no_tie_within_a_rank, check_zero_stage
 from lightning_parallel.distributed.zero_optimizer import check_shardable
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
@@ -193,7 +200,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         verify_layers: bool = True,
         activation_checkpointing: ActivationCheckpointing = False,
         checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
-        zero_stage: Literal[0, 1, 2] = 0,
+        zero_stage: Literal[0, 1, 2, 3] = 0,
         start_method: StartMethod = "popen",
         timeout: timedelta | float = default_pg_timeout,
         process_group_backend: str | None = None,
@@ -217,7 +224,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             raise ValueError(
                 f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
             )
-        check_zero_stage(zero_stage, checkpoint_format=checkpoint_format)
+        check_zero_stage(zero_stage, checkpoint_format=checkpoint_format, schedule=self.schedule)
         super().__init__(
             start_method=start_method,
             timeout=timeout,
@@ -237,7 +244,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self.verify_layers = verify_layers
         self.checkpoint_format = checkpoint_format
         self.zero_stage = zero_stage
-        self._zero: PipelineZero | None = None  # built with the optimizers when `zero_stage > 0` shards something
+        self._zero: PipelineZero | None = None  # built with the optimizers when `zero_stage` 1-2 shards something
+        self._fully_shard: PipelineFullyShard | None = None  # built at the split when `zero_stage=3` shards something
         self._config: PipelineConfig | None = None
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._dims: ParallelDims | None = None
@@ -378,9 +386,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 f"`precision={self.precision_plugin.precision!r}` is not supported by PipelineParallelStrategy."
                 f" Valid options: {', '.join(map(repr, _SUPPORTED_PRECISION))}."
             )
-        if fitting and self.pipeline_parallel_size > 1:
+        if fitting and (self.pipeline_parallel_size > 1 or self.zero_stage == 3):
             check_parameter_callbacks(
-                trainer.callbacks, strategy_name="pipeline", layout="only its stage's layers on each rank"
+                trainer.callbacks, strategy_name="pipeline", layout="only its stage's layers (or their shards)"
             )
         if fitting:
             check_averaging_checkpoint_format(
@@ -414,6 +422,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         optimizers = self.unwrapped_optimizers()
         for optimizer in optimizers:
             check_shardable(optimizer, warn=rank_zero_warn)
+        if self._fully_shard is not None:  # stage 3: the parameters were sharded at the split
+            return
         self._zero = PipelineZero(
             self.module,
             optimizers,
@@ -450,6 +460,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._full_state_keys = list(module.state_dict().keys())
         self._full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
         self._tied, self._aliases = find_tied_parameters(module, layers), parameter_aliases(module)
+        shards = self.zero_stage == 3 and dims.data_parallel_size > 1
+        if shards:
+            check_no_tie_within_a_rank(self._tied, plan, self.pipeline_parallel_size)
         # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
         self._optimizer_layouts = self._whole_model_optimizer_layouts(
             module, fitting=trainer.state.fn == TrainerFn.FITTING
@@ -469,10 +482,20 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._all_layers, self._layer_registrations = layers, registrations
         held = set(canonical_names(module, self._aliases).values())
         self._local_parameter_names = held - layout.uncounted(dims.pipeline_rank)
-        kept_layers = [layer if i in local else None for i, layer in enumerate(layers)]
         self._dims, self._plan = dims, plan
         self.precision_plugin.convert_module(module)
         self.model_to_device()
+        self._fully_shard = None
+        if shards:  # ZeRO-3: the local layers' sharded copies run the stages (the optimizers are built after this)
+            self._fully_shard = PipelineFullyShard(
+                module,
+                {i: layers[i] for i in local},
+                registrations=registrations,
+                mesh=self.device_mesh["replicate"],
+                aliases=self._aliases,
+            )
+        running = self._fully_shard.layers if self._fully_shard is not None else {i: layers[i] for i in local}
+        kept_layers = [running.get(i) for i in range(len(layers))]
         self._engine = PipelineEngine(
             module,
             layers=kept_layers,
@@ -651,6 +674,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             if self._zero is not None:  # reduce-scatter into the replicas' shards, then the tied sum on them
                 self._zero.reduce_gradients()
                 return
+            if self._fully_shard is not None:  # FSDP2 reduce-scattered each micro-batch: the tied sum on the shards
+                if self._tied_sync is not None:
+                    self._tied_sync.all_reduce(self.module, self._aliases, stats=stats)
+                return
             average_across_replicas(
                 _grads(optimizer), group=dims.data_parallel_group, size=dims.data_parallel_size, stats=stats
             )
@@ -681,6 +708,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         counted, copies = split_counted(
             [(p, p) for p in params], {id(p) for p in params if names.get(id(p)) in uncounted}
         )
+        if self._fully_shard is not None:  # the replicas hold disjoint rows of each stage's gradients
+            groups = [dims.data_parallel_group, dims.pipeline_group]
+            self._fully_shard.clip_grad_norm(counted, copies, clip_val, groups=groups, device=self.root_device)
+            return
         # Replicas of a stage hold equal, already averaged gradients: the pipeline group splits them.
         clip_grad_norm_over_ranks_(
             counted, clip_val, groups=[dims.pipeline_group], device=self.root_device, copies=copies
@@ -725,7 +756,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             whole = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
             whole.update({alias: whole[name] for alias, name in self._aliases.items() if alias in whole})
             return whole if self.is_global_zero else {}
-        state = consolidate_state_dict(self.module, self._full_state_keys, self.parallel_dims, aliases=self._aliases)
+        local = full_tensors(self.module.state_dict()) if self._fully_shard is not None else None
+        state = consolidate_state_dict(
+            self.module, self._full_state_keys, self.parallel_dims, aliases=self._aliases, local=local
+        )
         return state if state is not None and self.is_global_zero else {}
 
     @override
@@ -742,6 +776,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             if not plain:  # replicas but the first: their pipeline's gather is dropped (global rank 0 keeps one)
                 plain = {"state": {}, "param_groups": [_settings(group) for group in optimizer.param_groups]}
             local = local_optimizer_state(optimizer, names, state_dict=plain, group_params=group_params)
+        elif self._fully_shard is not None:  # the replicas' rows gathered whole on every replica (after fit too)
+            names = self._fully_shard.names
+            local = local_optimizer_state(optimizer, names, state_dict=whole_optimizer_state(optimizer))
         state = consolidate_optimizer_state(
             optimizer, names, self._optimizer_layouts[index], self.parallel_dims, local=local
         )
@@ -782,8 +819,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.is_split:
             return super().load_model_state_dict(checkpoint, strict=strict)
+        load = load_whole_parameters if self._fully_shard is not None else None
         load_local_state(
-            self.module, checkpoint["state_dict"], self._full_state_keys, strict=strict, aliases=self._aliases
+            self.module,
+            checkpoint["state_dict"],
+            self._full_state_keys,
+            strict=strict,
+            aliases=self._aliases,
+            load=load,
         )
         return None
 
@@ -795,6 +838,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         ):
             if self._zero is None:
                 optimizer.load_state_dict(slice_optimizer_state(state, optimizer, names, layout))
+                if self._fully_shard is not None:  # each replica keeps its rows of the whole states
+                    shard_optimizer_state(optimizer)
                 continue
             group_params = self._zero.group_params(optimizer)
             local = slice_optimizer_state(state, optimizer, names, layout, group_params=group_params)
@@ -817,6 +862,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 mark_orphaned(module)
             return
         self._wait_for_peers("the teardown's gather of the stages")  # a peer that failed after training skips it
+        if self._fully_shard is not None:  # ZeRO-3: the shards gathered into the user's layers, back in the module
+            self._fully_shard.restore()
         reassemble(
             module,
             layers=self._all_layers,
