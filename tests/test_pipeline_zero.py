@@ -33,6 +33,7 @@ import model_zoo as zoo
 import pytest
 import torch
 from distributed_harness import run_distributed
+from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch.distributed.tensor import DTensor
 from training_helpers import assert_checkpoint_is_single_devices, assert_weights_close
 
@@ -304,3 +305,20 @@ def test_zero3_refuses_a_tied_weight_whose_users_share_a_pipeline_rank() -> None
         check_no_tie_within_a_rank(tied, StagePlan((0, 2), 4, 1), 1)
     with pytest.raises(ValueError, match=r"pipeline layers \(0, 3\) that run on one pipeline rank"):
         check_no_tie_within_a_rank([TiedParameter("w", ((0, "w"), (3, "w")))], StagePlan((0, 1, 2, 3), 4, 3), 3)
+
+
+def _fit_with_averaging(rank: int, world_size: int) -> str:
+    trainer = zoo.trainer(_pipeline(3), world_size, callbacks=[EMAWeightAveraging()])
+    sampler = trainer.strategy.distributed_sampler_kwargs
+    try:
+        trainer.fit(zoo.TiedGPT(), zoo.loader(sampler["num_replicas"], sampler["rank"], kind="tokens"))
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+def test_zero3_refuses_weight_averaging_on_every_rank_with_the_fix() -> None:
+    messages = run_distributed(_fit_with_averaging, 2, init_process_group=False, timeout=60)
+    for message in messages:
+        assert "`EMAWeightAveraging` is not supported with `PipelineParallelStrategy(zero_stage=3)`" in message
+        assert "Use `zero_stage=2`" in message

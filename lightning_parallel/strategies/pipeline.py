@@ -97,6 +97,7 @@ from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.clipping import with_clipping
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.parameter_callbacks import (
+    AVERAGING_CALLBACKS,
     check_averaging_checkpoint_format,
     check_parameter_callbacks,
     hold_averaged_copies,
@@ -172,10 +173,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             ``"replicate"`` axis): ``0`` (off: every replica holds its stage's whole gradients and optimizer state),
             ``1`` (each replica keeps the optimizer state of ``1/dp`` of its stage's parameters:
             ``8 * stage_params / dp`` bytes for Adam(W) in fp32), ``2`` (the gradients too:
-            ``4 * stage_params / dp`` bytes kept after the reduce-scatter). The replicas' all-reduce becomes a
-            reduce-scatter after the schedule and an all-gather of the stepped parameters (the same bytes); the
-            optimizer must update elementwise (AdamW, SGD, ...). Without data parallelism nothing is sharded. Weights
-            and consolidated checkpoints are those of ``zero_stage=0``.
+            ``4 * stage_params / dp`` bytes kept after the reduce-scatter), ``3`` (the parameters too, with FSDP2's
+            ``fully_shard`` on copies of the rank's layers: ``4 * stage_params / dp`` bytes each of parameters and
+            gradients; every micro-batch all-gathers each block's parameters for forward and backward and
+            reduce-scatters its gradients; not with ``"InterleavedZeroBubble"``, nor with a tied weight whose users
+            run on one pipeline rank). At stages 1-2 the replicas' all-reduce becomes a reduce-scatter after the
+            schedule and an all-gather of the stepped parameters (the same bytes); the optimizer must update
+            elementwise (AdamW, SGD, ...). Without data parallelism nothing is sharded. Weights and consolidated
+            checkpoints are those of ``zero_stage=0``; after the run the module is plain and whole again.
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
@@ -388,8 +393,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             )
         if fitting and (self.pipeline_parallel_size > 1 or self.zero_stage == 3):
             check_parameter_callbacks(
-                trainer.callbacks, strategy_name="pipeline", layout="only its stage's layers (or their shards)"
+                trainer.callbacks, strategy_name="pipeline", layout="only its stage's layers on each rank"
             )
+        if fitting and self.zero_stage == 3:
+            _refuse_averaging_under_zero3(trainer.callbacks)
         if fitting:
             check_averaging_checkpoint_format(
                 trainer.callbacks, strategy_name="pipeline", checkpoint_format=self.checkpoint_format
@@ -886,6 +893,18 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             for variant, method in methods.items()
         ]
         cls._register(strategy_registry, entries)
+
+
+def _refuse_averaging_under_zero3(callbacks: Any) -> None:
+    """Weight averaging's copy of the module is held as this rank's stage (``StageCopyLayout``), not as its shards:
+    refused (on every rank, before a collective) rather than averaging whole copies of sharded parameters."""
+    for callback in callbacks:
+        if isinstance(callback, AVERAGING_CALLBACKS):
+            raise ValueError(
+                f"`{type(callback).__name__}` is not supported with `PipelineParallelStrategy(zero_stage=3)`: its"
+                " averaged copy would hold the stage's whole parameters, not their shards. Use `zero_stage=2` (or"
+                " 0-1) with weight averaging."
+            )
 
 
 def _grads(optimizer: Any) -> list[Tensor]:
