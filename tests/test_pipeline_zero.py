@@ -21,6 +21,9 @@ rank holding exactly half its stage's optimizer state (and, at stage 2, half its
 zero_stage=3 (issue 22, item 3) has a run of its own: FSDP2 shards each stage's parameters too, the tied copies
 included (every rank holds half of everything), on the same cases and schedules; its consolidated checkpoint is the
 single-device one and resumes on one device and under zero_stage=0, and the single-device one resumes under it.
+Another run compares it with zero_stage=0 (32-true and bf16-mixed) through validation during fit, a checkpoint
+written mid-run, ``validate`` and ``predict``; weight averaging, the zero-bubble schedule and a tie within one rank
+are refused.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import model_zoo as zoo
 import pytest
 import torch
 from distributed_harness import run_distributed
-from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+from torch import nn
 from torch.distributed.tensor import DTensor
 from training_helpers import assert_checkpoint_is_single_devices, assert_weights_close
 
@@ -322,3 +326,53 @@ def test_zero3_refuses_weight_averaging_on_every_rank_with_the_fix() -> None:
     for message in messages:
         assert "`EMAWeightAveraging` is not supported with `PipelineParallelStrategy(zero_stage=3)`" in message
         assert "Use `zero_stage=2`" in message
+
+
+class _EvaluatedTiedGPT(zoo.TiedGPT):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        tokens, targets = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten()))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+
+def _fit_evaluate_predict(rank: int, world_size: int, directory: str) -> dict[str, dict]:
+    """zero_stage 0 and 3, 32-true and bf16-mixed: fit with validation every 2 steps and a checkpoint written while
+    the module is split (``last.ckpt`` at step 4), then ``validate`` and ``predict`` (each splits and shards anew)."""
+    runs = {}
+    for precision in ("32-true", "bf16-mixed"):
+        for zero_stage in (0, 3):
+            pl.seed_everything(0, verbose=False)
+            path = f"{directory}/{precision}-{zero_stage}"
+            trainer = zoo.trainer(
+                _pipeline(zero_stage),
+                world_size,
+                callbacks=[ModelCheckpoint(dirpath=path, save_last=True, every_n_train_steps=2)],
+                enable_checkpointing=True,
+                precision=precision,
+                val_check_interval=2,
+                limit_val_batches=2,
+            )
+            sampler = trainer.strategy.distributed_sampler_kwargs
+            module = _EvaluatedTiedGPT()
+            loader = zoo.loader(sampler["num_replicas"], sampler["rank"], kind="tokens")
+            trainer.fit(module, loader, loader)
+            runs[f"{precision}-{zero_stage}"] = {
+                "weights": zoo.state_of(module),
+                "checkpoint": torch.load(f"{path}/last.ckpt", weights_only=True)["state_dict"],
+                "validated": trainer.validate(module, loader, verbose=False)[0]["val_loss"],
+                "predicted": torch.cat(trainer.predict(module, loader)),
+            }
+    return runs
+
+
+def test_zero3_evaluates_predicts_and_checkpoints_mid_run_like_zero_stage_0(tmp_path: Path) -> None:
+    results = run_distributed(_fit_evaluate_predict, 4, args=(str(tmp_path),), init_process_group=False, timeout=300)
+    for runs in results:
+        for precision in ("32-true", "bf16-mixed"):
+            plain, sharded = runs[f"{precision}-0"], runs[f"{precision}-3"]
+            assert_weights_close(sharded["weights"], plain["weights"], **ADAM_TOLERANCE)
+            assert_weights_close(sharded["checkpoint"], plain["checkpoint"], **ADAM_TOLERANCE)
+            assert sharded["validated"] == pytest.approx(plain["validated"], rel=1e-5)
+            torch.testing.assert_close(sharded["predicted"], plain["predicted"], rtol=1e-4, atol=1e-4)
