@@ -85,10 +85,16 @@ def check_no_tie_within_a_rank(tied: Sequence[TiedParameter], plan: StagePlan, p
     for parameter in tied:
         ranks = [plan.stage_of_layer(index) % pipeline_parallel_size for index in parameter.layers]
         if len(set(ranks)) < len(ranks):
+            fix = (
+                "use `ShardedOptimizerStrategy(stage=3)` (a pipeline of one rank is data parallelism; it shards a tied"
+                " model) or `zero_stage=2`"
+                if pipeline_parallel_size == 1
+                else "place those layers on different ranks (`partition=[...]`, `stages_per_rank=1`) or use"
+                " `zero_stage=2`"
+            )
             raise ValueError(
                 f"`zero_stage=3` cannot shard `{parameter.name}`: it is used by pipeline layers {parameter.layers}"
-                " that run on one pipeline rank, and ZeRO-3 shards each layer on its own. Place those layers on"
-                " different ranks (`partition=[...]`, `stages_per_rank=1`) or use `zero_stage=2`."
+                f" that run on one pipeline rank, and ZeRO-3 shards each layer on its own. To train it, {fix}."
             )
 
 
