@@ -20,7 +20,8 @@ rank holding exactly half its stage's optimizer state (and, at stage 2, half its
 
 zero_stage=3 (issue 22, item 3) has a run of its own: FSDP2 shards each stage's parameters too, the tied copies
 included (every rank holds half of everything), on the same cases and schedules; its consolidated checkpoint is the
-single-device one and resumes on one device and under zero_stage=0, and the single-device one resumes under it.
+single-device one and resumes on one device and under zero_stage=0, and the single-device one resumes under it;
+its sharded directory reassembles into the single-device checkpoint and resumes under it.
 Another run compares it with zero_stage=0 (32-true and bf16-mixed) through validation during fit, a checkpoint
 written mid-run, ``validate`` and ``predict``; weight averaging, the zero-bubble schedule and a tie within one rank
 are refused.
@@ -43,6 +44,7 @@ from training_helpers import assert_checkpoint_is_single_devices, assert_weights
 
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.accounting import storage_bytes
+from lightning_parallel.distributed.checkpoint import sharded_to_consolidated
 from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedParameter
 from lightning_parallel.distributed.pipeline.zero import check_no_tie_within_a_rank
@@ -110,8 +112,10 @@ def _fit(
     }
 
 
-def _pipeline(zero_stage: int, schedule: str = "1F1B") -> PipelineParallelStrategy:
-    return PipelineParallelStrategy(pipeline_parallel_size=2, zero_stage=zero_stage, schedule=schedule, timeout=120)
+def _pipeline(zero_stage: int, schedule: str = "1F1B", **kwargs: Any) -> PipelineParallelStrategy:
+    return PipelineParallelStrategy(
+        pipeline_parallel_size=2, zero_stage=zero_stage, schedule=schedule, timeout=120, **kwargs
+    )
 
 
 def _epochs(count: int) -> dict[str, int]:
@@ -218,7 +222,7 @@ def test_invalid_zero_stage_is_refused_naming_the_value_and_the_options(zero_sta
         PipelineParallelStrategy(zero_stage=zero_stage)
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pytest.mark.parametrize("zero_stage", [1, 2])
 def test_zero_with_the_sharded_checkpoint_format_is_refused_with_the_fix(zero_stage: int) -> None:
     with pytest.raises(
         ValueError, match=rf"`zero_stage={zero_stage}` with `checkpoint_format='sharded'`.*'consolidated'"
@@ -236,11 +240,18 @@ def _four_ranks_zero3(rank: int, world_size: int, directory: str) -> dict[str, d
         "zero3_accumulated": _fit(zoo.TiedGPT, _pipeline(3), world_size, accumulate_grad_batches=2),
         "zero3_resumed": _fit(zoo.TiedGPT, _pipeline(3), world_size, resume=f"{directory}/single.ckpt", **_epochs(2)),
         "plain_resumed": _fit(zoo.TiedGPT, _pipeline(0), world_size, resume=zero3, **_epochs(2)),
+        # The sharded format: each replica writes its rows of its stage (after fit: from the optimizer's shards).
+        "zero3_sharded": _fit(zoo.TiedGPT, _sharded3(), world_size, checkpoint=f"{directory}/zero3_dir", **_epochs(1)),
+        "sharded_resumed": _fit(zoo.TiedGPT, _sharded3(), world_size, resume=f"{directory}/zero3_dir", **_epochs(2)),
         **{
             f"zero3_{schedule}": _fit(zoo.TiedGPT, _pipeline(3, schedule), world_size, **_epochs(1))
             for schedule in ("GPipe", "Interleaved1F1B")
         },
     }
+
+
+def _sharded3() -> PipelineParallelStrategy:
+    return _pipeline(3, checkpoint_format="sharded")
 
 
 def _references_zero3(rank: int, world_size: int, directory: str) -> dict[str, dict]:
@@ -291,7 +302,11 @@ def test_zero3_inside_the_pipeline_shards_everything_trains_like_one_device_and_
     expected = torch.load(tmp_path / "single.ckpt", weights_only=True)
     assert_checkpoint_is_single_devices(saved, expected, **ADAM_TOLERANCE)
     two_epochs = single["two_epochs"]["weights"]
-    for run in (resumed, *runs["plain_resumed"], *runs["zero3_resumed"]):
+    _check_zero3_run(runs["zero3_sharded"], single["adam"], ADAM_TOLERANCE, state_elements=2)
+    assert_checkpoint_is_single_devices(
+        sharded_to_consolidated(tmp_path / "zero3_dir"), expected, **ADAM_TOLERANCE
+    )  # the sharded directory reassembles into the single-device checkpoint
+    for run in (resumed, *runs["plain_resumed"], *runs["zero3_resumed"], *runs["sharded_resumed"]):
         assert run["global_step"] == 2 * zoo.STEPS
         assert_weights_close(run["weights"], two_epochs, **ADAM_TOLERANCE)
 
@@ -339,41 +354,48 @@ class _EvaluatedTiedGPT(zoo.TiedGPT):
         return self(batch[0])
 
 
+_EVALUATED = [
+    (precision, zero_stage, "consolidated") for precision in ("32-true", "bf16-mixed") for zero_stage in (0, 3)
+] + [("32-true", 3, "sharded")]
+
+
 def _fit_evaluate_predict(rank: int, world_size: int, directory: str) -> dict[str, dict]:
-    """zero_stage 0 and 3, 32-true and bf16-mixed: fit with validation every 2 steps and a checkpoint written while
-    the module is split (``last.ckpt`` at step 4), then ``validate`` and ``predict`` (each splits and shards anew)."""
+    """zero_stage 0 and 3, 32-true and bf16-mixed (and zero_stage=3 in the sharded format): fit with validation every
+    2 steps and a checkpoint written while the module is split (``last.ckpt`` at step 4), then ``validate`` and
+    ``predict`` (each splits and shards anew)."""
     runs = {}
-    for precision in ("32-true", "bf16-mixed"):
-        for zero_stage in (0, 3):
-            pl.seed_everything(0, verbose=False)
-            path = f"{directory}/{precision}-{zero_stage}"
-            trainer = zoo.trainer(
-                _pipeline(zero_stage),
-                world_size,
-                callbacks=[ModelCheckpoint(dirpath=path, save_last=True, every_n_train_steps=2)],
-                enable_checkpointing=True,
-                precision=precision,
-                val_check_interval=2,
-                limit_val_batches=2,
-            )
-            sampler = trainer.strategy.distributed_sampler_kwargs
-            module = _EvaluatedTiedGPT()
-            loader = zoo.loader(sampler["num_replicas"], sampler["rank"], kind="tokens")
-            trainer.fit(module, loader, loader)
-            runs[f"{precision}-{zero_stage}"] = {
-                "weights": zoo.state_of(module),
-                "checkpoint": torch.load(f"{path}/last.ckpt", weights_only=True)["state_dict"],
-                "validated": trainer.validate(module, loader, verbose=False)[0]["val_loss"],
-                "predicted": torch.cat(trainer.predict(module, loader)),
-            }
+    for precision, zero_stage, checkpoint_format in _EVALUATED:
+        pl.seed_everything(0, verbose=False)
+        path = f"{directory}/{precision}-{zero_stage}-{checkpoint_format}"
+        trainer = zoo.trainer(
+            _pipeline(zero_stage, checkpoint_format=checkpoint_format),
+            world_size,
+            callbacks=[ModelCheckpoint(dirpath=path, save_last=True, every_n_train_steps=2)],
+            enable_checkpointing=True,
+            precision=precision,
+            val_check_interval=2,
+            limit_val_batches=2,
+        )
+        sampler = trainer.strategy.distributed_sampler_kwargs
+        module = _EvaluatedTiedGPT()
+        loader = zoo.loader(sampler["num_replicas"], sampler["rank"], kind="tokens")
+        trainer.fit(module, loader, loader)
+        last = f"{path}/last.ckpt"  # a directory in the sharded format
+        saved = sharded_to_consolidated(last) if checkpoint_format == "sharded" else torch.load(last, weights_only=True)
+        runs[f"{precision}-{zero_stage}-{checkpoint_format}"] = {
+            "weights": zoo.state_of(module),
+            "checkpoint": saved["state_dict"],
+            "validated": trainer.validate(module, loader, verbose=False)[0]["val_loss"],
+            "predicted": torch.cat(trainer.predict(module, loader)),
+        }
     return runs
 
 
 def test_zero3_evaluates_predicts_and_checkpoints_mid_run_like_zero_stage_0(tmp_path: Path) -> None:
     results = run_distributed(_fit_evaluate_predict, 4, args=(str(tmp_path),), init_process_group=False, timeout=300)
     for runs in results:
-        for precision in ("32-true", "bf16-mixed"):
-            plain, sharded = runs[f"{precision}-0"], runs[f"{precision}-3"]
+        for precision, zero_stage, checkpoint_format in _EVALUATED:
+            plain, sharded = runs[f"{precision}-0-consolidated"], runs[f"{precision}-{zero_stage}-{checkpoint_format}"]
             assert_weights_close(sharded["weights"], plain["weights"], **ADAM_TOLERANCE)
             assert_weights_close(sharded["checkpoint"], plain["checkpoint"], **ADAM_TOLERANCE)
             assert sharded["validated"] == pytest.approx(plain["validated"], rel=1e-5)

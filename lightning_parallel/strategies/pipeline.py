@@ -90,6 +90,7 @@ from lightning_parallel.distributed.pipeline.verify import (
     closure_evaluated_twice,
 )
 from lightning_parallel.distributed.pipeline.zero import PipelineZero, check_no_tie_within_a_rank, check_zero_stage
+from lightning_parallel.distributed.zero3 import named_sharded_pieces
 from lightning_parallel.distributed.zero_optimizer import check_shardable
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
@@ -168,7 +169,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             (whole ``state_dict``, single-device optimizer layout), gathered to rank 0; ``"sharded"`` writes a
             ``torch.distributed.checkpoint`` directory from all ranks in parallel (the package's shared sharded
             layout). Both load under any layout and strategy of this package. ``"sharded"`` is refused with
-            ``zero_stage > 0``.
+            ``zero_stage`` 1 or 2 (``zero_stage=3`` writes each replica's rows of its stage).
         zero_stage: ZeRO inside the pipeline, across the data-parallel replicas of each stage (the mesh's
             ``"replicate"`` axis): ``0`` (off: every replica holds its stage's whole gradients and optimizer state),
             ``1`` (each replica keeps the optimizer state of ``1/dp`` of its stage's parameters:
@@ -726,13 +727,15 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @override
     def gradient_tensors(self) -> list[Tensor]:
-        """The parameters' ``.grad`` and, with ``zero_stage > 0``, the stage's gradient buckets."""
+        """The parameters' ``.grad`` (at ``zero_stage=3`` their shards) and, with ``zero_stage`` 1-2, the stage's
+        gradient buckets."""
         buffers = self._zero.buckets.gradient_buffers() if self._zero is not None else []
         return [*super().gradient_tensors(), *buffers]
 
     @override
     def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds (measured from its tensors); with ``zero_stage > 0`` the stage's flat buckets and
+        """Bytes this rank holds (measured from its tensors: at ``zero_stage=3`` the local shards); with ``zero_stage``
+        1-2 the stage's flat buckets and
         the optimizer state of this replica's shard, summed over the optimizers."""
         if self._zero is None:
             return super().memory_report()
@@ -800,15 +803,22 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         dims = self.parallel_dims
         module = self.module
         optimizer = unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
-        pieces = replicated_pieces(module, optimizer, rank=dims.data_parallel_rank, world_size=dims.data_parallel_size)
+        names = canonical_names(module, self._aliases)
+        if self._fully_shard is not None:  # ZeRO-3: each replica writes its rows (the copies, also after teardown)
+            named = self._fully_shard.named_parameters()
+            pieces = named_sharded_pieces(named, optimizer)
+        else:
+            named = [(names[id(param)], param) for param in module.parameters()]
+            pieces = replicated_pieces(
+                module, optimizer, rank=dims.data_parallel_rank, world_size=dims.data_parallel_size
+            )
         # After teardown the module is whole again: each rank still writes only the stage it trained. A tied
         # parameter is written once, under its canonical name, by the lowest pipeline rank holding a copy.
         pieces = [replace(piece, name=self._aliases.get(piece.name, piece.name)) for piece in pieces]
         pieces = [piece for piece in pieces if piece.name in self._local_parameter_names]
         buffers = consolidate_buffers(module, dims) or {}
         # Each parameter's own 0-dim state (Adam's `step`), from the stage that holds it.
-        names = canonical_names(module, self._aliases)
-        local = scalar_states(((names[id(param)], param) for param in module.parameters()), optimizer)
+        local = scalar_states(named, optimizer)
         scalars = gather_scalar_states(local, group=dims.pipeline_group)
         meta = sharded_meta(
             checkpoint,

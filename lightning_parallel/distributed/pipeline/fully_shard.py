@@ -109,6 +109,11 @@ class PipelineFullyShard:
         self.is_restored = False
         """Whether :meth:`restore` put the user's layers back (after the run; the optimizers keep the shards)."""
 
+    def named_parameters(self) -> list[tuple[str, Tensor]]:
+        """Local. ``(canonical name, sharded parameter)`` of every parameter this rank holds, once each (also after
+        :meth:`restore`: the optimizers step these)."""
+        return [(self.names[id(param)], param) for param in self.container.parameters()]
+
     # ------------------------------------------------------------------ step
     def clip_grad_norm(
         self,

@@ -50,21 +50,21 @@ parameters, with FSDP2: :mod:`.fully_shard`)."""
 def check_zero_stage(zero_stage: Any, *, checkpoint_format: str, schedule: str | None = None) -> None:
     """Raise ``ValueError`` for a ``zero_stage`` that is not 0-3, or a combination we do not support.
 
-    The sharded checkpoint format writes each replica's slice of whole parameters and optimizer state; with ZeRO the
-    optimizer state is sharded by bucket (stages 1-2) or by FSDP2's rows (stage 3) instead, which that writer does
-    not know, so it is refused up front. Stage 3 refuses the zero-bubble schedule: it computes weight gradients
-    outside autograd's backward, where FSDP2's hooks reduce them.
+    The sharded checkpoint format writes each replica's slice of whole parameters and optimizer state; with ZeRO-1/2
+    the optimizer state is sharded by bucket instead, which that writer does not know, so it is refused up front
+    (stage 3 writes FSDP2's rows of each tensor, which the format holds). Stage 3 refuses the zero-bubble schedule:
+    it computes weight gradients outside autograd's backward, where FSDP2's hooks reduce them.
     """
     if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) or zero_stage not in ZERO_STAGES:
         raise ValueError(
             f"`zero_stage={zero_stage!r}` is invalid. Valid options: 0 (no sharding), 1 (optimizer state sharded"
             " across each stage's data-parallel replicas), 2 (+ gradients), 3 (+ parameters)."
         )
-    if zero_stage and checkpoint_format == "sharded":
+    if zero_stage in (1, 2) and checkpoint_format == "sharded":
         raise ValueError(
             f"`zero_stage={zero_stage}` with `checkpoint_format='sharded'` is not supported: the sharded writer"
-            " does not know ZeRO's optimizer shards. Use `checkpoint_format='consolidated'` (the default;"
-            " loadable under any layout) or `zero_stage=0`."
+            " does not know ZeRO-1/2's bucketed optimizer shards. Use `checkpoint_format='consolidated'` (the"
+            " default; loadable under any layout), `zero_stage=0` or `zero_stage=3`."
         )
     if zero_stage == 3 and schedule == "InterleavedZeroBubble":
         raise ValueError(
