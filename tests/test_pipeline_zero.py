@@ -380,15 +380,22 @@ def _fit_evaluate_predict(rank: int, world_size: int, directory: str) -> dict[st
         module = _EvaluatedTiedGPT()
         loader = zoo.loader(sampler["num_replicas"], sampler["rank"], kind="tokens")
         trainer.fit(module, loader, loader)
-        last = f"{path}/last.ckpt"  # a directory in the sharded format
-        saved = sharded_to_consolidated(last) if checkpoint_format == "sharded" else torch.load(last, weights_only=True)
+        validated = trainer.validate(module, loader, verbose=False)[0]["val_loss"]
+        predicted = torch.cat(trainer.predict(module, loader))
+        trainer.save_checkpoint(f"{path}/after_evaluation.ckpt")  # the optimizers are still fit's
         runs[f"{precision}-{zero_stage}-{checkpoint_format}"] = {
             "weights": zoo.state_of(module),
-            "checkpoint": saved["state_dict"],
-            "validated": trainer.validate(module, loader, verbose=False)[0]["val_loss"],
-            "predicted": torch.cat(trainer.predict(module, loader)),
+            "checkpoint": _read(f"{path}/last.ckpt"),  # a directory in the sharded format
+            "after_evaluation": _read(f"{path}/after_evaluation.ckpt"),
+            "validated": validated,
+            "predicted": predicted,
         }
     return runs
+
+
+def _read(path: str) -> dict[str, Any]:
+    saved = sharded_to_consolidated(path) if Path(path).is_dir() else torch.load(path, weights_only=True)
+    return {"state_dict": saved["state_dict"], "optimizer": saved["optimizer_states"][0]}
 
 
 def test_zero3_evaluates_predicts_and_checkpoints_mid_run_like_zero_stage_0(tmp_path: Path) -> None:
@@ -397,6 +404,14 @@ def test_zero3_evaluates_predicts_and_checkpoints_mid_run_like_zero_stage_0(tmp_
         for precision, zero_stage, checkpoint_format in _EVALUATED:
             plain, sharded = runs[f"{precision}-0-consolidated"], runs[f"{precision}-{zero_stage}-{checkpoint_format}"]
             assert_weights_close(sharded["weights"], plain["weights"], **ADAM_TOLERANCE)
-            assert_weights_close(sharded["checkpoint"], plain["checkpoint"], **ADAM_TOLERANCE)
+            assert_weights_close(
+                sharded["checkpoint"]["state_dict"], plain["checkpoint"]["state_dict"], **ADAM_TOLERANCE
+            )
+            # Saved after `validate` and `predict` (which split and shard anew): what the end of `fit` wrote.
+            after, last = sharded["after_evaluation"], sharded["checkpoint"]
+            assert_weights_close(after["state_dict"], last["state_dict"], rtol=0, atol=0)
+            assert after["optimizer"]["param_groups"] == last["optimizer"]["param_groups"]
+            for index, state in last["optimizer"]["state"].items():
+                assert_weights_close(after["optimizer"]["state"][index], state, rtol=0, atol=0)
             assert sharded["validated"] == pytest.approx(plain["validated"], rel=1e-5)
             torch.testing.assert_close(sharded["predicted"], plain["predicted"], rtol=1e-4, atol=1e-4)

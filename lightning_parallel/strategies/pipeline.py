@@ -252,6 +252,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self.zero_stage = zero_stage
         self._zero: PipelineZero | None = None  # built with the optimizers when `zero_stage` 1-2 shards something
         self._fully_shard: PipelineFullyShard | None = None  # built at the split when `zero_stage=3` shards something
+        # id -> canonical name of every sharded parameter of any split (the optimizers keep fit's after a `validate`).
+        self._sharded_names: dict[int, str] = {}
         self._config: PipelineConfig | None = None
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._dims: ParallelDims | None = None
@@ -502,6 +504,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 mesh=self.device_mesh["replicate"],
                 aliases=self._aliases,
             )
+            self._sharded_names.update(self._fully_shard.names)
         running = self._fully_shard.layers if self._fully_shard is not None else {i: layers[i] for i in local}
         kept_layers = [running.get(i) for i in range(len(layers))]
         self._engine = PipelineEngine(
@@ -787,7 +790,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 plain = {"state": {}, "param_groups": [_settings(group) for group in optimizer.param_groups]}
             local = local_optimizer_state(optimizer, names, state_dict=plain, group_params=group_params)
         elif self._fully_shard is not None:  # the replicas' rows gathered whole on every replica (after fit too)
-            names = self._fully_shard.names
+            names = {**names, **self._sharded_names}
             local = local_optimizer_state(optimizer, names, state_dict=whole_optimizer_state(optimizer))
         state = consolidate_optimizer_state(
             optimizer, names, self._optimizer_layouts[index], self.parallel_dims, local=local
@@ -805,7 +808,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         optimizer = unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
         names = canonical_names(module, self._aliases)
         if self._fully_shard is not None:  # ZeRO-3: each replica writes its rows (the copies, also after teardown)
-            named = self._fully_shard.named_parameters()
+            named = self._sharded_parameters(optimizer)
             pieces = named_sharded_pieces(named, optimizer)
         else:
             named = [(names[id(param)], param) for param in module.parameters()]
@@ -831,6 +834,16 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         )
         save_sharded_checkpoint(self.broadcast(str(filepath)), pieces, buffers=buffers, meta=meta)
         return None
+
+    def _sharded_parameters(self, optimizer: Optimizer | None) -> list[tuple[str, Tensor]]:
+        """ZeRO-3: ``(canonical name, shard)`` of this rank's parameters: the optimizer's (which a later ``validate``
+        does not replace), and those of the last split it does not hold (frozen ones)."""
+        assert self._fully_shard is not None
+        by_name = dict(self._fully_shard.named_parameters())
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                by_name.update((self._sharded_names[id(param)], param) for param in group["params"])
+        return list(by_name.items())
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
