@@ -176,9 +176,10 @@ def _measure_pipeline_zero(rank: int, world_size: int, zero_stage: int, devices:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_planner_equals_monitor_for_zero_inside_the_pipeline(zero_stage: int) -> None:
-    """2 x 2: each stage's bucket (63,860 and 62,930 parameters) sharded over its 2 replicas, to the byte."""
+    """2 x 2: each stage's bucket (63,860 and 62,930 parameters) sharded over its 2 replicas, to the byte; at
+    zero_stage=3 every parameter's rows (FSDP2's padded shards; the optimizer state of the unpadded local rows)."""
     world_size = 4
     (summary,) = run_distributed(
         _measure_pipeline_zero,
@@ -205,6 +206,14 @@ def test_planner_equals_monitor_for_zero_inside_the_pipeline(zero_stage: int) ->
             "optimizer_state": expected.optimizer_state,
         }, f"rank {measured['rank']}"
         assert expected.optimizer_state < unsharded.optimizer_state  # half the stage's, up to the padding
+        if zero_stage == 3:
+            assert expected.parameters < unsharded.parameters and expected.gradients < unsharded.gradients
+            # FSDP2's all-gathers and reduce-scatters are predicted, but the monitor does not count them under the
+            # pipeline (its collective tap is the pipeline's own): the stage boundaries' bytes are compared.
+            assert set(expected.communication) == {"send", "recv", "all_gather", "reduce_scatter"}
+            p2p = {k: v for k, v in expected.communication.items() if k in ("send", "recv")}
+            assert measured["steps"][-1]["communication"] == p2p, f"rank {measured['rank']}"
+            continue
         assert measured["steps"][-1]["communication"] == expected.communication, f"rank {measured['rank']}"
         assert set(expected.communication) == {"send", "recv", "all_reduce", "all_gather"}
 

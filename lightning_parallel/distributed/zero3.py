@@ -14,7 +14,7 @@ all-gathers them in bf16 for forward/backward and reduce-scatters the gradients 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -49,6 +49,7 @@ __all__ = [
     "load_from_reader",
     "master_weight_policy",
     "materialize_meta_module",
+    "named_sharded_pieces",
     "refresh_gradient_dtypes",
     "round_parameters",
     "shard_coordinates",
@@ -379,8 +380,16 @@ def _holds_tensor_state(state: Mapping[Any, Any]) -> bool:
 def sharded_pieces(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[FlatPiece]:
     """This rank's rows of every parameter and optimizer state, as flat pieces (FSDP2 shards dim 0 like
     ``torch.chunk``, so rank r's rows are one contiguous range of the flattened tensor)."""
+    return named_sharded_pieces(module.named_parameters(), optimizer)
+
+
+def named_sharded_pieces(
+    named_parameters: Iterable[tuple[str, Tensor]], optimizer: torch.optim.Optimizer | None
+) -> list[FlatPiece]:
+    """:func:`sharded_pieces` of these ``(name, parameter)`` pairs (parameters held outside one module: the
+    pipeline's ZeRO-3 copies after its teardown)."""
     pieces = []
-    for name, param in module.named_parameters():
+    for name, param in named_parameters:
         local = _local(param.detach())
         rank, world_size = shard_coordinates(param)
         if param.dim() == 0 or local.numel() == 0 or not is_first_replica(param):

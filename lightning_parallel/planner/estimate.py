@@ -40,7 +40,11 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   (Narayanan et al., 2021). With ``zero_stage`` 1 or 2 (dp > 1) each stage's parameters are bucketed as ZeRO-1/2
   buckets them (:func:`planned_buckets` of the stage's parameters, each bucket padded to a multiple of dp) and the
   replicas reduce-scatter and all-gather them instead of the all-reduce: ZeRO-1/2's arithmetic per stage, over dp
-  ranks (the all-reduce of tied-weight copies is not modelled there). Without it, a weight tied across stages (an
+  ranks (the all-reduce of tied-weight copies is not modelled there). With ``zero_stage=3`` (dp > 1) each stage's
+  parameters are FSDP2-sharded over its dp replicas as ZeRO-3 shards them (padded shards of parameters and
+  gradients, optimizer state of the unpadded local rows); every micro-batch all-gathers each parameter in forward
+  and again in backward and reduce-scatters its gradient (FSDP2's traffic, which the monitor does not count under
+  the pipeline), and tied copies all-reduce their local rows. Without it, a weight tied across stages (an
   embedding shared with the LM head) is held by every rank that runs a user of it, and those ranks all-reduce its
   gradient (plus one flag element per parameter) once a step (``distributed/pipeline/tied.py``).
 * Activations are an *estimate* (see :func:`activation_estimate`): per transformer block and token ``34*h + 5*a*s``
@@ -442,7 +446,8 @@ def estimate_pipeline(
     bucket_cap_mb: float = 25.0,
 ) -> ConfigEstimate:
     """``PipelineParallelStrategy``; ``zero_stage`` 1 or 2 shards each stage's optimizer state (and gradients) over
-    its dp replicas as ZeRO-1/2 does (nothing is sharded at dp = 1)."""
+    its dp replicas as ZeRO-1/2 does, 3 its parameters, gradients and optimizer state as ZeRO-3 (FSDP2) does
+    (nothing is sharded at dp = 1)."""
     p, v, n, e = pipeline_parallel_size, stages_per_rank, ctx.world_size, ctx.element_bytes
     layout = MeshLayout(n, pipeline_parallel_size=p)  # the strategy's mesh: replicas x pipeline ranks
     dp = layout.data_parallel_size
@@ -468,25 +473,14 @@ def estimate_pipeline(
             sends = sum(boundary[s] for s in stages if s < num_stages - 1)
             sends += sum(boundary[s - 1] for s in stages if s > 0)
             comm = {"send": sends, "recv": sends} if sends else {}
-        held = (local * e, local * e, ctx.state_count * local * e)
-        if dp > 1 and zero_stage:
-            stage_spec = _stage_spec(ctx, plan, stages)
-            buckets = planned_buckets(stage_spec, element_bytes=e, bucket_cap_mb=bucket_cap_mb)
-            # The pipeline's ZeRO keeps no fp32 masters (it supports 32-true and bf16-mixed).
-            params, grads, state, sharded = _zero_sharded(
-                ctx,
-                buckets,
-                len(stage_spec.params),
-                stage=zero_stage,
-                rank=layout.data_parallel_rank(r),
-                ranks=dp,
-                master_weights=False,
-            )
-            held = (params, grads, state)
-            comm.update(sharded)
-        elif dp > 1:
-            comm["all_reduce"] = local * e
-        others = [] if dp > 1 and zero_stage else tied_sync.get(pr, [])
+        held, sharded, others = _stage_sharding(
+            ctx, plan, stages, zero_stage=zero_stage, rank=r, layout=layout, bucket_cap_mb=bucket_cap_mb, m=m
+        )
+        if held is None:  # nothing sharded: the whole stage; replicas all-reduce its gradients
+            held = (local * e, local * e, ctx.state_count * local * e)
+            sharded = {"all_reduce": local * e} if dp > 1 else {}
+            others = tied_sync.get(pr, [])
+        comm.update(sharded)
         for kind, num_bytes, _ in others:
             comm[kind] = comm.get(kind, 0) + num_bytes
         blocks = _blocks_in(ctx, plan, stages)
@@ -525,20 +519,90 @@ def estimate_pipeline(
     )
 
 
-def _tied_sync(ctx: EstimateContext, plan: StagePlan) -> dict[int, list[tuple[str, int, int]]]:
+def _stage_sharding(
+    ctx: EstimateContext,
+    plan: StagePlan,
+    stages: list[int],
+    *,
+    zero_stage: int,
+    rank: int,
+    layout: MeshLayout,
+    bucket_cap_mb: float,
+    m: int,
+) -> tuple[tuple[int, int, int] | None, dict[str, int], list[tuple[str, int, int]]]:
+    """The pipeline's ZeRO on ``rank`` (stages ``stages``): bytes of parameters, gradients and optimizer state, the
+    sharding's communication per step, and the collectives over other groups (tied copies); ``None`` bytes when
+    nothing is sharded (``zero_stage=0`` or one replica)."""
+    dp = layout.data_parallel_size
+    if dp == 1 or not zero_stage:
+        return None, {}, []
+    stage_spec = _stage_spec(ctx, plan, stages)
+    if zero_stage == 3:
+        shard = (layout.replicate_rank(rank), dp)
+        *held, comm = _fully_sharded(ctx, stage_spec, shard=shard, num_microbatches=m)
+        others = _tied_sync(ctx, plan, shard=shard).get(layout.pipeline_rank(rank), [])
+        return (held[0], held[1], held[2]), comm, others
+    buckets = planned_buckets(stage_spec, element_bytes=ctx.element_bytes, bucket_cap_mb=bucket_cap_mb)
+    # The pipeline's ZeRO keeps no fp32 masters (it supports 32-true and bf16-mixed).
+    params, grads, state, comm = _zero_sharded(
+        ctx,
+        buckets,
+        len(stage_spec.params),
+        stage=zero_stage,
+        rank=layout.data_parallel_rank(rank),
+        ranks=dp,
+        master_weights=False,
+    )
+    return (params, grads, state), comm, []  # the tied copies' all-reduce is not modelled under ZeRO-1/2
+
+
+def _tied_sync(
+    ctx: EstimateContext, plan: StagePlan, *, shard: tuple[int, int] | None = None
+) -> dict[int, list[tuple[str, int, int]]]:
     """Per pipeline rank, the all-reduces that sum the gradients of its tied-parameter copies, as ``("all_reduce",
     bytes, group size)``: one flat buffer per set of ranks sharing copies, holding the gradients and one flag element
-    per parameter (``TiedGradientSync``)."""
+    per parameter (``TiedGradientSync``). ``shard=(replica, dp)``: ZeRO-3's copies, of which a replica sums its rows."""
     module = ctx.spec.module
     assert module is not None
     layout = TiedLayout(tuple(find_tied_parameters(module, resolve_pipeline_layers(module))), plan)
-    numel = {p.name: p.numel for p in ctx.spec.params}
+    numel = {p.name: p.numel if shard is None else _local_rows(p, *shard) for p in ctx.spec.params}
     sync: dict[int, list[tuple[str, int, int]]] = {}
     for ranks, names in layout.rank_sets().items():
         num_bytes = (sum(numel[n] for n in names) + len(names)) * ctx.element_bytes
         for rank in ranks:
             sync.setdefault(rank, []).append(("all_reduce", num_bytes, len(ranks)))
     return sync
+
+
+def _local_rows(param: ParamSpec, rank: int, ranks: int) -> int:
+    """Elements of ``param`` that FSDP2's rank ``rank`` of ``ranks`` holds, unpadded: its ``torch.chunk`` of dim 0."""
+    rows = param.shape[0] if param.shape else 1
+    chunk = -(-rows // ranks)
+    return max(0, min(chunk, rows - rank * chunk)) * (param.numel // rows if rows else 0)
+
+
+def _fully_sharded(
+    ctx: EstimateContext, stage: ModelSpec, *, shard: tuple[int, int], num_microbatches: int
+) -> tuple[int, int, int, dict[str, int]]:
+    """Bytes of parameters, gradients and optimizer state, and FSDP2's communication per step, of replica
+    ``shard[0]`` of ``shard[1]`` when ``stage``'s parameters are sharded as the pipeline's ZeRO-3 shards them (no
+    fp32 masters: the pipeline trains in 32-true or bf16-mixed)."""
+    rank, ranks = shard
+    e = ctx.element_bytes
+    padded = sum(-(-(p.shape[0] if p.shape else 1) // ranks) * _row_numel(p) for p in stage.params)
+    local = sum(_local_rows(p, rank, ranks) for p in stage.params)
+    # Per micro-batch: every unit gathered for forward and again for backward (resharded after forward), its
+    # gradients reduce-scattered once (the stage module is no FSDPModule: no gradient sync is deferred).
+    comm = {
+        "all_gather": 2 * num_microbatches * ranks * padded * e,
+        "reduce_scatter": num_microbatches * ranks * padded * e,
+    }
+    return padded * e, padded * e, ctx.state_count * local * e, comm
+
+
+def _row_numel(param: ParamSpec) -> int:
+    rows = param.shape[0] if param.shape else 1
+    return param.numel // rows if rows else 0
 
 
 def _stage_spec(ctx: EstimateContext, plan: object, stages: list[int]) -> ModelSpec:

@@ -43,6 +43,13 @@ from lightning_parallel.distributed.pipeline.consolidate import (
 )
 from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch, replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
+from lightning_parallel.distributed.pipeline.fully_shard import (
+    PipelineFullyShard,
+    full_tensors,
+    load_whole_parameters,
+    shard_optimizer_state,
+    whole_optimizer_state,
+)
 from lightning_parallel.distributed.pipeline.gradients import average_across_replicas
 from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, batch_size_of
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
@@ -82,7 +89,8 @@ from lightning_parallel.distributed.pipeline.verify import (
     check_single_evaluation_optimizers,
     closure_evaluated_twice,
 )
-from lightning_parallel.distributed.pipeline.zero import PipelineZero, check_zero_stage
+from lightning_parallel.distributed.pipeline.zero import PipelineZero, check_no_tie_within_a_rank, check_zero_stage
+from lightning_parallel.distributed.zero3 import named_sharded_pieces
 from lightning_parallel.distributed.zero_optimizer import check_shardable
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
@@ -90,6 +98,7 @@ from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.clipping import with_clipping
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.parameter_callbacks import (
+    AVERAGING_CALLBACKS,
     check_averaging_checkpoint_format,
     check_parameter_callbacks,
     hold_averaged_copies,
@@ -160,15 +169,19 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             (whole ``state_dict``, single-device optimizer layout), gathered to rank 0; ``"sharded"`` writes a
             ``torch.distributed.checkpoint`` directory from all ranks in parallel (the package's shared sharded
             layout). Both load under any layout and strategy of this package. ``"sharded"`` is refused with
-            ``zero_stage > 0``.
+            ``zero_stage`` 1 or 2 (``zero_stage=3`` writes each replica's rows of its stage).
         zero_stage: ZeRO inside the pipeline, across the data-parallel replicas of each stage (the mesh's
             ``"replicate"`` axis): ``0`` (off: every replica holds its stage's whole gradients and optimizer state),
             ``1`` (each replica keeps the optimizer state of ``1/dp`` of its stage's parameters:
             ``8 * stage_params / dp`` bytes for Adam(W) in fp32), ``2`` (the gradients too:
-            ``4 * stage_params / dp`` bytes kept after the reduce-scatter). The replicas' all-reduce becomes a
-            reduce-scatter after the schedule and an all-gather of the stepped parameters (the same bytes); the
-            optimizer must update elementwise (AdamW, SGD, ...). Without data parallelism nothing is sharded. Weights
-            and consolidated checkpoints are those of ``zero_stage=0``.
+            ``4 * stage_params / dp`` bytes kept after the reduce-scatter), ``3`` (the parameters too, with FSDP2's
+            ``fully_shard`` on copies of the rank's layers: ``4 * stage_params / dp`` bytes each of parameters and
+            gradients; every micro-batch all-gathers each block's parameters for forward and backward and
+            reduce-scatters its gradients; not with ``"InterleavedZeroBubble"``, nor with a tied weight whose users
+            run on one pipeline rank). At stages 1-2 the replicas' all-reduce becomes a reduce-scatter after the
+            schedule and an all-gather of the stepped parameters (the same bytes); the optimizer must update
+            elementwise (AdamW, SGD, ...). Without data parallelism nothing is sharded. Weights and consolidated
+            checkpoints are those of ``zero_stage=0``; after the run the module is plain and whole again.
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
@@ -193,7 +206,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         verify_layers: bool = True,
         activation_checkpointing: ActivationCheckpointing = False,
         checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
-        zero_stage: Literal[0, 1, 2] = 0,
+        zero_stage: Literal[0, 1, 2, 3] = 0,
         start_method: StartMethod = "popen",
         timeout: timedelta | float = default_pg_timeout,
         process_group_backend: str | None = None,
@@ -217,7 +230,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             raise ValueError(
                 f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
             )
-        check_zero_stage(zero_stage, checkpoint_format=checkpoint_format)
+        check_zero_stage(zero_stage, checkpoint_format=checkpoint_format, schedule=self.schedule)
         super().__init__(
             start_method=start_method,
             timeout=timeout,
@@ -237,7 +250,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self.verify_layers = verify_layers
         self.checkpoint_format = checkpoint_format
         self.zero_stage = zero_stage
-        self._zero: PipelineZero | None = None  # built with the optimizers when `zero_stage > 0` shards something
+        self._zero: PipelineZero | None = None  # built with the optimizers when `zero_stage` 1-2 shards something
+        self._fully_shard: PipelineFullyShard | None = None  # built at the split when `zero_stage=3` shards something
+        # id -> canonical name of every sharded parameter of any split (the optimizers keep fit's after a `validate`).
+        self._sharded_names: dict[int, str] = {}
         self._config: PipelineConfig | None = None
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._dims: ParallelDims | None = None
@@ -378,10 +394,12 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 f"`precision={self.precision_plugin.precision!r}` is not supported by PipelineParallelStrategy."
                 f" Valid options: {', '.join(map(repr, _SUPPORTED_PRECISION))}."
             )
-        if fitting and self.pipeline_parallel_size > 1:
+        if fitting and (self.pipeline_parallel_size > 1 or self.zero_stage == 3):
             check_parameter_callbacks(
                 trainer.callbacks, strategy_name="pipeline", layout="only its stage's layers on each rank"
             )
+        if fitting and self.zero_stage == 3:
+            _refuse_averaging_under_zero3(trainer.callbacks)
         if fitting:
             check_averaging_checkpoint_format(
                 trainer.callbacks, strategy_name="pipeline", checkpoint_format=self.checkpoint_format
@@ -414,6 +432,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         optimizers = self.unwrapped_optimizers()
         for optimizer in optimizers:
             check_shardable(optimizer, warn=rank_zero_warn)
+        if self._fully_shard is not None:  # stage 3: the parameters were sharded at the split
+            return
         self._zero = PipelineZero(
             self.module,
             optimizers,
@@ -450,6 +470,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._full_state_keys = list(module.state_dict().keys())
         self._full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
         self._tied, self._aliases = find_tied_parameters(module, layers), parameter_aliases(module)
+        shards = self.zero_stage == 3 and dims.data_parallel_size > 1
+        if shards:
+            check_no_tie_within_a_rank(self._tied, plan, self.pipeline_parallel_size)
         # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
         self._optimizer_layouts = self._whole_model_optimizer_layouts(
             module, fitting=trainer.state.fn == TrainerFn.FITTING
@@ -469,10 +492,21 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._all_layers, self._layer_registrations = layers, registrations
         held = set(canonical_names(module, self._aliases).values())
         self._local_parameter_names = held - layout.uncounted(dims.pipeline_rank)
-        kept_layers = [layer if i in local else None for i, layer in enumerate(layers)]
         self._dims, self._plan = dims, plan
         self.precision_plugin.convert_module(module)
         self.model_to_device()
+        self._fully_shard = None
+        if shards:  # ZeRO-3: the local layers' sharded copies run the stages (the optimizers are built after this)
+            self._fully_shard = PipelineFullyShard(
+                module,
+                {i: layers[i] for i in local},
+                registrations=registrations,
+                mesh=self.device_mesh["replicate"],
+                aliases=self._aliases,
+            )
+            self._sharded_names.update(self._fully_shard.names)
+        running = self._fully_shard.layers if self._fully_shard is not None else {i: layers[i] for i in local}
+        kept_layers = [running.get(i) for i in range(len(layers))]
         self._engine = PipelineEngine(
             module,
             layers=kept_layers,
@@ -653,6 +687,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             if self._zero is not None:  # reduce-scatter into the replicas' shards, then the tied sum on them
                 self._zero.reduce_gradients()
                 return
+            if self._fully_shard is not None:  # FSDP2 reduce-scattered each micro-batch: the tied sum on the shards
+                if self._tied_sync is not None:
+                    self._tied_sync.all_reduce(self.module, self._aliases, stats=stats)
+                return
             average_across_replicas(
                 _grads(optimizer), group=dims.data_parallel_group, size=dims.data_parallel_size, stats=stats
             )
@@ -682,6 +720,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         counted, copies = split_counted(
             [(p, p) for p in params], {id(p) for p in params if names.get(id(p)) in uncounted}
         )
+        if self._fully_shard is not None:  # the replicas hold disjoint rows of each stage's gradients
+            groups = [dims.data_parallel_group, dims.pipeline_group]
+            self._fully_shard.clip_grad_norm(counted, copies, clip_val, groups=groups, device=self.root_device)
+            return
         # Replicas of a stage hold equal, already averaged gradients: the pipeline group splits them.
         clip_grad_norm_over_ranks_(
             counted, clip_val, groups=[dims.pipeline_group], device=self.root_device, copies=copies
@@ -689,13 +731,15 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @override
     def gradient_tensors(self) -> list[Tensor]:
-        """The parameters' ``.grad`` and, with ``zero_stage > 0``, the stage's gradient buckets."""
+        """The parameters' ``.grad`` (at ``zero_stage=3`` their shards) and, with ``zero_stage`` 1-2, the stage's
+        gradient buckets."""
         buffers = self._zero.buckets.gradient_buffers() if self._zero is not None else []
         return [*super().gradient_tensors(), *buffers]
 
     @override
     def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds (measured from its tensors); with ``zero_stage > 0`` the stage's flat buckets and
+        """Bytes this rank holds (measured from its tensors: at ``zero_stage=3`` the local shards); with ``zero_stage``
+        1-2 the stage's flat buckets and
         the optimizer state of this replica's shard, summed over the optimizers."""
         if self._zero is None:
             return super().memory_report()
@@ -726,7 +770,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             whole = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
             whole.update({alias: whole[name] for alias, name in self._aliases.items() if alias in whole})
             return whole if self.is_global_zero else {}
-        state = consolidate_state_dict(self.module, self._full_state_keys, self.parallel_dims, aliases=self._aliases)
+        local = full_tensors(self.module.state_dict()) if self._fully_shard is not None else None
+        state = consolidate_state_dict(
+            self.module, self._full_state_keys, self.parallel_dims, aliases=self._aliases, local=local
+        )
         return state if state is not None and self.is_global_zero else {}
 
     @override
@@ -743,6 +790,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             if not plain:  # replicas but the first: their pipeline's gather is dropped (global rank 0 keeps one)
                 plain = {"state": {}, "param_groups": [_settings(group) for group in optimizer.param_groups]}
             local = local_optimizer_state(optimizer, names, state_dict=plain, group_params=group_params)
+        elif self._fully_shard is not None:  # the replicas' rows gathered whole on every replica (after fit too)
+            names = {**names, **self._sharded_names}
+            local = local_optimizer_state(optimizer, names, state_dict=whole_optimizer_state(optimizer))
         state = consolidate_optimizer_state(
             optimizer, names, self._optimizer_layouts[index], self.parallel_dims, local=local
         )
@@ -757,15 +807,22 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         dims = self.parallel_dims
         module = self.module
         optimizer = unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
-        pieces = replicated_pieces(module, optimizer, rank=dims.data_parallel_rank, world_size=dims.data_parallel_size)
+        names = canonical_names(module, self._aliases)
+        if self._fully_shard is not None:  # ZeRO-3: each replica writes its rows (the copies, also after teardown)
+            named = self._sharded_parameters(optimizer)
+            pieces = named_sharded_pieces(named, optimizer)
+        else:
+            named = [(names[id(param)], param) for param in module.parameters()]
+            pieces = replicated_pieces(
+                module, optimizer, rank=dims.data_parallel_rank, world_size=dims.data_parallel_size
+            )
         # After teardown the module is whole again: each rank still writes only the stage it trained. A tied
         # parameter is written once, under its canonical name, by the lowest pipeline rank holding a copy.
         pieces = [replace(piece, name=self._aliases.get(piece.name, piece.name)) for piece in pieces]
         pieces = [piece for piece in pieces if piece.name in self._local_parameter_names]
         buffers = consolidate_buffers(module, dims) or {}
         # Each parameter's own 0-dim state (Adam's `step`), from the stage that holds it.
-        names = canonical_names(module, self._aliases)
-        local = scalar_states(((names[id(param)], param) for param in module.parameters()), optimizer)
+        local = scalar_states(named, optimizer)
         scalars = gather_scalar_states(local, group=dims.pipeline_group)
         meta = sharded_meta(
             checkpoint,
@@ -779,12 +836,28 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         save_sharded_checkpoint(self.broadcast(str(filepath)), pieces, buffers=buffers, meta=meta)
         return None
 
+    def _sharded_parameters(self, optimizer: Optimizer | None) -> list[tuple[str, Tensor]]:
+        """ZeRO-3: ``(canonical name, shard)`` of this rank's parameters: the optimizer's (which a later ``validate``
+        does not replace), and those of the last split it does not hold (frozen ones)."""
+        assert self._fully_shard is not None
+        by_name = dict(self._fully_shard.named_parameters())
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                by_name.update((self._sharded_names[id(param)], param) for param in group["params"])
+        return list(by_name.items())
+
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.is_split:
             return super().load_model_state_dict(checkpoint, strict=strict)
+        load = load_whole_parameters if self._fully_shard is not None else None
         load_local_state(
-            self.module, checkpoint["state_dict"], self._full_state_keys, strict=strict, aliases=self._aliases
+            self.module,
+            checkpoint["state_dict"],
+            self._full_state_keys,
+            strict=strict,
+            aliases=self._aliases,
+            load=load,
         )
         return None
 
@@ -796,6 +869,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         ):
             if self._zero is None:
                 optimizer.load_state_dict(slice_optimizer_state(state, optimizer, names, layout))
+                if self._fully_shard is not None:  # each replica keeps its rows of the whole states
+                    shard_optimizer_state(optimizer)
                 continue
             group_params = self._zero.group_params(optimizer)
             local = slice_optimizer_state(state, optimizer, names, layout, group_params=group_params)
@@ -818,6 +893,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 mark_orphaned(module)
             return
         self._wait_for_peers("the teardown's gather of the stages")  # a peer that failed after training skips it
+        if self._fully_shard is not None:  # ZeRO-3: the shards gathered into the user's layers, back in the module
+            self._fully_shard.restore()
         reassemble(
             module,
             layers=self._all_layers,
@@ -840,6 +917,18 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             for variant, method in methods.items()
         ]
         cls._register(strategy_registry, entries)
+
+
+def _refuse_averaging_under_zero3(callbacks: Any) -> None:
+    """Weight averaging's copy of the module is held as this rank's stage (``StageCopyLayout``), not as its shards:
+    refused (on every rank, before a collective) rather than averaging whole copies of sharded parameters."""
+    for callback in callbacks:
+        if isinstance(callback, AVERAGING_CALLBACKS):
+            raise ValueError(
+                f"`{type(callback).__name__}` is not supported with `PipelineParallelStrategy(zero_stage=3)`: its"
+                " averaged copy would hold the stage's whole parameters, not their shards. Use `zero_stage=2` (or"
+                " 0-1) with weight averaging."
+            )
 
 
 def _grads(optimizer: Any) -> list[Tensor]:

@@ -11,6 +11,7 @@
 * :mod:`.reassemble`: the whole model back on every rank after a run.
 * :mod:`.side_effects`: running a module without leaving a trace in its buffers or the RNG streams.
 * :mod:`.zero`: ZeRO-1/2 inside the pipeline, each stage's state sharded over its data-parallel replicas.
+* :mod:`.fully_shard`: ZeRO-3 inside the pipeline, each stage's parameters sharded too (FSDP2).
 """
 
 from lightning_parallel.distributed.pipeline.consolidate import (
@@ -20,6 +21,7 @@ from lightning_parallel.distributed.pipeline.consolidate import (
     slice_optimizer_state,
 )
 from lightning_parallel.distributed.pipeline.contract import ContractError
+from lightning_parallel.distributed.pipeline.fully_shard import PipelineFullyShard
 from lightning_parallel.distributed.pipeline.partition import (
     RemoteLayer,
     StagePlan,
@@ -46,6 +48,7 @@ __all__ = [
     "SCHEDULES",
     "ContractError",
     "ParallelDims",
+    "PipelineFullyShard",
     "PipelineRuntime",
     "PipelineZero",
     "RemoteLayer",

@@ -10,7 +10,7 @@ between it and each rank's local optimizer.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -57,14 +57,16 @@ def consolidate_state_dict(
     dims: ParallelDims,
     *,
     aliases: Mapping[str, str] | None = None,
+    local: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """The whole model's ``state_dict`` in its original key order, on pipeline rank 0 (a collective).
 
     Keys not held by any layer (buffers of metrics, ...) exist on every rank; pipeline rank 0's copy is used.
     ``aliases`` (other name -> canonical name of a tied parameter) makes every name of a tied parameter hold the
     same tensor, as in a single-device ``state_dict`` (so ``torch.save`` writes it once), whichever stages held it.
+    ``local``: this rank's state dict with whole tensors (default ``module.state_dict()``; ZeRO-3 gathers its shards).
     """
-    local = detached_cpu(dict(module.state_dict()))
+    local = detached_cpu(dict(module.state_dict() if local is None else local))
     gathered = _gather_to_pipeline_root(local, dims)
     if gathered is None:
         return None
@@ -208,11 +210,13 @@ def load_local_state(
     *,
     strict: bool,
     aliases: Mapping[str, str] | None = None,
+    load: Callable[[nn.Module, dict[str, Any]], None] | None = None,
 ) -> None:
     """Load this rank's entries of a whole-model ``state_dict`` into its (split) ``module``.
 
     A tied parameter held here under another of its names (``aliases``: other name -> canonical name) is read from
-    that name, or from its canonical name when the checkpoint names it once.
+    that name, or from its canonical name when the checkpoint names it once. ``load(module, entries)`` loads the
+    entries (default: ``module.load_state_dict(entries, strict=False)``; ZeRO-3 keeps its rows of each).
 
     Raises:
         RuntimeError: With ``strict``, if a local entry is missing or the checkpoint has entries the model lacks.
@@ -223,7 +227,11 @@ def load_local_state(
     unexpected = [k for k in saved if k not in set(full_keys) and k not in (aliases or {})]
     if strict and (missing or unexpected):
         raise RuntimeError(f"The checkpoint does not match the model: missing {missing}, unexpected {unexpected}.")
-    module.load_state_dict({k: saved[k] for k in local_keys if k in saved}, strict=False)
+    entries = {k: saved[k] for k in local_keys if k in saved}
+    if load is None:
+        module.load_state_dict(entries, strict=False)
+    else:
+        load(module, entries)
 
 
 def sharded_meta(

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.accounting import CommunicationStats
 from lightning_parallel.distributed.pipeline.partition import StagePlan
@@ -150,7 +151,8 @@ class TiedGradientSync:
         by_name = {aliases.get(name, name): p for name, p in module.named_parameters()}
         for group, names in self._groups:
             params = [by_name[name] for name in names]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            # ZeRO-3 (`fully_shard.py`): DTensor copies, sharded alike on every stage: their local rows are summed.
+            grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
             flags = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
             flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
             if stats is not None:
@@ -161,9 +163,10 @@ class TiedGradientSync:
                 summed = flat[offset : offset + g.numel()].view_as(g)
                 offset += g.numel()
                 if p.grad is not None:
-                    p.grad.copy_(summed)
+                    _local(p.grad).copy_(summed)
                 elif bool(has_grad[index]):
-                    p.grad = summed.to(p.dtype).clone()
+                    value = summed.to(p.dtype).clone()
+                    p.grad = _like(value, p)
 
     @property
     def num_groups(self) -> int:
@@ -179,3 +182,16 @@ def split_counted(
     counted = [g for p, g in grads if id(p) not in uncounted]
     copies = [g for p, g in grads if id(p) in uncounted]
     return counted, copies
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(local: Tensor, param: Tensor) -> Tensor:
+    """``local`` as a gradient of ``param``: a ``DTensor`` with its placements when ``param`` is one."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

@@ -34,34 +34,68 @@ from torch.optim import Optimizer
 
 from lightning_parallel.accounting import CommunicationStats, MemoryReport
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
+from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
-from lightning_parallel.distributed.pipeline.tied import TiedLayout
+from lightning_parallel.distributed.pipeline.tied import TiedLayout, TiedParameter
 from lightning_parallel.distributed.zero import ShardedParameterBuckets, ShardView
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer
 
-__all__ = ["ZERO_STAGES", "PipelineZero", "check_zero_stage"]
+__all__ = ["ZERO_STAGES", "PipelineZero", "check_no_tie_within_a_rank", "check_zero_stage"]
 
-ZERO_STAGES = (0, 1, 2)
-"""``zero_stage`` values of ``PipelineParallelStrategy``: 0 (off), 1 (optimizer state), 2 (+ gradients)."""
+ZERO_STAGES = (0, 1, 2, 3)
+"""``zero_stage`` values of ``PipelineParallelStrategy``: 0 (off), 1 (optimizer state), 2 (+ gradients), 3 (+
+parameters, with FSDP2: :mod:`.fully_shard`)."""
 
 
-def check_zero_stage(zero_stage: Any, *, checkpoint_format: str) -> None:
-    """Raise ``ValueError`` for a ``zero_stage`` that is not 0, 1 or 2, or a combination we do not write.
+def check_zero_stage(zero_stage: Any, *, checkpoint_format: str, schedule: str | None = None) -> None:
+    """Raise ``ValueError`` for a ``zero_stage`` that is not 0-3, or a combination we do not support.
 
-    The sharded checkpoint format writes each replica's slice of whole parameters and optimizer state; with ZeRO the
-    optimizer state is sharded by bucket instead, which that writer does not know, so it is refused up front.
+    The sharded checkpoint format writes each replica's slice of whole parameters and optimizer state; with ZeRO-1/2
+    the optimizer state is sharded by bucket instead, which that writer does not know, so it is refused up front
+    (stage 3 writes FSDP2's rows of each tensor, which the format holds). Stage 3 refuses the zero-bubble schedule:
+    it computes weight gradients outside autograd's backward, where FSDP2's hooks reduce them.
     """
     if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) or zero_stage not in ZERO_STAGES:
         raise ValueError(
             f"`zero_stage={zero_stage!r}` is invalid. Valid options: 0 (no sharding), 1 (optimizer state sharded"
-            " across each stage's data-parallel replicas), 2 (+ gradients)."
+            " across each stage's data-parallel replicas), 2 (+ gradients), 3 (+ parameters)."
         )
-    if zero_stage and checkpoint_format == "sharded":
+    if zero_stage in (1, 2) and checkpoint_format == "sharded":
         raise ValueError(
             f"`zero_stage={zero_stage}` with `checkpoint_format='sharded'` is not supported: the sharded writer"
-            " does not know ZeRO's bucketed optimizer shards. Use `checkpoint_format='consolidated'` (the default;"
-            " loadable under any layout) or `zero_stage=0`."
+            " does not know ZeRO-1/2's bucketed optimizer shards. Use `checkpoint_format='consolidated'` (the"
+            " default; loadable under any layout), `zero_stage=0` or `zero_stage=3`."
         )
+    if zero_stage == 3 and schedule == "InterleavedZeroBubble":
+        raise ValueError(
+            "`zero_stage=3` with `schedule='InterleavedZeroBubble'` is not supported: that schedule computes the"
+            " weight gradients outside autograd's backward, where FSDP2 reduce-scatters them. Use another schedule"
+            " ('1F1B', 'GPipe', 'Interleaved1F1B', 'LoopedBFS') or `zero_stage=2`."
+        )
+
+
+def check_no_tie_within_a_rank(tied: Sequence[TiedParameter], plan: StagePlan, pipeline_parallel_size: int) -> None:
+    """Local, the same verdict on every rank. ZeRO-3 shards a rank's layers as separate FSDP2 units: a parameter
+    two layers of one pipeline rank share (both users of a tied weight on one rank, as the looped placement of the
+    interleaved schedules can put them) would be gathered by neither unit's forward, so it is refused.
+
+    Raises:
+        ValueError: naming the parameter and the fix.
+    """
+    for parameter in tied:
+        ranks = [plan.stage_of_layer(index) % pipeline_parallel_size for index in parameter.layers]
+        if len(set(ranks)) < len(ranks):
+            fix = (
+                "use `ShardedOptimizerStrategy(stage=3)` (a pipeline of one rank is data parallelism; it shards a tied"
+                " model) or `zero_stage=2`"
+                if pipeline_parallel_size == 1
+                else "place those layers on different ranks (`partition=[...]`, `stages_per_rank=1`) or use"
+                " `zero_stage=2`"
+            )
+            raise ValueError(
+                f"`zero_stage=3` cannot shard `{parameter.name}`: it is used by pipeline layers {parameter.layers}"
+                f" that run on one pipeline rank, and ZeRO-3 shards each layer on its own. To train it, {fix}."
+            )
 
 
 class PipelineZero:

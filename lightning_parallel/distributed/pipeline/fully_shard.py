@@ -1,0 +1,228 @@
+"""ZeRO-3 inside the pipeline: each stage's parameters, gradients and optimizer state sharded over its replicas.
+
+Torch-only. The engine is ZeRO-3's own (:func:`~lightning_parallel.distributed.zero3.apply_fully_shard`: torch's
+FSDP2 per block), on the mesh's ``"replicate"`` axis: the data-parallel replicas of one stage, which hold the same
+layers. What differs from ``ShardedOptimizerStrategy(stage=3)``:
+
+* The sharded modules are copies. The rank's layers are deep-copied once (together, so parameters two local layers
+  share stay shared), the copies take the layers' places in the user's module for the run and are sharded; the
+  user's layers keep their identity and their tensors' storage is released. :meth:`PipelineFullyShard.restore`
+  gathers the shards back into them at teardown, so the module is plain and whole afterwards (FSDP2 has no way to
+  undo ``fully_shard`` on a module: it changes its class and hooks).
+* The copies sit under one container sharded as FSDP2's root, so the units of a stage share one communication
+  context; the container's forward never runs, each unit gathers its parameters in its own forward hook (the stage
+  calls the layers), reshards after its forward and reduce-scatters its gradients after each micro-batch's backward
+  (the mean over the replicas, accumulated into the sharded ``.grad``). torch's schedules special-case a stage whose
+  module is an ``FSDPModule`` (no gradient sync until the last micro-batch, then ``post_backward`` by hand); ours is
+  a plain ``StageModule`` around the units, so FSDP2's own hooks do every reduction: one reduce-scatter per
+  micro-batch and unit instead of one per step (more collectives, the same result). The zero-bubble schedule,
+  which computes weight gradients outside autograd's backward where those hooks fire, is refused.
+* Tied parameters: every copy is sharded the same way (same shape, same replica axis), so replica ``r`` holds the
+  same rows of each copy; after FSDP2's reduce-scatter the shards are summed over the pipeline ranks holding a copy
+  (``tied.TiedGradientSync`` on the local shards), and the copies stay bitwise equal.
+* Clipping: the squares of the local gradient shards summed over the ``"replicate"`` group, then the ``"pp"`` group.
+
+Per rank after a step (``dp`` replicas, a stage of ``N`` parameters, sizes divisible by ``dp``): parameters ``4N/dp``
+bytes (fp32), gradients ``4N/dp``, optimizer state ``K * 4N/dp`` (``K`` per-element states: 2 for Adam(W)).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
+from lightning_parallel.distributed.pipeline.partition import Registration
+from lightning_parallel.distributed.pipeline.tied import canonical_names
+from lightning_parallel.distributed.zero3 import apply_fully_shard, shard_coordinates
+from lightning_parallel.distributed.zero3_compat import initialise_root
+
+__all__ = [
+    "PipelineFullyShard",
+    "full_tensors",
+    "load_whole_parameters",
+    "local_shard",
+    "shard_optimizer_state",
+    "whole_optimizer_state",
+]
+
+
+class _StageUnits(nn.Module):
+    """The copies of a rank's layers under one module: FSDP2's root for them (its forward never runs)."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - the stages call the layers
+        raise RuntimeError("The pipeline's ZeRO-3 container is never called; its layers are.")
+
+
+class PipelineFullyShard:
+    """A rank's layers replaced in ``module`` by copies sharded with FSDP2 over ``mesh`` (the replicas of the stage).
+
+    Building it is local (FSDP2's ``fully_shard`` communicates nothing); every replica of the stage must build it
+    from equal weights (the split broadcast rank 0's). Call it before the optimizers are created: they must hold the
+    sharded parameters.
+
+    Args:
+        module: the user's (split) module.
+        layers: this rank's pipeline layers by index (the user's objects).
+        registrations: for each layer index, where its modules are registered in ``module``.
+        mesh: the one-axis mesh of the stage's replicas (the strategy's ``device_mesh["replicate"]``).
+        aliases: other name -> canonical name of parameters with several names.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        layers: Mapping[int, nn.Module],
+        *,
+        registrations: Sequence[Sequence[Registration]],
+        mesh: DeviceMesh,
+        aliases: Mapping[str, str],
+    ) -> None:
+        self.module = module
+        self.indices = sorted(layers)
+        self.originals = [layers[i] for i in self.indices]
+        memo: dict[int, Any] = {}
+        copies = copy.deepcopy(self.originals, memo)  # one call: what two layers share stays shared
+        self._copy_of = {id(m): memo[id(m)] for layer in self.originals for m in layer.modules()}
+        self._registrations = [(name, sub) for i in self.indices for name, sub in registrations[i]]
+        for name, submodule in self._registrations:
+            module.set_submodule(name, self._copy_of[id(submodule)])
+        _release(self.originals)
+        self.container = _StageUnits(copies)
+        self.units = apply_fully_shard(self.container, mesh)
+        initialise_root(self.units[-1])
+        self.layers = dict(zip(self.indices, copies, strict=True))
+        """The sharded copies by layer index: what the stages run."""
+        self.names = canonical_names(module, aliases)
+        """``id`` of each sharded parameter -> its canonical name (what the optimizers hold, also after teardown)."""
+        self.is_restored = False
+        """Whether :meth:`restore` put the user's layers back (after the run; the optimizers keep the shards)."""
+
+    def named_parameters(self) -> list[tuple[str, Tensor]]:
+        """Local. ``(canonical name, sharded parameter)`` of every parameter this rank holds, once each (also after
+        :meth:`restore`: the optimizers step these)."""
+        return [(self.names[id(param)], param) for param in self.container.parameters()]
+
+    # ------------------------------------------------------------------ step
+    def clip_grad_norm(
+        self,
+        counted: Sequence[Tensor],
+        copies: Sequence[Tensor],
+        max_norm: float,
+        *,
+        groups: Sequence[Any],
+        device: torch.device,
+    ) -> Tensor:
+        """Collective over ``groups``. torch's clip with the norm of the local gradient shards of ``counted`` over
+        the ranks of ``groups``; the shards of ``copies`` (tied copies another rank counts) are scaled, not counted."""
+        return clip_grad_norm_over_ranks_(
+            _local_views(counted), max_norm, groups=groups, device=device, copies=_local_views(copies)
+        )
+
+    # ------------------------------------------------------------------ teardown
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Collective over the replicas. Gather every shard into the user's layers and put them back in the module
+        in place of the copies (the module is plain again; the optimizers still hold the sharded copies)."""
+        if self.is_restored:
+            return
+        for original, sharded in zip(self.originals, self.container.layers, strict=True):
+            values = full_tensors(_named_tensors(sharded))
+            for name, tensor in _named_tensors(original).items():
+                tensor.data = values[name].to(tensor.dtype)
+        for name, submodule in self._registrations:
+            self.module.set_submodule(name, submodule)
+        self.is_restored = True
+
+
+# ---------------------------------------------------------------------- plain <-> sharded
+def full_tensors(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Collective over each DTensor's mesh (in ``state``'s order on every replica). ``state`` with every ``DTensor``
+    replaced by its whole value (a plain tensor); other values as they are."""
+    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
+
+
+def whole_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
+    """Collective over the replicas. ``optimizer.state_dict()`` with each sharded state gathered whole."""
+    state_dict = optimizer.state_dict()
+    return {**state_dict, "state": {index: full_tensors(state) for index, state in state_dict["state"].items()}}
+
+
+def local_shard(whole: Tensor, like: DTensor) -> Tensor:
+    """Local. This rank's rows of ``whole`` as FSDP2 shards ``like`` (``torch.chunk`` on dim 0), as a ``DTensor``."""
+    rank, size = shard_coordinates(like)
+    chunks = torch.chunk(whole, size, dim=0)
+    rows = chunks[rank] if rank < len(chunks) else whole.new_empty((0, *whole.shape[1:]))
+    local = rows.to(device=like.device, dtype=like.dtype).contiguous()
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+@torch.no_grad()
+def load_whole_parameters(module: nn.Module, state: Mapping[str, Tensor]) -> None:
+    """Local. Copy this rank's rows of each whole tensor of ``state`` into ``module``'s sharded parameters; other
+    entries (buffers, plain parameters) are loaded as ``load_state_dict`` does (``strict=False``)."""
+    sharded = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if isinstance(param, DTensor):
+            sharded.add(name)
+            if name in state:
+                _local(param).copy_(_local(local_shard(state[name], param)))
+    module.load_state_dict({k: v for k, v in state.items() if k not in sharded}, strict=False)
+
+
+def shard_optimizer_state(optimizer: Optimizer) -> None:
+    """Local. After ``optimizer.load_state_dict`` of whole tensors: each per-element state of a sharded parameter
+    becomes this rank's rows, as a ``DTensor`` like the parameter (0-dim states such as Adam's ``step`` stay)."""
+    for param, state in optimizer.state.items():
+        if not isinstance(param, DTensor):
+            continue
+        for key, value in state.items():
+            if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+                state[key] = local_shard(value, param)
+
+
+def _local_views(parameters: Sequence[Tensor]) -> list[Tensor]:
+    """Plain tensors standing for the local shards of ``parameters``, each with ``.grad`` the local shard of the
+    parameter's gradient (the same storage: scaling it scales the gradient)."""
+    views = []
+    for param in parameters:
+        if param.grad is None:
+            continue
+        if not isinstance(param, DTensor):
+            views.append(param)
+            continue
+        view = _local(param.detach())
+        view.grad = _local(param.grad)
+        views.append(view)
+    return views
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _named_tensors(layer: nn.Module) -> dict[str, Tensor]:
+    return {
+        **dict(layer.named_parameters(remove_duplicate=False)),
+        **dict(layer.named_buffers(remove_duplicate=False)),
+    }
+
+
+def _release(layers: Sequence[nn.Module]) -> None:
+    """Local. Free the storage of the layers' tensors in place (the objects, their ``requires_grad`` and ties stay)."""
+    for layer in layers:
+        for tensor in _named_tensors(layer).values():
+            tensor.data = tensor.data.new_empty(0)
