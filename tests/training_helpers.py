@@ -99,3 +99,17 @@ def assert_checkpoint_is_single_devices(saved: dict, single: dict, *, rtol: floa
     for index, state in expected["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(optimizer["state"][index][key], value, rtol=rtol, atol=atol)
+
+
+def assert_monitor_equals_plan(measured_ranks: list[dict], predicted_ranks: list[Any]) -> None:
+    """Every rank's bytes held (from a ``ParallelismMonitor`` summary) and last step's communication equal the
+    planner's ``RankEstimate`` for that rank, to the byte."""
+    assert len(measured_ranks) == len(predicted_ranks)
+    for measured, expected in zip(measured_ranks, predicted_ranks, strict=True):
+        assert measured["memory"] == {
+            "parameters": expected.parameters,
+            "gradients": expected.gradients,
+            "optimizer_state": expected.optimizer_state,
+        }, f"rank {measured['rank']}"
+        # The last step: the first may carry torch's one-off pipeline set-up messages, which are not counted.
+        assert measured["steps"][-1]["communication"] == expected.communication, f"rank {measured['rank']}"
