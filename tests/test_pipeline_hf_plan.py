@@ -135,6 +135,14 @@ def _adam_state(trainer: pl.Trainer, module: nn.Module) -> dict[str, torch.Tenso
     }
 
 
+class _LlamaDeclaringItsInputs(LitCausalLM):
+    """Says what its step passes to `self.model(...)`, so the pipeline never runs the step to learn it."""
+
+    def pipeline_inputs(self, batch: Any) -> dict[str, torch.Tensor]:
+        ids, mask = batch
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
 def _reference(make: Any, padded: bool, *, adam: bool = False) -> dict[str, Any]:
     """One device, ``accumulate_grad_batches`` = micro-batches, the same samples in the same order."""
     pl.seed_everything(0, verbose=False)
@@ -181,6 +189,8 @@ def _two_ranks(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
     strategy = _pipeline(partition="measured")  # layers timed on copies: the copies share the one model
     module, _ = _fit(LitCausalLM, strategy, world_size, False)
     result["llama_measured"] = _state(module)
+    module, _ = _fit(_LlamaDeclaringItsInputs, _pipeline(), world_size, False)
+    result["llama_declaring_inputs"] = _state(module)
     strategy = _pipeline()
     module, trainer = _fit(lambda: LitCausalLM("qwen2", "adamw"), strategy, world_size, True)
     result["qwen2"] = _state(module)
@@ -207,6 +217,7 @@ def test_declared_plan_models_train_like_one_device_with_every_schedule(tmp_path
             assert_weights_close(result[f"llama_{schedule}"], references["llama"]["weights"], **TOLERANCE)
         assert len(result["llama_Interleaved1F1B_starts"]) == 4  # 2 virtual stages per rank
         assert_weights_close(result["llama_measured"], references["llama"]["weights"], **TOLERANCE)
+        assert_weights_close(result["llama_declaring_inputs"], references["llama"]["weights"], **TOLERANCE)
         assert_weights_close(result["qwen2"], references["qwen2"]["weights"], **ADAM_TOLERANCE)
         assert result["qwen2_tied"] and result["qwen2_copied"] == {"model.model.embed_tokens.weight": (0, 1)}
         assert_weights_close(result["gpt2"], references["gpt2"]["weights"], **TOLERANCE)
