@@ -327,7 +327,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        held = self.backend.after_backward()
+        held = self.backend.reduce_gradients()
         self._drop_gradients_if_skipped(held)  # every rank decided the same: no step on non-finite gradients
 
     @override

@@ -52,6 +52,7 @@ from lightning_parallel.distributed.checkpoint import (
     scalar_states,
 )
 from lightning_parallel.distributed.compression import CommunicationStats
+from lightning_parallel.distributed.gradient_sync import GradientSync
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
@@ -94,8 +95,14 @@ class ZeroContext:
     """The Trainer's callbacks (stage 3 holds the weight-averaging ones' copies as shards)."""
 
 
-class ZeroBackend(Protocol):
-    """How the model, its gradients and the optimizers' state are held and synchronised; built once per ``setup``."""
+class ZeroBackend(GradientSync, Protocol):
+    """How the model, its gradients and the optimizers' state are held and synchronised; built once per ``setup``.
+
+    The gradient sync is :class:`~lightning_parallel.distributed.gradient_sync.GradientSync` (``no_sync``,
+    ``reduce_gradients``, ``clip_grad_norm_``, ``after_optimizer_step``, ``wait_for_parameters``,
+    ``gradient_buffers``, ``memory_report``, ``optimizer_state``, ``load_optimizer_state``, ``abandon_in_flight``,
+    ``teardown``); a ZeRO backend also holds the module: the methods below.
+    """
 
     empty_init_on_meta: ClassVar[bool]
     """Whether ``init_module(empty_init=True)`` creates the model on the meta device (materialised in setup)."""
@@ -120,33 +127,9 @@ class ZeroBackend(Protocol):
     def wrap_precision(self, plugin: Precision, device: torch.device) -> Precision:
         """The precision plugin to train with: ``plugin``, or one that clips over all shards and agrees on inf/nan."""
 
-    def no_sync(self) -> AbstractContextManager[None]:
-        """Context: no gradient communication (non-final micro-batches of gradient accumulation)."""
-
-    def after_backward(self) -> Iterable[Tensor]:
-        """Finish the gradient sync; returns extra gradient holders to drop when the step is skipped."""
-
-    def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Collective. Bring every rank's parameters up to date after ``optimizer`` stepped (or start doing so: then
-        :meth:`wait_for_parameters` finishes it)."""
-
     def after_evaluation_step(self) -> None:
         """Local. After a validation step: leave the parameters as training holds them between steps (the callbacks
         that run next may read or swap them)."""
-
-    def abandon_in_flight(self) -> None:
-        """Local. Training failed: forget collectives still in flight without waiting for them (a failed peer never
-        completes them), so the teardown that follows cannot hang."""
-
-    def wait_for_parameters(self, *, everywhere: bool = True) -> None:
-        """Local. Finish bringing the parameters up to date: all of them, or (``everywhere=False``, before a training
-        step) those read outside the forward pre-hooks that wait for the rest."""
-
-    def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
-        """Bytes this rank holds (optimizer state summed over ``optimizers``)."""
-
-    def gradient_buffers(self) -> list[Tensor]:
-        """Gradient tensors the backend holds beside the parameters' ``.grad`` (ZeRO-1/2 buckets), now."""
 
     def model_state(self) -> dict[str, Any]:
         """Collective. The whole model's plain state dict (complete on rank 0)."""
@@ -154,20 +137,11 @@ class ZeroBackend(Protocol):
     def load_model_state(self, state: Any, *, strict: bool) -> None:
         """Collective. Load a plain state dict or a :class:`ShardedCheckpointReader`."""
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Collective. ``optimizer``'s plain single-device state dict (complete on rank 0)."""
-
-    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
-        """Collective. Load a plain optimizer state dict or a :class:`ShardedCheckpointReader`."""
-
     def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
         """What this rank writes into a sharded checkpoint (one optimizer at most)."""
 
     def full_module(self) -> AbstractContextManager[nn.Module]:
-        """Collective on entry: the whole module on every rank until exit."""
-
-    def teardown(self) -> None:
-        """Local: stop hooking the module; keep what ``memory_report`` and ``full_module`` need after fit."""
+        """Collective on entry: the whole module on every rank until exit (also after ``teardown``)."""
 
 
 def backend_type(stage: int, *, is_sharding: bool, keeps_masters: bool = False) -> type[ZeroBackend]:
@@ -242,8 +216,14 @@ class ReplicatedBackend:
     def no_sync(self) -> Generator[None, None, None]:
         yield
 
-    def after_backward(self) -> Iterable[Tensor]:
+    def reduce_gradients(self) -> Iterable[Tensor]:
         return ()
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        """Collective where the gradients are ``DTensor`` shards. torch's own clip over ``optimizer``'s parameters (as
+        Lightning's precision plugin clips them: this backend's gradients are the parameters' ``.grad``)."""
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, float(max_norm))
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         pass
@@ -260,7 +240,7 @@ class ReplicatedBackend:
     def gradient_buffers(self) -> list[Tensor]:
         return []
 
-    def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
+    def memory_report(self, optimizers: Sequence[Optimizer]) -> MemoryReport:
         return module_memory_report(self.held, optimizers)
 
     def model_state(self) -> dict[str, Any]:
@@ -337,13 +317,16 @@ class FlatBucketBackend(ReplicatedBackend):
 
     def wrap_precision(self, plugin: Precision, device: torch.device) -> Precision:
         if self.buckets is not None:  # fitting: Lightning clips through the precision plugin
-            plugin = with_clipping(plugin, self.clip_grad_norm)
+            plugin = with_clipping(plugin, self._clip_over_shards)
         return with_sharded_grad_scaler(plugin, device)
 
-    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         """Collective. As torch's clip over ``optimizer``'s parameters only, with the norm over every shard."""
         assert self.buckets is not None
-        self.buckets.clip_grad_norm_(float(max_norm), views=self.sharded_for(optimizer).views)
+        return self.buckets.clip_grad_norm_(float(max_norm), views=self.sharded_for(optimizer).views)
+
+    def _clip_over_shards(self, optimizer: Optimizer, max_norm: float) -> None:
+        self.clip_grad_norm_(optimizer, max_norm)
 
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
@@ -354,7 +337,7 @@ class FlatBucketBackend(ReplicatedBackend):
         finally:
             buckets.sync_gradients = True
 
-    def after_backward(self) -> Iterable[Tensor]:
+    def reduce_gradients(self) -> Iterable[Tensor]:
         buckets = self._set_up_buckets()
         self.wait_for_parameters()  # a block unused in this forward: its parameters are stepped next
         if buckets.sync_gradients:
@@ -385,7 +368,7 @@ class FlatBucketBackend(ReplicatedBackend):
     def gradient_buffers(self) -> list[Tensor]:
         return self.buckets.gradient_buffers() if self.buckets is not None else []
 
-    def memory_report(self, optimizers: list[Optimizer]) -> MemoryReport:
+    def memory_report(self, optimizers: Sequence[Optimizer]) -> MemoryReport:
         if self.buckets is None:  # not fitted (validate/test/predict): the module as it is
             return super().memory_report(optimizers)
         if self.gather is not None:  # sizes only: a monitor's report between steps keeps the all-gather in flight
@@ -525,7 +508,7 @@ class FullyShardBackend(ReplicatedBackend):
             for unit in self._fsdp_units:
                 unit.set_requires_gradient_sync(True, recurse=False)
 
-    def after_backward(self) -> Iterable[Tensor]:
+    def reduce_gradients(self) -> Iterable[Tensor]:
         for unit in self._fsdp_units:
             # A unit whose parameters got no gradient stays unsharded after backward, and FSDP2 copies each
             # parameter's `requires_grad` (`toggle_optimizer`) only when it unshards: reshard (a no-op otherwise).
