@@ -24,14 +24,14 @@ import math
 import shutil
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -40,12 +40,14 @@ __all__ = [
     "DamagedCheckpointError",
     "FlatPiece",
     "ShardedCheckpointReader",
+    "ShardedPieces",
     "add_aliases",
     "build_meta",
     "consolidate_checkpoint",
     "even_split",
     "gather_scalar_states",
     "is_sharded_checkpoint",
+    "load_module_state",
     "param_groups_by_name",
     "read_sharded_checkpoint",
     "replicated_pieces",
@@ -73,6 +75,19 @@ class FlatPiece:
     @property
     def entry(self) -> str:
         return f"{self.key}/{self.name}/{self.start}_{self.stop}"
+
+
+@dataclass(kw_only=True)
+class ShardedPieces:
+    """What this rank writes into a sharded checkpoint: its pieces and the optimizer's layout."""
+
+    pieces: list[FlatPiece]
+    """The flat ranges of parameters and optimizer state this rank owns."""
+    group_params: list[list[nn.Parameter]] | None
+    """The optimizer's parameter lists in the single-device layout (before any sharding)."""
+    scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each parameter's own 0-dim optimizer state (Adam's ``step``) by name, complete on rank 0, which writes it
+    (:func:`scalar_states`)."""
 
 
 class DamagedCheckpointError(ValueError):
@@ -205,6 +220,24 @@ def param_groups_by_name(module: torch.nn.Module, groups: list[list[Any]], hyper
         saved["params"] = [name_of[param] for param in params]
         named.append(saved)
     return named
+
+
+def load_module_state(module: nn.Module, state_dict: Any, *, strict: bool) -> None:
+    """``module.load_state_dict`` with torch's shape/key mismatch turned into a ``ValueError`` that says what happened.
+
+    Every rank loads the same file, so every rank raises the same error (nothing hangs, nothing is trained).
+    """
+    try:
+        module.load_state_dict(state_dict, strict=strict)
+    except RuntimeError as error:
+        text = str(error)
+        if "size mismatch" not in text and "Missing key" not in text and "Unexpected key" not in text:
+            raise
+        details = "; ".join(line.strip() for line in text.splitlines()[1:4])
+        raise ValueError(
+            f"The checkpoint does not match this model ({details} ...): it was saved from a different model or"
+            " configuration. Load a checkpoint of this model, or pass `strict=False` only if you mean a partial load."
+        ) from error
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:

@@ -6,17 +6,15 @@ A strategy supplies its pieces (what this rank owns); everything about files liv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _PATH
-from torch import nn
 
 from lightning_parallel.distributed.checkpoint import (
     DamagedCheckpointError,
-    FlatPiece,
+    ShardedPieces,
     build_meta,
     is_sharded_checkpoint,
     param_groups_by_name,
@@ -24,20 +22,7 @@ from lightning_parallel.distributed.checkpoint import (
     sharded_to_consolidated,
 )
 
-__all__ = ["ShardedPieces", "load_checkpoint_any_format", "load_module_state", "save_sharded"]
-
-
-@dataclass(kw_only=True)
-class ShardedPieces:
-    """What this rank writes into a sharded checkpoint: its pieces and the optimizer's layout."""
-
-    pieces: list[FlatPiece]
-    """The flat ranges of parameters and optimizer state this rank owns."""
-    group_params: list[list[nn.Parameter]] | None
-    """The optimizer's parameter lists in the single-device layout (before any sharding)."""
-    scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Each parameter's own 0-dim optimizer state (Adam's ``step``) by name, complete on rank 0, which writes it
-    (``distributed.checkpoint.scalar_states``)."""
+__all__ = ["load_checkpoint_any_format", "save_sharded"]
 
 
 def save_sharded(
@@ -77,22 +62,4 @@ def load_checkpoint_any_format(strategy: Any, checkpoint_path: _PATH, weights_on
             f"Cannot load checkpoint {checkpoint_path}: it is truncated, was modified, or is not a checkpoint"
             f" ({type(error).__name__}: {str(error).splitlines()[0][:200]}). With `weights_only=True` (the default"
             " here) a checkpoint may hold only tensors and plain containers. Nothing was loaded."
-        ) from error
-
-
-def load_module_state(module: nn.Module, state_dict: Any, *, strict: bool) -> None:
-    """``module.load_state_dict`` with torch's shape/key mismatch turned into a ``ValueError`` that says what happened.
-
-    Every rank loads the same file, so every rank raises the same error (nothing hangs, nothing is trained).
-    """
-    try:
-        module.load_state_dict(state_dict, strict=strict)
-    except RuntimeError as error:
-        text = str(error)
-        if "size mismatch" not in text and "Missing key" not in text and "Unexpected key" not in text:
-            raise
-        details = "; ".join(line.strip() for line in text.splitlines()[1:4])
-        raise ValueError(
-            f"The checkpoint does not match this model ({details} ...): it was saved from a different model or"
-            " configuration. Load a checkpoint of this model, or pass `strict=False` only if you mean a partial load."
         ) from error

@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_parallel.choices import check_choice
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
+from lightning_parallel.distributed.checkpoint import load_module_state
 from lightning_parallel.distributed.compression import (
     GradientCompression,
     SerializedPowerSGD,
@@ -35,7 +36,6 @@ from lightning_parallel.distributed.trainable import check_same_trainable_parame
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
 from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
-from lightning_parallel.strategies.checkpointing import load_module_state
 from lightning_parallel.strategies.launch import StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
 

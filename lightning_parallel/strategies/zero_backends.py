@@ -47,7 +47,9 @@ from lightning_parallel.distributed import zero3
 from lightning_parallel.distributed.averaged_copy import HeldCopy, ShardedCopyLayout
 from lightning_parallel.distributed.checkpoint import (
     ShardedCheckpointReader,
+    ShardedPieces,
     add_aliases,
+    load_module_state,
     replicated_pieces,
     scalar_states,
 )
@@ -62,7 +64,6 @@ from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
 from lightning_parallel.instrumentation import StrategyEvents
 from lightning_parallel.strategies.base import unwrap_optimizer
-from lightning_parallel.strategies.checkpointing import ShardedPieces, load_module_state
 from lightning_parallel.strategies.clipping import with_clipping, with_scaler
 from lightning_parallel.strategies.parameter_callbacks import check_parameter_callbacks, hold_averaged_copies
 
