@@ -24,7 +24,8 @@ mid-training. Refusals are local checks of the Trainer's callbacks, raised on ev
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
@@ -36,6 +37,7 @@ from lightning_parallel.distributed.averaged_copy import CopyLayout, HeldCopy, h
 __all__ = [
     "AVERAGING_CALLBACKS",
     "REFUSED_CALLBACKS",
+    "TrainerParameterCallbacks",
     "check_averaging_checkpoint_format",
     "check_parameter_callbacks",
     "hold_averaged_copies",
@@ -97,3 +99,20 @@ def hold_averaged_copies(callbacks: Iterable[Any], module: nn.Module, layout: Co
     """
     copies = (averaged_copy_of(callback) for callback in callbacks)
     return [hold_copy(copy, module, layout) for copy in copies if copy is not None]
+
+
+@dataclass(frozen=True)
+class TrainerParameterCallbacks:
+    """The Trainer's callbacks as the torch-only ZeRO backends see them (``distributed.zero_backends.context``'s
+    ``ParameterCallbacks``): the checks and the averaged copies of this module."""
+
+    callbacks: Sequence[Any]
+    """The Trainer's callbacks."""
+
+    def check(self, *, strategy_name: str, layout: str) -> None:
+        """:func:`check_parameter_callbacks` over :attr:`callbacks`."""
+        check_parameter_callbacks(self.callbacks, strategy_name=strategy_name, layout=layout)
+
+    def hold_averaged_copies(self, module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+        """:func:`hold_averaged_copies` over :attr:`callbacks`."""
+        return hold_averaged_copies(self.callbacks, module, layout)

@@ -14,12 +14,12 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel._compat import optimizers_to_device
+from lightning_parallel._compat import optimizers_to_device, sync_module_states
 from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.choices import check_choice
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
@@ -27,6 +27,7 @@ from lightning_parallel.distributed.averaged_copy import shard_whole_state
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
+from lightning_parallel.distributed.zero_backends import ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero_config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
@@ -34,8 +35,11 @@ from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import save_sharded
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
-from lightning_parallel.strategies.parameter_callbacks import check_averaging_checkpoint_format
-from lightning_parallel.strategies.zero_backends import ZeroBackend, ZeroContext, backend_type
+from lightning_parallel.strategies.parameter_callbacks import (
+    TrainerParameterCallbacks,
+    check_averaging_checkpoint_format,
+)
+from lightning_parallel.strategies.zero_precision import zero_precision
 
 __all__ = ["ShardedOptimizerStrategy"]
 
@@ -202,7 +206,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     @property
     def backend(self) -> ZeroBackend:
-        """How this run holds the model and optimizer state (chosen in ``setup``; see ``strategies.zero_backends``)."""
+        """How this run holds the model and optimizer state (chosen in ``setup``; see ``distributed.zero_backends``)."""
         if self._backend is None:
             raise RuntimeError("`ShardedOptimizerStrategy.backend` is chosen in `setup`; it was read before that.")
         return self._backend
@@ -241,10 +245,12 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             mesh=self.device_mesh if self.is_sharding else None,
             events=self.events,
             stats=self.communication_stats if self.track_communication else None,
-            callbacks=trainer.callbacks,
+            parameter_callbacks=TrainerParameterCallbacks(trainer.callbacks),
+            warn=rank_zero_warn,
+            sync_module_states=sync_module_states,
         )
         self._backend = backend_type(self.stage, is_sharding=self.is_sharding)(self.zero_config, context)
-        self._backend.convert_module(self.precision_plugin, self.model)
+        self._backend.convert_module(self.model, convert=self.precision_plugin.convert_module)
         self._keeps_masters_alone = (
             fitting and not self.is_sharding and self.master_weights == "fp32" and _has_16bit_parameters(self.model)
         )
@@ -258,7 +264,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             self.setup_optimizers(trainer)
             self._validate_optimizers()
             self._backend.setup_optimizers(self.unwrapped_optimizers())
-        self.precision_plugin = self._backend.wrap_precision(self.precision_plugin, self.root_device)
+        self.precision_plugin = zero_precision(self._backend, self.precision_plugin, self.root_device)
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)

@@ -17,9 +17,10 @@ from dataclasses import replace
 
 from torch.optim import Optimizer
 
+from lightning_parallel.distributed.zero_backends.context import ZeroContext
+from lightning_parallel.distributed.zero_backends.flat_buckets import FlatBucketBackend
 from lightning_parallel.distributed.zero_config import ZeroConfig
 from lightning_parallel.distributed.zero_optimizer import check_shardable
-from lightning_parallel.strategies.zero_backends import FlatBucketBackend, ZeroContext
 
 __all__ = ["MasterWeightBackend"]
 

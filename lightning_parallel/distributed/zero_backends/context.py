@@ -1,0 +1,82 @@
+"""What a ZeRO backend is given beside the user's settings: this run's ranks, mesh and listeners, and the few things
+the Lightning side supplies (how to warn, how to broadcast rank 0's weights, the Trainer's parameter callbacks).
+
+The backends import no Lightning (``tests/test_layers.py``); the strategy passes Lightning's helpers here as plain
+callables and objects, and the defaults let a backend run without a strategy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_parallel.distributed.averaged_copy import CopyLayout, HeldCopy
+from lightning_parallel.distributed.broadcast import broadcast_from_rank0
+from lightning_parallel.distributed.compression import CommunicationStats
+from lightning_parallel.instrumentation import StrategyEvents
+
+__all__ = ["NoParameterCallbacks", "ParameterCallbacks", "ZeroContext", "broadcast_on_its_device"]
+
+
+class ParameterCallbacks(Protocol):
+    """The Trainer's callbacks that copy or prune the module's parameters (weight averaging, pruning), as a backend
+    that shards the parameters must treat them (``strategies/parameter_callbacks.py`` implements it)."""
+
+    def check(self, *, strategy_name: str, layout: str) -> None:
+        """Local. Raise ``ValueError`` for a callback that cannot run while the parameters are held as ``layout``
+        (``strategy_name`` is quoted in the error)."""
+
+    def hold_averaged_copies(self, module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+        """Local. Make each weight-averaging callback's copy hold what ``module`` now holds on this rank."""
+
+
+class NoParameterCallbacks:
+    """No callback copies or prunes the parameters (a backend used without a Trainer)."""
+
+    def check(self, *, strategy_name: str, layout: str) -> None:
+        del strategy_name, layout
+
+    def hold_averaged_copies(self, module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+        del module, layout
+        return []
+
+
+def broadcast_on_its_device(module: nn.Module) -> None:
+    """Collective over the default group. Rank 0's parameters and buffers on every rank, one tensor at a time
+    through the device they are on (``distributed/broadcast.py``)."""
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    if first is not None:
+        broadcast_from_rank0(module, first.device)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroContext:
+    """What the strategy's ``setup`` hands a backend beside the user's
+    :class:`~lightning_parallel.distributed.zero_config.ZeroConfig`: this run's ranks, its mesh, who listens and the
+    Lightning side's helpers. The defaults are one rank, no listener and no callbacks (a backend used without a
+    strategy)."""
+
+    rank: int = 0
+    world_size: int = 1
+    mesh: DeviceMesh | None = None
+    """The strategy's mesh (axes ``replicate``, ``shard``, ``pp``): the sharded backends shard over its ``shard``
+    axis and average across its ``replicate`` axis; ``None`` at world size 1."""
+    events: StrategyEvents = field(default_factory=StrategyEvents)
+    """Where the stage 1-2 sync waits are timed (``events.timed("exposed_communication")``)."""
+    stats: CommunicationStats | None = None
+    """Where to count the bytes of our own collectives (the monitor's ledger), or ``None``."""
+    parameter_callbacks: ParameterCallbacks = field(default_factory=NoParameterCallbacks)
+    """The Trainer's weight-averaging and pruning callbacks (stage 3 refuses pruning and holds the averaged copies as
+    shards)."""
+    warn: Callable[[str], None] = warnings.warn
+    """How to warn the user (the strategy passes Lightning's ``rank_zero_warn``: once, on rank 0)."""
+    sync_module_states: Callable[[nn.Module], None] = broadcast_on_its_device
+    """Collective. Start every rank from rank 0's parameters and buffers, the module being on its device (stages 1-2
+    and world size 1). The strategy passes Lightning's ``_sync_module_states`` (a coalesced broadcast, as
+    ``DDPStrategy``'s); the default broadcasts tensor by tensor."""
