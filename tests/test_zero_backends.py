@@ -1,4 +1,5 @@
-"""ZeRO backends: clipping over shards goes through a subclass of the Trainer's precision plugin."""
+"""ZeRO backends: the torch-only ``GradientSync`` protocol they implement, and clipping over shards through a
+subclass of the Trainer's precision plugin."""
 
 from __future__ import annotations
 
@@ -7,12 +8,47 @@ import torch
 from distributed_harness import run_distributed
 from lightning.pytorch import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
 from training_helpers import assert_weights_close, fit_tiny
 
 from lightning_parallel import ShardedOptimizerStrategy
+from lightning_parallel.distributed.gradient_sync import GradientSync
+from lightning_parallel.distributed.zero_backends import (
+    FlatBucketBackend,
+    FullyShardBackend,
+    MasterWeightBackend,
+    ReplicatedBackend,
+    ZeroBackend,
+    ZeroContext,
+)
+from lightning_parallel.distributed.zero_config import ZeroConfig
 
 GLOBAL_BATCH = 8
 CLIP = 0.05  # far below the tiny GPT's gradient norm, so clipping changes every step
+
+
+@pytest.mark.parametrize("backend", [ReplicatedBackend, FlatBucketBackend, FullyShardBackend, MasterWeightBackend])
+def test_every_backend_has_every_method_of_the_protocols(backend: type[ReplicatedBackend]) -> None:
+    """The strategy calls only `ZeroBackend` (`GradientSync` plus holding the module); a name missing or misspelt in
+    a backend would fail only on the path that calls it."""
+    declared = {name for protocol in (GradientSync, ZeroBackend) for name in vars(protocol) if not name.startswith("_")}
+    assert {"reduce_gradients", "clip_grad_norm_", "full_module"} <= declared
+    assert sorted(name for name in declared if not hasattr(backend, name)) == []
+
+
+def test_the_plain_backend_clips_as_torch_and_returns_the_total_norm() -> None:
+    torch.manual_seed(0)
+    model, reference = nn.Linear(4, 3), nn.Linear(4, 3)
+    reference.load_state_dict(model.state_dict())
+    batch = torch.randn(5, 4)
+    for module in (model, reference):
+        module(batch).square().sum().backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    norm = ReplicatedBackend(ZeroConfig(), ZeroContext()).clip_grad_norm_(optimizer, 0.5)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    torch.testing.assert_close(norm, expected)
+    for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, ref.grad)
 
 
 class _PrecisionProbe(Callback):
