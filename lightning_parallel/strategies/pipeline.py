@@ -303,7 +303,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @property
     def _current_run(self) -> PipelineRun:
-        """The record of the split the module is in now (internal: read by the steps and checkpoint hooks)."""
+        """The last split's record (internal: the steps and checkpoint hooks read it; raises before ``setup``)."""
         if self._run is None:
             raise RuntimeError("The pipeline is available after the Trainer set the strategy up.")
         return self._run

@@ -73,7 +73,15 @@ class SyncContext:
 
 
 class PipelineSync(GradientSync, Protocol):
-    """:class:`~lightning_parallel.distributed.gradient_sync.GradientSync` plus what a pipeline's split needs."""
+    """:class:`~lightning_parallel.distributed.gradient_sync.GradientSync` plus what a pipeline's split needs.
+
+    In a pipeline the optimizer state is the stage's: :meth:`optimizer_state` gives it keyed by canonical parameter
+    name (:func:`~lightning_parallel.distributed.pipeline.consolidate.local_optimizer_state`, complete on the first
+    replica), which the consolidated checkpoint then gathers over the pipeline; :meth:`load_optimizer_state` takes
+    the whole model's single-device state with its layout (a
+    :class:`~lightning_parallel.distributed.pipeline.consolidate.WholeOptimizerState`) and keeps this rank's part.
+    Gradients are reduced once the schedule ran (:meth:`reduce_gradients`), never during its backward.
+    """
 
     sharded_names: dict[int, str]
     """``id`` -> canonical name of the sharded parameters of this and earlier splits (ZeRO-3: the optimizers of a
