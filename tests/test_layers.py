@@ -109,6 +109,82 @@ def test_no_sharded_optimizer_method_branches_on_the_zero_stage() -> None:
     assert branches == {}
 
 
+_PIPELINE_MODES = {"zero_stage", "_zero", "_fully_shard", "checkpoint_format", "_checkpoints"}
+"""What ``PipelineParallelStrategy`` chooses its sync and checkpoint format from (once: ``__init__`` and the split's
+``pipeline_sync_type`` call), and the objects its methods used to branch on."""
+
+
+def _asks_which_sync(function: ast.FunctionDef) -> list[int]:
+    """Lines of conditions in ``function`` that ask which sync or checkpoint format it holds: a class named like one
+    (``...Sync``, ``...Checkpoint``, ``PipelineZero``, ``PipelineFullyShard``: ``isinstance``/``type`` tests), or an
+    attribute of the sync (``run.sync.<...>``)."""
+    lines = []
+    for node in ast.walk(function):
+        if isinstance(node, ast.If | ast.IfExp | ast.While | ast.Compare | ast.Match):
+            tested = node.test if isinstance(node, ast.If | ast.IfExp | ast.While) else node
+            for inner in ast.walk(tested):
+                name = (
+                    inner.id if isinstance(inner, ast.Name) else inner.attr if isinstance(inner, ast.Attribute) else ""
+                )
+                if (
+                    name == "sync"
+                    or name.endswith(("Sync", "Checkpoint"))
+                    or name in {"PipelineZero", "PipelineFullyShard"}
+                ):
+                    lines.append(node.lineno)
+    return lines
+
+
+def _pipeline_method_branches(source: str) -> dict[str, list[int]]:
+    tree = ast.parse(source)
+    (strategy,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PipelineParallelStrategy"]
+    methods = [n for n in strategy.body if isinstance(n, ast.FunctionDef)]
+    assert len(methods) > 30
+    return {
+        m.name: lines
+        for m in methods
+        if m.name != "__init__" and (lines := sorted({*_branches_on(m, _PIPELINE_MODES), *_asks_which_sync(m)}))
+    }
+
+
+def test_no_pipeline_method_branches_on_the_zero_stage_or_the_checkpoint_format() -> None:
+    """The sync (``distributed/pipeline/sync_type.py``, chosen at the split) and the checkpoint format (chosen in
+    ``__init__``) decide; no method of the strategy asks which stage, sync or format it holds. Checks of the user's
+    settings at the edge (module functions such as ``_check_callbacks``) may read them."""
+    assert _pipeline_method_branches((PACKAGE_DIR / "strategies" / "pipeline.py").read_text()) == {}
+
+
+def test_the_pipeline_branch_rule_sees_a_branch_on_the_mode() -> None:
+    """The rule above is not vacuous: each kind of branch it forbids is found."""
+    source = textwrap.dedent(
+        """
+        class PipelineParallelStrategy:
+            def __init__(self):
+                self.zero_stage = 3
+        """
+    )
+    source += "".join(f"    def m{i}(self):\n        pass\n" for i in range(30))
+    source += textwrap.indent(
+        textwrap.dedent(
+            """
+            def stage(self):
+                return 1 if self.zero_stage == 3 else 0
+            def fmt(self):
+                if self.checkpoint_format != "sharded":
+                    return None
+            def kind(self, run):
+                if isinstance(run.sync, FlatBucketSync):
+                    return None
+            def buckets(self, run):
+                while run.sync.zero is None:
+                    pass
+            """
+        ),
+        "    ",
+    )
+    assert set(_pipeline_method_branches(source)) == {"stage", "fmt", "kind", "buckets"}
+
+
 class _Counted(nn.Module):
     """A model the planner knows only through the hook: a GPT under another name, reporting its shape itself."""
 

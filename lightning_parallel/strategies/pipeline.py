@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -14,48 +14,28 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _compat
-from lightning_parallel.accounting import MemoryReport
+from lightning_parallel.accounting import CommunicationStats, MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.averaged_copy import StageCopyLayout
-from lightning_parallel.distributed.checkpoint import (
-    gather_scalar_states,
-    replicated_pieces,
-    save_sharded_checkpoint,
-    scalar_states,
-)
-from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
 from lightning_parallel.distributed.mesh import MeshLayout
-from lightning_parallel.distributed.pipeline.config import PipelineConfig
-from lightning_parallel.distributed.pipeline.consolidate import (
-    consolidate_buffers,
-    consolidate_optimizer_state,
-    consolidate_state_dict,
-    load_local_state,
-    local_optimizer_state,
-    optimizer_layout,
-    sharded_meta,
-    slice_optimizer_state,
+from lightning_parallel.distributed.pipeline.checkpoint_format import (
+    CHECKPOINT_FORMATS,
+    CheckpointFormat,
+    whole_model_state,
 )
+from lightning_parallel.distributed.pipeline.config import PipelineConfig
+from lightning_parallel.distributed.pipeline.consolidate import WholeOptimizerState, load_local_state, optimizer_layout
 from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch, replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
-from lightning_parallel.distributed.pipeline.fully_shard import (
-    PipelineFullyShard,
-    full_tensors,
-    load_whole_parameters,
-    shard_optimizer_state,
-    whole_optimizer_state,
-)
-from lightning_parallel.distributed.pipeline.gradients import average_across_replicas
 from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, batch_size_of
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
 from lightning_parallel.distributed.pipeline.partition import (
     PartitionMethod,
-    Registration,
     RemoteLayer,
     StagePlan,
     check_parameter_ownership,
@@ -65,6 +45,7 @@ from lightning_parallel.distributed.pipeline.partition import (
     validate_partition,
 )
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, offload_layers, reassemble
+from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import (
     ParallelDims,
     check_count,
@@ -75,23 +56,21 @@ from lightning_parallel.distributed.pipeline.split import (
     check_same_plan,
     plan_on_every_rank,
 )
+from lightning_parallel.distributed.pipeline.sync import SyncContext
+from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
 from lightning_parallel.distributed.pipeline.tied import (
     TiedGradientSync,
     TiedLayout,
-    TiedParameter,
     canonical_names,
     find_tied_parameters,
     parameter_aliases,
-    split_counted,
 )
 from lightning_parallel.distributed.pipeline.verify import (
     check_layers_compose_to_forward,
     check_single_evaluation_optimizers,
     closure_evaluated_twice,
 )
-from lightning_parallel.distributed.pipeline.zero import PipelineZero, check_no_tie_within_a_rank, check_zero_stage
-from lightning_parallel.distributed.zero3 import named_sharded_pieces
-from lightning_parallel.distributed.zero_optimizer import check_shardable
+from lightning_parallel.distributed.pipeline.zero import check_zero_stage
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
@@ -248,27 +227,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._stages_per_rank_arg = stages_per_rank
         self.partition = partition
         self.verify_layers = verify_layers
-        self.checkpoint_format = checkpoint_format
+        self._checkpoints: CheckpointFormat = CHECKPOINT_FORMATS[checkpoint_format]
         self.zero_stage = zero_stage
-        self._zero: PipelineZero | None = None  # built with the optimizers when `zero_stage` 1-2 shards something
-        self._fully_shard: PipelineFullyShard | None = None  # built at the split when `zero_stage=3` shards something
-        # id -> canonical name of every sharded parameter of any split (the optimizers keep fit's after a `validate`).
-        self._sharded_names: dict[int, str] = {}
         self._config: PipelineConfig | None = None
-        self._full_shapes: dict[str, tuple[int, ...]] = {}
-        self._dims: ParallelDims | None = None
-        self._engine: PipelineEngine | None = None
-        self._plan: StagePlan | None = None
-        self._full_state_keys: list[str] = []
-        self._all_layers: list[nn.Module] = []  # every pipeline layer; other ranks' ones on `meta` during a run
-        self._layer_registrations: list[list[Registration]] = []  # where each layer's modules sit in the module
-        self._local_parameter_names: set[str] = set()  # canonical names this rank writes in a sharded checkpoint
-        self._tied: list[TiedParameter] = []  # parameters used by several pipeline layers
-        self._aliases: dict[str, str] = {}  # other name -> canonical name of every parameter with several names
-        self._tied_sync: TiedGradientSync | None = None
-        self._run_failed = False
-        self._optimizer_layouts: list[list[list[str]]] = []
-        self._pending_grads: list[Tensor | None] | None = None
+        self._run: PipelineRun | None = None  # the last split's record (`distributed/pipeline/run.py`)
         self._skip_warned = False
 
     # ------------------------------------------------------------------ configuration
@@ -285,6 +247,15 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             stages_per_rank=self._stages_per_rank_arg,
             num_microbatches=self._num_microbatches_arg,
         )
+
+    @property
+    def checkpoint_format(self) -> str:
+        """``"consolidated"`` or ``"sharded"`` (see the class docstring); assigning it chooses the format anew."""
+        return self._checkpoints.name
+
+    @checkpoint_format.setter
+    def checkpoint_format(self, value: str) -> None:
+        self._checkpoints = CHECKPOINT_FORMATS[value]
 
     @property
     def pipeline_parallel_size(self) -> int:
@@ -312,23 +283,30 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     @property
     def parallel_dims(self) -> ParallelDims:
         """Ranks and process groups; raises ``RuntimeError`` before the strategy's ``setup``."""
-        if self._dims is None:
+        if self._run is None:
             raise RuntimeError("`PipelineParallelStrategy.parallel_dims` is available after the Trainer set it up.")
-        return self._dims
+        return self._run.dims
 
     @property
     def tied_layout(self) -> TiedLayout:
         """Tied parameters and the pipeline ranks holding a copy of each; raises ``RuntimeError`` before ``setup``."""
-        if self._tied_sync is None:
+        if self._run is None:
             raise RuntimeError("`PipelineParallelStrategy.tied_layout` is available after the Trainer set it up.")
-        return self._tied_sync.layout
+        return self._run.tied.layout
 
     @property
     def stage_plan(self) -> StagePlan:
         """Which layers form which stage; raises ``RuntimeError`` before the strategy's ``setup``."""
-        if self._plan is None:
+        if self._run is None:
             raise RuntimeError("`PipelineParallelStrategy.stage_plan` is available after the Trainer set it up.")
-        return self._plan
+        return self._run.plan
+
+    @property
+    def _current_run(self) -> PipelineRun:
+        """The last split's record (internal: the steps and checkpoint hooks read it; raises before ``setup``)."""
+        if self._run is None:
+            raise RuntimeError("The pipeline is available after the Trainer set the strategy up.")
+        return self._run
 
     def _world_size_before_init(self) -> int:
         return self.num_processes * self.num_nodes
@@ -366,7 +344,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._run_failed = True  # teardown then leaves the split module alone (no collective with failed peers)
+        if self._run is not None:  # teardown then leaves the split module alone (no collective with failed peers)
+            self._run.failed = True
+            self._run.sync.abandon_in_flight()
         super().on_exception(exception)
 
     @property
@@ -383,7 +363,6 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._run_failed = False
         if fitting and not module.automatic_optimization:
             raise ValueError(
                 "PipelineParallelStrategy supports automatic optimization only: the schedule runs forward and"
@@ -394,58 +373,35 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 f"`precision={self.precision_plugin.precision!r}` is not supported by PipelineParallelStrategy."
                 f" Valid options: {', '.join(map(repr, _SUPPORTED_PRECISION))}."
             )
-        if fitting and (self.pipeline_parallel_size > 1 or self.zero_stage == 3):
-            check_parameter_callbacks(
-                trainer.callbacks, strategy_name="pipeline", layout="only its stage's layers on each rank"
-            )
-        if fitting and self.zero_stage == 3:
-            _refuse_averaging_under_zero3(trainer.callbacks)
         if fitting:
-            check_averaging_checkpoint_format(
-                trainer.callbacks, strategy_name="pipeline", checkpoint_format=self.checkpoint_format
+            _check_callbacks(
+                trainer.callbacks,
+                zero_stage=self.zero_stage,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                checkpoint_format=self.checkpoint_format,
             )
-        if self._engine is None:
+        if not self.is_split:
             self._apply_activation_checkpointing(module)  # before the split: each stage keeps its wrapped blocks
             self._split(trainer, module)
         else:  # after a failed run of the same Trainer the module was left split: reuse that split
+            self._current_run.failed = False
             mark_orphaned(module, orphaned=False)
             self.model_to_device()
-        self._zero = None
+        run = self._current_run
         if fitting:
             # Weight-averaging callbacks copied the whole module in their `setup`: each copy keeps this rank's stage.
-            layout = StageCopyLayout(self.parallel_dims, tuple(self._full_state_keys), dict(self._aliases))
+            layout = StageCopyLayout(run.dims, tuple(run.full_state_keys), dict(run.aliases))
             hold_averaged_copies(trainer.callbacks, module, layout)
             self.setup_optimizers(trainer)
-            self._setup_zero()
+            run.sync.setup_optimizers(self.unwrapped_optimizers())  # ZeRO-1/2: a collective (the stage's buckets)
         # Clipping by norm uses the norm over all stages.
         self.precision_plugin = with_clipping(self.precision_plugin, self._clip_grad_by_global_norm)
         self.setup_precision_plugin()
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _setup_zero(self) -> None:
-        """ZeRO inside the pipeline: shard the stage's optimizer state (and gradients) over its replicas (a
-        collective; nothing to shard without data parallelism)."""
-        dims = self.parallel_dims
-        if not self.zero_stage or dims.data_parallel_size == 1:
-            return
-        optimizers = self.unwrapped_optimizers()
-        for optimizer in optimizers:
-            check_shardable(optimizer, warn=rank_zero_warn)
-        if self._fully_shard is not None:  # stage 3: the parameters were sharded at the split
-            return
-        self._zero = PipelineZero(
-            self.module,
-            optimizers,
-            stage=self.zero_stage,
-            dims=dims,
-            tied=self.tied_layout,
-            aliases=self._aliases,
-            stats=self.communication_stats if self.track_communication else None,
-        )
-
     def _split(self, trainer: Any, module: Any) -> None:
-        """Check the layers, plan the stages, keep this rank's layers, create the process groups and the engine."""
+        """Check the layers, plan the stages, keep this rank's layers, choose the sync, create the engine."""
         if any(isinstance(submodule, RemoteLayer) for submodule in module.modules()):
             raise ValueError(
                 "This module was already split by another PipelineParallelStrategy (some layers live on other"
@@ -465,51 +421,49 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             global_rank=self.global_rank,
             device=self.root_device,
         )
-        dims = self._dims or ParallelDims(self.world_size, self.global_rank, self.pipeline_parallel_size)
+        previous = self._run  # an earlier split's ranks and groups are reused (groups are created once)
+        dims = previous.dims if previous is not None else self._new_parallel_dims()
+        sync_type = pipeline_sync_type(self.zero_stage, data_parallel_size=dims.data_parallel_size)
         local_stages = plan.stages_of(dims.pipeline_rank)
-        self._full_state_keys = list(module.state_dict().keys())
-        self._full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
-        self._tied, self._aliases = find_tied_parameters(module, layers), parameter_aliases(module)
-        shards = self.zero_stage == 3 and dims.data_parallel_size > 1
-        if shards:
-            check_no_tie_within_a_rank(self._tied, plan, self.pipeline_parallel_size)
+        full_state_keys = list(module.state_dict().keys())
+        full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        tied, aliases = find_tied_parameters(module, layers), parameter_aliases(module)
+        sync_type.check_split(tied, plan, self.pipeline_parallel_size)
         # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
-        self._optimizer_layouts = self._whole_model_optimizer_layouts(
-            module, fitting=trainer.state.fn == TrainerFn.FITTING
-        )
+        optimizer_layouts = self._whole_model_optimizer_layouts(module, fitting=trainer.state.fn == TrainerFn.FITTING)
         # First collectives: every check above ran on every rank.
-        if self._dims is None:
-            dims.mesh = self.device_mesh  # built in `setup_environment` (its groups: a collective done there)
         check_same_plan(plan, self.world_size)
         broadcast_from_rank0(module, self.root_device)  # every stage and replica starts from rank 0's weights
-        layout = TiedLayout(tuple(self._tied), plan)
-        if self._tied_sync is None or self._tied_sync.layout != layout:
-            self._tied_sync = TiedGradientSync(layout, dims)  # a collective when ranks hold copies (new groups)
+        layout = TiedLayout(tuple(tied), plan)
+        tied_sync = _tied_gradient_sync(layout, dims, previous)
         local = {i for s in local_stages for i in plan.layers_of(s)}
         shared = local_module_ids(layers, plan, local_stages)
         remove_remote_layers(module, registrations, plan, local_stages, keep=shared)
         offload_layers(layers, [i for i in range(len(layers)) if i not in local], keep=shared)
-        self._all_layers, self._layer_registrations = layers, registrations
-        held = set(canonical_names(module, self._aliases).values())
-        self._local_parameter_names = held - layout.uncounted(dims.pipeline_rank)
-        self._dims, self._plan = dims, plan
+        held = set(canonical_names(module, aliases).values())
         self.precision_plugin.convert_module(module)
         self.model_to_device()
-        self._fully_shard = None
-        if shards:  # ZeRO-3: the local layers' sharded copies run the stages (the optimizers are built after this)
-            self._fully_shard = PipelineFullyShard(
-                module,
-                {i: layers[i] for i in local},
+        # ZeRO-3: the local layers' sharded copies run the stages (the optimizers are built after this).
+        sync = sync_type(
+            SyncContext(
+                module=module,
+                layers={i: layers[i] for i in local},
                 registrations=registrations,
-                mesh=self.device_mesh["replicate"],
-                aliases=self._aliases,
+                dims=dims,
+                mesh=self.device_mesh,
+                tied=tied_sync,
+                aliases=aliases,
+                zero_stage=self.zero_stage,
+                device=self.root_device,
+                stats=self._tracked_stats,
+                warn=rank_zero_warn,
+                sharded_names=previous.sync.sharded_names if previous is not None else {},
             )
-            self._sharded_names.update(self._fully_shard.names)
-        running = self._fully_shard.layers if self._fully_shard is not None else {i: layers[i] for i in local}
-        kept_layers = [running.get(i) for i in range(len(layers))]
-        self._engine = PipelineEngine(
+        )
+        running = sync.layers
+        engine = PipelineEngine(
             module,
-            layers=kept_layers,
+            layers=[running.get(i) for i in range(len(layers))],
             plan=plan,
             dims=dims,
             schedule=self.effective_schedule,
@@ -519,6 +473,29 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             on_chunk=self.events.chunk,
             on_p2p=self.communication_stats.record if self.track_communication else None,
         )
+        self._run = PipelineRun(
+            dims=dims,
+            plan=plan,
+            tied=tied_sync,
+            aliases=aliases,
+            full_state_keys=full_state_keys,
+            full_shapes=full_shapes,
+            optimizer_layouts=optimizer_layouts,
+            local_parameter_names=held - layout.uncounted(dims.pipeline_rank),
+            sync=sync,
+            engine=engine,
+            layers=layers,
+            registrations=registrations,
+        )
+
+    def _new_parallel_dims(self) -> ParallelDims:
+        dims = ParallelDims(self.world_size, self.global_rank, self.pipeline_parallel_size)
+        dims.mesh = self.device_mesh  # built in `setup_environment` (its groups: a collective done there)
+        return dims
+
+    def _tracked_stats(self) -> CommunicationStats | None:
+        """Where collective bytes are counted now (``None`` unless a monitor switched counting on)."""
+        return self.communication_stats if self.track_communication else None
 
     def _example_model_inputs(
         self, trainer: Any, module: Any, call: ModelCall
@@ -564,9 +541,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     # ------------------------------------------------------------------ steps
     @property
     def engine(self) -> PipelineEngine:
-        if self._engine is None:
+        if self._run is None or self._run.engine is None:
             raise RuntimeError("The pipeline is available after the Trainer set the strategy up.")
-        return self._engine
+        return self._run.engine
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -597,7 +574,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                     )
             finally:
                 # This batch's gradients are handed over in `backward`, after Lightning's `zero_grad`.
-                self._pending_grads = [p.grad for p in params]
+                self._current_run.pending_grads = [p.grad for p in params]
                 for p, grad in zip(params, previous, strict=True):
                     p.grad = grad
         self._replay(outcome)
@@ -654,7 +631,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         module = self.lightning_module
         assert module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        pending, self._pending_grads = self._pending_grads, None
+        run = self._current_run
+        pending, run.pending_grads = run.pending_grads, None
         if pending is not None:
             for p, grad in zip(module.parameters(), pending, strict=True):
                 if grad is not None:
@@ -663,39 +641,23 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        sync = self._current_run.sync
         calls = 0
 
-        def closure_then_average() -> Any:
+        def closure_then_reduce() -> Any:
             nonlocal calls
             calls += 1
             if calls > 1:  # an optimizer we do not know to refuse at setup, re-evaluating like LBFGS
                 raise closure_evaluated_twice(unwrap_optimizer(optimizer))
             result = closure()
-            self._average_replica_gradients(optimizer)
+            with self.events.timed("exposed_communication"):
+                sync.reduce_gradients()  # over the replicas of each stage, then the tied copies' sum
             return result
 
-        output = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
-        if self._zero is not None:
-            with self.events.timed("exposed_communication"):
-                self._zero.after_optimizer_step(unwrap_optimizer(optimizer))
-        return output
-
-    def _average_replica_gradients(self, optimizer: Any) -> None:
-        dims = self.parallel_dims
-        stats = self.communication_stats if self.track_communication else None
+        output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
         with self.events.timed("exposed_communication"):
-            if self._zero is not None:  # reduce-scatter into the replicas' shards, then the tied sum on them
-                self._zero.reduce_gradients()
-                return
-            if self._fully_shard is not None:  # FSDP2 reduce-scattered each micro-batch: the tied sum on the shards
-                if self._tied_sync is not None:
-                    self._tied_sync.all_reduce(self.module, self._aliases, stats=stats)
-                return
-            average_across_replicas(
-                _grads(optimizer), group=dims.data_parallel_group, size=dims.data_parallel_size, stats=stats
-            )
-            if self._tied_sync is not None:  # after the replica average: the copies then stay bitwise equal
-                self._tied_sync.all_reduce(self.module, self._aliases, stats=stats)
+            sync.after_optimizer_step(unwrap_optimizer(optimizer))  # ZeRO-1/2: all-gather the stepped buckets
+        return output
 
     @override
     def instrumentation(self) -> Instrumentation:
@@ -708,32 +670,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` with the norm over the parameters of all stages (a tied parameter
         counted once, on the lowest pipeline rank holding a copy)."""
-        dims = self.parallel_dims
-        names = canonical_names(self.module, self._aliases)
-        uncounted = self.tied_layout.uncounted(dims.pipeline_rank)
-        if self._zero is not None:
-            self._zero.clip_grad_norm(
-                unwrap_optimizer(optimizer), clip_val, uncounted=uncounted, device=self.root_device
-            )
-            return
-        params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"] if p.grad is not None]
-        counted, copies = split_counted(
-            [(p, p) for p in params], {id(p) for p in params if names.get(id(p)) in uncounted}
-        )
-        if self._fully_shard is not None:  # the replicas hold disjoint rows of each stage's gradients
-            groups = [dims.data_parallel_group, dims.pipeline_group]
-            self._fully_shard.clip_grad_norm(counted, copies, clip_val, groups=groups, device=self.root_device)
-            return
-        # Replicas of a stage hold equal, already averaged gradients: the pipeline group splits them.
-        clip_grad_norm_over_ranks_(
-            counted, clip_val, groups=[dims.pipeline_group], device=self.root_device, copies=copies
-        )
+        self._current_run.sync.clip_grad_norm_(unwrap_optimizer(optimizer), clip_val)
 
     @override
     def gradient_tensors(self) -> list[Tensor]:
         """The parameters' ``.grad`` (at ``zero_stage=3`` their shards) and, with ``zero_stage`` 1-2, the stage's
         gradient buckets."""
-        buffers = self._zero.buckets.gradient_buffers() if self._zero is not None else []
+        buffers = self._run.sync.gradient_buffers() if self._run is not None else []
         return [*super().gradient_tensors(), *buffers]
 
     @override
@@ -741,15 +684,15 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         """Bytes this rank holds (measured from its tensors: at ``zero_stage=3`` the local shards); with ``zero_stage``
         1-2 the stage's flat buckets and
         the optimizer state of this replica's shard, summed over the optimizers."""
-        if self._zero is None:
+        if self._run is None:
             return super().memory_report()
-        return self._zero.memory_report(self.unwrapped_optimizers())
+        return self._run.sync.memory_report(self.unwrapped_optimizers())
 
     # ------------------------------------------------------------------ checkpoints
     @property
     def is_split(self) -> bool:
         """Whether the module holds only this rank's stages now (during a run; teardown puts the whole model back)."""
-        return self._engine is not None
+        return self._run is not None and self._run.is_split
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -757,154 +700,90 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
         With ``checkpoint_format="sharded"`` nothing is gathered: ``save_checkpoint`` writes every rank's part.
         """
-        if self._plan is None:
+        if self._run is None:
             return super().lightning_module_state_dict()
-        if self.checkpoint_format == "sharded":
-            return {}
-        return self.consolidated_state_dict()
+        return self._on_global_zero(self._checkpoints.model_state(self.module, self._run))
 
     def consolidated_state_dict(self) -> dict[str, Any]:
         """The whole model's ``state_dict`` under its own names on rank 0, ``{}`` elsewhere (a collective while
         the model is split; after teardown every rank holds the whole model and nothing is exchanged)."""
-        if not self.is_split:
-            whole = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
-            whole.update({alias: whole[name] for alias, name in self._aliases.items() if alias in whole})
-            return whole if self.is_global_zero else {}
-        local = full_tensors(self.module.state_dict()) if self._fully_shard is not None else None
-        state = consolidate_state_dict(
-            self.module, self._full_state_keys, self.parallel_dims, aliases=self._aliases, local=local
-        )
+        return self._on_global_zero(whole_model_state(self.module, self._run))
+
+    def _on_global_zero(self, state: dict[str, Any] | None) -> dict[str, Any]:
         return state if state is not None and self.is_global_zero else {}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The single-device ``optimizer.state_dict()`` of the whole model on rank 0 (a collective)."""
-        if self.checkpoint_format == "sharded":
-            return {}
         optimizer = unwrap_optimizer(optimizer)
-        index = self.unwrapped_optimizers().index(optimizer)
-        names = canonical_names(self.module, self._aliases)
-        local = None
-        if self._zero is not None:  # first the stage's shards onto replica 0, which then joins its pipeline's gather
-            plain, group_params = self._zero.plain_state(optimizer)
-            if not plain:  # replicas but the first: their pipeline's gather is dropped (global rank 0 keeps one)
-                plain = {"state": {}, "param_groups": [_settings(group) for group in optimizer.param_groups]}
-            local = local_optimizer_state(optimizer, names, state_dict=plain, group_params=group_params)
-        elif self._fully_shard is not None:  # the replicas' rows gathered whole on every replica (after fit too)
-            names = {**names, **self._sharded_names}
-            local = local_optimizer_state(optimizer, names, state_dict=whole_optimizer_state(optimizer))
-        state = consolidate_optimizer_state(
-            optimizer, names, self._optimizer_layouts[index], self.parallel_dims, local=local
-        )
-        return state if state is not None and self.is_global_zero else {}
+        state = self._checkpoints.optimizer_state(self._current_run, optimizer, self.unwrapped_optimizers())
+        return self._on_global_zero(state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if self.checkpoint_format != "sharded" or self._plan is None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        # Every rank writes its stage's parameters and optimizer state; the replicas of a stage split each tensor
-        # evenly, so nothing is written twice. Names, not indices, so any layout can read it.
-        dims = self.parallel_dims
-        module = self.module
+        write = partial(super().save_checkpoint, checkpoint, filepath, storage_options=storage_options)
+        if self._run is None:
+            return write()
         optimizer = unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
-        names = canonical_names(module, self._aliases)
-        if self._fully_shard is not None:  # ZeRO-3: each replica writes its rows (the copies, also after teardown)
-            named = self._sharded_parameters(optimizer)
-            pieces = named_sharded_pieces(named, optimizer)
-        else:
-            named = [(names[id(param)], param) for param in module.parameters()]
-            pieces = replicated_pieces(
-                module, optimizer, rank=dims.data_parallel_rank, world_size=dims.data_parallel_size
-            )
-        # After teardown the module is whole again: each rank still writes only the stage it trained. A tied
-        # parameter is written once, under its canonical name, by the lowest pipeline rank holding a copy.
-        pieces = [replace(piece, name=self._aliases.get(piece.name, piece.name)) for piece in pieces]
-        pieces = [piece for piece in pieces if piece.name in self._local_parameter_names]
-        buffers = consolidate_buffers(module, dims) or {}
-        # Each parameter's own 0-dim state (Adam's `step`), from the stage that holds it.
-        local = scalar_states(named, optimizer)
-        scalars = gather_scalar_states(local, group=dims.pipeline_group)
-        meta = sharded_meta(
-            checkpoint,
-            optimizer,
-            layout=self._optimizer_layouts[0] if self._optimizer_layouts else None,
-            shapes=self._full_shapes,
-            state_keys=self._full_state_keys,
-            scalars=scalars,
-            aliases=self._aliases,
+        self._checkpoints.save(
+            self._run, self.module, checkpoint, filepath, optimizer=optimizer, write=write, broadcast=self.broadcast
         )
-        save_sharded_checkpoint(self.broadcast(str(filepath)), pieces, buffers=buffers, meta=meta)
         return None
-
-    def _sharded_parameters(self, optimizer: Optimizer | None) -> list[tuple[str, Tensor]]:
-        """ZeRO-3: ``(canonical name, shard)`` of this rank's parameters: the optimizer's (which a later ``validate``
-        does not replace), and those of the last split it does not hold (frozen ones)."""
-        assert self._fully_shard is not None
-        by_name = dict(self._fully_shard.named_parameters())
-        if optimizer is not None:
-            for group in optimizer.param_groups:
-                by_name.update((self._sharded_names[id(param)], param) for param in group["params"])
-        return list(by_name.items())
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.is_split:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        load = load_whole_parameters if self._fully_shard is not None else None
+        run = self._current_run
         load_local_state(
             self.module,
             checkpoint["state_dict"],
-            self._full_state_keys,
+            run.full_state_keys,
             strict=strict,
-            aliases=self._aliases,
-            load=load,
+            aliases=run.aliases,
+            load=run.sync.load_model_entries,
         )
         return None
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        names = canonical_names(self.module, self._aliases)
+        run = self._current_run
         for optimizer, state, layout in zip(
-            self.unwrapped_optimizers(), checkpoint["optimizer_states"], self._optimizer_layouts, strict=True
+            self.unwrapped_optimizers(), checkpoint["optimizer_states"], run.optimizer_layouts, strict=True
         ):
-            if self._zero is None:
-                optimizer.load_state_dict(slice_optimizer_state(state, optimizer, names, layout))
-                if self._fully_shard is not None:  # each replica keeps its rows of the whole states
-                    shard_optimizer_state(optimizer)
-                continue
-            group_params = self._zero.group_params(optimizer)
-            local = slice_optimizer_state(state, optimizer, names, layout, group_params=group_params)
-            self._zero.load_plain_state(optimizer, local)
+            run.sync.load_optimizer_state(optimizer, WholeOptimizerState(state, layout))
         _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def teardown(self) -> None:
-        if self._engine is not None:
-            self._engine.clear()  # the stages' receive buffers
-            self._reassemble()
+        run = self._run
+        if run is not None:
+            if run.engine is not None:
+                run.engine.clear()  # the stages' receive buffers
+                self._reassemble(run)
+            run.sync.teardown()
         super().teardown()
 
-    def _reassemble(self) -> None:
+    def _reassemble(self, run: PipelineRun) -> None:
         """Give the user's module back whole on every rank (a collective), unless the run failed (then its
         placeholders raise on access). A later run of this Trainer splits the module afresh."""
         module = self.lightning_module
-        if self._run_failed or module is None:
+        if run.failed or module is None:
             if module is not None:
                 mark_orphaned(module)
             return
         self._wait_for_peers("the teardown's gather of the stages")  # a peer that failed after training skips it
-        if self._fully_shard is not None:  # ZeRO-3: the shards gathered into the user's layers, back in the module
-            self._fully_shard.restore()
+        run.sync.restore_layers()  # ZeRO-3: the shards gathered into the user's layers, back in the module
         reassemble(
             module,
-            layers=self._all_layers,
-            registrations=self._layer_registrations,
-            plan=self.stage_plan,
-            dims=self.parallel_dims,
+            layers=run.layers,
+            registrations=run.registrations,
+            plan=run.plan,
+            dims=run.dims,
             device=self.root_device,
-            tied=self._tied,
+            tied=run.tied.layout.parameters,
         )
-        self._engine, self._all_layers = None, []
+        run.drop_split()
 
     @classmethod
     @override
@@ -919,6 +798,16 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         cls._register(strategy_registry, entries)
 
 
+def _check_callbacks(callbacks: Any, *, zero_stage: int, pipeline_parallel_size: int, checkpoint_format: str) -> None:
+    """Refuse (on every rank, before a collective) callbacks that change parameters where a rank holds only its
+    stage (or, at ``zero_stage=3``, its shards), and averaging with a checkpoint format it cannot write."""
+    if pipeline_parallel_size > 1 or zero_stage == 3:
+        check_parameter_callbacks(callbacks, strategy_name="pipeline", layout="only its stage's layers on each rank")
+    if zero_stage == 3:
+        _refuse_averaging_under_zero3(callbacks)
+    check_averaging_checkpoint_format(callbacks, strategy_name="pipeline", checkpoint_format=checkpoint_format)
+
+
 def _refuse_averaging_under_zero3(callbacks: Any) -> None:
     """Weight averaging's copy of the module is held as this rank's stage (``StageCopyLayout``), not as its shards:
     refused (on every rank, before a collective) rather than averaging whole copies of sharded parameters."""
@@ -931,9 +820,9 @@ def _refuse_averaging_under_zero3(callbacks: Any) -> None:
             )
 
 
-def _grads(optimizer: Any) -> list[Tensor]:
-    return [p.grad for g in unwrap_optimizer(optimizer).param_groups for p in g["params"] if p.grad is not None]
-
-
-def _settings(group: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in group.items() if key != "params"}
+def _tied_gradient_sync(layout: TiedLayout, dims: ParallelDims, previous: PipelineRun | None) -> TiedGradientSync:
+    """The previous split's when the layout is the same (its process groups exist), else a new one (a collective
+    when ranks hold copies: new groups)."""
+    if previous is not None and previous.tied.layout == layout:
+        return previous.tied
+    return TiedGradientSync(layout, dims)

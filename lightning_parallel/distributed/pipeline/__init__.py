@@ -10,10 +10,14 @@
 * :mod:`.split`: the collective steps of a split (one plan on every rank, replicas from the same weights).
 * :mod:`.reassemble`: the whole model back on every rank after a run.
 * :mod:`.side_effects`: running a module without leaving a trace in its buffers or the RNG streams.
+* :mod:`.sync`: how a stage is held over its replicas (the ``GradientSync`` protocol; replicated by default),
+  :mod:`.sync_type`: which sync, chosen once per split.
 * :mod:`.zero`: ZeRO-1/2 inside the pipeline, each stage's state sharded over its data-parallel replicas.
 * :mod:`.fully_shard`: ZeRO-3 inside the pipeline, each stage's parameters sharded too (FSDP2).
+* :mod:`.run`: one record of a split's state; :mod:`.checkpoint_format`: consolidated or sharded checkpoints.
 """
 
+from lightning_parallel.distributed.pipeline.checkpoint_format import CHECKPOINT_FORMATS, CheckpointFormat
 from lightning_parallel.distributed.pipeline.consolidate import (
     consolidate_optimizer_state,
     consolidate_state_dict,
@@ -21,7 +25,7 @@ from lightning_parallel.distributed.pipeline.consolidate import (
     slice_optimizer_state,
 )
 from lightning_parallel.distributed.pipeline.contract import ContractError
-from lightning_parallel.distributed.pipeline.fully_shard import PipelineFullyShard
+from lightning_parallel.distributed.pipeline.fully_shard import FullyShardSync, PipelineFullyShard
 from lightning_parallel.distributed.pipeline.partition import (
     RemoteLayer,
     StagePlan,
@@ -33,6 +37,7 @@ from lightning_parallel.distributed.pipeline.partition import (
     resolve_pipeline_layers,
 )
 from lightning_parallel.distributed.pipeline.reassemble import reassemble
+from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import (
     SCHEDULES,
     ParallelDims,
@@ -41,18 +46,28 @@ from lightning_parallel.distributed.pipeline.schedule import (
     resolve_schedule,
     validate_schedule_config,
 )
+from lightning_parallel.distributed.pipeline.sync import PipelineSync, ReplicatedSync, SyncContext
+from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
 from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
-from lightning_parallel.distributed.pipeline.zero import PipelineZero
+from lightning_parallel.distributed.pipeline.zero import FlatBucketSync, PipelineZero
 
 __all__ = [
+    "CHECKPOINT_FORMATS",
     "SCHEDULES",
+    "CheckpointFormat",
     "ContractError",
+    "FlatBucketSync",
+    "FullyShardSync",
     "ParallelDims",
     "PipelineFullyShard",
+    "PipelineRun",
     "PipelineRuntime",
+    "PipelineSync",
     "PipelineZero",
     "RemoteLayer",
+    "ReplicatedSync",
     "StagePlan",
+    "SyncContext",
     "balanced_boundaries",
     "build_runtime",
     "check_layers_compose_to_forward",
@@ -61,6 +76,7 @@ __all__ = [
     "layer_compute_costs",
     "layer_parameter_costs",
     "optimizer_layout",
+    "pipeline_sync_type",
     "plan_for_example",
     "plan_stages",
     "reassemble",

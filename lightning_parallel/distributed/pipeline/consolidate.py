@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 
 __all__ = [
     "OptimizerLayout",
+    "WholeOptimizerState",
     "consolidate_buffers",
     "consolidate_optimizer_state",
     "consolidate_state_dict",
@@ -188,6 +190,26 @@ def slice_optimizer_state(
             index += 1
         param_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     return {"state": state, "param_groups": param_groups}
+
+
+@dataclass(frozen=True)
+class WholeOptimizerState:
+    """A single-device ``optimizer.state_dict()`` of the whole model and the layout its integer ids follow."""
+
+    state: Mapping[str, Any]
+    """As single-device training saves it (``"state"``, ``"param_groups"``)."""
+    layout: OptimizerLayout
+    """The whole model's parameter names per group (:func:`optimizer_layout`), recorded before the split."""
+
+    def slice_for(
+        self,
+        optimizer: Optimizer,
+        names: Mapping[int, str],
+        *,
+        group_params: Sequence[Sequence[nn.Parameter]] | None = None,
+    ) -> dict[str, Any]:
+        """This rank's part, as ``optimizer.load_state_dict`` expects it (:func:`slice_optimizer_state`)."""
+        return slice_optimizer_state(self.state, optimizer, names, self.layout, group_params=group_params)
 
 
 def consolidate_buffers(module: nn.Module, dims: ParallelDims) -> dict[str, Any] | None:

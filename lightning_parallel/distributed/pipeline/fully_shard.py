@@ -38,13 +38,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_parallel.distributed.checkpoint import FlatPiece
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
-from lightning_parallel.distributed.pipeline.partition import Registration
-from lightning_parallel.distributed.pipeline.tied import canonical_names
-from lightning_parallel.distributed.zero3 import apply_fully_shard, shard_coordinates
+from lightning_parallel.distributed.pipeline.consolidate import local_optimizer_state
+from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
+from lightning_parallel.distributed.pipeline.sync import ReplicatedSync, SyncContext
+from lightning_parallel.distributed.pipeline.tied import TiedParameter, canonical_names
+from lightning_parallel.distributed.pipeline.zero import check_no_tie_within_a_rank
+from lightning_parallel.distributed.zero3 import apply_fully_shard, named_sharded_pieces, shard_coordinates
 from lightning_parallel.distributed.zero3_compat import initialise_root
+from lightning_parallel.distributed.zero_optimizer import check_shardable
 
 __all__ = [
+    "FullyShardSync",
     "PipelineFullyShard",
     "full_tensors",
     "load_whole_parameters",
@@ -144,6 +150,84 @@ class PipelineFullyShard:
         for name, submodule in self._registrations:
             self.module.set_submodule(name, submodule)
         self.is_restored = True
+
+
+class FullyShardSync(ReplicatedSync):
+    """``zero_stage=3`` with data parallelism: a :class:`PipelineFullyShard` of the rank's layers, built at the split.
+
+    FSDP2's hooks reduce-scatter each micro-batch's gradients during the schedule; afterwards only the tied copies'
+    shards are summed over the pipeline ranks holding one. Clipping: the replicas hold disjoint rows of each stage's
+    gradients, so the norm is reduced over the ``"replicate"`` group, then the ``"pp"`` group.
+    """
+
+    def __init__(self, context: SyncContext) -> None:
+        super().__init__(context)
+        self.stage = PipelineFullyShard(
+            context.module,
+            context.layers,
+            registrations=context.registrations,
+            mesh=context.mesh["replicate"],
+            aliases=context.aliases,
+        )
+        self.sharded_names.update(self.stage.names)
+
+    @staticmethod
+    def check_split(tied: Sequence[TiedParameter], plan: StagePlan, pipeline_parallel_size: int) -> None:
+        check_no_tie_within_a_rank(tied, plan, pipeline_parallel_size)
+
+    @property
+    def layers(self) -> dict[int, nn.Module]:
+        return dict(self.stage.layers)
+
+    def setup_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        super().setup_optimizers(optimizers)  # they hold the shards: the parameters were sharded at the split
+        for optimizer in self.optimizers:
+            check_shardable(optimizer, warn=self.context.warn)
+
+    # ------------------------------------------------------------------ step
+    def reduce_gradients(self) -> list[Tensor]:
+        """Collective over the tied sets: FSDP2 reduce-scattered each micro-batch; the tied sum on the shards."""
+        self.sum_tied_copies()
+        return []
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        counted, copies = self.counted_and_copies(optimizer)
+        groups = [self.dims.data_parallel_group, self.dims.pipeline_group]
+        return self.stage.clip_grad_norm(counted, copies, max_norm, groups=groups, device=self.context.device)
+
+    def restore_layers(self) -> None:
+        """Collective over the replicas: the shards gathered into the user's layers, back in the module."""
+        self.stage.restore()
+
+    # ------------------------------------------------------------------ state
+    def model_state(self) -> dict[str, Any]:
+        return full_tensors(self.module.state_dict())
+
+    def load_model_entries(self, module: nn.Module, entries: dict[str, Any]) -> None:
+        load_whole_parameters(module, entries)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Collective over the replicas: their rows gathered whole on every replica (after the run too)."""
+        names = {**self.parameter_names(), **self.sharded_names}
+        return local_optimizer_state(optimizer, names, state_dict=whole_optimizer_state(optimizer))
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
+        super().load_optimizer_state(optimizer, state)
+        shard_optimizer_state(optimizer)  # each replica keeps its rows of the whole states
+
+    def sharded_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
+        """Each replica's rows (of the copies, also after the run)."""
+        named = self._sharded_parameters(optimizer)
+        return named, named_sharded_pieces(named, optimizer)
+
+    def _sharded_parameters(self, optimizer: Optimizer | None) -> list[tuple[str, Tensor]]:
+        """``(canonical name, shard)`` of this rank's parameters: the optimizer's (which a later ``validate`` does
+        not replace), and those of the last split it does not hold (frozen ones)."""
+        by_name = dict(self.stage.named_parameters())
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                by_name.update((self.sharded_names[id(param)], param) for param in group["params"])
+        return list(by_name.items())
 
 
 # ---------------------------------------------------------------------- plain <-> sharded

@@ -34,13 +34,15 @@ from torch.optim import Optimizer
 
 from lightning_parallel.accounting import CommunicationStats, MemoryReport
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
+from lightning_parallel.distributed.pipeline.consolidate import WholeOptimizerState, local_optimizer_state
 from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.sync import ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, TiedParameter
 from lightning_parallel.distributed.zero import ShardedParameterBuckets, ShardView
-from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer
+from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable
 
-__all__ = ["ZERO_STAGES", "PipelineZero", "check_no_tie_within_a_rank", "check_zero_stage"]
+__all__ = ["ZERO_STAGES", "FlatBucketSync", "PipelineZero", "check_no_tie_within_a_rank", "check_zero_stage"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 """``zero_stage`` values of ``PipelineParallelStrategy``: 0 (off), 1 (optimizer state), 2 (+ gradients), 3 (+
@@ -219,6 +221,85 @@ class PipelineZero:
     def load_plain_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         """Local. Take this replica's slices of a plain state dict numbered as :meth:`group_params`."""
         self.sharded_for(optimizer).load_consolidated_state_dict(state)
+
+
+class FlatBucketSync(ReplicatedSync):
+    """``zero_stage`` 1-2 with data parallelism: a :class:`PipelineZero` built with the optimizers (when fitting).
+
+    Until then (and in a run that does not fit) the stage is held whole, as :class:`~.sync.ReplicatedSync` holds it.
+    """
+
+    def __init__(self, context: SyncContext) -> None:
+        super().__init__(context)
+        self.zero: PipelineZero | None = None
+        """The stage's buckets and sharded optimizers; built by :meth:`setup_optimizers`."""
+
+    def setup_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Collective (groups of the tied copies). Move the stage's parameters into flat buckets sharded over the
+        replicas; the optimizers step this replica's shard."""
+        super().setup_optimizers(optimizers)
+        for optimizer in self.optimizers:
+            check_shardable(optimizer, warn=self.context.warn)
+        self.zero = PipelineZero(
+            self.module,
+            self.optimizers,
+            stage=self.context.zero_stage,
+            dims=self.dims,
+            tied=self.context.tied.layout,
+            aliases=self.context.aliases,
+            stats=self.stats,
+        )
+
+    def _built(self) -> PipelineZero:
+        assert self.zero is not None, "the optimizers were not set up"
+        return self.zero
+
+    # ------------------------------------------------------------------ step
+    def reduce_gradients(self) -> list[Tensor]:
+        """Collective. Reduce-scatter into the replicas' shards, then the tied sum on them."""
+        self._built().reduce_gradients()
+        return []
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        uncounted = self.context.tied.layout.uncounted(self.dims.pipeline_rank)
+        return self._built().clip_grad_norm(optimizer, max_norm, uncounted=uncounted, device=self.context.device)
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        self._built().after_optimizer_step(optimizer)
+
+    # ------------------------------------------------------------------ state
+    def gradient_buffers(self) -> list[Tensor]:
+        return self.zero.buckets.gradient_buffers() if self.zero is not None else []
+
+    def memory_report(self, optimizers: Sequence[Optimizer]) -> MemoryReport:
+        """The stage's flat buckets and the optimizer state of this replica's shard, summed over ``optimizers``."""
+        if self.zero is None:
+            return super().memory_report(optimizers)
+        return self.zero.memory_report(optimizers)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Collective over the replicas: first the stage's shards onto replica 0, which then joins its pipeline's
+        gather (the other replicas' parts are dropped: global rank 0 keeps one)."""
+        if self.zero is None:
+            return super().optimizer_state(optimizer)
+        plain, group_params = self.zero.plain_state(optimizer)
+        if not plain:
+            plain = {"state": {}, "param_groups": [_settings(group) for group in optimizer.param_groups]}
+        return local_optimizer_state(optimizer, self.parameter_names(), state_dict=plain, group_params=group_params)
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
+        if self.zero is None:
+            return super().load_optimizer_state(optimizer, state)
+        assert isinstance(state, WholeOptimizerState)
+        group_params = self.zero.group_params(optimizer)
+        self.zero.load_plain_state(
+            optimizer, state.slice_for(optimizer, self.parameter_names(), group_params=group_params)
+        )
+        return None
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
 
 
 def _tied_groups(tied: TiedLayout, dims: ParallelDims) -> list[tuple[Any, list[str]]]:
