@@ -11,9 +11,9 @@ on 2 forked gloo ranks, over ``backward`` and ``finish_gradient_sync``:
   always two;
 * :class:`~lightning_parallel.accounting.LiveTensorPeak` (every storage alive, exact): above what existed before
   backward (parameters, activations, the shards) the peak is at most those buckets, autograd's gradient of the layer
-  at hand, a few activation gradients, and one more bucket: gloo's worker thread drops its reference to a completed
-  collective's buffer a moment after ``wait()`` returns (seen: 3 layers above the start at ``max_buckets_in_flight=1``
-  instead of 2, in some syncs only).
+  at hand, a few activation gradients, and up to two more buckets: each of gloo's worker threads (2 by default)
+  drops its reference to a completed collective's buffer a moment after ``wait()`` returns (seen: 3 layers above
+  the start at ``max_buckets_in_flight=1`` instead of 2, in some syncs only). Not timing-proof, hence the first check.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def test_zero2_holds_at_most_max_buckets_in_flight_whole_buckets_at_the_peak(in_
         for peak in result["peaks"]:
             assert peak["held"] <= result["shard_bytes"] + in_flight * LAYER_BYTES, peak
             assert peak["held"] >= result["shard_bytes"] + LAYER_BYTES, peak  # the bucket being filled
-            # Those buckets, autograd's gradient of the layer whose hook runs, one buffer gloo releases late.
-            bound = (in_flight + 2) * LAYER_BYTES + SLACK
+            # Those buckets, autograd's gradient of the layer whose hook runs, and the buffers gloo releases late
+            # (one per worker thread: 2 by default).
+            bound = (in_flight + 3) * LAYER_BYTES + SLACK
             assert peak["above_start"] <= bound, (peak, bound)
