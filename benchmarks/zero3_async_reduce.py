@@ -85,7 +85,9 @@ class AsyncAllReduceSlice(ReduceScatter):
             self._complete()
 
 
-def _rank(rank: int, world_size: int, repeats: int, steps: int, config: GPTConfig) -> dict[str, Any]:
+def _rank(
+    rank: int, world_size: int, repeats: int, steps: int, config: GPTConfig, max_in_flight: int
+) -> dict[str, Any]:
     torch.manual_seed(0)
     base = GPT(config)
     zero3.broadcast_from_rank0(base, torch.device("cpu"))
@@ -95,7 +97,7 @@ def _rank(rank: int, world_size: int, repeats: int, steps: int, config: GPTConfi
         model = copy.deepcopy(base)
         units = zero3.apply_fully_shard(model, mesh)
         initialise_root(units[-1])
-        comm = AsyncAllReduceSlice() if name == "async_all_reduce" else None
+        comm = AsyncAllReduceSlice(max_in_flight=max_in_flight) if name == "async_all_reduce" else None
         for unit in units if comm is not None else ():
             unit.set_custom_reduce_scatter(comm)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3), comm)
@@ -139,12 +141,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per repeat")
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--n-embd", type=int, default=384)
+    parser.add_argument("--max-in-flight", type=int, default=2, help="unit reductions in flight at once")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `benchmarks` is a folder
     from benchmarks.peak_memory import run_forked
 
     config = GPTConfig(vocab_size=4096, block_size=64, n_layer=args.n_layer, n_head=6, n_embd=args.n_embd)
-    ranks = run_forked(_rank, (args.repeats, args.steps, config), world_size=2, timeout=1800, what="zero3 async")
+    ranks = run_forked(
+        _rank, (args.repeats, args.steps, config, args.max_in_flight), world_size=2, timeout=1800, what="zero3 async"
+    )
     seconds = ranks[0]["seconds"]
     ratios = [a / f for a, f in zip(seconds["async_all_reduce"], seconds["fsdp2"], strict=True)]
     print(f"async all-reduce-and-slice / FSDP2, per repeat: {', '.join(f'{r:.3f}' for r in ratios)}")
