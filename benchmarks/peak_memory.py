@@ -19,6 +19,8 @@ Prints a Markdown table (MiB per rank, the worst rank) and checks the issue's go
 
     python benchmarks/peak_memory.py --world-sizes 2 4
     python benchmarks/peak_memory.py --n-layer 2 --n-embd 64 --n-head 4 --vocab 256   # a quick check
+    python benchmarks/peak_memory.py --strategies zero1 zero2 --n-layer 6 --n-embd 384 --n-head 6 --vocab 4096 \
+        --bucket-cap-mb 3   # ~12M parameters, ~16 buckets like the default model's: a loaded 2-core machine
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class Settings:
     default ``master_weights="fp32"``), plain bf16 for the single process, DDP and DDP + ZeroRedundancyOptimizer."""
     activation_checkpointing: bool = False
     """Every transformer block recomputed in backward (the strategies' ``activation_checkpointing=True``)."""
+    bucket_cap_mb: float = 25.0
+    """ZeRO-1/2 bucket size (the strategies' default); scale it with a small preset to keep the number of buckets
+    (about 15 at the default model)."""
 
 
 @dataclass
@@ -126,7 +131,9 @@ class _Runner:
             zero3.broadcast_from_rank0(model, device)
             self.model = model
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            self.buckets = ShardedParameterBuckets(model, stage=int(strategy[-1]), master_dtype=master)
+            self.buckets = ShardedParameterBuckets(
+                model, stage=int(strategy[-1]), master_dtype=master, bucket_cap_mb=settings.bucket_cap_mb
+            )
             self.sharded = ShardedOptimizer(self.optimizer, self.buckets)
         elif strategy == "zero3":
             zero3.broadcast_from_rank0(model, device)
@@ -337,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(default, bool):
             parser.add_argument(f"--{name.replace('_', '-')}", action="store_true")
         else:
-            parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     args = parser.parse_args(argv)
     if not args.keep_malloc and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
         # glibc reads it once, at process start: re-execute with it set (the forked ranks inherit it).

@@ -37,10 +37,12 @@ the owned views: ``K * Psi / N``. Neither stage ever holds a second full copy of
 each view's ``.grad`` is across syncs (kept, carried aside, cleared: torch's semantics on one device, also in place)
 is decided in ``distributed/zero_accumulation.py``.
 
-Peak memory, not only the steady state: at stage 2 at most ``max_buckets_in_flight`` reduce-scatters are in flight
-(launching one more first waits for the oldest and frees its full buffer), so the full-size gradient bytes alive
-during backward are bounded by about ``(max_buckets_in_flight + 1) * bucket_cap_mb`` (plus the bucket being filled
-and autograd's gradient of the parameter at hand) instead of growing to ``Psi`` when the collectives finish late.
+Peak memory, not only the steady state: at stage 2 a bucket's full buffer is freed as soon as its collective has
+completed and this rank's slice is taken (checked at every gradient, not only at the next launch), and a new full
+buffer is allocated only once fewer than ``max_buckets_in_flight`` collectives are in flight (waiting for the oldest
+if need be). The whole buckets alive at once, in flight or being filled, are thus at most ``max_buckets_in_flight``
+(plus autograd's gradient of the parameter at hand, and any bucket whose gradients backward interleaves with
+another's) instead of growing to ``Psi`` when the collectives finish late; the sync frees each one as it completes.
 The all-gather after the step is in place (each rank's shard is already its slice of the flat buffer): no copy.
 
 16-bit parameters with fp32 master weights (``master_dtype=torch.float32``; ``Trainer(precision="bf16-true")``, ZeRO
@@ -90,7 +92,8 @@ __all__ = [
 ]
 
 DEFAULT_BUCKETS_IN_FLIGHT = 2
-"""Collectives of stage-1/2 buckets that may be in flight at once (each holds a full bucket, or a shard copy)."""
+"""Collectives of stage-1/2 buckets that may be in flight at once (each holds a full bucket, or a shard copy); at
+stage 2 also the whole gradient buckets alive at once, the one being filled included."""
 
 
 @dataclass
@@ -187,7 +190,8 @@ class ShardedParameterBuckets:
         frozen: parameters to bucket although ``requires_grad`` is off (those the optimizers hold, so unfreezing
             them later needs no new layout). Other frozen parameters stay outside the buckets, never communicated.
         max_buckets_in_flight: reduce-scatters (stage 2, or of fp32 copies beside 16-bit buckets) in flight at once;
-            one more waits for the oldest first. Bounds the full-size gradient buffers alive during a backward.
+            one more waits for the oldest first. At stage 2 it bounds the whole gradient buckets alive during a
+            backward, the one being filled included: a new one waits for the oldest in flight.
         master_dtype: ``torch.float32`` keeps an fp32 master copy of this rank's shard of every bucket of 16-bit
             parameters, which the optimizer steps, and reduces their gradients in fp32 (module docstring). No effect
             on buckets whose parameters already have at least that precision. ``None``: step the parameters
@@ -358,7 +362,10 @@ class ShardedParameterBuckets:
         if bucket.ready == 0:  # first gradient of this bucket in this backward: `requires_grad` may have changed
             bucket.expected = sum(1 for s in bucket.segments if s.param.requires_grad)
         if bucket.full_grads is None:
+            self._make_room_for_a_bucket()
             bucket.full_grads = torch.zeros(bucket.numel, dtype=bucket.flat_params.dtype, device=param.device)
+        elif self._in_flight:  # free what finished since the last gradient before autograd allocates the next one
+            self._release_reduced_buckets()
         start_accumulation(bucket)
         assert param.grad is not None
         target = bucket.full_grads[segment.offset : segment.offset + segment.numel]
@@ -406,6 +413,7 @@ class ShardedParameterBuckets:
 
     def _launch(self, bucket: FlatBucket) -> None:
         if bucket.full_grads is None:  # no parameter of this bucket got a gradient on this rank
+            self._make_room_for_a_bucket()
             bucket.full_grads = torch.zeros(
                 bucket.numel, dtype=bucket.flat_params.dtype, device=bucket.flat_params.device
             )
@@ -441,21 +449,34 @@ class ShardedParameterBuckets:
             output.copy_(owned)
             bucket.copy_after = None
 
-    def _release_reduced_buckets(self) -> None:
-        """Free what a finished reduce-scatter no longer needs, oldest first: the full gradient buffer (stage 2) and
-        the fp32 copy that was reduced (16-bit parameters with masters, both stages); while more than
-        ``max_buckets_in_flight`` are in flight, wait for the oldest. The reduced values are in the shard (or in
-        ``pending_shard``). Stage 1 keeps its full 16-bit buffer: it persists between steps."""
+    def _make_room_for_a_bucket(self) -> None:
+        """Stage 2, before a full gradient buffer is allocated: wait until fewer than ``max_buckets_in_flight``
+        collectives are in flight, so that the new bucket and those in flight are at most ``max_buckets_in_flight``
+        whole buckets (in a backward that fills buckets one after another, as reverse registration order does)."""
+        if self.stage == 2:
+            self._release_reduced_buckets(limit=self.max_buckets_in_flight - 1)
+
+    def _release_reduced_buckets(self, *, limit: int | None = None) -> None:
+        """Free what a finished collective no longer needs, oldest first, as soon as this rank's slice is taken: the
+        full gradient buffer (stage 2) and the fp32 copy that was reduced (16-bit parameters with masters, both
+        stages); while more than ``limit`` (default ``max_buckets_in_flight``) are in flight, wait for the oldest.
+        The reduced values are in the shard (or in ``pending_shard``). Stage 1 keeps its full 16-bit buffer: it
+        persists between steps."""
+        limit = self.max_buckets_in_flight if limit is None else limit
         while self._in_flight:
             oldest = self._in_flight[0]
             assert oldest.work is not None
-            if len(self._in_flight) <= self.max_buckets_in_flight and not oldest.work.is_completed():
+            if len(self._in_flight) <= limit and not oldest.work.is_completed():
                 return
             self._complete(oldest)
-            oldest.send = None
-            if self.stage == 2:
-                oldest.full_grads = None
+            self._free_reduced(oldest)
             self._in_flight.popleft()
+
+    def _free_reduced(self, bucket: FlatBucket) -> None:
+        """After ``bucket``'s collective completed and its slice was taken: drop the buffers it no longer needs."""
+        bucket.send = None
+        if self.stage == 2:
+            bucket.full_grads = None
 
     def finish_gradient_sync(self) -> None:
         """Collective. Launch what backward left (unused parameters), wait for every reduce-scatter, agree on which
@@ -470,7 +491,7 @@ class ShardedParameterBuckets:
         for bucket in self.buckets:
             if bucket.work is not None:
                 self._complete(bucket)
-            bucket.send = None
+            self._free_reduced(bucket)  # one whole bucket at a time, not all of them until the loop below
             bucket.ready = 0
             bucket.launched = False
         if used_work is not None:
@@ -479,9 +500,7 @@ class ShardedParameterBuckets:
         got_gradient = self._got_gradient_anywhere(used.tolist() if used is not None else [])
         for bucket in self.buckets:
             take_reduced(bucket, got_gradient=got_gradient)
-            if self.stage == 2:
-                bucket.full_grads = None
-            elif bucket.reduces_in_place:
+            if bucket.reduces_in_place:
                 clear_unowned(bucket, rank=self.rank)
             elif bucket.full_grads is not None:
                 bucket.full_grads.zero_()
