@@ -17,7 +17,9 @@ threads were still alive after ``destroy_process_group()``):
   reference cycles, which only the garbage collector frees: left alone, during finalization.
 
 So the handler also makes every mesh forget its groups and runs the garbage collector: the groups and their threads
-are gone when it returns (``tests/test_exit_status.py``).
+are gone when it returns (``tests/test_exit_status.py``). Not after a failed ``fit`` (:func:`note_failed_run`): a
+group's destructor waits for its collectives still in flight, which a failed peer may never complete; that process
+exits non-zero anyway, so it only destroys the groups, as before.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.distributed.mesh import forget_process_groups
 
-__all__ = ["destroy_process_group_at_exit", "release_process_groups"]
+__all__ = ["destroy_process_group_at_exit", "note_failed_run", "release_process_groups"]
 
 _registered = False
+_run_failed = False
 
 
 def release_process_groups() -> None:
@@ -47,9 +50,24 @@ def release_process_groups() -> None:
     gc.collect()
 
 
+def note_failed_run() -> None:
+    """Record that a ``fit`` of this process failed (the strategy's ``on_exception``): at exit, only destroy the
+    groups, without waiting for their collectives in flight."""
+    global _run_failed
+    _run_failed = True
+
+
+def _at_exit() -> None:
+    if not _run_failed:
+        release_process_groups()
+    elif dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def destroy_process_group_at_exit() -> None:
-    """Register (once per process) :func:`release_process_groups` to run at interpreter exit."""
+    """Register (once per process) the release of the process groups at interpreter exit:
+    :func:`release_process_groups`, or after a failed run (:func:`note_failed_run`) only ``destroy_process_group()``."""
     global _registered
     if not _registered:
-        atexit.register(release_process_groups)
+        atexit.register(_at_exit)
         _registered = True
