@@ -1,7 +1,7 @@
 """A finished process leaves no process group to the interpreter's teardown, and torchrun'd jobs exit with status 0.
 
 A gloo group still alive when Python tears itself down can abort the process ("terminate called without an active
-exception") after training finished (docs/reliability.md, "Exit status"). ``release_process_groups``, registered
+exception") after training finished (docs/reliability.md, "Known issue"). ``release_process_groups``, registered
 at exit by every strategy, destroys the groups and frees them while the interpreter is whole.
 """
 
