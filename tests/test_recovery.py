@@ -18,11 +18,11 @@ SCRIPT = str(ROOT / "examples" / "fault_tolerant.py")
 STEPS, EVERY, KILL_AT = 100, 20, 70
 
 
-# torch 2.13 + gloo: a process may abort in C++ static destruction *after* the job finished and saved ("terminate
-# called without an active exception"), and torchrun counts that as a failure. Known issue (docs/reliability.md),
-# rare and not yet understood: seen with ZeRO-3 (about 1 in 8 once, then 0 in 66 runs) and once (2026-12-02) in the
-# pipeline's restarted attempt. The test gives torchrun one spare restart for it and still requires the final weights
-# to equal an uninterrupted run's.
+# torch 2.13 + gloo: a process may abort *after* the job finished and saved ("terminate called without an active
+# exception"), and torchrun counts that as a failure. Known issue (docs/reliability.md): seen with ZeRO-3 (about 1 in 8
+# once, then 0 in 66 runs) and once (2026-12-02) in the pipeline's restarted attempt, with gloo groups left to the
+# interpreter's teardown; the exit handler frees them since, but the abort was too rare to show it gone. The test gives
+# torchrun one spare restart for it and still requires the final weights to equal an uninterrupted run's.
 def _torchrun(directory: Path, strategy: str, *, kill: bool) -> dict:
     """Run the example under torchrun; return what rank 0 saved at the end."""
     restarts = 2  # one for the kill, one spare for the known exit abort

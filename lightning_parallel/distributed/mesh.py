@@ -26,7 +26,7 @@ from typing import Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["AXES", "Axis", "MeshLayout", "validate_shard_size"]
+__all__ = ["AXES", "Axis", "MeshLayout", "forget_process_groups", "validate_shard_size"]
 
 Axis = Literal["replicate", "shard", "pp"]
 AXES: tuple[Axis, Axis, Axis] = ("replicate", "shard", "pp")
@@ -144,3 +144,19 @@ class MeshLayout:
     def build(self, device_type: str) -> DeviceMesh:
         """Collective: torch's ``DeviceMesh`` of this layout, with the axes :data:`AXES` (every rank, same order)."""
         return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+
+
+def forget_process_groups(mesh: DeviceMesh) -> int:
+    """Local. Drop ``mesh``'s own references to its process groups; returns how many it held.
+
+    Only for after ``destroy_process_group()``: torch 2.13's ``DeviceMesh`` keeps each group in ``_pg_registry``
+    (private; kept for ``torch.compile``, eager code resolves groups by name), and a mesh lives on in DTensor's
+    caches (``MeshTopoInfo.build_from_mesh`` is an unbounded ``lru_cache``), so its groups and their gloo threads
+    would otherwise outlive ``destroy_process_group()`` until the interpreter tears itself down.
+    """
+    registry = getattr(mesh, "_pg_registry", None)
+    if not isinstance(registry, dict):
+        return 0
+    count = len(registry)
+    registry.clear()
+    return count

@@ -72,6 +72,7 @@ from lightning_parallel.strategies.nonfinite import (
     start_finite_check,
     validate_nonfinite,
 )
+from lightning_parallel.strategies.shutdown import note_failed_run
 
 __all__ = ["LightningParallelStrategy", "unwrap_optimizer"]
 
@@ -225,6 +226,7 @@ class LightningParallelStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # Not DDPStrategy's: its advice names `ddp_find_unused_parameters_true`, a strategy of Lightning's.
+        note_failed_run()  # at exit, do not wait for this run's collectives in flight (strategies/shutdown.py)
         board = self._failure_board
         explain_peer_failure(exception, self._peers, self.global_rank, board.failure() if board else None)
         if board is not None:
