@@ -17,7 +17,7 @@ import pytest
 from distributed_harness import run_distributed
 from model_zoo import FreezeScheduleModel, loader, trainer
 
-from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.distributed.trainable import disagreement_message
 
 COLLECTIVE_TIMEOUT_S = 30
@@ -49,7 +49,22 @@ CASES = {
     "zero2-setup": (lambda: ShardedOptimizerStrategy(stage=2, timeout=COLLECTIVE_TIMEOUT_S), None),
     "zero2-step1": (lambda: ShardedOptimizerStrategy(stage=2, timeout=COLLECTIVE_TIMEOUT_S), 1),
     "zero3-step1": (lambda: ShardedOptimizerStrategy(stage=3, timeout=COLLECTIVE_TIMEOUT_S), 1),
+    # Two replicas of a one-rank pipeline: they average the stage's gradients.
+    "pipeline-setup": (lambda: _pipeline(pipeline_parallel_size=1), None),
+    "pipeline-step1": (lambda: _pipeline(pipeline_parallel_size=1), 1),
 }
+
+
+def _pipeline(**options: Any) -> PipelineParallelStrategy:
+    return PipelineParallelStrategy(timeout=COLLECTIVE_TIMEOUT_S, verify_layers=False, **options)
+
+
+def _strategy_name(case: str) -> str:
+    if case.startswith("data_parallel"):
+        return "DataParallelStrategy"
+    if case.startswith("pipeline"):
+        return "PipelineParallelStrategy"
+    return f"ShardedOptimizerStrategy(stage={case[4]})"
 
 
 def _fit_each_case(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
@@ -71,15 +86,33 @@ def outcomes() -> list[dict[str, tuple[str, str, float]]]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_rank_dependent_requires_grad_is_named_on_every_rank(outcomes, case) -> None:
-    strategy = (
-        "DataParallelStrategy" if case.startswith("data_parallel") else f"ShardedOptimizerStrategy(stage={case[4]})"
-    )
+    strategy = _strategy_name(case)
     for rank, results in enumerate(outcomes):
         kind, message = results[case]
         assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
         assert message.startswith(f"{strategy}: the ranks disagree on which parameters require grad"), message
         assert "`backbone.0.weight`, `backbone.0.bias`: trainable on rank 1, frozen on rank 0" in message, message
         assert "the same way on every rank" in message, message
+
+
+def _fit_two_by_two_pipeline(rank: int, world_size: int) -> tuple[str, str]:
+    """2 replicas x 2 pipeline ranks: global ranks 0 and 2 hold stage 0 (``backbone.0``), 1 and 3 the rest."""
+    strategy = _pipeline(pipeline_parallel_size=2, partition=[1])
+    try:
+        trainer(strategy, world_size).fit(_FrozenOnRankZero(1), loader(2, rank // 2))
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
+def test_a_pipeline_replica_freezing_alone_is_named_on_every_rank_of_every_stage() -> None:
+    """Rank 0 freezes its stage's layer, its replica (rank 2) does not: the ranks of the other stage (1 and 3), which
+    would otherwise wait in the schedule for stage 0, raise the same error."""
+    outcomes = run_distributed(_fit_two_by_two_pipeline, 4, init_process_group=False, timeout=240)
+    for rank, (kind, message) in enumerate(outcomes):
+        assert kind == "RuntimeError", f"rank {rank}: {kind}: {message}"
+        assert message.startswith("PipelineParallelStrategy: the ranks disagree on which parameters require grad")
+        assert "`backbone.0.weight`, `backbone.0.bias`: trainable on rank 2, frozen on rank 0" in message, message
 
 
 def test_the_message_groups_parameters_by_where_they_are_trainable() -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["check_same_trainable_parameters", "disagreement_message"]
+__all__ = ["check_same_trainable_parameters", "check_same_trainable_parameters_within", "disagreement_message"]
 
 _SHOWN = 8  # parameter names listed per group in the error
 
@@ -61,10 +61,53 @@ def check_same_trainable_parameters(
     raise RuntimeError(disagreement_message([layout or [] for layout in layouts], owner=owner))
 
 
-def disagreement_message(layouts: list[list[tuple[str, bool]]], *, owner: str) -> str:
+def check_same_trainable_parameters_within(
+    module: nn.Module,
+    *,
+    cohorts: Sequence[int],
+    owner: str,
+    device: torch.device,
+    flags: Sequence[bool] | None = None,
+) -> None:
+    """Collective over every rank. Raise ``RuntimeError`` on every rank when the ranks of one cohort (those with
+    the same ``cohorts[rank]``: the data-parallel replicas of one pipeline stage, which hold the same parameters and
+    average their gradients) disagree on which of ``module``'s parameters require grad.
+
+    The check spans every rank, not only each cohort, so that the ranks of the other stages raise too instead of
+    waiting in the pipeline's schedule for a stage that left. One all-gather of one integer per rank; the names
+    travel only when a cohort disagrees.
+    """
+    if flags is None:
+        flags = [param.requires_grad for param in module.parameters()]
+    world_size = dist.get_world_size()
+    if len(cohorts) != world_size:
+        raise ValueError(f"`cohorts` names {len(cohorts)} ranks; the world has {world_size}.")
+    mine = torch.tensor([_fingerprint(flags)], dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    fingerprints = [int(value.item()) for value in gathered]
+    members: dict[int, list[int]] = {}
+    for rank, cohort in enumerate(cohorts):
+        members.setdefault(cohort, []).append(rank)
+    disagreeing = [ranks for ranks in members.values() if len({fingerprints[rank] for rank in ranks}) > 1]
+    if not disagreeing:
+        return
+    layouts: list[list[tuple[str, bool]] | None] = [None] * world_size
+    dist.all_gather_object(layouts, [(name, param.requires_grad) for name, param in module.named_parameters()])
+    messages = [
+        disagreement_message([layouts[rank] or [] for rank in ranks], owner=owner, ranks=ranks) for ranks in disagreeing
+    ]
+    raise RuntimeError(" ".join(messages))
+
+
+def disagreement_message(
+    layouts: list[list[tuple[str, bool]]], *, owner: str, ranks: Sequence[int] | None = None
+) -> str:
     """The error for per-rank ``(name, requires_grad)`` layouts that differ: each set of parameters with the same
-    pattern, with the ranks where they are trainable and those where they are frozen (or absent)."""
+    pattern, with the ranks where they are trainable and those where they are frozen (or absent). ``ranks``: the
+    global rank of each layout (default: its position)."""
     world_size = len(layouts)
+    label = list(ranks) if ranks is not None else list(range(world_size))
     by_rank = [dict(layout) for layout in layouts]
     names = list(dict.fromkeys(name for layout in layouts for name, _ in layout))
     patterns: dict[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], list[str]] = {}
@@ -72,9 +115,9 @@ def disagreement_message(layouts: list[list[tuple[str, bool]]], *, owner: str) -
         flags = [flags_of.get(name) for flags_of in by_rank]
         if len(set(flags)) == 1:
             continue
-        trainable = tuple(rank for rank in range(world_size) if flags[rank] is True)
-        frozen = tuple(rank for rank in range(world_size) if flags[rank] is False)
-        absent = tuple(rank for rank in range(world_size) if flags[rank] is None)
+        trainable = tuple(label[rank] for rank in range(world_size) if flags[rank] is True)
+        frozen = tuple(label[rank] for rank in range(world_size) if flags[rank] is False)
+        absent = tuple(label[rank] for rank in range(world_size) if flags[rank] is None)
         patterns.setdefault((trainable, frozen, absent), []).append(name)
     parts = []
     for (trainable, frozen, absent), group_names in patterns.items():

@@ -71,6 +71,7 @@ from lightning_parallel.distributed.pipeline.verify import (
     closure_evaluated_twice,
 )
 from lightning_parallel.distributed.pipeline.zero import check_zero_stage
+from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
@@ -550,6 +551,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         module = self.lightning_module
         assert module is not None
         engine = self.engine
+        self._check_same_trainable_parameters(module)
         with self.precision_plugin.train_step_context():
             model_inputs, size = engine.capture_inputs("training_step", args, kwargs)
             if size % engine.num_microbatches:
@@ -581,6 +583,21 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         assert outcome.loss is not None  # a training step always has one
         loss = outcome.loss.to(self.root_device).requires_grad_()
         return {"loss": loss, **outcome.extra} if outcome.extra else loss
+
+    def _check_same_trainable_parameters(self, module: Any) -> None:
+        """Collective (every rank, every step, with data parallelism). The replicas of a stage average its gradients,
+        so they must agree on which parameters require grad (user code may change ``requires_grad`` between steps);
+        a disagreement raises on every rank, naming the parameters and ranks, before the schedule's first send."""
+        dims = self.parallel_dims
+        if dims.data_parallel_size == 1:
+            return
+        p = dims.pipeline_parallel_size
+        check_same_trainable_parameters_within(
+            module,
+            cohorts=[rank % p for rank in range(dims.world_size)],
+            owner="PipelineParallelStrategy",
+            device=self.root_device,
+        )
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
