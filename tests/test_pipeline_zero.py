@@ -29,6 +29,7 @@ are refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -177,13 +178,27 @@ def _check_run(results: list[dict], reference: dict, tolerance: dict, *, state_e
         assert memory["parameters"] == 4 * numel  # whole on every replica
 
 
-def test_zero_inside_the_pipeline_trains_like_one_device_and_resumes_on_one_device(tmp_path: Path) -> None:
+def _against_one_device(
+    references: Callable[..., dict[str, dict]],
+    four_ranks: Callable[..., dict[str, dict]],
+    tmp_path: Path,
+    *,
+    checkpoint: str,
+) -> tuple[dict[str, dict], dict[str, list[dict]], dict]:
+    """The one-device references, the 4-rank runs (each run's per-rank results by name), and ``checkpoint`` (written
+    by the 4-rank runs) resumed on one device."""
     directory = str(tmp_path)
-    (single,) = run_distributed(_references, 1, args=(directory,), init_process_group=False, timeout=180)
-    results = run_distributed(_four_ranks, 4, args=(directory,), init_process_group=False, timeout=300)
+    (single,) = run_distributed(references, 1, args=(directory,), init_process_group=False, timeout=180)
+    results = run_distributed(four_ranks, 4, args=(directory,), init_process_group=False, timeout=300)
     runs = {name: [result[name] for result in results] for name in results[0]}
-    checkpoint = str(tmp_path / "zero2.ckpt")
-    (resumed,) = run_distributed(_resumed_on_one_device, 1, args=(checkpoint,), init_process_group=False, timeout=120)
+    (resumed,) = run_distributed(
+        _resumed_on_one_device, 1, args=(str(tmp_path / checkpoint),), init_process_group=False, timeout=120
+    )
+    return single, runs, resumed
+
+
+def test_zero_inside_the_pipeline_trains_like_one_device_and_resumes_on_one_device(tmp_path: Path) -> None:
+    single, runs, resumed = _against_one_device(_references, _four_ranks, tmp_path, checkpoint="zero2.ckpt")
     # Clipping is active: without it the weights differ.
     assert not torch.allclose(single["sgd_clipped"]["weights"]["head.weight"], single["sgd"]["weights"]["head.weight"])
 
@@ -205,7 +220,7 @@ def test_zero_inside_the_pipeline_trains_like_one_device_and_resumes_on_one_devi
             "total": 16 * numel,
         }
     # The consolidated checkpoint is the single-device one: same keys, optimizer state in the single-device layout.
-    saved = torch.load(checkpoint, weights_only=True)
+    saved = torch.load(tmp_path / "zero2.ckpt", weights_only=True)
     expected = torch.load(tmp_path / "single.ckpt", weights_only=True)
     assert_checkpoint_is_single_devices(saved, expected, **ADAM_TOLERANCE)
     # Resumed for a second epoch: on one device, under the plain pipeline, and (from the single-device checkpoint)
@@ -285,12 +300,7 @@ def _check_zero3_run(results: list[dict], reference: dict, tolerance: dict, *, s
 
 
 def test_zero3_inside_the_pipeline_shards_everything_trains_like_one_device_and_resumes(tmp_path: Path) -> None:
-    directory = str(tmp_path)
-    (single,) = run_distributed(_references_zero3, 1, args=(directory,), init_process_group=False, timeout=180)
-    results = run_distributed(_four_ranks_zero3, 4, args=(directory,), init_process_group=False, timeout=300)
-    runs = {name: [result[name] for result in results] for name in results[0]}
-    checkpoint = str(tmp_path / "zero3.ckpt")
-    (resumed,) = run_distributed(_resumed_on_one_device, 1, args=(checkpoint,), init_process_group=False, timeout=120)
+    single, runs, resumed = _against_one_device(_references_zero3, _four_ranks_zero3, tmp_path, checkpoint="zero3.ckpt")
 
     _check_zero3_run(runs["zero3_adam"], single["adam"], ADAM_TOLERANCE, state_elements=2)
     _check_zero3_run(runs["zero3_sgd_clipped"], single["sgd_clipped"], SGD_TOLERANCE, state_elements=1)
@@ -298,7 +308,7 @@ def test_zero3_inside_the_pipeline_shards_everything_trains_like_one_device_and_
     for schedule in ("GPipe", "Interleaved1F1B"):
         _check_zero3_run(runs[f"zero3_{schedule}"], single["adam"], ADAM_TOLERANCE, state_elements=2)
     # Half of zero_stage=0's bytes per rank and more: parameters, gradients and state all halved.
-    saved = torch.load(checkpoint, weights_only=True)
+    saved = torch.load(tmp_path / "zero3.ckpt", weights_only=True)
     expected = torch.load(tmp_path / "single.ckpt", weights_only=True)
     assert_checkpoint_is_single_devices(saved, expected, **ADAM_TOLERANCE)
     two_epochs = single["two_epochs"]["weights"]
