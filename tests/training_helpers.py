@@ -112,4 +112,5 @@ def assert_monitor_equals_plan(measured_ranks: list[dict], predicted_ranks: list
             "optimizer_state": expected.optimizer_state,
         }, f"rank {measured['rank']}"
         # The last step: the first may carry torch's one-off pipeline set-up messages, which are not counted.
-        assert measured["steps"][-1]["communication"] == expected.communication, f"rank {measured['rank']}"
+        measured_comm = measured["steps"][-1]["communication"]
+        assert measured_comm == expected.communication, f"rank {measured['rank']}: {measured_comm}"

@@ -13,24 +13,34 @@ Also the one torch private of the stage 1-2 overlap (``distributed/zero_gather.p
 (``torch.overrides._get_current_function_mode``), the innermost active ``TorchFunctionMode``. The overlap's
 stale-read guard is entered after the optimizer step and left at the next forward, not in one ``with`` block, so it
 pops itself only when it is the innermost mode (``TorchFunctionMode.__exit__`` pops whichever mode is innermost).
+
+And what ZeRO-3's gloo gradient reduction (``distributed/zero3_reduce.py``) must know to defer a reduction safely:
+each unit's ``FSDPParam`` records (:func:`sharded_gradient_params`), whether it has an all-reduce hook
+(:func:`has_all_reduce_hook`) or a sharded parameter a post-accumulate-grad hook (:func:`post_accumulate_grad_hooks`),
+and the autograd engine's end-of-backward callback (:func:`queue_at_end_of_backward`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
+from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 __all__ = [
     "current_function_mode",
+    "has_all_reduce_hook",
     "initialise_root",
     "is_initialised_root",
+    "post_accumulate_grad_hooks",
     "propagate_requires_grad",
+    "queue_at_end_of_backward",
     "reshard_after_forward_disabled",
+    "sharded_gradient_params",
 ]
 
 
@@ -116,3 +126,38 @@ def propagate_requires_grad(unit: FSDPModule) -> None:
             sharded = fsdp_param.sharded_param
             if registered is not sharded and registered.requires_grad != sharded.requires_grad:
                 sharded.requires_grad_(registered.requires_grad)
+
+
+def sharded_gradient_params(unit: FSDPModule) -> list[Any]:
+    """FSDP2's per-parameter records (``FSDPParam``) of ``unit``: what its reduction writes ``.grad`` of. Each has
+    ``sharded_param`` (the DTensor the optimizer steps) and ``offload_to_cpu``."""
+    try:
+        return [fsdp_param for group in unit._get_fsdp_state()._fsdp_param_groups for fsdp_param in group.fsdp_params]
+    except AttributeError as error:  # pragma: no cover - only on a torch version that moved these fields
+        raise RuntimeError(
+            f"This torch version's FSDP2 has no `{error.name}` where lightning_parallel expects it (written for"
+            " torch 2.13); ZeRO-3 cannot reduce gradients on gloo."
+        ) from error
+
+
+def has_all_reduce_hook(unit: FSDPModule) -> bool:
+    """Whether ``FSDPModule.set_all_reduce_hook`` gave ``unit`` a hook (it runs on the reduced shard at once)."""
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    return any(getattr(group, "_all_reduce_hook", None) is not None for group in groups)
+
+
+def post_accumulate_grad_hooks(tensor: Tensor) -> bool:
+    """Whether ``tensor`` has hooks from ``register_post_accumulate_grad_hook`` (FSDP2 runs them on each sharded
+    parameter as soon as it assigns the reduced gradient; torch keeps them in a private field)."""
+    return bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
+
+
+def queue_at_end_of_backward(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the autograd backward now running finishes (before ``backward()`` returns), as FSDP2
+    does for its own end-of-backward work (``Variable._execution_engine.queue_callback``, no public API). ``False``
+    when no backward is running (the caller then does the work itself)."""
+    try:
+        Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass."
+        return False
+    return True

@@ -5,7 +5,8 @@
   (``all_gather_single`` / ``all_gather_into_tensor``), ``_reduce_scatter_base_`` (``reduce_scatter_single`` /
   ``reduce_scatter_tensor``), ``allreduce_``.
 * The module whose calls the monitor counts, by ``__name__``: FSDP2 issues its all-gathers, reduce-scatters and
-  (HSDP) all-reduces from ``torch.distributed.fsdp._fully_shard``. The issuer of an op is the innermost Python frame
+  (HSDP) all-reduces from ``torch.distributed.fsdp._fully_shard``, and on gloo its gradient reductions through
+  ``lightning_parallel.distributed.zero3_reduce`` (``set_custom_reduce_scatter``). The issuer of an op is the innermost Python frame
   outside ``torch.distributed``'s front end (``distributed_c10d``, ``c10d_logger``, the ``torch._dynamo`` wrappers
   that disable compilation of its functions) and outside dispatch machinery (``torch._ops``, dispatch modes).
 """
@@ -41,8 +42,12 @@ COUNTED_OPS: dict[Any, tuple[str, Callable[[tuple[Any, ...]], list[Tensor]]]] = 
     _c10d.allreduce_.default: ("all_reduce", _listed),  # (tensors, ...)
 }
 
-FSDP_ISSUERS: tuple[str, ...] = ("torch.distributed.fsdp._fully_shard.", "torch.distributed._composable.fsdp.")
-"""FSDP2's package (torch >= 2.6), and where it lived before."""
+FSDP_ISSUERS: tuple[str, ...] = (
+    "torch.distributed.fsdp._fully_shard.",
+    "torch.distributed._composable.fsdp.",
+    "lightning_parallel.distributed.zero3_reduce",
+)
+"""FSDP2's package (torch >= 2.6), where it lived before, and ZeRO-3's reductions that FSDP2 calls on gloo."""
 TRANSPARENT_MODULES = frozenset(
     {"torch.distributed.distributed_c10d", "torch.distributed.c10d_logger", "torch.utils._python_dispatch"}
 )

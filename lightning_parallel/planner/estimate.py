@@ -189,7 +189,8 @@ class EstimateContext:
     activation_checkpointing: bool = False
     """Every transformer block recomputed in backward (the strategies' ``activation_checkpointing=True``)."""
     gradient_reduction: str = "reduce_scatter"
-    """How ZeRO-1/2 average their gradient buckets: ``"reduce_scatter"`` (NCCL) or ``"all_reduce"`` (gloo)."""
+    """How ZeRO-1/2 average their gradient buckets and ZeRO-3 its units' gradients: ``"reduce_scatter"`` (NCCL) or
+    ``"all_reduce"`` (gloo: each rank keeps its slice)."""
 
 
 def activation_estimate(
@@ -408,7 +409,9 @@ def estimate_zero3(
         notes.append("FSDP2 units unknown: one unit gathered in forward and backward assumed.")
     gather = sum((1 if u.is_root else 2) * n * sum(padded_shard[i] for i in u.params) for u in units)
     scatter = sum(n * sum(padded_shard[i] for i in u.params) for u in units)
-    comm = {"all_gather": gather * compute, "reduce_scatter": scatter * e}
+    # On gloo each unit's reduce-scatter runs as an all-reduce of the same payload (`distributed/zero3_reduce.py`).
+    reduction = ctx.gradient_reduction if n > 1 else "reduce_scatter"
+    comm = {"all_gather": gather * compute, reduction: scatter * e}
     across = _across_replicas(comm, layout, scatter // n * e)  # each unit's reduced shard
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, Literal, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -25,6 +26,7 @@ from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, S
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
 from lightning_parallel.distributed.zero3_compat import initialise_root
+from lightning_parallel.distributed.zero3_reduce import GlooGradientReduction
 from lightning_parallel.distributed.zero_backends.context import ZeroContext
 from lightning_parallel.distributed.zero_backends.replicated import ReplicatedBackend, group_params_of
 from lightning_parallel.distributed.zero_config import ZeroConfig
@@ -51,13 +53,15 @@ class FullyShardBackend(ReplicatedBackend):
         self.averaged_copies: list[HeldCopy] = []
         """The weight-averaging callbacks' copies of the module, held as shards like it."""
         self._hooks: list[RemovableHandle] = []
+        self.gloo_reduction: GlooGradientReduction | None = None
+        """On gloo, each unit's reduce-scatter as an all-reduce in flight through backward (``zero3_reduce.py``)."""
 
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         self.parameter_callbacks.check(strategy_name="zero3", layout="each parameter as a DTensor shard")
         self.module = module
         # FSDP2 on the `shard` axis; with several replica groups HSDP on `replicate` x `shard` (placements
         # (Replicate(), Shard(0)): reduce-scatter in the group, then all-reduce of the shard across the groups).
-        _, replicate = self._groups()
+        shard, replicate = self._groups()
         mesh = self._mesh_or_world(device)
         mesh = mesh["replicate", "shard"] if replicate is not None else mesh["shard"]
         zero3.broadcast_from_rank0(module, device)  # start from rank 0's weights, as stages 1-2 and DDP do
@@ -71,6 +75,9 @@ class FullyShardBackend(ReplicatedBackend):
             zero3.round_parameters(module, self.compute_dtype)  # initialised in fp32: as a 16-bit init would be
         module.to(device)
         initialise_root(self.units[-1])  # `module`: the root whichever unit's forward runs first
+        if dist.get_backend(shard) == "gloo" and dist.get_world_size(shard) > 1:
+            self.gloo_reduction = GlooGradientReduction()
+            self.gloo_reduction.install(self._fsdp_units, replicated=replicate is not None)
         # Weight-averaging callbacks copied the whole module in their `setup`: each copy now holds this rank's shard of
         # every parameter, starting from the module's (rank 0's) rows, as DDP's rank 0 copy starts from its module.
         self.averaged_copies = self.parameter_callbacks.hold_averaged_copies(module, ShardedCopyLayout(device))
@@ -114,6 +121,8 @@ class FullyShardBackend(ReplicatedBackend):
                 unit.set_requires_gradient_sync(True, recurse=False)
 
     def reduce_gradients(self) -> Iterable[Tensor]:
+        if self.gloo_reduction is not None:
+            self.gloo_reduction.finish()  # a no-op: the end-of-backward callback completed every reduction
         for unit in self._fsdp_units:
             # A unit whose parameters got no gradient stays unsharded after backward, and FSDP2 copies each
             # parameter's `requires_grad` (`toggle_optimizer`) only when it unshards: reshard (a no-op otherwise).
@@ -165,6 +174,11 @@ class FullyShardBackend(ReplicatedBackend):
             return
         with self.access.full_parameters() as module:
             yield module
+
+    def abandon_in_flight(self) -> None:
+        super().abandon_in_flight()
+        if self.gloo_reduction is not None:
+            self.gloo_reduction.abandon()
 
     def teardown(self) -> None:
         # Local, no collective: an exception mid-step leaves FSDP2 half unsharded, and `module.cpu()` afterwards
