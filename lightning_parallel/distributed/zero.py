@@ -73,6 +73,11 @@ from lightning_parallel.accounting import (
     storage_bytes,
 )
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_, grad_norm_over_ranks
+from lightning_parallel.distributed.gloo_collectives import (
+    ParameterGather,
+    all_gather_by_broadcasts,
+    default_parameter_gather,
+)
 from lightning_parallel.distributed.zero_accumulation import (
     clear_unowned,
     reduce_output,
@@ -198,6 +203,9 @@ class ShardedParameterBuckets:
             themselves and reduce in their dtype.
         gradient_reduction: ``"reduce_scatter"`` or ``"all_reduce"`` (each rank keeps its slice of the result);
             ``None``: the faster on ``group``'s backend (:func:`default_gradient_reduction`: all-reduce on gloo).
+        parameter_gather: ``"all_gather"`` or ``"broadcasts"`` (one per rank, the same result); ``None``: the faster
+            on ``group``'s backend (:func:`~lightning_parallel.distributed.gloo_collectives.default_parameter_gather`:
+            broadcasts on gloo).
     """
 
     def __init__(
@@ -212,6 +220,7 @@ class ShardedParameterBuckets:
         max_buckets_in_flight: int = DEFAULT_BUCKETS_IN_FLIGHT,
         master_dtype: torch.dtype | None = None,
         gradient_reduction: GradientReduction | None = None,
+        parameter_gather: ParameterGather | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"`stage={stage!r}` is invalid for ShardedParameterBuckets: use 1 or 2.")
@@ -223,6 +232,7 @@ class ShardedParameterBuckets:
         self._in_flight: deque[FlatBucket] = deque()  # stage 2: launched reduce-scatters whose full buffer is alive
         self.group = group
         self.gradient_reduction: GradientReduction = gradient_reduction or default_gradient_reduction(group)
+        self.parameter_gather: ParameterGather = parameter_gather or default_parameter_gather(group)
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.replicate_group = replicate_group
@@ -558,6 +568,8 @@ class ShardedParameterBuckets:
             owned.copy_(bucket.master)
         if self.stats is not None:  # bytes of the full (gathered) buffer
             self.stats.record("all_gather", bucket.flat_params.numel() * bucket.flat_params.element_size())
+        if self.parameter_gather == "broadcasts":
+            return all_gather_by_broadcasts(bucket.flat_params, self.group)
         return _all_gather(bucket.flat_params, owned, group=self.group)
 
     def bucket_indices(self, params: Iterable[nn.Parameter]) -> list[int]:

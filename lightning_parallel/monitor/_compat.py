@@ -6,9 +6,10 @@
   ``reduce_scatter_tensor``), ``allreduce_``.
 * The module whose calls the monitor counts, by ``__name__``: FSDP2 issues its all-gathers, reduce-scatters and
   (HSDP) all-reduces from ``torch.distributed.fsdp._fully_shard``, and on gloo its gradient reductions through
-  ``lightning_parallel.distributed.zero3_reduce`` (``set_custom_reduce_scatter``). The issuer of an op is the innermost Python frame
-  outside ``torch.distributed``'s front end (``distributed_c10d``, ``c10d_logger``, the ``torch._dynamo`` wrappers
-  that disable compilation of its functions) and outside dispatch machinery (``torch._ops``, dispatch modes).
+  ``lightning_parallel.distributed.zero3_reduce`` (``set_custom_reduce_scatter``). The issuer of an op is the
+  innermost Python frame outside ``torch.distributed``'s front end (``distributed_c10d``, ``c10d_logger``, the
+  ``torch._dynamo`` wrappers that disable compilation of its functions) and outside dispatch machinery
+  (``torch._ops``, dispatch modes).
 """
 
 from __future__ import annotations
