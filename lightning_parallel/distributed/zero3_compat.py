@@ -14,7 +14,7 @@ Also the one torch private of the stage 1-2 overlap (``distributed/zero_gather.p
 stale-read guard is entered after the optimizer step and left at the next forward, not in one ``with`` block, so it
 pops itself only when it is the innermost mode (``TorchFunctionMode.__exit__`` pops whichever mode is innermost).
 
-And what ZeRO-3's gloo gradient reduction (``distributed/zero3_reduce.py``) must know to defer a reduction safely:
+And what ZeRO-3's gloo gradient reduction (``distributed/zero3_gloo.py``) must know to defer a reduction safely:
 each unit's ``FSDPParam`` records (:func:`sharded_gradient_params`), whether it has an all-reduce hook
 (:func:`has_all_reduce_hook`) or a sharded parameter a post-accumulate-grad hook (:func:`post_accumulate_grad_hooks`),
 and the autograd engine's end-of-backward callback (:func:`queue_at_end_of_backward`).

@@ -26,7 +26,7 @@ from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, S
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
 from lightning_parallel.distributed.zero3_compat import initialise_root
-from lightning_parallel.distributed.zero3_reduce import GlooGradientReduction
+from lightning_parallel.distributed.zero3_gloo import GlooAllGather, GlooGradientReduction
 from lightning_parallel.distributed.zero_backends.context import ZeroContext
 from lightning_parallel.distributed.zero_backends.replicated import ReplicatedBackend, group_params_of
 from lightning_parallel.distributed.zero_config import ZeroConfig
@@ -45,7 +45,8 @@ class FullyShardBackend(ReplicatedBackend):
         super().__init__(config, context)
         self.parameter_callbacks = context.parameter_callbacks
         self.stats = context.stats
-        """Where to count HSDP's all-reduce across replica groups (FSDP2's other collectives: the monitor's tap)."""
+        """Where to count the gloo all-gathers (broadcasts the monitor's tap cannot see as one); FSDP2's other
+        collectives and ours issued for it are counted by the tap."""
         self.compute_dtype: torch.dtype | None = None
         """The 16-bit dtype FSDP2 computes in while the sharded parameters are the fp32 masters, else ``None``."""
         self.units: list[nn.Module] = []  # each also an `FSDPModule` (fully_shard changes their class)
@@ -54,7 +55,7 @@ class FullyShardBackend(ReplicatedBackend):
         """The weight-averaging callbacks' copies of the module, held as shards like it."""
         self._hooks: list[RemovableHandle] = []
         self.gloo_reduction: GlooGradientReduction | None = None
-        """On gloo, each unit's reduce-scatter as an all-reduce in flight through backward (``zero3_reduce.py``)."""
+        """On gloo, each unit's reduce-scatter as an all-reduce in flight through backward (``zero3_gloo.py``)."""
 
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         self.parameter_callbacks.check(strategy_name="zero3", layout="each parameter as a DTensor shard")
@@ -75,7 +76,8 @@ class FullyShardBackend(ReplicatedBackend):
             zero3.round_parameters(module, self.compute_dtype)  # initialised in fp32: as a 16-bit init would be
         module.to(device)
         initialise_root(self.units[-1])  # `module`: the root whichever unit's forward runs first
-        if dist.get_backend(shard) == "gloo" and dist.get_world_size(shard) > 1:
+        if dist.get_backend(shard) == "gloo" and dist.get_world_size(shard) > 1:  # NCCL: FSDP2's own collectives
+            GlooAllGather(self.stats).install(self._fsdp_units)
             self.gloo_reduction = GlooGradientReduction()
             self.gloo_reduction.install(self._fsdp_units, replicated=replicate is not None)
         # Weight-averaging callbacks copied the whole module in their `setup`: each copy now holds this rank's shard of

@@ -1,7 +1,8 @@
-"""ZeRO-3's gradient reduction on gloo (``distributed/zero3_reduce.py``, issue 23 item 2) against plain FSDP2.
+"""ZeRO-3's collectives on gloo (``distributed/zero3_gloo.py``, issue 23 item 2) against plain FSDP2.
 
-Two forked gloo ranks hold the same model twice, sharded by ``zero3.apply_fully_shard``: once reducing through
-:class:`GlooGradientReduction` (async all-reduce and slice), once through FSDP2's own reduce-scatter. After each
+Two forked gloo ranks hold the same model twice, sharded by ``zero3.apply_fully_shard``: once gathering through
+:class:`GlooAllGather` (broadcasts) and reducing through :class:`GlooGradientReduction` (async all-reduce and
+slice), once through FSDP2's own all-gather and reduce-scatter. After each
 step both must hold the same weights and gradients, bit for bit (two ranks: a sum of two values, halved), in every
 case where FSDP2 reads its output before backward ends (then the reduction must complete at once) and where it does
 not (then it stays in flight, which the test observes: otherwise the overlap is gone and nothing would fail).
@@ -18,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_parallel.distributed import zero3
 from lightning_parallel.distributed.zero3_compat import initialise_root
-from lightning_parallel.distributed.zero3_reduce import GlooGradientReduction
+from lightning_parallel.distributed.zero3_gloo import GlooAllGather, GlooGradientReduction
 
 WIDTH = 24
 NUM_BLOCKS = 6
@@ -49,6 +50,7 @@ def _sharded(base: nn.Module, mesh: Any, reduction: GlooGradientReduction | None
     units = zero3.apply_fully_shard(model, mesh)
     initialise_root(units[-1])
     if reduction is not None:
+        GlooAllGather().install(units)
         reduction.install(units, replicated=False)
     return model
 

@@ -1,12 +1,15 @@
-"""ZeRO-3's gradient reduction on gloo: each FSDP2 unit's reduce-scatter becomes an all-reduce that stays in flight
-while backward goes on, of which each rank keeps its slice.
+"""ZeRO-3's collectives on gloo, given to FSDP2 through its public ``set_custom_all_gather`` and
+``set_custom_reduce_scatter``: parameter all-gathers built from broadcasts, gradient reductions kept in flight.
 
-Why our own, not FSDP2's: FSDP2 (torch 2.13) calls its reduce-scatter synchronously and ignores what it returns, so
-on gloo every unit's reduction blocks backward; and gloo's ``reduce_scatter_tensor`` is slower than its all-reduce
-(it copies the input in the caller, then runs a slower algorithm: ``distributed/zero.py``,
-``default_gradient_reduction``; stages 1-2 all-reduce and slice on gloo for the same reason). FSDP2's public
-``FSDPModule.set_custom_reduce_scatter`` takes an object with ``allocate(size, *, dtype, device)`` and
-``__call__(output_tensor, input_tensor, group, op)``: :class:`GlooGradientReduction` gives each unit one. Measured
+Why our own, not FSDP2's: on gloo both of FSDP2's collectives are the slow ones. Its all-gather: gloo's
+``all_gather_into_tensor`` takes about three times as long as one broadcast per rank
+(``distributed/gloo_collectives.py``: 20.5M fp32 elements at 2 ranks, 27 against 85 ms); :class:`GlooAllGather`
+broadcasts (FSDP2 has already copied this rank's shard into its slice of the output) and hands FSDP2 one ``Work``.
+Its reduce-scatter: FSDP2 (torch 2.13) calls it synchronously and ignores what it returns, so on gloo every unit's
+reduction blocks backward, and gloo's ``reduce_scatter_tensor`` is slower than its all-reduce (``distributed/zero.py``,
+``default_gradient_reduction``; stages 1-2 all-reduce and slice on gloo for the same reason).
+:class:`GlooGradientReduction` gives each unit an object with FSDP2's ``ReduceScatter`` interface
+(``allocate(size, *, dtype, device)``, ``__call__(output_tensor, input_tensor, group, op)``). Measured
 (``benchmarks/zero3_async_reduce.py``, 13.8M-parameter GPT, 2 gloo ranks): 0.89-0.93x FSDP2's step time,
 bit-identical weights.
 
@@ -43,6 +46,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_parallel.accounting import CommunicationStats
+from lightning_parallel.distributed.gloo_collectives import all_gather_by_broadcasts
 from lightning_parallel.distributed.zero3_compat import (
     has_all_reduce_hook,
     post_accumulate_grad_hooks,
@@ -50,7 +55,43 @@ from lightning_parallel.distributed.zero3_compat import (
     sharded_gradient_params,
 )
 
-__all__ = ["GlooGradientReduction"]
+__all__ = ["GlooAllGather", "GlooGradientReduction"]
+
+
+class GlooAllGather:
+    """FSDP2's parameter all-gather as one async broadcast per rank (FSDP2's ``AllGather`` interface).
+
+    Args:
+        stats: where to count each all-gather's output bytes as ``"all_gather"`` (the monitor's tap counts FSDP2's own
+            collectives; it does not see these broadcasts as one); ``None``: not counted.
+    """
+
+    def __init__(self, stats: CommunicationStats | None = None) -> None:
+        self.stats = stats
+
+    def install(self, units: Sequence[FSDPModule]) -> None:
+        """Make every unit all-gather its parameters through this object."""
+        for unit in units:
+            unit.set_custom_all_gather(cast(Any, self))
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        mine = output_tensor.view(-1)[rank * input_tensor.numel() : (rank + 1) * input_tensor.numel()]
+        if mine.data_ptr() != input_tensor.data_ptr():  # FSDP2 copies in place; anything else gets copied here
+            mine.copy_(input_tensor.view(-1))
+        if self.stats is not None:
+            self.stats.record("all_gather", output_tensor.numel() * output_tensor.element_size())
+        assert output_tensor.numel() == size * input_tensor.numel()
+        work = all_gather_by_broadcasts(output_tensor, group)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
 
 @dataclass
