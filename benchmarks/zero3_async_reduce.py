@@ -1,5 +1,7 @@
 """Experiment (issue 23, item 2): FSDP2's gradient reduction as an async all-reduce-and-slice on gloo, against plain
-FSDP2, on the same GPT in the same forked ranks, interleaved. Not used by the strategies.
+FSDP2, on the same GPT in the same forked ranks, interleaved. What ZeRO-3 now does on gloo, with the cases below
+routed to a synchronous completion, lives in ``lightning_parallel/distributed/zero3_gloo.py``; this script keeps the
+bare comparison (its own copy, no safety checks: fp32, 1-D mesh, ``zero_grad`` every step).
 
 FSDP2 (torch 2.13) calls its reduce-scatter synchronously (``foreach_reduce`` calls the comm without ``async_op``
 and ignores what it returns): on gloo every unit's reduction blocks backward, and gloo's reduce-scatter is slower
