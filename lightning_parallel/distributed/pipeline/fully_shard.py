@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -47,6 +49,7 @@ from lightning_parallel.distributed.pipeline.tied import TiedParameter, canonica
 from lightning_parallel.distributed.pipeline.zero import check_no_tie_within_a_rank
 from lightning_parallel.distributed.zero3 import apply_fully_shard, named_sharded_pieces, shard_coordinates
 from lightning_parallel.distributed.zero3_compat import initialise_root
+from lightning_parallel.distributed.zero3_gloo import GlooAllGather, GlooGradientReduction
 from lightning_parallel.distributed.zero_optimizer import check_shardable
 
 __all__ = [
@@ -108,6 +111,15 @@ class PipelineFullyShard:
         self.container = _StageUnits(copies)
         self.units = apply_fully_shard(self.container, mesh)
         initialise_root(self.units[-1])
+        self.gloo_reduction: GlooGradientReduction | None = None
+        """On gloo, ZeRO-3's all-gathers and gradient reductions (``distributed/zero3_gloo.py``), as outside the
+        pipeline; not counted by the monitor (FSDP2's traffic in the pipeline is not)."""
+        group = mesh.get_group()
+        if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
+            units = cast(list[FSDPModule], self.units)
+            GlooAllGather().install(units)
+            self.gloo_reduction = GlooGradientReduction()
+            self.gloo_reduction.install(units, replicated=False)
         self.layers = dict(zip(self.indices, copies, strict=True))
         """The sharded copies by layer index: what the stages run."""
         self.names = canonical_names(module, aliases)
@@ -194,6 +206,11 @@ class FullyShardSync(ReplicatedSync):
         counted, copies = self.counted_and_copies(optimizer)
         groups = [self.dims.data_parallel_group, self.dims.pipeline_group]
         return self.stage.clip_grad_norm(counted, copies, max_norm, groups=groups, device=self.context.device)
+
+    def abandon_in_flight(self) -> None:
+        super().abandon_in_flight()
+        if self.stage.gloo_reduction is not None:
+            self.stage.gloo_reduction.abandon()
 
     def restore_layers(self) -> None:
         """Collective over the replicas: the shards gathered into the user's layers, back in the module."""
