@@ -148,7 +148,8 @@ def run_suite(suite: SuiteConfig) -> SuiteResults:
         notes=[
             "Each row pairs two configurations of one benchmark, run back to back in every repeat (alternating"
             " order); ratios are ours / anchor. Bytes held and peak memory: largest rank; wire bytes: busiest rank per"
-            " step (1: the same traffic; ZeRO-3 needs 1.5x by design). Exposed communication: the monitor's"
+            " step (1: the same traffic; ZeRO-3 needs 1.5x DDP's by design, 2x on gloo, where its gradient reduction is"
+            " an all-reduce, the faster there). Exposed communication: the monitor's"
             " median per step, ours / anchor. Details in the sections below.",
             *load_notes(outcomes),
         ],
