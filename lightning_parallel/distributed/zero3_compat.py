@@ -44,6 +44,14 @@ __all__ = [
 ]
 
 
+def _moved(error: AttributeError, consequence: str) -> RuntimeError:
+    """The error for a torch version whose FSDP2 moved a field this module reads (``consequence``: what fails)."""
+    return RuntimeError(
+        f"This torch version's FSDP2 has no `{error.name}` where lightning_parallel expects it (written for torch"
+        f" 2.13); {consequence}"
+    )
+
+
 def current_function_mode() -> TorchFunctionMode | None:
     """The innermost active ``TorchFunctionMode`` of this thread, or ``None``."""
     return _get_current_function_mode()
@@ -55,10 +63,7 @@ def _saved_reshard_settings(unit: FSDPModule) -> tuple[Any, bool | None, list[tu
         groups = [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups]
         return state, state._auto_reshard_after_forward, groups
     except AttributeError as error:  # pragma: no cover - only on a torch version that moved these fields
-        raise RuntimeError(
-            f"This torch version's FSDP2 has no `{error.name}` where lightning_parallel expects it (written for"
-            " torch 2.13); `ShardedOptimizerStrategy.full_module()` cannot keep parameters unsharded."
-        ) from error
+        raise _moved(error, "`ShardedOptimizerStrategy.full_module()` cannot keep parameters unsharded.") from error
 
 
 @contextmanager
@@ -93,10 +98,7 @@ def initialise_root(root: nn.Module) -> None:
     try:
         root._get_fsdp_state()._lazy_init()
     except AttributeError as error:  # pragma: no cover - only on a torch version that moved these fields
-        raise RuntimeError(
-            f"This torch version's FSDP2 has no `{error.name}` where lightning_parallel expects it (written for"
-            " torch 2.13); ZeRO-3 cannot choose the root FSDP unit."
-        ) from error
+        raise _moved(error, "ZeRO-3 cannot choose the root FSDP unit.") from error
 
 
 def is_initialised_root(unit: FSDPModule) -> bool:
@@ -134,10 +136,7 @@ def sharded_gradient_params(unit: FSDPModule) -> list[Any]:
     try:
         return [fsdp_param for group in unit._get_fsdp_state()._fsdp_param_groups for fsdp_param in group.fsdp_params]
     except AttributeError as error:  # pragma: no cover - only on a torch version that moved these fields
-        raise RuntimeError(
-            f"This torch version's FSDP2 has no `{error.name}` where lightning_parallel expects it (written for"
-            " torch 2.13); ZeRO-3 cannot reduce gradients on gloo."
-        ) from error
+        raise _moved(error, "ZeRO-3 cannot reduce gradients on gloo.") from error
 
 
 def has_all_reduce_hook(unit: FSDPModule) -> bool:
