@@ -55,7 +55,32 @@ from lightning_parallel.distributed.zero3_compat import (
     sharded_gradient_params,
 )
 
-__all__ = ["GlooAllGather", "GlooGradientReduction"]
+__all__ = ["GlooAllGather", "GlooGradientReduction", "install_gloo_collectives"]
+
+
+def install_gloo_collectives(
+    units: Sequence[FSDPModule],
+    group: dist.ProcessGroup | None,
+    *,
+    replicated: bool,
+    stats: CommunicationStats | None = None,
+) -> GlooGradientReduction | None:
+    """On gloo with more than one rank in ``group`` (the units' shard group), give every unit the broadcast
+    all-gather and the in-flight gradient reduction, and return the reduction (its owner finishes or abandons it);
+    elsewhere (NCCL, one rank) leave FSDP2's own collectives and return ``None``. ``replicated``: HSDP (an all-reduce
+    across replica groups follows each reduction, which is then never deferred). ``stats``: see :class:`GlooAllGather`.
+    """
+    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
+        return None
+    GlooAllGather(stats).install(units)
+    reduction = GlooGradientReduction()
+    reduction.install(units, replicated=replicated)
+    return reduction
+
+
+def _allocate(size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """FSDP2's ``Comm.allocate``: a plain uninitialised tensor."""
+    return torch.empty(*size, dtype=dtype, device=device)
 
 
 class GlooAllGather:
@@ -74,8 +99,7 @@ class GlooAllGather:
         for unit in units:
             unit.set_custom_all_gather(cast(Any, self))
 
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+    allocate = staticmethod(_allocate)
 
     def __call__(
         self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -84,9 +108,9 @@ class GlooAllGather:
         mine = output_tensor.view(-1)[rank * input_tensor.numel() : (rank + 1) * input_tensor.numel()]
         if mine.data_ptr() != input_tensor.data_ptr():  # FSDP2 copies in place; anything else gets copied here
             mine.copy_(input_tensor.view(-1))
+        assert output_tensor.numel() == size * input_tensor.numel()
         if self.stats is not None:
             self.stats.record("all_gather", output_tensor.numel() * output_tensor.element_size())
-        assert output_tensor.numel() == size * input_tensor.numel()
         work = all_gather_by_broadcasts(output_tensor, group)
         if async_op:
             return work
@@ -166,8 +190,7 @@ class _UnitReduction:
         self.unit = unit
         self.replicated = replicated
 
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+    allocate = staticmethod(_allocate)
 
     def __call__(
         self,

@@ -33,7 +33,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -49,7 +48,7 @@ from lightning_parallel.distributed.pipeline.tied import TiedParameter, canonica
 from lightning_parallel.distributed.pipeline.zero import check_no_tie_within_a_rank
 from lightning_parallel.distributed.zero3 import apply_fully_shard, named_sharded_pieces, shard_coordinates
 from lightning_parallel.distributed.zero3_compat import initialise_root
-from lightning_parallel.distributed.zero3_gloo import GlooAllGather, GlooGradientReduction
+from lightning_parallel.distributed.zero3_gloo import install_gloo_collectives
 from lightning_parallel.distributed.zero_optimizer import check_shardable
 
 __all__ = [
@@ -111,15 +110,11 @@ class PipelineFullyShard:
         self.container = _StageUnits(copies)
         self.units = apply_fully_shard(self.container, mesh)
         initialise_root(self.units[-1])
-        self.gloo_reduction: GlooGradientReduction | None = None
+        self.gloo_reduction = install_gloo_collectives(
+            cast(list[FSDPModule], self.units), mesh.get_group(), replicated=False
+        )
         """On gloo, ZeRO-3's all-gathers and gradient reductions (``distributed/zero3_gloo.py``), as outside the
         pipeline; not counted by the monitor (FSDP2's traffic in the pipeline is not)."""
-        group = mesh.get_group()
-        if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
-            units = cast(list[FSDPModule], self.units)
-            GlooAllGather().install(units)
-            self.gloo_reduction = GlooGradientReduction()
-            self.gloo_reduction.install(units, replicated=False)
         self.layers = dict(zip(self.indices, copies, strict=True))
         """The sharded copies by layer index: what the stages run."""
         self.names = canonical_names(module, aliases)

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, Literal, cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -26,7 +25,7 @@ from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, S
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
 from lightning_parallel.distributed.zero3_compat import initialise_root
-from lightning_parallel.distributed.zero3_gloo import GlooAllGather, GlooGradientReduction
+from lightning_parallel.distributed.zero3_gloo import GlooGradientReduction, install_gloo_collectives
 from lightning_parallel.distributed.zero_backends.context import ZeroContext
 from lightning_parallel.distributed.zero_backends.replicated import ReplicatedBackend, group_params_of
 from lightning_parallel.distributed.zero_config import ZeroConfig
@@ -76,10 +75,9 @@ class FullyShardBackend(ReplicatedBackend):
             zero3.round_parameters(module, self.compute_dtype)  # initialised in fp32: as a 16-bit init would be
         module.to(device)
         initialise_root(self.units[-1])  # `module`: the root whichever unit's forward runs first
-        if dist.get_backend(shard) == "gloo" and dist.get_world_size(shard) > 1:  # NCCL: FSDP2's own collectives
-            GlooAllGather(self.stats).install(self._fsdp_units)
-            self.gloo_reduction = GlooGradientReduction()
-            self.gloo_reduction.install(self._fsdp_units, replicated=replicate is not None)
+        self.gloo_reduction = install_gloo_collectives(
+            self._fsdp_units, shard, replicated=replicate is not None, stats=self.stats
+        )
         # Weight-averaging callbacks copied the whole module in their `setup`: each copy now holds this rank's shard of
         # every parameter, starting from the module's (rank 0's) rows, as DDP's rank 0 copy starts from its module.
         self.averaged_copies = self.parameter_callbacks.hold_averaged_copies(module, ShardedCopyLayout(device))
