@@ -568,9 +568,15 @@ class ShardedParameterBuckets:
             owned.copy_(bucket.master)
         if self.stats is not None:  # bytes of the full (gathered) buffer
             self.stats.record("all_gather", bucket.flat_params.numel() * bucket.flat_params.element_size())
+        return self.gather_in_place(bucket.flat_params)
+
+    def gather_in_place(self, flat: Tensor) -> dist.Work:
+        """Collective (asynchronous, not counted). All-gather the shards of ``flat`` in place: this rank's slice
+        (the ``rank``-th of ``world_size``) already holds its shard, the others are written."""
         if self.parameter_gather == "broadcasts":
-            return all_gather_by_broadcasts(bucket.flat_params, self.group)
-        return _all_gather(bucket.flat_params, owned, group=self.group)
+            return all_gather_by_broadcasts(flat, self.group)
+        start = self.rank * (flat.numel() // self.world_size)
+        return _all_gather(flat, flat[start : start + flat.numel() // self.world_size], group=self.group)
 
     def bucket_indices(self, params: Iterable[nn.Parameter]) -> list[int]:
         """Indices of the buckets holding any of ``params`` (the same on every rank: the layout is)."""
@@ -581,7 +587,7 @@ class ShardedParameterBuckets:
         """Collective. Norm of the full averaged gradient of ``views`` (default: all), from the reduced shards (each
         element is owned by one rank); views without ``.grad`` count as no gradient, as torch skips them."""
         chosen = [view.tensor for view in (self.views() if views is None else views)]
-        return grad_norm_over_ranks(chosen, norm_type=norm_type, groups=[self.group], device=self._device)
+        return grad_norm_over_ranks(chosen, norm_type=norm_type, groups=[self.group], device=self.device)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, views: Iterable[ShardView] | None = None
@@ -589,12 +595,17 @@ class ShardedParameterBuckets:
         """Collective. ``torch.nn.utils.clip_grad_norm_`` semantics over the sharded gradients of ``views``."""
         chosen = [view.tensor for view in (self.views() if views is None else views)]
         return clip_grad_norm_over_ranks_(
-            chosen, max_norm, norm_type=norm_type, groups=[self.group], device=self._device
+            chosen, max_norm, norm_type=norm_type, groups=[self.group], device=self.device
         )
 
     @property
-    def _device(self) -> torch.device:
+    def device(self) -> torch.device:
+        """The device of the buckets (the CPU when there is none)."""
         return self.buckets[0].flat_params.device if self.buckets else torch.device("cpu")
+
+    def got_gradient_here(self, param: nn.Parameter) -> bool:
+        """Local. Whether ``param`` got a gradient on this rank since the last sync."""
+        return bool(self._used[self._bucket_of[param][1].index])
 
     # ------------------------------------------------------------------ accounting
     def memory_report(

@@ -139,6 +139,16 @@ def sharded_gradient_params(unit: FSDPModule) -> list[Any]:
         raise _moved(error, "ZeRO-3 cannot reduce gradients on gloo.") from error
 
 
+def local_gradient(fsdp_param: Any) -> Tensor | None:
+    """This rank's gradient sum that FSDP2 keeps unsharded while ``set_requires_gradient_sync(False)`` (gradient
+    accumulation): in the reduce dtype once upcast, else on the unsharded parameter; ``None`` if it got none."""
+    accumulated = fsdp_param.unsharded_accumulated_grad
+    if accumulated is not None:
+        return accumulated
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return None if unsharded is None else unsharded.grad
+
+
 def has_all_reduce_hook(unit: FSDPModule) -> bool:
     """Whether ``FSDPModule.set_all_reduce_hook`` gave ``unit`` a hook (it runs on the reduced shard at once)."""
     groups = unit._get_fsdp_state()._fsdp_param_groups

@@ -32,13 +32,24 @@ ClipFunction = Callable[[Optimizer, float], None]
 
 
 class _ClippingOverRanks:
-    """What the clipping plugins add to Lightning's: ``clip_grad_by_norm`` calls :attr:`clip_over_ranks`."""
+    """What the clipping plugins add to Lightning's: ``clip_grad_by_norm`` calls :attr:`clip_over_ranks`, and
+    :attr:`after_gradient_hooks` runs between the ``on_before_optimizer_step`` hooks and clipping."""
 
     clip_over_ranks: ClipFunction
     """``clip(optimizer, clip_val)``: the strategy's clipping over ranks."""
+    after_gradient_hooks: Callable[[], None] | None = None
+    """Called after the ``on_before_optimizer_step`` hooks and before clipping and the optimizer's update, in
+    automatic and manual optimization alike: where a strategy that lent whole gradients to the hooks takes them back
+    (``distributed/zero_hook_gradients.py``). No Lightning hook runs at that point, so we override the plugin's
+    ``_clip_gradients``, which Lightning calls there (``Precision._after_closure``) whatever the clipping settings."""
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:  # Lightning's `Precision` hook
         self.clip_over_ranks(optimizer, float(clip_val))
+
+    def _clip_gradients(self, model: Any, optimizer: Any, clip_val: Any = None, gradient_clip_algorithm: Any = None):
+        if self.after_gradient_hooks is not None:
+            self.after_gradient_hooks()
+        return cast(Any, super())._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)
 
 
 class ClippingPrecision(_ClippingOverRanks, Precision):
@@ -73,15 +84,24 @@ class ClippingMixedPrecision(_ClippingOverRanks, MixedPrecision):
         self.clip_over_ranks = clip
 
 
-def with_clipping(plugin: Precision, clip: ClipFunction) -> Precision:
-    """A plugin like ``plugin`` whose ``clip_grad_by_norm(optimizer, clip_val)`` calls ``clip(optimizer, clip_val)``.
+def with_clipping(
+    plugin: Precision, clip: ClipFunction, *, after_gradient_hooks: Callable[[], None] | None = None
+) -> Precision:
+    """A plugin like ``plugin`` whose ``clip_grad_by_norm(optimizer, clip_val)`` calls ``clip(optimizer, clip_val)``
+    and that calls ``after_gradient_hooks()`` after the ``on_before_optimizer_step`` hooks (before clipping).
 
     The Trainer's plugin object is left as it is; a ``"16-mixed"`` plugin's grad scaler is shared. Applied to a plugin
     it built before (a second fit on the same strategy), it returns it with the new ``clip``.
     """
-    if isinstance(plugin, _ClippingOverRanks):
-        plugin.clip_over_ranks = clip
-        return plugin
+    if not isinstance(plugin, _ClippingOverRanks):
+        plugin = _with_clipping(plugin, clip)
+    clipping = cast(_ClippingOverRanks, plugin)
+    clipping.clip_over_ranks = clip
+    clipping.after_gradient_hooks = after_gradient_hooks
+    return plugin
+
+
+def _with_clipping(plugin: Precision, clip: ClipFunction) -> Precision:
     kind = type(plugin)
     if kind is Precision:
         return ClippingPrecision(clip=clip)

@@ -29,10 +29,12 @@ from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
 from lightning_parallel.distributed.zero_backends import ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero_config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
+from lightning_parallel.distributed.zero_hook_gradients import GradientLoan
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import save_sharded
+from lightning_parallel.strategies.gradient_readers import reads_gradients
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
 from lightning_parallel.strategies.parameter_callbacks import (
@@ -167,6 +169,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self._keeps_masters_alone = False
         """World size 1 fitting 16-bit parameters with fp32 masters (set in ``setup``)."""
         self._memory_logged = False
+        self._loan: GradientLoan | None = None
+        """Whole averaged gradients lent to the parameters' ``.grad`` from backward until the step (hooks read them)."""
+        self._reads_gradients: bool | None = None  # decided at the first backward of each fit
+        self._syncs_gradients = True  # False inside `block_backward_sync` (accumulation)
 
     # ------------------------------------------------------------------ settings (read from `zero_config`)
     @property
@@ -264,7 +270,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             self.setup_optimizers(trainer)
             self._validate_optimizers()
             self._backend.setup_optimizers(self.unwrapped_optimizers())
-        self.precision_plugin = zero_precision(self._backend, self.precision_plugin, self.root_device)
+        self._loan, self._reads_gradients = None, None
+        self.precision_plugin = zero_precision(
+            self._backend, self.precision_plugin, self.root_device, after_gradient_hooks=self._hand_back_gradients
+        )
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -306,8 +315,12 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the non-final micro-batches of gradient accumulation."""
-        with self.backend.no_sync():
-            yield None
+        self._syncs_gradients = False
+        try:
+            with self.backend.no_sync():
+                yield None
+        finally:
+            self._syncs_gradients = True
 
     def _check_same_trainable_parameters(self) -> None:
         """Collective while sharding: the ranks agree on which parameters require grad, or every rank raises naming
@@ -328,13 +341,42 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        self._hand_back_gradients()  # manual optimization: a second backward before the step adds to the shards
         super().pre_backward(closure_loss)
         self.backend.wait_for_parameters()  # a block this forward did not use: current before any backward hook
 
     @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's order, except that the gradients are averaged *before* ``on_after_backward`` (Lightning calls
+        it from the precision plugin's ``post_backward``, ahead of the strategy's), as DDP averages them inside
+        backward: a hook then reads them whole and averaged, not while the collectives write them."""
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         held = self.backend.reduce_gradients()
         self._drop_gradients_if_skipped(held)  # every rank decided the same: no step on non-finite gradients
+        if self._gradients_are_read():
+            self._loan = self.backend.lend_gradients(synced=self._syncs_gradients)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # `on_after_backward`
+        if not self._syncs_gradients:  # accumulating: the next backward adds to the buckets, not to the loan
+            self._hand_back_gradients()
+        return closure_loss
+
+    def _gradients_are_read(self) -> bool:
+        """Whether code may read ``.grad`` between backward and the step: manual optimization, or a module or user
+        callback overriding ``on_after_backward`` / ``on_before_optimizer_step`` (decided once per fit)."""
+        if self._reads_gradients is None:
+            trainer: Any = self.module.trainer
+            self._reads_gradients = reads_gradients(self.module, trainer.callbacks)
+        return self._reads_gradients
+
+    def _hand_back_gradients(self) -> None:
+        """Local. End the loan of whole gradients to ``.grad``: this rank's slices of them go to the optimizer."""
+        loan, self._loan = self._loan, None
+        if loan is not None:
+            loan.hand_back()
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -479,6 +521,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._loan = None  # dropped, not handed back: training is over (or failed)
         if self._backend is not None:  # setup may have failed before choosing it
             self._backend.teardown()
         super().teardown()

@@ -9,6 +9,8 @@ only a shard of the gradients.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
@@ -20,11 +22,19 @@ from lightning_parallel.strategies.clipping import ClipFunction, with_clipping, 
 __all__ = ["clipping_over_ranks", "with_sharded_grad_scaler", "zero_precision"]
 
 
-def zero_precision(backend: ZeroBackend, plugin: Precision, device: torch.device) -> Precision:
+def zero_precision(
+    backend: ZeroBackend,
+    plugin: Precision,
+    device: torch.device,
+    *,
+    after_gradient_hooks: Callable[[], None] | None = None,
+) -> Precision:
     """The precision plugin to train with under ``backend``: ``plugin``, or one that clips over all shards
-    (:attr:`ZeroBackend.clips_over_ranks`) and agrees on inf/nan (:attr:`ZeroBackend.shards_gradients`)."""
-    if backend.clips_over_ranks:
-        plugin = with_clipping(plugin, clipping_over_ranks(backend))
+    (:attr:`ZeroBackend.clips_over_ranks`), calls ``after_gradient_hooks()`` after the ``on_before_optimizer_step``
+    hooks (where the strategy takes back the gradients it lent them) and agrees on inf/nan
+    (:attr:`ZeroBackend.shards_gradients`)."""
+    if backend.clips_over_ranks or after_gradient_hooks is not None:
+        plugin = with_clipping(plugin, clipping_over_ranks(backend), after_gradient_hooks=after_gradient_hooks)
     if backend.shards_gradients:
         plugin = with_sharded_grad_scaler(plugin, device)
     return plugin

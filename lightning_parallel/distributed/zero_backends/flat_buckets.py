@@ -20,6 +20,11 @@ from lightning_parallel.distributed.zero_backends.context import ZeroContext
 from lightning_parallel.distributed.zero_backends.replicated import ReplicatedBackend
 from lightning_parallel.distributed.zero_config import ZeroConfig
 from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
+from lightning_parallel.distributed.zero_hook_gradients import (
+    BucketGradientLoan,
+    GradientLoan,
+    LocalBucketGradientLoan,
+)
 from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
 
 __all__ = ["FlatBucketBackend"]
@@ -97,6 +102,15 @@ class FlatBucketBackend(ReplicatedBackend):
             for bucket in buckets.buckets:
                 bucket.ready = 0
         return (view.tensor for view in buckets.views())
+
+    def lend_gradients(self, *, synced: bool) -> GradientLoan | None:
+        if self.buckets is None:  # not fitting: the module's own `.grad`
+            return None
+        if synced:
+            return BucketGradientLoan(self.buckets)
+        # Accumulating: stage 1's `.grad` are views of its whole bucket already (this rank's sum, as under DDP's
+        # `no_sync`); stage 2 keeps none, so lend views of its buckets.
+        return LocalBucketGradientLoan(self.buckets) if self.buckets.stage == 2 else None
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         # The stepped optimizer's buckets: the same ones on every rank.

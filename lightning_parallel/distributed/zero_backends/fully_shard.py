@@ -29,6 +29,11 @@ from lightning_parallel.distributed.zero3_gloo import GlooGradientReduction, ins
 from lightning_parallel.distributed.zero_backends.context import ZeroContext
 from lightning_parallel.distributed.zero_backends.replicated import ReplicatedBackend, group_params_of
 from lightning_parallel.distributed.zero_config import ZeroConfig
+from lightning_parallel.distributed.zero_hook_gradients import (
+    GradientLoan,
+    LocalShardedTensorGradientLoan,
+    ShardedTensorGradientLoan,
+)
 
 __all__ = ["FullyShardBackend"]
 
@@ -128,6 +133,13 @@ class FullyShardBackend(ReplicatedBackend):
             # parameter's `requires_grad` (`toggle_optimizer`) only when it unshards: reshard (a no-op otherwise).
             unit.reshard()
         return ()
+
+    def lend_gradients(self, *, synced: bool) -> GradientLoan | None:
+        if not self.units:
+            return None
+        if synced:
+            return ShardedTensorGradientLoan(self.held, stats=self.stats)
+        return LocalShardedTensorGradientLoan(self.units)  # FSDP2 keeps this rank's sums unsharded, not on `.grad`
 
     def after_evaluation_step(self) -> None:
         # FSDP2 keeps the root unit's parameters gathered after a forward without backward: a weight-averaging

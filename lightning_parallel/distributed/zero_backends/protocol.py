@@ -14,6 +14,7 @@ from lightning_parallel.distributed.checkpoint import ShardedPieces
 from lightning_parallel.distributed.gradient_sync import GradientSync
 from lightning_parallel.distributed.zero_backends.context import ZeroContext
 from lightning_parallel.distributed.zero_config import ZeroConfig
+from lightning_parallel.distributed.zero_hook_gradients import GradientLoan
 
 __all__ = ["ZeroBackend"]
 
@@ -70,6 +71,12 @@ class ZeroBackend(GradientSync, Protocol):
 
     def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
         """What this rank writes into a sharded checkpoint (one optimizer at most)."""
+
+    def lend_gradients(self, *, synced: bool) -> GradientLoan | None:
+        """After :meth:`reduce_gradients` (``synced``: the gradients were averaged over ranks; else a micro-step of
+        gradient accumulation): give every parameter that has a gradient the ``.grad`` DDP would hold, for hooks to
+        read, until the loan's ``hand_back()`` (``distributed/zero_hook_gradients.py``). Collective when ``synced``
+        and sharding. ``None`` where ``.grad`` already is that."""
 
     def full_module(self) -> AbstractContextManager[nn.Module]:
         """Collective on entry: the whole module on every rank until exit (also after ``teardown``)."""

@@ -25,6 +25,7 @@ from lightning_parallel.distributed.checkpoint import (
 )
 from lightning_parallel.distributed.zero_backends.context import ZeroContext
 from lightning_parallel.distributed.zero_config import ZeroConfig
+from lightning_parallel.distributed.zero_hook_gradients import GradientLoan
 
 __all__ = ["ReplicatedBackend", "cloned_state", "full_state_from_reader", "group_params_of"]
 
@@ -102,6 +103,9 @@ class ReplicatedBackend:
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         pass
+
+    def lend_gradients(self, *, synced: bool) -> GradientLoan | None:
+        return None  # the parameters' own `.grad`, as on one device
 
     def after_evaluation_step(self) -> None:
         pass
