@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import model_zoo as zoo
 import pytest
 import torch
 import torch.distributed as dist
@@ -158,26 +159,10 @@ def _loader(replicas: int, replica: int, *, batch: int) -> DataLoader:
     return DataLoader(Subset(_dataset(), indices), batch_size=per, shuffle=False)
 
 
-def _trainer(strategy: Any, devices: int, **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": devices,
-        "strategy": strategy,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "use_distributed_sampler": False,
-        "num_sanity_val_steps": 0,
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
-
-
 def _fit_reader(strategy: Any, devices: int, replica: int, *, accumulate: int) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     logged = LoggedEveryBatch()
-    trainer = _trainer(strategy, devices, max_steps=STEPS, accumulate_grad_batches=accumulate, callbacks=[logged])
+    trainer = zoo.trainer(strategy, devices, max_steps=STEPS, accumulate_grad_batches=accumulate, callbacks=[logged])
     trainer.fit(GradientReader(), _loader(devices, replica, batch=GLOBAL_BATCH // devices // accumulate))
     state = trainer.strategy.lightning_module_state_dict() if devices > 1 else trainer.lightning_module.state_dict()
     return {"logged": logged.rows, "weights": {name: tensor.detach().clone() for name, tensor in state.items()}}
@@ -187,7 +172,7 @@ def _fit_gan(strategy: Any, devices: int, replica: int) -> dict[str, Any]:
     pl.seed_everything(42, verbose=False)
     module = ClosureGAN()
     data = DataLoader(Subset(RandomDataset(32, 64), range(replica, 64, devices)), batch_size=2)
-    _trainer(strategy, devices, max_epochs=1, limit_train_batches=8).fit(module, data)
+    zoo.trainer(strategy, devices, max_steps=-1, max_epochs=1, limit_train_batches=8).fit(module, data)
     state = module.trainer.strategy.lightning_module_state_dict()
     return {"steps": module.steps, "weights": {name: tensor.detach().clone() for name, tensor in state.items()}}
 
