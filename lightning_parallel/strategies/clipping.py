@@ -95,9 +95,9 @@ def with_clipping(
     """
     if not isinstance(plugin, _ClippingOverRanks):
         plugin = _with_clipping(plugin, clip)
-    clipping = cast(_ClippingOverRanks, plugin)
-    clipping.clip_over_ranks = clip
-    clipping.after_gradient_hooks = after_gradient_hooks
+    assert isinstance(plugin, _ClippingOverRanks)
+    plugin.clip_over_ranks = clip
+    plugin.after_gradient_hooks = after_gradient_hooks
     return plugin
 
 
