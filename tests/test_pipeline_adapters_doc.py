@@ -43,7 +43,8 @@ def adapters() -> dict[str, Any]:
     end = text.find("\n## ", start + len(SECTION))
     section = text[start : end if end >= 0 else len(text)]
     blocks = _BLOCK.findall(section)
-    assert len(blocks) == section.count("```python") == 2  # every block of the section runs
+    # Every block of the section runs: these here, the timm one in tests/test_pipeline_refused_models.py.
+    assert len(blocks) == section.count("```python") - section.count("<!-- run: timm -->") == 2
     namespace: dict[str, Any] = {"__name__": "pipeline_doc_adapters"}
     for code in blocks:
         exec(compile(code, str(DOC), "exec"), namespace)

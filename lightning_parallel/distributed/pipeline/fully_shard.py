@@ -103,12 +103,16 @@ class PipelineFullyShard:
         memo: dict[int, Any] = {}
         copies = copy.deepcopy(self.originals, memo)  # one call: what two layers share stays shared
         self._copy_of = {id(m): memo[id(m)] for layer in self.originals for m in layer.modules()}
-        self._registrations = [(name, sub) for i in self.indices for name, sub in registrations[i]]
-        for name, submodule in self._registrations:
-            module.set_submodule(name, self._copy_of[id(submodule)])
+        self._registrations = [r for i in self.indices for r in registrations[i]]
+        for registration in self._registrations:
+            if not registration.is_tensor:
+                registration.place(module, holder=self._copy_of[id(registration.holder)])
         _release(self.originals)
         self.container = _StageUnits(copies)
         self.units = apply_fully_shard(self.container, mesh)
+        for registration in self._registrations:  # after sharding, which replaces a module's own parameters
+            if registration.is_tensor:
+                registration.place(module, holder=self._copy_of[id(registration.holder)])
         initialise_root(self.units[-1])
         self.gloo_reduction = install_gloo_collectives(
             cast(list[FSDPModule], self.units), mesh.get_group(), replicated=False
@@ -154,8 +158,8 @@ class PipelineFullyShard:
             values = full_tensors(_named_tensors(sharded))
             for name, tensor in _named_tensors(original).items():
                 tensor.data = values[name].to(tensor.dtype)
-        for name, submodule in self._registrations:
-            self.module.set_submodule(name, submodule)
+        for registration in self._registrations:
+            registration.place(self.module)
         self.is_restored = True
 
 

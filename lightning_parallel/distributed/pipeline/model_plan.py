@@ -107,6 +107,12 @@ def find_declared_plan(module: nn.Module) -> DeclaredPlan | None:
 
 
 def _declares_plan(module: nn.Module) -> bool:
+    # Only a model whose class says it (transformers' `PreTrainedModel.supports_pp_plan` property): a wrapper that
+    # forwards unknown attributes to the model it wraps (PEFT's `PeftModel` -> `LoraModel` -> the transformers
+    # model, through `__getattr__`) would answer `True` too, and its plan would be looked up on the wrapper. The
+    # wrapper's forward still runs: it calls the model, and that call is the one the pipeline answers.
+    if inspect.getattr_static(module, "supports_pp_plan", None) is None:
+        return False
     try:
         return getattr(module, "supports_pp_plan", False) is True and isinstance(
             getattr(module, "base_model", None), nn.Module

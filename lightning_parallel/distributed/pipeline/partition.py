@@ -94,28 +94,81 @@ def resolve_pipeline_layers(module: nn.Module) -> list[nn.Module]:
     return layers
 
 
-Registration = tuple[str, nn.Module]
-"""A qualified name in the model (``"model.transformer.wte"``) and the module registered under it."""
+@dataclass(frozen=True)
+class Registration:
+    """Where a layer's module, or a tensor it holds itself, is registered in the model: what a split replaces on a
+    rank that does not run the layer, and teardown puts back."""
+
+    name: str
+    """The qualified name in the model: a module's (``"model.transformer.wte"``) or a tensor's (``"model.cls_token"``,
+    a parameter of the model itself that an adapter holds)."""
+    holder: nn.Module
+    """A module: the module itself. A tensor: the module of the layer that holds it (the adapter)."""
+    attribute: str | None = None
+    """A tensor: its attribute in ``holder`` (``"cls_token"``); ``None`` for a module."""
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.attribute is not None
+
+    def value(self, holder: nn.Module | None = None) -> nn.Module | Tensor:
+        """What is registered under :attr:`name`: the module, or the tensor ``holder`` holds now (default:
+        :attr:`holder`; a copy of it, or the holder after teardown gave it the received tensor)."""
+        holder = holder if holder is not None else self.holder
+        return holder if self.attribute is None else getattr(holder, self.attribute)
+
+    def place(self, module: nn.Module, holder: nn.Module | None = None) -> None:
+        """Register :meth:`value` under :attr:`name` in ``module`` (in place of a placeholder or the original)."""
+        value = self.value(holder)
+        if isinstance(value, nn.Module):
+            module.set_submodule(self.name, value)
+            return
+        prefix, _, leaf = self.name.rpartition(".")
+        _register_slot(module.get_submodule(prefix), leaf, value)
+
+    def remove(self, module: nn.Module, stage: int) -> None:
+        """Take it out of ``module`` on a rank that does not run its layer: a module becomes a :class:`RemoteLayer`,
+        a tensor an empty slot (``None``: absent from ``parameters()`` and ``state_dict()``, as a module's
+        parameters are behind a placeholder)."""
+        if self.attribute is None:
+            module.set_submodule(self.name, RemoteLayer(self.name, stage))
+            return
+        prefix, _, leaf = self.name.rpartition(".")
+        _register_slot(module.get_submodule(prefix), leaf, None)
+
+
+def _register_slot(owner: nn.Module, leaf: str, value: Tensor | None) -> None:
+    """Register ``value`` under ``owner``'s existing parameter or buffer slot ``leaf`` through torch's own API
+    (``None``: the slot stays, empty; a buffer keeps whether it is persistent)."""
+    if leaf in owner._parameters:
+        assert value is None or isinstance(value, nn.Parameter), f"`{leaf}` is a parameter slot"
+        owner.register_parameter(leaf, value)
+    else:
+        owner.register_buffer(leaf, value, persistent=leaf not in owner._non_persistent_buffers_set)
 
 
 def layer_registrations(module: nn.Module, layers: Sequence[nn.Module]) -> list[list[Registration]]:
-    """Where each layer's modules are registered in ``module``: what a split replaces and teardown puts back.
+    """Where each layer's modules (and the tensors it holds itself) are registered in ``module``: what a split
+    replaces and teardown puts back.
 
     A layer registered in the tree contributes its own names, *and* the other names of its submodules registered
     elsewhere too: an adapter such as ``Embeddings(self.model.transformer.wte, self.model.transformer.wpe)`` holds a
     model's own modules, reachable under two names, and both must leave a rank that does not run the layer (else the
     module keeps a second path to tensors moved to ``meta``). A layer that is not registered itself (built inside
     ``pipeline_layers()``, or an adapter made from a model's declared plan) is found through its submodules, so the
-    model's own names stay the checkpoint's names. A stateless layer (no parameters, no buffers: a reshape) outside
-    the tree has nothing to move.
+    model's own names stay the checkpoint's names. A parameter or buffer that such a layer holds itself
+    (``self.cls_token = vit.cls_token``: timm's ViT keeps ``cls_token`` and ``pos_embed`` on the model itself, next
+    to its blocks) is registered by the model's own name for it, so only the tensor leaves a rank that does not run
+    the layer. A stateless layer (no parameters, no buffers: a reshape) outside the tree has nothing to move.
 
     Raises:
-        ValueError: If a layer holds a parameter or buffer reachable under no name of ``module``, or is ``module``.
+        ValueError: If a layer holds a parameter or buffer that is not one of ``module``'s, or is ``module``.
     """
     names: dict[int, list[str]] = {}
     for name, submodule in module.named_modules(remove_duplicate=False):
         if name:
             names.setdefault(id(submodule), []).append(name)
+    tensor_names = _tensor_names(module)
     result: list[list[Registration]] = []
     for index, layer in enumerate(layers):
         if layer is module:
@@ -127,26 +180,64 @@ def layer_registrations(module: nn.Module, layers: Sequence[nn.Module]) -> list[
         )
         registrations: list[Registration] = []
         for name, sub in found:  # outermost first: a name under one already kept moves with it
-            if not any(name.startswith(kept + ".") or name == kept for kept, _ in registrations):
-                registrations.append((name, sub))
-        covered = {id(m) for _, sub in registrations for m in sub.modules()}
-        orphan = next((sub for sub in layer.modules() if id(sub) not in covered and _holds_state(sub)), None)
-        if orphan is not None:
-            raise ValueError(
-                f"`pipeline_layers()` item {index} (`{type(layer).__name__}`) holds"
-                f" {'itself' if orphan is layer else f'a `{type(orphan).__name__}`'} with parameters or buffers that"
-                f" is not a submodule of `{type(module).__name__}`; return the model's own layers (not copies), or an"
-                " adapter made of the model's own modules."
-            )
+            if not _under(name, registrations):
+                registrations.append(Registration(name, sub))
+        covered = {id(m) for r in registrations for m in r.holder.modules()}
+        for prefix, sub in layer.named_modules():
+            if id(sub) not in covered:
+                registrations += _tensor_registrations(module, index, layer, prefix, sub, tensor_names, registrations)
         result.append(registrations)
     return result
 
 
-def _holds_state(module: nn.Module) -> bool:
-    """Whether ``module`` has parameters or buffers of its own (not counting its children's)."""
-    return any(p is not None for p in module._parameters.values()) or any(
-        b is not None for b in module._buffers.values()
-    )
+def _under(name: str, registrations: Sequence[Registration]) -> bool:
+    return any(name == r.name or name.startswith(r.name + ".") for r in registrations)
+
+
+def _tensor_names(module: nn.Module) -> dict[int, list[str]]:
+    """``id`` of every parameter and buffer of ``module`` -> its qualified names."""
+    found: dict[int, list[str]] = {}
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:
+        found.setdefault(id(tensor), []).append(name)
+    return found
+
+
+def _tensor_registrations(
+    module: nn.Module,
+    index: int,
+    layer: nn.Module,
+    prefix: str,
+    holder: nn.Module,
+    tensor_names: dict[int, list[str]],
+    registrations: Sequence[Registration],
+) -> list[Registration]:
+    """The registrations of the tensors ``holder`` (a module of ``layer`` registered nowhere in ``module``) holds
+    itself: each of ``module``'s names for it not under a registration already kept.
+
+    Raises:
+        ValueError: Naming the tensor, if it is not one of ``module``'s (a copy).
+    """
+    own = [(k, t) for k, t in [*holder._parameters.items(), *holder._buffers.items()] if t is not None]
+    result: list[Registration] = []
+    for attribute, tensor in own:
+        model_names = tensor_names.get(id(tensor))
+        if not model_names:
+            kind = "parameter" if attribute in holder._parameters else "buffer"
+            where = f"{prefix}.{attribute}" if prefix else attribute
+            raise ValueError(
+                f"`pipeline_layers()` item {index} (`{type(layer).__name__}`) holds the {kind} `{where}` (shape"
+                f" {tuple(tensor.shape)}), which is no {kind} of `{type(module).__name__}`: a layer may hold only the"
+                " model's own modules and tensors, so that every rank trains, and checkpoints save, the model's own."
+                " Return the model's own layers (not copies), or an adapter made of the model's own modules and"
+                " tensors (`self.cls_token = vit.cls_token`)."
+            )
+        result += [
+            Registration(name, holder, attribute)
+            for name in model_names
+            if not _under(name, registrations) and not _under(name, result)
+        ]
+    return result
 
 
 def check_parameter_ownership(module: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
@@ -462,8 +553,10 @@ class RemoteLayer(nn.Module):
 
 
 def local_module_ids(layers: Sequence[nn.Module], plan: StagePlan, local_stages: Sequence[int]) -> set[int]:
-    """``id`` of every module inside a layer of ``local_stages`` (a module two layers share stays where one runs)."""
-    return {id(m) for stage in local_stages for index in plan.layers_of(stage) for m in layers[index].modules()}
+    """``id`` of every module, parameter and buffer inside a layer of ``local_stages`` (what two layers share stays
+    where one runs)."""
+    local = [layers[index] for stage in local_stages for index in plan.layers_of(stage)]
+    return {id(item) for layer in local for item in (*layer.modules(), *layer.parameters(), *layer.buffers())}
 
 
 def remove_remote_layers(
@@ -474,17 +567,18 @@ def remove_remote_layers(
     *,
     keep: set[int],
 ) -> None:
-    """Replace every registration of a layer outside ``local_stages`` by a :class:`RemoteLayer`, freeing it here.
+    """Take every registration of a layer outside ``local_stages`` out of ``module`` (:meth:`Registration.remove`: a
+    module becomes a :class:`RemoteLayer`, a tensor the layer holds itself an empty slot), freeing it here.
 
-    ``keep``: ids of modules a local layer also holds (:func:`local_module_ids`); they stay.
+    ``keep``: ids of modules and tensors a local layer also holds (:func:`local_module_ids`); they stay.
     """
     local_layers = {layer for stage in local_stages for layer in plan.layers_of(stage)}
     for index, layer_registrations in enumerate(registrations):
         if index in local_layers:
             continue
-        for name, submodule in layer_registrations:
-            if id(submodule) not in keep:
-                module.set_submodule(name, RemoteLayer(name, plan.stage_of_layer(index)))
+        for registration in layer_registrations:
+            if id(registration.value()) not in keep:
+                registration.remove(module, plan.stage_of_layer(index))
 
 
 class StageModule(nn.Module):

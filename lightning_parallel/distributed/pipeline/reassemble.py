@@ -65,7 +65,8 @@ def reassemble(
     ``layers`` are all pipeline layers: this rank's real ones and the others as left by :func:`offload_layers`.
     Each layer's owner first tells the others what it holds (one ``all_gather_object``), then broadcasts every
     tensor; the receivers assign the tensors to the offloaded layer (``requires_grad`` as on the owner) and put
-    it back under each of its registrations in ``module``, replacing the :class:`RemoteLayer` placeholders.
+    it back under each of its registrations in ``module``, replacing the :class:`RemoteLayer` placeholders (and
+    filling the empty slots of the tensors an adapter holds itself).
 
     A parameter of ``tied`` is sent once, with its first user's layer; afterwards every user holds one and the same
     ``nn.Parameter`` again: this rank's own copy where it held one, else the one received.
@@ -96,10 +97,12 @@ def reassemble(
                 dist.broadcast(tensor, src=source, group=dims.pipeline_group)
                 received[signature.name] = tensor
         _assign(layer, signatures, received)
-        for name, submodule in registrations[index]:
-            module.set_submodule(name, submodule)
     for t in tied:
         _retie(layers, t, local)
+    # After the ties: a tensor an adapter holds itself is registered as the adapter holds it now (a tied one, the
+    # one parameter every user holds).
+    for registration in (r for i, rs in enumerate(registrations) if i not in local for r in rs):
+        registration.place(module)
 
 
 def _retie(layers: Sequence[nn.Module], tied: TiedParameter, local: set[int]) -> None:

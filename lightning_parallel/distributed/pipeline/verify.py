@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -70,7 +71,7 @@ def check_layers_compose_to_forward(
         for index, layer in enumerate(layers):
             label = f"pipeline layer {index} (`{type(layer).__name__}`{_named(names, layer)})"
             if index in recorded:
-                difference = _difference(current, recorded[index], rtol, atol)
+                difference = _difference(current, recorded[index], rtol, atol, signature=_signature_of(layer))
                 if difference is not None:
                     source = "the batch" if index == 0 else f"the output of layer {index - 1}"
                     raise ValueError(
@@ -127,23 +128,86 @@ def _difference(
     expected: tuple[tuple[Any, ...], dict[str, Any]],
     rtol: float,
     atol: float,
+    *,
+    signature: inspect.Signature | None = None,
 ) -> str | None:
-    """``None`` if both argument lists match, else a short description of the first difference."""
-    (args, kwargs), (expected_args, expected_kwargs) = actual, expected
-    if len(args) != len(expected_args):
-        return f"{len(args)} positional arguments against {len(expected_args)} in `forward`"
-    if set(kwargs) != set(expected_kwargs):
-        return f"keyword arguments {sorted(kwargs)} against {sorted(expected_kwargs)} in `forward`"
-    pairs = [*zip(args, expected_args, strict=True), *((kwargs[k], expected_kwargs[k]) for k in kwargs)]
-    for value, reference in pairs:
+    """``None`` if both calls pass the same arguments, else a short description of the first difference.
+
+    With the layer's ``signature`` both calls are bound to it first, defaults filled in, so a tensor passed by
+    keyword in ``forward`` (``self.embeddings(input_ids=ids)``, as Hugging Face models call their modules) matches
+    the same tensor passed positionally by the chain, and an argument ``forward`` spells out at its default value
+    (``token_type_ids=None``) matches one the chain leaves out. Calls the signature cannot bind are compared as
+    written: positional arguments by position, keyword arguments by name.
+    """
+    pairs = _bound_pairs(actual, expected, signature) if signature is not None else None
+    if pairs is None:
+        (args, kwargs), (expected_args, expected_kwargs) = actual, expected
+        if len(args) != len(expected_args):
+            return f"{len(args)} positional arguments against {len(expected_args)} in `forward`"
+        if set(kwargs) != set(expected_kwargs):
+            return f"keyword arguments {sorted(kwargs)} against {sorted(expected_kwargs)} in `forward`"
+        pairs = [
+            *((f"positional argument {i}", v, r) for i, (v, r) in enumerate(zip(args, expected_args, strict=True))),
+            *((f"argument `{k}`", kwargs[k], expected_kwargs[k]) for k in kwargs),
+        ]
+    elif isinstance(pairs, str):
+        return pairs
+    for label, value, reference in pairs:
         if isinstance(value, Tensor) and isinstance(reference, Tensor):
             if value.shape != reference.shape:
-                return f"shape {tuple(value.shape)} against {tuple(reference.shape)} in `forward`"
+                return f"{label}: shape {tuple(value.shape)} against {tuple(reference.shape)} in `forward`"
             if not _close(value, reference, rtol, atol):
-                return f"largest absolute difference {_largest_gap(value, reference):.3g}"
+                return f"{label}: largest absolute difference {_largest_gap(value, reference):.3g}"
         elif isinstance(value, Tensor) or isinstance(reference, Tensor):
-            return f"a {type(value).__name__} against a {type(reference).__name__} in `forward`"
+            return f"{label}: a {type(value).__name__} against a {type(reference).__name__} in `forward`"
     return None
+
+
+def _signature_of(layer: nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(layer.forward)
+    except (TypeError, ValueError):  # a forward without an inspectable signature (a builtin): compared as written
+        return None
+
+
+def _bound_pairs(
+    actual: tuple[tuple[Any, ...], dict[str, Any]],
+    expected: tuple[tuple[Any, ...], dict[str, Any]],
+    signature: inspect.Signature,
+) -> list[tuple[str, Any, Any]] | str | None:
+    """``(label, chain's value, forward's value)`` for every parameter of ``signature``, both calls bound to it; a
+    description of the difference if only one call binds or they fill different ``**kwargs`` names; ``None`` if
+    neither binds."""
+    bound, reference = _bind(signature, *actual), _bind(signature, *expected)
+    if bound is None and reference is None:
+        return None
+    if bound is None or reference is None:
+        failed = "the chain's call" if bound is None else "the call in `forward`"
+        return f"{failed} does not match the signature of its `forward`"
+    if bound.keys() != reference.keys():
+        return f"arguments {sorted(bound)} against {sorted(reference)} in `forward`"
+    return [(f"argument `{name}`", bound[name], reference[name]) for name in bound]
+
+
+def _bind(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The arguments of the call by parameter name, defaults included (``*args`` as ``name[i]``, ``**kwargs``
+    flattened without its ``None`` values: Hugging Face blocks get ``position_ids=None`` there); ``None`` if the call
+    does not fit the signature."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    arguments: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            arguments.update((f"{name}[{i}]", item) for i, item in enumerate(value))
+        elif kind is inspect.Parameter.VAR_KEYWORD:  # `None` there as absent: the default of a named parameter
+            arguments.update((key, item) for key, item in value.items() if item is not None)
+        else:
+            arguments[name] = value
+    return arguments
 
 
 _CHUNK = 1 << 20
