@@ -32,6 +32,7 @@ from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.consolidate import WholeOptimizerState, load_local_state, optimizer_layout
 from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch, replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
+from lightning_parallel.distributed.pipeline.hook_view import WholeModelView
 from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, batch_size_of
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
 from lightning_parallel.distributed.pipeline.partition import (
@@ -83,6 +84,7 @@ from lightning_parallel.strategies.parameter_callbacks import (
     check_parameter_callbacks,
     hold_averaged_copies,
 )
+from lightning_parallel.strategies.pipeline_hooks import HookWindows
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -233,6 +235,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._config: PipelineConfig | None = None
         self._run: PipelineRun | None = None  # the last split's record (`distributed/pipeline/run.py`)
         self._skip_warned = False
+        self._hook_windows = HookWindows()  # the whole model in the module's own hooks (`pipeline_hooks.py`)
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -345,6 +348,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._hook_windows.close()
         if self._run is not None:  # teardown then leaves the split module alone (no collective with failed peers)
             self._run.failed = True
             self._run.sync.abandon_in_flight()
@@ -389,6 +393,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             mark_orphaned(module, orphaned=False)
             self.model_to_device()
         run = self._current_run
+        self._hook_windows.attach(trainer, module, partial(self._whole_model_view, run), sync=run.sync)
         if fitting:
             # Weight-averaging callbacks copied the whole module in their `setup`: each copy keeps this rank's stage.
             layout = StageCopyLayout(run.dims, tuple(run.full_state_keys), dict(run.aliases))
@@ -489,6 +494,20 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             registrations=registrations,
         )
 
+    def _whole_model_view(self, run: PipelineRun) -> WholeModelView:
+        module = self.lightning_module
+        assert module is not None
+        return WholeModelView(
+            module,
+            layers=run.layers,
+            registrations=run.registrations,
+            plan=run.plan,
+            dims=run.dims,
+            aliases=run.aliases,
+            device=self.root_device,
+            stats=self._tracked_stats,
+        )
+
     def _new_parallel_dims(self) -> ParallelDims:
         dims = ParallelDims(self.world_size, self.global_rank, self.pipeline_parallel_size)
         dims.mesh = self.device_mesh  # built in `setup_environment` (its groups: a collective done there)
@@ -548,6 +567,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._hook_windows.close()
         module = self.lightning_module
         assert module is not None
         engine = self.engine
@@ -600,6 +620,11 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         )
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._hook_windows.close()  # Lightning calls this right after the module's `on_train_batch_start`
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
@@ -619,6 +644,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             self._skip_warned = True
 
     def _evaluation_step(self, step: str, context: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._hook_windows.close()
         engine = self.engine
         with context:
             model_inputs, _ = engine.capture_inputs(step, args, kwargs)
@@ -654,7 +680,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             for p, grad in zip(module.parameters(), pending, strict=True):
                 if grad is not None:
                     p.grad = grad if p.grad is None else p.grad + grad
-        return self.precision_plugin.post_backward(closure_loss, module)
+        with self._hook_windows.window("on_after_backward"):  # post_backward calls it; the whole model if overridden
+            return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -669,9 +696,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             result = closure()
             with self.events.timed("exposed_communication"):
                 sync.reduce_gradients()  # over the replicas of each stage, then the tied copies' sum
+            # The precision plugin calls `on_before_optimizer_step` next: the whole model if overridden.
+            self._hook_windows.open("on_before_optimizer_step")
             return result
 
-        output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        try:
+            output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        finally:
+            self._hook_windows.close()
         with self.events.timed("exposed_communication"):
             sync.after_optimizer_step(unwrap_optimizer(optimizer))  # ZeRO-1/2: all-gather the stepped buckets
         return output
@@ -717,6 +749,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
         With ``checkpoint_format="sharded"`` nothing is gathered: ``save_checkpoint`` writes every rank's part.
         """
+        self._hook_windows.close()  # a checkpoint saved by a callback right after a hook: the split module
         if self._run is None:
             return super().lightning_module_state_dict()
         return self._on_global_zero(self._checkpoints.model_state(self.module, self._run))
@@ -732,12 +765,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The single-device ``optimizer.state_dict()`` of the whole model on rank 0 (a collective)."""
+        self._hook_windows.close()
         optimizer = unwrap_optimizer(optimizer)
         state = self._checkpoints.optimizer_state(self._current_run, optimizer, self.unwrapped_optimizers())
         return self._on_global_zero(state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self._hook_windows.close()
         write = partial(super().save_checkpoint, checkpoint, filepath, storage_options=storage_options)
         if self._run is None:
             return write()
@@ -773,6 +808,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._hook_windows.detach()
         run = self._run
         if run is not None:
             if run.engine is not None:
