@@ -183,9 +183,11 @@ def run_step_with_output(
     output: Any,
     *,
     call: ModelCall | None = None,
+    on_model_call: Callable[[], None] | None = None,
 ) -> tuple[Any, list[LogRecord]]:
     """Run ``module.<step>`` with its model call (``self(...)`` by default) answered from ``output``; return the
-    step's result and its log calls.
+    step's result and its log calls. ``on_model_call`` is told when the step reaches that call (before it is
+    answered): the end of the part of the step whose random draws are replayed (:mod:`.random_draws`).
 
     Raises:
         ContractError: If the step calls the model twice or not at all.
@@ -201,6 +203,8 @@ def run_step_with_output(
         calls += 1
         if calls > 1:
             raise ContractError(f"`{step}` called {_called(module, call)} a second time. {_CONTRACT}")
+        if on_model_call is not None:
+            on_model_call()
         return call.answer(output, fargs, fkwargs)
 
     def log(name: str, value: Any, *largs: Any, **lkwargs: Any) -> None:

@@ -3,13 +3,16 @@
 No Trainer here: :class:`PipelineEngine` takes the module, its layers and the stage plan, and runs a step on one
 batch: every rank finds the model input by running the step up to ``self(...)``; the schedule moves micro-batches
 through the stages; the rank with the last stage runs the step once per micro-batch with ``self(...)`` answered by
-the pipeline; the result (loss, log calls, predictions) is broadcast to the other ranks of the pipeline.
+the pipeline; the result (loss, log calls, predictions) is broadcast to the other ranks of the pipeline. The step's
+random draws before ``self(...)`` are recorded in the first run and replayed in the micro-batches' runs
+(:mod:`.random_draws`), so every rank and micro-batch sees the same values.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -19,6 +22,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.pipeline.contract import (
+    PIPELINE_INPUTS_HOOK,
     ContractError,
     ModelCall,
     aggregate_logs,
@@ -29,6 +33,14 @@ from lightning_parallel.distributed.pipeline.contract import (
 )
 from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, detached_cpu, pad_batch, slice_batch
 from lightning_parallel.distributed.pipeline.partition import StagePlan
+from lightning_parallel.distributed.pipeline.random_draws import (
+    RecordedDraws,
+    agree_on_seed,
+    draw_seed,
+    recording_draws,
+    replaying_draws,
+    seed_default_generators,
+)
 from lightning_parallel.distributed.pipeline.schedule import (
     ChunkObserver,
     P2PObserver,
@@ -62,6 +74,11 @@ class _StepState:
     divisor: float
     results: dict[int, Any] = field(default_factory=dict)
     records: dict[int, list[Any]] = field(default_factory=dict)
+    draws: RecordedDraws | None = None
+    """The random draws of the run that learnt the input, replayed in each micro-batch's run of the step."""
+    batch_size: int = 0
+    bounds: list[tuple[int, int]] = field(default_factory=list)
+    """Rows ``(start, stop)`` of each micro-batch in the batch."""
 
 
 def _slice_output(output: Any, rows: int) -> Any:
@@ -120,6 +137,9 @@ class PipelineEngine:
         self._runtimes: dict[tuple[Any, ...], PipelineRuntime] = {}
         self._state: _StepState | None = None
         self._current: PipelineRuntime | None = None
+        self._draws: RecordedDraws | None = None  # the last `capture_inputs`'s, until its step runs
+        self._draw_base_seed: int | None = None
+        self._batches_drawn = 0
 
     @property
     def last_stage_global_rank(self) -> int:
@@ -131,8 +151,18 @@ class PipelineEngine:
         return self.dims.global_rank == self.last_stage_global_rank
 
     def capture_inputs(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
-        """The arguments of the step's ``self(...)`` call and their batch size."""
-        model_inputs = model_inputs_of_batch(self.module, step, args, kwargs, call=self.call)
+        """The arguments of the step's ``self(...)`` call and their batch size.
+
+        Every rank of the pipeline calls it for every batch (the first call agrees on a seed: a collective). The
+        random draws of the run that learns the input are recorded, and replayed by the next :meth:`train_step` or
+        :meth:`eval_step` in the step's runs on micro-batches (a step called without this runs as drawn).
+        """
+        declared = getattr(self.module, PIPELINE_INPUTS_HOOK, None) is not None
+        source = f"`{PIPELINE_INPUTS_HOOK}(batch)`" if declared else f"`{step}` (run up to the model call)"
+        seed = self._next_draw_seed()
+        with recording_draws(device=self.device, seed=seed, source=source, exhaustive=not declared) as draws:
+            model_inputs = model_inputs_of_batch(self.module, step, args, kwargs, call=self.call)
+        self._draws = draws if self.has_last_stage else None  # only the last stage runs the step again
         size = batch_size_of(model_inputs)
         if size is None:
             raise ContractError(
@@ -155,6 +185,8 @@ class PipelineEngine:
         assert size is not None  # model_inputs come from capture_inputs, which raises when there is no batch size
         rows = size // m
         state = _StepState(step, self._micro_batches(args, kwargs, rows, size), divisor)
+        state.draws, state.batch_size, self._draws = self._draws, size, None
+        state.bounds = [(i * rows, (i + 1) * rows) for i in range(m)]
         runtime = self._runtime("train", model_inputs)
         self._state, self._current = state, runtime
         try:
@@ -184,7 +216,10 @@ class PipelineEngine:
             return sum(o.float().sum() for o in outputs) * 0.0
         index = int(target.reshape(-1)[0].item())
         mb_args, mb_kwargs = state.micro_batches[index]
-        result, records = run_step_with_output(self.module, state.step, mb_args, mb_kwargs, output, call=self.call)
+        with self._draws_replayed(state, index) as on_model_call:
+            result, records = run_step_with_output(
+                self.module, state.step, mb_args, mb_kwargs, output, call=self.call, on_model_call=on_model_call
+            )
         state.results[index], state.records[index] = result, records
         return step_loss(result, state.step) / state.divisor
 
@@ -204,6 +239,8 @@ class PipelineEngine:
         padded_args, padded_kwargs = pad_batch(model_inputs, rows * m)
         real_rows = [max(0, min(rows, size - i * rows)) for i in range(m)]
         state = _StepState(step, self._micro_batches(args, kwargs, rows, size), 1.0)
+        state.draws, state.batch_size, self._draws = self._draws, size, None
+        state.bounds = [(i * rows, i * rows + real_rows[i]) for i in range(m)]
         runtime = self._runtime("eval", (padded_args, padded_kwargs))
         runtime.schedule.step(
             *(padded_args if runtime.has_first_stage else ()), **(padded_kwargs if runtime.has_first_stage else {})
@@ -216,14 +253,56 @@ class PipelineEngine:
                     state.records[index] = []
                     continue
                 mb_args, mb_kwargs = state.micro_batches[index]
-                result, records = run_step_with_output(
-                    self.module, step, mb_args, mb_kwargs, _slice_output(output, real_rows[index]), call=self.call
-                )
+                with self._draws_replayed(state, index) as on_model_call:
+                    result, records = run_step_with_output(
+                        self.module,
+                        step,
+                        mb_args,
+                        mb_kwargs,
+                        _slice_output(output, real_rows[index]),
+                        call=self.call,
+                        on_model_call=on_model_call,
+                    )
                 state.results[index], state.records[index] = result, records
             weights = [float(r) for r in real_rows]
             result = _merge_results([state.results[i] for i in sorted(state.results)]) if collect else None
             outcome = StepOutcome(logs=self._portable_logs(state, weights), result=result)
         return self._broadcast(outcome)
+
+    # ------------------------------------------------------------------ random draws
+    def _next_draw_seed(self) -> int:
+        """The seed of this batch's recorded draws: equal on the ranks of a pipeline (the same base seed, agreed once,
+        and the same count of batches), different per replica and per batch."""
+        if self._draw_base_seed is None:
+            # Drawn (one draw on every rank) rather than `torch.initial_seed()`: reproducible after `seed_everything`,
+            # and a later run of the same module (another `fit`, `validate`) does not repeat this one's draws.
+            local = int(torch.randint(0, 2**62, (), device="cpu"))
+            group = self.dims.pipeline_group if self.dims.pipeline_parallel_size > 1 else None
+            source = self.dims.pipeline_global_rank(0)
+            self._draw_base_seed = agree_on_seed(local, src=source, group=group, device=self.device)
+            if self.dims.pipeline_rank > 0:
+                # The layers' own draws (dropout) run on this rank's stream, which the step no longer advances: ranks
+                # seeded alike would draw the same masks in two stages. Each stage gets its own stream, once.
+                seed_default_generators(self.device, draw_seed(self._draw_base_seed, self.dims.pipeline_rank, 0))
+        self._batches_drawn += 1
+        return draw_seed(self._draw_base_seed, self.dims.data_parallel_rank, self._batches_drawn)
+
+    @contextmanager
+    def _draws_replayed(self, state: _StepState, index: int) -> Iterator[Callable[[], None] | None]:
+        """Micro-batch ``index``'s run of the step with the recorded draws replayed (yields what to call at
+        ``self(...)``); without recorded draws it runs as it is."""
+        if state.draws is None:
+            yield None
+            return
+        with replaying_draws(
+            state.draws,
+            device=self.device,
+            step=state.step,
+            microbatch=index,
+            rows=state.bounds[index],
+            batch_size=state.batch_size,
+        ) as replay:
+            yield replay.model_called
 
     # ------------------------------------------------------------------ helpers
     def _micro_batches(
