@@ -26,10 +26,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from distributed_harness import run_distributed
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.overrides import _get_current_function_mode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import ParallelismMonitor, ShardedOptimizerStrategy
@@ -303,3 +305,59 @@ def test_each_block_waits_for_the_buckets_of_all_its_parameters_and_the_rest_bef
 def test_bad_overlap_value_is_refused() -> None:
     with pytest.raises(ValueError, match=r"`overlap_param_gather='yes'` is invalid\. Valid options: 'auto'"):
         ShardedOptimizerStrategy(overlap_param_gather="yes")  # type: ignore[arg-type]
+
+
+class _CollectiveOrder(Callback):
+    """Records, from the start of fit to its end, every collective this rank issues (the c10d op, and which process
+    group: the ``ProcessGroup`` script object among its arguments) and the first block's forward, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.mode = _RecordCollectives(self.events)
+        self.mode.__enter__()
+        module.layers[0].register_forward_pre_hook(lambda *_: self.events.append(("first block forward", "")))
+
+    def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.mode.__exit__(None, None, None)
+
+
+class _RecordCollectives(TorchDispatchMode):
+    def __init__(self, events: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d":
+            groups = [
+                dist.ProcessGroup.unbox(arg).group_name
+                for arg in args
+                if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type())
+            ]
+            self.events.append((func.__name__, groups[0] if groups else ""))
+        return func(*args, **(kwargs or {}))
+
+
+def _collective_order(rank: int, world_size: int) -> list[tuple[str, str]]:
+    torch.set_num_threads(1)
+    order = _CollectiveOrder()
+    _fit(ShardedOptimizerStrategy(stage=2, bucket_cap_mb=0.004), world_size, rank, [order])
+    return order.events
+
+
+def test_nothing_waits_on_the_parameter_all_gathers_between_their_launch_and_the_first_block() -> None:
+    """Issue 36, item 2: a collective issued on the all-gathers' process group after they were launched queues behind
+    them (NCCL and gloo complete a group's collectives in order), and reading its result on the host (the
+    trainable-parameter check's ``.tolist()``) then waits for every all-gather before the first forward kernel,
+    cancelling the overlap. Recorded order, not timing: between the last all-gather launched after a step (gloo: one
+    broadcast per rank and bucket) and the next forward of the first block, nothing is issued on their group."""
+    for events in run_distributed(_collective_order, 2, init_process_group=False, timeout=120):
+        forwards = [index for index, (name, _) in enumerate(events) if name == "first block forward"]
+        assert len(forwards) == STEPS
+        for previous, forward in pairwise(forwards):
+            launches = [i for i in range(previous, forward) if events[i][0] == "broadcast_.default"]
+            assert launches, "no all-gather launched after the step"
+            last, group = launches[-1], events[launches[-1]][1]
+            queued = [event for event in events[last + 1 : forward] if event[1] == group]
+            assert queued == [], f"issued on the all-gathers' group before the first block's forward: {queued}"

@@ -85,7 +85,7 @@ def check_same_trainable_parameters_within(
     mine = torch.tensor([_fingerprint(flags)], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine)
-    fingerprints = [int(value.item()) for value in gathered]
+    fingerprints = torch.cat(gathered).tolist()  # one host read, not one per rank
     members: dict[int, list[int]] = {}
     for rank, cohort in enumerate(cohorts):
         members.setdefault(cohort, []).append(rank)

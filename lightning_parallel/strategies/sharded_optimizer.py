@@ -173,6 +173,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         """Whole averaged gradients lent to the parameters' ``.grad`` from backward until the step (hooks read them)."""
         self._reads_gradients: bool | None = None  # decided at the first backward of each fit
         self._syncs_gradients = True  # False inside `block_backward_sync` (accumulation)
+        self._checks_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ settings (read from `zero_config`)
     @property
@@ -329,7 +330,18 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if self.is_sharding:
             assert self.model is not None
             owner = f"ShardedOptimizerStrategy(stage={self.stage})"
-            check_same_trainable_parameters(self.model, owner=owner, device=self.root_device)
+            cpu = torch.device("cpu")
+            check_same_trainable_parameters(self.model, owner=owner, device=cpu, group=self._host_checks_group())
+
+    def _host_checks_group(self) -> dist.ProcessGroup:
+        """A gloo group of every rank for the per-step trainable check (created at its first use, in ``setup``, on
+        every rank). Issued on the shard group, the check would queue behind the parameter all-gathers launched
+        after the last step (NCCL and gloo complete one group's collectives in order) and its host read would wait
+        for all of them before the first forward, cancelling the overlap; on its own CPU group it waits for nothing
+        but itself, and reads its two integers without a device sync."""
+        if self._checks_group is None:
+            self._checks_group = dist.new_group(backend="gloo", timeout=self.timeout)
+        return self._checks_group
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
