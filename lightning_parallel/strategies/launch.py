@@ -154,12 +154,16 @@ def init_process_group_after_restart(strategy: Any, backend: str) -> None:
     store = dist.TCPStore(
         environment.main_address, environment.main_port, strategy.world_size, is_master=False, timeout=timeout
     )
+    device = strategy.root_device
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"lightning_parallel/restart_{restart}", store),
         rank=strategy.global_rank,
         world_size=strategy.world_size,
         timeout=timeout,
+        # As Lightning's own set-up passes it on a first start: bound to its GPU, NCCL initialises eagerly, the
+        # mesh's sub-groups are split from the world communicator, and barriers run on the right device.
+        device_id=device if device.type != "cpu" else None,
     )
 
 
