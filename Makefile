@@ -11,17 +11,25 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test
 BIN := $(VENV)/bin
 comma := ,
-STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+empty :=
+space := $(empty) $(empty)
+# The stamp names the extras and the torch spec, so another `TORCH_SPEC` (e.g. `make gpu-check TORCH_SPEC=torch`)
+# reinstalls torch instead of reusing the build already there; the same spec again installs nothing.
+sanitize = $(subst $(space),_,$(subst /,_,$(subst :,_,$(subst <,_,$(subst >,_,$(subst =,_,$(subst $(comma),-,$(1))))))))
+STAMP := $(VENV)/.installed-$(call sanitize,$(EXTRAS))-torch-$(call sanitize,$(TORCH_SPEC))
 
 .PHONY: setup demo test lint bench gpu-check clean
 
 setup: $(STAMP)
 
+# --force-reinstall: pip keeps an installed torch that already satisfies the spec (a CPU build satisfies `torch`).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -42,8 +50,9 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all --preset medium
 
-# On a machine with a CUDA GPU and a CUDA build of torch (`make gpu-check TORCH_SPEC=torch`): every strategy on NCCL
-# with bf16-mixed and 16-mixed against one device; writes the gpu_check section of benchmarks/RESULTS.md.
+# On a machine with a CUDA GPU and a CUDA build of torch (`make gpu-check TORCH_SPEC=torch`): the sharded code paths
+# forced at world size 1 over NCCL (several GPUs: every strategy) against one device at fp32 and bf16, peak memory per
+# strategy and while saving a checkpoint; writes the gpu_check section of benchmarks/RESULTS.md.
 gpu-check: $(STAMP)
 	$(BIN)/python -m benchmarks.gpu_check
 

@@ -1,9 +1,10 @@
 """What the main demo records beyond :class:`~lightning_parallel.demos.stats.RunStats`, and its PNG.
 
 :class:`DemoRecorder` keeps the loss of every optimizer step and the bytes of parameters + gradients + optimizer
-state each rank holds (the strategy's exact ``memory_report()``), gathers both to every rank at the end of fit and
-writes them into ``trainer.callback_metrics`` (Lightning's fork and spawn launchers bring those back to the parent,
-where :func:`read_recording` reads them). On global rank 0 it also draws one progress line on a terminal, so the
+state each rank holds (the strategy's exact ``memory_report()``), gathers both to every rank at the end of fit (on
+the strategy's root device, so NCCL takes them; the losses stay on the device until then, so no step waits for it)
+and writes them into ``trainer.callback_metrics`` (Lightning's fork and spawn launchers bring those back to the
+parent, where :func:`read_recording` reads them). On global rank 0 it also draws one progress line on a terminal, so the
 demo shows a single progress display instead of one progress bar per rank.
 """
 
@@ -23,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
-__all__ = ["RECORD_PREFIX", "DemoRecorder", "Recording", "read_recording", "write_demo_figure"]
+__all__ = ["RECORD_PREFIX", "DemoRecorder", "Recording", "read_recording", "recording_vector", "write_demo_figure"]
 
 RECORD_PREFIX = "demo/"
 """Prefix of the keys :class:`DemoRecorder` writes into ``trainer.callback_metrics``."""
@@ -53,7 +54,9 @@ class DemoRecorder(Callback):
     def __init__(self, label: str = "", total_steps: int = 0) -> None:
         self.label = label
         self.total_steps = total_steps
-        self._losses: list[float] = []
+        # Each step's loss stays a 0-dim tensor on the device that computed it: reading it (`.item()`) would wait for
+        # the device every step and hide any overlap of a step's collectives with the next one. Read once, at the end.
+        self._losses: list[Tensor] = []
         self._state: tuple[int, int, int] | None = None
 
     @override
@@ -61,33 +64,47 @@ class DemoRecorder(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        value = float(loss.detach().float().item()) if isinstance(loss, Tensor) and loss.numel() == 1 else math.nan
-        self._losses.append(value)
-        report = getattr(trainer.strategy, "memory_report", None)
-        if callable(report):
-            held = report()
-            self._state = (held.parameters, held.gradients, held.optimizer_state)
+        if isinstance(loss, Tensor) and loss.numel() == 1:
+            self._losses.append(loss.detach().reshape(()).to(torch.float64, copy=True))
+        else:
+            self._losses.append(torch.tensor(math.nan, dtype=torch.float64))
         if trainer.is_global_zero and sys.stdout.isatty():
             # No loss here: rank 0's own batch loss is not the rank average the table shows.
             print(f"\r{self.label:<34} step {len(self._losses)}/{self.total_steps}", end="", flush=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        state = self._state if self._state is not None else (-1, -1, -1)
-        local = torch.tensor([*state, *self._losses], dtype=torch.float64)  # float64: byte counts exact below 2**53
-        gathered = _gather(local, trainer.world_size)  # (world_size, 3 + steps)
+        # Read once after the last step, not per batch: with ZeRO's overlapped all-gather, touching the parameters
+        # between steps waits for their buckets (the stale-read guard) and would hide the overlap.
+        self._state = None
+        report = getattr(trainer.strategy, "memory_report", None)
+        if callable(report) and self._losses:
+            held = report()
+            self._state = (held.parameters, held.gradients, held.optimizer_state)
+        local = recording_vector(self._state, self._losses, device=trainer.strategy.root_device)
+        gathered = _gather(local, trainer.world_size).cpu()  # (world_size, 3 + steps)
         metrics = trainer.callback_metrics
         metrics[RECORD_PREFIX + "losses"] = gathered[:, 3:].mean(dim=0)
         if self._state is not None:
             metrics[RECORD_PREFIX + "state_bytes"] = gathered[:, :3].sum(dim=1)
 
 
+def recording_vector(state: tuple[int, int, int] | None, losses: Sequence[Tensor], *, device: torch.device) -> Tensor:
+    """This rank's ``[parameters, gradients, optimizer_state, loss_1, ..., loss_n]`` as one float64 vector on
+    ``device`` (the strategy's root device: NCCL refuses CPU tensors). float64 holds byte counts exactly below 2**53;
+    ``-1`` stands for bytes the strategy does not report."""
+    head = torch.tensor(state if state is not None else (-1, -1, -1), dtype=torch.float64, device=device)
+    tail = [loss.to(device=device, dtype=torch.float64).reshape(1) for loss in losses]
+    return torch.cat([head, *tail])  # (3 + steps,)
+
+
 def _gather(local: Tensor, world_size: int) -> Tensor:
-    """Every rank's ``local`` stacked, ``(world_size, n)``. Collective when ``world_size > 1``."""
+    """Every rank's ``local`` stacked, ``(world_size, n)``, on ``local``'s device. Collective when
+    ``world_size > 1``."""
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return local.unsqueeze(0)
     parts = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(parts, local)  # gloo on CPU; the list form has no deprecation warning
+    dist.all_gather(parts, local)  # the list form has no deprecation warning
     return torch.stack(parts)
 
 

@@ -17,6 +17,7 @@ import math
 import statistics
 import time
 from collections.abc import Mapping
+from itertools import pairwise
 from typing import Any, TypedDict
 
 import lightning.pytorch as pl
@@ -83,7 +84,8 @@ class RunStats(Callback):
 
     The first ``warmup_steps`` training batches are not measured (allocator warm-up, DDP's bucket rebuild, lazy
     initialisation). Throughput is the wall time from ``on_train_batch_start`` of the first measured batch to
-    ``on_train_batch_end`` of the last one; samples are ``inputs.size(0)`` and tokens ``inputs.numel()`` of each batch,
+    ``on_train_batch_end`` of the last one (on CUDA measured with CUDA events, so no step waits for the device: it
+    is synchronized once, at the end); samples are ``inputs.size(0)`` and tokens ``inputs.numel()`` of each batch,
     summed over ranks (every rank trains on its own batch) and divided by the slowest rank's time. A second, robust
     figure divides the tokens of one step by the slowest rank's median step time (a step being the time between
     consecutive ``on_train_batch_end`` calls, data loading included). Peak memory is measured from ``setup`` on: the
@@ -110,15 +112,13 @@ class RunStats(Callback):
 
     def _reset_counters(self) -> None:
         self._batches_seen = 0
-        self._start_time: float | None = None
-        self._end_time: float | None = None
-        self._step_times: list[float] = []
+        self._clock: _StepClock | None = None
         self._start_global_step = 0
         self._tokens: float = 0  # an int until a fractional data share is added
         self._data_share = 1.0
         self._samples: float = 0
         self._measured_batches = 0
-        self._final_loss = math.nan
+        self._final_loss: Tensor | float = math.nan
         self._peak_tracker: LiveTensorPeak | None = None
         self._peak_tensor_bytes = math.nan
 
@@ -146,8 +146,8 @@ class RunStats(Callback):
         if stats is not None:
             stats.reset()
         self._start_global_step = trainer.global_step
-        _synchronize(trainer.strategy.root_device)
-        self._start_time = time.perf_counter()
+        self._clock = _StepClock(trainer.strategy.root_device)
+        self._clock.mark()
 
     @override
     def on_train_batch_end(
@@ -159,12 +159,9 @@ class RunStats(Callback):
             self._peak_tensor_bytes = float(self._peak_tracker.result().peak_bytes)
             self._peak_tracker = None
         self._final_loss = _loss_value(trainer, outputs)
-        if self._start_time is None:
+        if self._clock is None:
             return
-        _synchronize(trainer.strategy.root_device)
-        now = time.perf_counter()
-        self._step_times.append(now - (self._end_time if self._end_time is not None else self._start_time))
-        self._end_time = now
+        self._clock.mark()  # no wait for the device: a CUDA event, read at the end
         inputs = batch_inputs(batch)
         if inputs is not None:
             self._tokens += inputs.numel() * self._data_share
@@ -180,20 +177,19 @@ class RunStats(Callback):
             trainer.callback_metrics[STATS_PREFIX + key] = torch.tensor(value, dtype=torch.float64)
 
     def _local_values(self, trainer: pl.Trainer) -> list[float]:
-        elapsed = 0.0
-        if self._start_time is not None and self._end_time is not None:
-            elapsed = self._end_time - self._start_time
+        step_times = self._clock.intervals() if self._clock is not None else []  # waits for the device, once
+        elapsed = sum(step_times)
         stats = getattr(trainer.strategy, "communication_stats", None)
         all_reduce_bytes = comm_total = comm_calls = 0
         if stats is not None:
             all_reduce_bytes = stats.bytes_by_collective.get("all_reduce", 0)
             comm_total, comm_calls = stats.total_bytes, stats.calls
-        optimizer_steps = trainer.global_step - self._start_global_step if self._start_time is not None else 0
+        optimizer_steps = trainer.global_step - self._start_global_step if self._clock is not None else 0
         values = {
             "tokens": self._tokens,
             "samples": self._samples,
             "elapsed_s": elapsed,
-            "median_step_s": statistics.median(self._step_times) if self._step_times else 0.0,
+            "median_step_s": statistics.median(step_times) if step_times else 0.0,
             "measured_batches": self._measured_batches,
             "optimizer_steps": optimizer_steps,
             "peak_mem": peak_memory_bytes(trainer.strategy.root_device),
@@ -201,24 +197,46 @@ class RunStats(Callback):
             "all_reduce_bytes": all_reduce_bytes,
             "comm_total_bytes": comm_total,
             "comm_calls": comm_calls,
-            "final_loss": self._final_loss,
+            "final_loss": float(self._final_loss),  # the one read of a loss: after the last step
         }
         return [float(values[name]) for name in _FIELDS]
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class _StepClock:
+    """Times between marks without waiting for the device at each: on CUDA each mark records a timing event on the
+    current stream, and :meth:`intervals` waits once for the last one (elapsed device time between the marks, which
+    includes the time the device sat idle waiting for the host); on CPU, wall time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._on_cuda = device.type == "cuda"
+        self._marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self._on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks (one fewer than the marks)."""
+        if len(self._marks) < 2:
+            return []
+        if self._on_cuda:
+            self._marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1000 for a, b in pairwise(self._marks)]  # ms -> s
+        return [b - a for a, b in pairwise(self._marks)]
 
 
-def _loss_value(trainer: pl.Trainer, outputs: Any) -> float:
-    """The batch's training loss: ``outputs["loss"]`` (undoing Lightning's division by the accumulation factor), or
-    the ``train_loss`` the module logged."""
+def _loss_value(trainer: pl.Trainer, outputs: Any) -> Tensor | float:
+    """The batch's training loss, left on its device (read once, at the end): ``outputs["loss"]`` (undoing
+    Lightning's division by the accumulation factor), or the ``train_loss`` the module logged."""
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     if isinstance(loss, Tensor) and loss.numel() == 1:
-        return float(loss.detach().float().item()) * trainer.accumulate_grad_batches
+        return loss.detach().reshape(()).float() * trainer.accumulate_grad_batches
     logged = trainer.callback_metrics.get("train_loss")
-    return float(logged) if isinstance(logged, Tensor) and logged.numel() == 1 else math.nan
+    return logged.detach().reshape(()).float() if isinstance(logged, Tensor) and logged.numel() == 1 else math.nan
 
 
 def _all_gather(trainer: pl.Trainer, local: Tensor) -> Tensor:

@@ -1,0 +1,171 @@
+"""The pieces of ``make gpu-check`` that run inside a fit: forced sharding at world size 1, the controls, the probe.
+
+* :class:`ForcedShardingStrategy`: ZeRO 1/2/3 whose ``is_sharding`` is true at world size 1 too, so one GPU runs the
+  sharded backends over NCCL (flat buckets, reduce-scatters, all-gathers, FSDP2, fp32 masters) where the plain
+  strategy would fall back to the replicated backend; stages 1-2 also overlap the parameter all-gather with the next
+  forward (the library turns the overlap off at world size 1: nothing to wait for there).
+* :class:`ForcedDataParallelStrategy`: DDP wrapped at world size 1 too, so its gradient compression hook runs.
+* :class:`RoundedGradients`: the one-device reference of a compressed run (each gradient rounded to the
+  compression dtype, which is what the hook does with one rank).
+* :class:`StaleForward`: the negative control, a one-device run whose forward reads the weights of the step before
+  (a missed wait for an overlapped all-gather); the comparison must reject it.
+* :class:`Probe`: peak memory of the fit and of a checkpoint saved mid-run, and checkpoints at mid-run and at the end
+  whose weights are compared with the reference's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_parallel.accounting import peak_memory_bytes, reset_peak_memory
+from lightning_parallel.distributed.zero_backends.flat_buckets import FlatBucketBackend
+from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
+from lightning_parallel.strategies import DataParallelStrategy, ShardedOptimizerStrategy
+
+__all__ = [
+    "PROBE_PREFIX",
+    "ForcedDataParallelStrategy",
+    "ForcedShardingStrategy",
+    "Probe",
+    "RoundedGradients",
+    "StaleForward",
+    "read_probe",
+]
+
+PROBE_PREFIX = "gpu_check/"
+
+
+class ForcedShardingStrategy(ShardedOptimizerStrategy):
+    """ZeRO that shards at world size 1 too (a shard group of one rank), with the overlapped all-gather on."""
+
+    @property
+    @override
+    def is_sharding(self) -> bool:
+        return True
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        backend = self.backend
+        overlap = self.overlap_param_gather is not False and trainer.state.fn == "fit"
+        if isinstance(backend, FlatBucketBackend) and backend.gather is None and overlap:
+            # What `FlatBucketBackend.setup_optimizers` does at world size > 1 (`ZeroConfig.overlaps_param_gather`).
+            backend.gather = OverlappedParameterGather(
+                backend.buckets, backend.held, waiting=lambda: backend.events.timed("exposed_communication")
+            )
+
+
+class ForcedDataParallelStrategy(DataParallelStrategy):
+    """Data parallel that wraps the module in DDP at world size 1 too, so the gradient compression hook runs."""
+
+    @override
+    def configure_ddp(self) -> None:
+        self._ddp_trainable = None
+        DDPStrategy.configure_ddp(self)  # past DataParallelStrategy's world-size-1 shortcut
+        self._remember_ddp_parameters()
+
+
+class RoundedGradients(Callback):
+    """Round every gradient to ``dtype`` and back before the step: a compressed all-reduce over one rank."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        for param in pl_module.parameters():
+            if param.grad is not None:
+                param.grad.copy_(param.grad.to(self.dtype).to(param.grad.dtype))
+
+
+class StaleForward(Callback):
+    """Each forward after the first reads the weights of the step before; backward and the step see current ones.
+
+    This is what a missed wait for an overlapped all-gather does. Written through ``.data``, so autograd's version
+    counters do not object to the weights changing between forward and backward (as they would not with the race).
+    """
+
+    def __init__(self) -> None:
+        self._previous: list[Tensor] | None = None
+        self._current: list[Tensor] = []
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        params = list(pl_module.parameters())
+        self._current = [p.detach().clone() for p in params]
+        if self._previous is not None:
+            for param, stale in zip(params, self._previous, strict=True):
+                param.data.copy_(stale)
+        self._previous = self._current
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        for param, current in zip(pl_module.parameters(), self._current, strict=True):
+            param.data.copy_(current)
+
+
+class Probe(Callback):
+    """Peak memory of the fit and of saving a checkpoint at ``save_at`` steps; checkpoints there and at the end.
+
+    The peaks are per rank: ``torch.cuda.max_memory_allocated`` on CUDA (peak RSS on CPU). The fit's peak leaves the
+    save out (the window is reset around it). Checkpoints go to ``directory/mid.ckpt`` and ``directory/end.ckpt``
+    (written by the strategy's ``save_checkpoint``, collective). Results go to ``trainer.callback_metrics``, gathered
+    to every rank, so the parent of a spawned run reads them with :func:`read_probe`.
+    """
+
+    def __init__(self, directory: Path, *, save_at: int) -> None:
+        self.directory = directory
+        self.save_at = save_at
+        self._fit_peak = 0
+        self._save_peak = 0
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        reset_peak_memory(trainer.strategy.root_device)
+        self._fit_peak = self._save_peak = 0
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step != self.save_at:
+            return
+        device = trainer.strategy.root_device
+        self._fit_peak = max(self._fit_peak, peak_memory_bytes(device))
+        reset_peak_memory(device)
+        trainer.save_checkpoint(self.directory / "mid.ckpt")  # mid-run: in-flight all-gathers must be waited for
+        self._save_peak = peak_memory_bytes(device)
+        reset_peak_memory(device)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_peak = max(self._fit_peak, peak_memory_bytes(trainer.strategy.root_device))
+        trainer.save_checkpoint(self.directory / "end.ckpt")
+        local = [self._fit_peak, self._save_peak]
+        gathered: list[Any] = [local]
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            gathered = [None] * trainer.world_size
+            dist.all_gather_object(gathered, local)  # plain numbers: any backend, any device
+        for key, column in (("fit_peak", 0), ("save_peak", 1)):
+            values = [float(entry[column]) for entry in gathered]
+            trainer.callback_metrics[PROBE_PREFIX + key] = torch.tensor(values, dtype=torch.float64)
+
+
+def read_probe(trainer: pl.Trainer, directory: Path) -> tuple[list[int], list[int], dict[str, dict[str, Tensor]]]:
+    """Per-rank fit and save peaks, and the ``state_dict`` of the ``mid`` and ``end`` checkpoints (fp32, on CPU)."""
+    metrics = trainer.callback_metrics
+    peaks = [[int(v) for v in metrics[PROBE_PREFIX + key].reshape(-1).tolist()] for key in ("fit_peak", "save_peak")]
+    states = {}
+    for name in ("mid", "end"):
+        checkpoint = torch.load(directory / f"{name}.ckpt", map_location="cpu", weights_only=False)
+        states[name] = {k: v.float() for k, v in checkpoint["state_dict"].items() if isinstance(v, Tensor)}
+    return peaks[0], peaks[1], states
