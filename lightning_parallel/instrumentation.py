@@ -1,10 +1,16 @@
 """Events our strategies emit, and what a strategy tells an observer (the monitor) it can measure.
 
 A strategy owns one :class:`StrategyEvents`. Its sync paths run inside ``events.timed(phase)``, and a pipeline's
-stages report each forward/backward chunk they run (``events.chunk``); whoever wants the seconds
+stages run each forward/backward chunk inside ``events.chunk(kind, stage)``; whoever wants the seconds
 (``ParallelismMonitor``) subscribes a :class:`PhaseListener` for the duration of a fit and unsubscribes afterwards.
-Nothing is timed while nobody listens (a chunk costs two clock reads), and nobody replaces methods on another
-object's instance.
+Nothing is timed while nobody listens (a block costs two stamps), and nobody replaces methods on another object's
+instance.
+
+Where a block starts and ends is marked by the listener's :class:`Clock`, read later: :class:`WallClock` on CPU
+(gloo's waits block the host, so wall time is the time spent), CUDA events on a GPU
+(``lightning_parallel.monitor.timing.EventClock``): there ``work.wait()`` returns at once and kernels run after
+their launch, so the host's clock would time launches; an event recorded on the current stream before and after the
+block times what that stream, the one compute runs on, spent in it, waits for NCCL's stream included.
 
 :class:`InstrumentedStrategy` is the small protocol the monitor reads instead of asking which strategy class it
 holds: the communication ledger, the switch that turns counting on, the events, and an :class:`Instrumentation`
@@ -14,7 +20,7 @@ record of what this run can measure. Plain Python: no torch, no Lightning.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -24,12 +30,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PHASES",
+    "Clock",
     "Instrumentation",
     "InstrumentedStrategy",
     "Phase",
     "PhaseListener",
     "ReportsGradientTensors",
     "StrategyEvents",
+    "WallClock",
 ]
 
 Phase = Literal["exposed_communication", "pipeline_step"]
@@ -38,12 +46,44 @@ PHASES: tuple[str, ...] = ("exposed_communication", "pipeline_step")
 pipeline replicas' all-reduce). ``pipeline_step``: the whole pipeline schedule of a training step."""
 
 
+class Clock(Protocol):
+    """Marks points in the order work runs, and tells the seconds between two marks once they have passed."""
+
+    def stamp(self) -> Any:
+        """A mark of "now": where the work issued so far ends (an opaque value, given back to :meth:`seconds`)."""
+        ...
+
+    def is_ready(self, stamp: Any) -> bool:
+        """Whether ``stamp`` has passed, so that :meth:`seconds` up to it returns without waiting."""
+        ...
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds from ``start`` to ``end`` (waits until ``end`` has passed)."""
+        ...
+
+
+class WallClock:
+    """The host's clock (``time.perf_counter``): right where the work runs on the calling thread (CPU, gloo)."""
+
+    def stamp(self) -> float:
+        return time.perf_counter()
+
+    def is_ready(self, stamp: Any) -> bool:
+        return True
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return float(end - start)
+
+
 class PhaseListener(Protocol):
-    """Receives the seconds of every timed phase, and every pipeline chunk, while subscribed."""
+    """Receives the start and end marks of every timed phase and pipeline chunk, while subscribed, from its clock."""
 
-    def on_phase(self, phase: str, seconds: float) -> None: ...
+    clock: Clock
+    """Marks the blocks this listener is told of."""
 
-    def on_chunk(self, kind: str, stage: int, start: float, end: float) -> None: ...
+    def on_phase(self, phase: str, start: Any, end: Any) -> None: ...
+
+    def on_chunk(self, kind: str, stage: int, start: Any, end: Any) -> None: ...
 
 
 class StrategyEvents:
@@ -66,23 +106,33 @@ class StrategyEvents:
 
     @contextmanager
     def timed(self, phase: Phase) -> Generator[None, None, None]:
-        """Report the wall seconds of the block to every listener (also when it raises); free when none listens."""
+        """Tell every listener the block's start and end marks (also when it raises); free when none listens.
+
+        A block that waits for communication ends after the wait, where the work after it can start: on a GPU the
+        end mark is on the current stream behind the wait, so the block's time is what compute waited for.
+        """
+        with self._marked(lambda listener, start, end: listener.on_phase(phase, start, end)):
+            yield
+
+    @contextmanager
+    def chunk(self, kind: str, stage: int) -> Generator[None, None, None]:
+        """A pipeline stage runs one chunk inside this block: ``kind`` ``"F"``/``"B"``/``"W"`` (forward, backward,
+        weight gradient) of stage index ``stage``; its marks are told to every listener."""
+        with self._marked(lambda listener, start, end: listener.on_chunk(kind, stage, start, end)):
+            yield
+
+    @contextmanager
+    def _marked(self, tell: Any) -> Iterator[None]:
         if not self._listeners:
             yield
             return
-        start = time.perf_counter()
+        listeners = list(self._listeners)
+        starts = [listener.clock.stamp() for listener in listeners]
         try:
             yield
         finally:
-            seconds = time.perf_counter() - start
-            for listener in list(self._listeners):
-                listener.on_phase(phase, seconds)
-
-    def chunk(self, kind: str, stage: int, start: float, end: float) -> None:
-        """A pipeline stage ran one chunk: ``kind`` ``"F"``/``"B"``/``"W"`` (forward, backward, weight gradient) of
-        stage index ``stage`` from ``start`` to ``end`` (``time.perf_counter`` seconds); told to every listener."""
-        for listener in list(self._listeners):
-            listener.on_chunk(kind, stage, start, end)
+            for listener, start in zip(listeners, starts, strict=True):
+                tell(listener, start, listener.clock.stamp())
 
 
 @dataclass(frozen=True, kw_only=True)

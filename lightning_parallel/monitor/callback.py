@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +26,17 @@ from lightning_parallel.accounting import (
     optimizer_state_tensors,
     peak_memory_bytes,
 )
-from lightning_parallel.instrumentation import Instrumentation, InstrumentedStrategy, ReportsGradientTensors
+from lightning_parallel.instrumentation import (
+    Clock,
+    Instrumentation,
+    InstrumentedStrategy,
+    ReportsGradientTensors,
+    WallClock,
+)
 from lightning_parallel.monitor.figure import write_figure
 from lightning_parallel.monitor.ledger import CollectiveTap, PhaseTimes
 from lightning_parallel.monitor.report import format_table
+from lightning_parallel.monitor.timing import PendingSteps, StepStamps, clock_for
 from lightning_parallel.strategies.base import unwrap_optimizer
 
 __all__ = ["ParallelismMonitor", "StepRecord"]
@@ -45,7 +51,8 @@ class StepRecord:
     step: int
     """``trainer.global_step`` before the batch."""
     step_time_s: float
-    """Wall time from ``on_train_batch_start`` to ``on_train_batch_end``."""
+    """Time from ``on_train_batch_start`` to ``on_train_batch_end``: on the host's clock on CPU, on the current
+    CUDA stream on a GPU (the work queued between the two, as the device ran it)."""
     samples: int
     """Samples of the global batch (local batch size x data-parallel replicas)."""
     tokens: int
@@ -62,6 +69,16 @@ class StepRecord:
     """Pipeline: ``idle / schedule time`` of this step on this rank."""
     timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
     """Pipeline: ``(kind, stage, start, end)`` chunks of this step, seconds from the step's start."""
+
+
+@dataclass(frozen=True)
+class _StepFacts:
+    """What the host knows of a step when it ends; its seconds come later (:class:`~.timing.PendingSteps`)."""
+
+    step: int
+    samples: int
+    tokens: int
+    communication: dict[str, int] | None
 
 
 class ParallelismMonitor(Callback):
@@ -87,6 +104,11 @@ class ParallelismMonitor(Callback):
     a message). Attaching the monitor switches on the strategy's communication counting before the model is
     wrapped and subscribes to the strategy's timed phases (``lightning_parallel.instrumentation``); without a
     monitor nothing is counted or timed.
+
+    Times come from the host's clock on CPU and from CUDA events on the current stream on a GPU (where the host's
+    clock would time kernel launches and NCCL's non-blocking waits), read once the device has passed them, at the
+    latest one step later: the monitor never synchronizes the device per step (:mod:`.timing`). So on a GPU a step's
+    record (and its log line) appears at the end of the next step, and the last ones at the end of training.
 
     Args:
         figure_path: where to write the PNG; ``None``: ``parallelism_monitor.png`` in the first logger's
@@ -145,14 +167,16 @@ class ParallelismMonitor(Callback):
         self.summary: dict[str, Any] | None = None
         """All ranks' measurements after fit (on rank 0; this rank's only elsewhere)."""
         self._stats: CommunicationStats | None = None
-        self._times = PhaseTimes()
+        self.clock: Clock = WallClock()
+        """Marks the step and the strategy's timed blocks (``PhaseListener``): CUDA events on a GPU, set per fit."""
+        self._stamps: StepStamps | None = None
+        self._pending: PendingSteps[_StepFacts] = PendingSteps(self.clock)
         self._tap: CollectiveTap | None = None
         self._tap_hooks: list[RemovableHandle] = []
         self._in_batch = False
         self._strategy: InstrumentedStrategy | None = None  # ours, while subscribed to its events
         self._instrumentation: Instrumentation | None = None
         self._tracked_before: tuple[Any, bool] | None = None
-        self._start = 0.0
         self._step = 0
         self._before: dict[str, int] = {}
         self._memory: dict[str, int] = {}
@@ -175,6 +199,9 @@ class ParallelismMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
+        # No device synchronize per step: the marks are read once the device has passed them (`monitor/timing.py`).
+        self.clock = clock_for(strategy.root_device)
+        self._pending = PendingSteps(self.clock)
         if not isinstance(strategy, InstrumentedStrategy) or self._stats is None:
             return
         self._instrumentation = instrumentation = strategy.instrumentation()
@@ -184,18 +211,15 @@ class ParallelismMonitor(Callback):
         self._strategy = strategy
         strategy.events.subscribe(self)
 
-    def on_phase(self, phase: str, seconds: float) -> None:
+    def on_phase(self, phase: str, start: Any, end: Any) -> None:
         """A timed phase of the strategy (``lightning_parallel.instrumentation.PhaseListener``): this step's."""
-        if phase == "pipeline_step":
-            self._times.pipeline_step += seconds
-        elif phase == "exposed_communication":
-            self._times.exposed_communication += seconds
+        if self._in_batch and self._stamps is not None:
+            self._stamps.phases.append((phase, start, end))
 
-    def on_chunk(self, kind: str, stage: int, start: float, end: float) -> None:
+    def on_chunk(self, kind: str, stage: int, start: Any, end: Any) -> None:
         """A pipeline chunk this rank's stages ran (``PhaseListener``): busy time and timeline of a training batch."""
-        if self._in_batch:
-            self._times.pipeline_busy += end - start
-            self._times.events.append((kind, stage, start, end))
+        if self._in_batch and self._stamps is not None:
+            self._stamps.chunks.append((kind, stage, start, end))
 
     def _exit_tap(self) -> None:
         if self._tap is not None:
@@ -216,7 +240,6 @@ class ParallelismMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._times = PhaseTimes()
         self._in_batch = True
         if self._tap is not None:
             self._tap.counting = True  # entered around FSDP2's pre-forward hooks and over backward, see below
@@ -224,8 +247,7 @@ class ParallelismMonitor(Callback):
         self._step = trainer.global_step
         if self.peak_tensors_step is not None and trainer.global_step == self.peak_tensors_step:
             self._start_peak_tracking(trainer)
-        _synchronize(pl_module.device)
-        self._start = time.perf_counter()
+        self._stamps = StepStamps(start=self.clock.stamp())
 
     def _start_peak_tracking(self, trainer: pl.Trainer) -> None:
         module, optimizers, strategy = trainer.lightning_module, trainer.optimizers, trainer.strategy
@@ -275,8 +297,9 @@ class ParallelismMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        _synchronize(pl_module.device)
-        elapsed = time.perf_counter() - self._start
+        stamps, self._stamps = self._stamps, None
+        assert stamps is not None
+        stamps.end = self.clock.stamp()
         if self._tap is not None:
             self._tap.counting = False
         self._exit_tap()  # before the peak tracker (see `on_before_backward`); a no-op after a normal backward
@@ -288,19 +311,26 @@ class ParallelismMonitor(Callback):
             communication = {
                 k: int(after[k] - self._before.get(k, 0)) for k in after if after[k] != self._before.get(k, 0)
             }
-        record = self._step_record(trainer, batch, elapsed, communication)
-        self.steps.append(record)
-        self._memory = _memory_report(trainer)
-        if trainer.global_rank == 0 and (len(self.steps) - 1) % self.log_every_n_steps == 0:
-            self._log(trainer, record)
-
-    def _step_record(self, trainer: pl.Trainer, batch: Any, elapsed: float, communication: Any) -> StepRecord:
         instrumentation = self._instrumentation
         replicas = instrumentation.data_parallel_size if instrumentation is not None else trainer.world_size
-        is_pipeline = instrumentation is not None and instrumentation.is_pipeline
         samples = int(self.batch_size_fn(batch)) * replicas
         tokens = int(self.length_fn(batch)) * replicas
-        times = self._times
+        self._pending.add(stamps, _StepFacts(self._step, samples, tokens, communication))
+        self._memory = _memory_report(trainer)
+        self._record_read_steps(trainer)
+
+    def _record_read_steps(self, trainer: pl.Trainer, *, wait: bool = False) -> None:
+        """Record (and log) the steps whose marks can be read: on CPU the one that just ended, on a GPU the ones the
+        device has passed, at the latest one step later; ``wait``: all (end of training)."""
+        for facts, elapsed, times in self._pending.read(wait=wait):
+            record = self._step_record(facts, elapsed, times)
+            self.steps.append(record)
+            if trainer.global_rank == 0 and (len(self.steps) - 1) % self.log_every_n_steps == 0:
+                self._log(trainer, record)
+
+    def _step_record(self, facts: _StepFacts, elapsed: float, times: PhaseTimes) -> StepRecord:
+        instrumentation = self._instrumentation
+        is_pipeline = instrumentation is not None and instrumentation.is_pipeline
         measures_sync = instrumentation is not None and instrumentation.times_exposed_communication
         exposed = times.exposed_communication if measures_sync else None
         idle = bubble = None
@@ -308,14 +338,14 @@ class ParallelismMonitor(Callback):
         if is_pipeline:
             idle = max(0.0, times.pipeline_step - times.pipeline_busy)
             bubble = idle / times.pipeline_step if times.pipeline_step > 0 else None
-            timeline = [(k, s, a - self._start, b - self._start) for k, s, a, b in times.events]
+            timeline = list(times.events)
         compute = max(0.0, elapsed - (exposed or 0.0) - (idle or 0.0))
         return StepRecord(
-            step=self._step,
+            step=facts.step,
             step_time_s=elapsed,
-            samples=samples,
-            tokens=tokens,
-            communication=communication,
+            samples=facts.samples,
+            tokens=facts.tokens,
+            communication=facts.communication,
             exposed_communication_s=exposed,
             pipeline_idle_s=idle,
             compute_s=compute,
@@ -347,6 +377,7 @@ class ParallelismMonitor(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore()
+        self._record_read_steps(trainer, wait=True)
         local = self._rank_summary(trainer)
         ranks: list[Any] = [local]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
@@ -404,6 +435,8 @@ class ParallelismMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._pending.clear()  # a failed step's marks may never be passed (a device error)
+        self._stamps = None
         self._exit_tap()
         self._stop_peak_tracking()
         self._restore()
@@ -429,8 +462,3 @@ def _memory_report(trainer: pl.Trainer) -> dict[str, int]:
         "gradients": measured.gradients,
         "optimizer_state": measured.optimizer_state,
     }
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

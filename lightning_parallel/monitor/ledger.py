@@ -54,7 +54,7 @@ class PhaseTimes:
     pipeline_step: float = 0.0
     """The whole pipeline schedule of the step (busy + idle: waiting for a neighbour stage, torch's bookkeeping)."""
     events: list[tuple[str, int, float, float]] = field(default_factory=list)
-    """``(kind, stage, start, end)`` of every F/B/W chunk of the step (``time.perf_counter`` seconds)."""
+    """``(kind, stage, start, end)`` of every F/B/W chunk of the step, in seconds from the step's start."""
 
 
 class CollectiveTap(TorchDispatchMode):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
@@ -190,7 +190,9 @@ class PipelineEngine:
         runtime = self._runtime("train", model_inputs)
         self._state, self._current = state, runtime
         try:
-            target = torch.arange(m, device=self.device) if runtime.has_last_stage else None
+            # The target only carries each micro-batch's index to `_loss_fn`; on the host, reading it never waits for
+            # the device (a device tensor's `.item()` there was one sync per micro-batch, issue 36 item 5).
+            target = torch.arange(m) if runtime.has_last_stage else None
             inputs_args, inputs_kwargs = model_inputs if runtime.has_first_stage else ((), {})
             runtime.schedule.step(*inputs_args, target=target, **inputs_kwargs)
         finally:
@@ -200,9 +202,11 @@ class PipelineEngine:
             losses = [step_loss(state.results[i], step).detach().double() for i in range(m)]
             last = state.results[m - 1]
             extra = {k: v for k, v in last.items() if k != "loss"} if isinstance(last, dict) else {}
+            # The mean loss travels to the host with the logged values of every micro-batch: one transfer.
+            records, (loss,) = _host_records(state.records, torch.stack(losses).mean().float())
             outcome = StepOutcome(
-                logs=self._portable_logs(state, [rows] * m),
-                loss=torch.stack(losses).mean().float().cpu(),
+                logs=self._portable_logs(records, [rows] * m),
+                loss=loss.clone(),  # not a view of the transfer's buffer (the outcome is pickled)
                 extra=detached_cpu(extra),
             )
         return self._broadcast(outcome)
@@ -214,7 +218,7 @@ class PipelineEngine:
             # torch's metadata inference: one backward through a dummy output to learn gradient shapes.
             outputs = output if isinstance(output, tuple) else (output,)
             return sum(o.float().sum() for o in outputs) * 0.0
-        index = int(target.reshape(-1)[0].item())
+        (index,) = target.tolist()  # a host tensor (see `train_step`): no device sync
         mb_args, mb_kwargs = state.micro_batches[index]
         with self._draws_replayed(state, index) as on_model_call:
             result, records = run_step_with_output(
@@ -266,7 +270,8 @@ class PipelineEngine:
                 state.results[index], state.records[index] = result, records
             weights = [float(r) for r in real_rows]
             result = _merge_results([state.results[i] for i in sorted(state.results)]) if collect else None
-            outcome = StepOutcome(logs=self._portable_logs(state, weights), result=result)
+            host_records, _ = _host_records(state.records)
+            outcome = StepOutcome(logs=self._portable_logs(host_records, weights), result=result)
         return self._broadcast(outcome)
 
     # ------------------------------------------------------------------ random draws
@@ -315,9 +320,9 @@ class PipelineEngine:
             for i in range(self.num_microbatches)
         ]
 
-    def _portable_logs(self, state: _StepState, weights: Sequence[float]) -> list[tuple[Any, ...]]:
-        indices = [i for i in range(self.num_microbatches) if i in state.records]
-        aggregated = aggregate_logs([state.records[i] for i in indices], [weights[i] for i in indices])
+    def _portable_logs(self, records: dict[int, list[Any]], weights: Sequence[float]) -> list[tuple[Any, ...]]:
+        indices = [i for i in range(self.num_microbatches) if i in records]
+        aggregated = aggregate_logs([records[i] for i in indices], [weights[i] for i in indices])
         metric_names = {id(m): name for name, m in self.module.named_modules()}
         return to_portable(aggregated, metric_names)
 
@@ -357,5 +362,35 @@ class PipelineEngine:
 
 def _merge_results(results: list[Any]) -> Any:
     if results and all(isinstance(r, Tensor) for r in results):
-        return torch.cat([r.detach().cpu() for r in results])
+        return torch.cat([r.detach() for r in results]).cpu()  # one transfer, not one per micro-batch
     return [detached_cpu(r) for r in results]
+
+
+def _host_records(records: dict[int, list[Any]], *also: Tensor) -> tuple[dict[int, list[Any]], list[Tensor]]:
+    """The micro-batches' log records with their tensor values on the host, and host copies of ``also``.
+
+    On a GPU each ``.cpu()`` waits for the device: copied one by one (as ``aggregate_logs`` would) that is a sync per
+    micro-batch and logged name; here it is one transfer per dtype (:func:`_on_host`). Values and dtypes unchanged.
+    """
+    values = [r.value for rs in records.values() for r in rs if isinstance(r.value, Tensor)]
+    host = iter(_on_host([*values, *also]))
+    moved = {
+        i: [replace(r, value=next(host)) if isinstance(r.value, Tensor) else r for r in rs] for i, rs in records.items()
+    }
+    return moved, list(host)
+
+
+def _on_host(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Detached host tensors equal to ``tensors``: those on a device flattened into one buffer per dtype, copied to
+    the host at once and cut back into their shapes (views of that buffer)."""
+    result = [t.detach() for t in tensors]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(result):
+        if t.device.type != "cpu":
+            by_dtype.setdefault(t.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([result[i].reshape(-1) for i in indices]).cpu()
+        chunks = flat.split([result[i].numel() for i in indices])
+        for i, chunk in zip(indices, chunks, strict=True):
+            result[i] = chunk.view(result[i].shape)
+    return result

@@ -7,8 +7,8 @@ every rank instead of hanging) and lays ranks out as ``data-parallel replica x p
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,8 +191,9 @@ class PipelineRuntime:
         return _compat.schedule_backward_initialized(self.schedule)
 
 
-ChunkObserver = Callable[[str, int, float, float], None]
-"""``fn(kind, stage_index, start, end)``: a stage ran one ``"F"``/``"B"``/``"W"`` chunk (``time.perf_counter``)."""
+ChunkObserver = Callable[[str, int], AbstractContextManager[Any]]
+"""``fn(kind, stage_index)``: a context the stage runs one ``"F"``/``"B"``/``"W"`` chunk in (the observer marks its
+start and end with its own clock: CUDA events on a GPU, where the host's clock would time kernel launches)."""
 
 P2PObserver = Callable[[str, int], None]
 """``fn("send" | "recv", num_bytes)``: a stage handed the schedule one P2P op of ``num_bytes`` to send or receive."""
@@ -219,7 +220,7 @@ class SideEffectFreePipelineStage(PipelineStage):
     """
 
     on_chunk: ChunkObserver | None = None
-    """Told the kind, stage index and start/end of each chunk; ``None``: nothing is timed."""
+    """Runs each chunk inside ``on_chunk(kind, stage_index)``; ``None``: nothing is timed."""
     on_p2p: P2PObserver | None = None
     """Told the kind and bytes of each P2P op; ``None``: nothing is counted."""
 
@@ -254,11 +255,8 @@ class SideEffectFreePipelineStage(PipelineStage):
         observer = self.on_chunk
         if observer is None:
             return run(*args, **kwargs)
-        start = time.perf_counter()
-        try:
+        with observer(kind, self.stage_index):
             return run(*args, **kwargs)
-        finally:
-            observer(kind, self.stage_index, start, time.perf_counter())
 
     def _compute_outputs(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_inference("_compute_outputs", args, kwargs)

@@ -153,18 +153,26 @@ class TiedGradientSync:
             params = [by_name[name] for name in names]
             # ZeRO-3 (`fully_shard.py`): DTensor copies, sharded alike on every stage: their local rows are summed.
             grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
-            flags = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
-            flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
+            # Filled on the device: `torch.tensor([...], device=...)` would copy from the host and wait for it.
+            flags = [
+                torch.full((1,), float(p.grad is not None), dtype=grads[0].dtype, device=grads[0].device)
+                for p in params
+            ]
+            flat = torch.cat([*(g.reshape(-1) for g in grads), *flags])
             if stats is not None:
                 stats.record("all_reduce", flat.numel() * flat.element_size())
             dist.all_reduce(flat, group=group)
-            offset, has_grad = 0, flat[-len(params) :] > 0
+            # Only a copy without a local gradient needs to know whether another one had one: those flags are read
+            # in one transfer, and not at all when every copy here has a gradient (the common case). A read per
+            # parameter was a device sync per parameter (issue 36, item 5).
+            used = flat[-len(params) :].tolist() if any(p.grad is None for p in params) else None
+            offset = 0
             for index, (p, g) in enumerate(zip(params, grads, strict=True)):
                 summed = flat[offset : offset + g.numel()].view_as(g)
                 offset += g.numel()
                 if p.grad is not None:
                     _local(p.grad).copy_(summed)
-                elif bool(has_grad[index]):
+                elif used is not None and used[index] > 0:
                     value = summed.to(p.dtype).clone()
                     p.grad = _like(value, p)
 

@@ -181,11 +181,16 @@ class PipelineZero:
         if self.stats is not None:
             self.stats.record("all_reduce", flat.numel() * flat.element_size())
         dist.all_reduce(flat, group=group)
+        # Whether a copy was used anywhere is needed on the host (`.grad` set or None). A view with a local gradient
+        # knows (its own flag is 1); only views without one read the flags, all in one transfer (a read per view was
+        # a device sync per view, issue 36 item 5).
+        used = flat[total:].tolist() if any(view.tensor.grad is None for view in views) else None
         for view in views:
             name = self.canonical_name(view)
             start = offsets[name] + view.start
             view.grad.copy_(flat[start : start + view.grad.numel()])
-            view.tensor.grad = view.grad if flat[total + names.index(name)] > 0 else None
+            has_grad = view.tensor.grad is not None or (used is not None and used[names.index(name)] > 0)
+            view.tensor.grad = view.grad if has_grad else None
 
     def clip_grad_norm(
         self, optimizer: Optimizer, max_norm: float, *, uncounted: set[str], device: torch.device
