@@ -46,9 +46,12 @@ __all__ = [
     "consolidate_checkpoint",
     "even_split",
     "gather_scalar_states",
+    "host_copies",
+    "host_copy",
     "is_sharded_checkpoint",
     "load_module_state",
     "param_groups_by_name",
+    "place_scalar_state",
     "read_sharded_checkpoint",
     "replicated_pieces",
     "resolve_sharded_path",
@@ -133,6 +136,43 @@ def replicated_pieces(
     return pieces
 
 
+def host_copy(tensor: Tensor) -> Tensor:
+    """A detached, independent copy of ``tensor`` on the CPU (a copy also when it is on the CPU already).
+
+    Whatever our code assembles for a checkpoint or puts into an object collective goes through this, one tensor at a
+    time: a consolidated state built on the device would need a second copy of the model there at the moment of a
+    save, and a CUDA tensor pickled by ``all_gather_object`` unpickles onto the *sender's* device index (rank 0 would
+    receive tensors on ``cuda:1``; torch documents the object collectives as pickling tensors as they are).
+    """
+    return tensor.detach().to("cpu", copy=True)
+
+
+def host_copies(value: Any) -> Any:
+    """``value`` (nested dicts, lists, tuples) with every tensor replaced by its :func:`host_copy`."""
+    if isinstance(value, Tensor):
+        return host_copy(value)
+    if isinstance(value, dict):
+        return {key: host_copies(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(host_copies(item) for item in value)
+    return value
+
+
+def place_scalar_state(key: str, value: Any, *, param: Tensor, group: Mapping[str, Any]) -> Any:
+    """A private copy of a loaded 0-dim optimizer state value, placed as ``torch.optim.Optimizer.load_state_dict``
+    places it: Adam's ``step`` moves to ``param``'s device as fp32 when the group is ``fused`` or ``capturable`` (their
+    kernels read it there; checkpoints hold it on the CPU, :func:`host_copy`), else stays where it is (the CPU);
+    other tensors take ``param``'s device (and its dtype when floating point)."""
+    if not isinstance(value, Tensor):
+        return value
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(device=param.device, dtype=torch.float32, copy=True)
+        return value.clone()
+    dtype = param.dtype if param.is_floating_point() else value.dtype
+    return value.to(device=param.device, dtype=dtype, copy=True)
+
+
 def scalar_states(
     named_parameters: Iterable[tuple[str, Tensor]], optimizer: torch.optim.Optimizer | None
 ) -> dict[str, dict[str, Any]]:
@@ -141,6 +181,7 @@ def scalar_states(
 
     Per parameter, never one parameter's for all: torch's optimizers skip a parameter whose gradient is ``None``, so
     an auxiliary head used every other step has half the trunk's ``step``, and AdamW's bias correction reads it.
+    Host copies (:func:`host_copy`): a fused or capturable Adam keeps ``step`` on the device.
     """
     if optimizer is None:
         return {}
@@ -148,7 +189,7 @@ def scalar_states(
     for name, param in named_parameters:
         state = optimizer.state.get(param)
         if state:
-            scalars[name] = {k: v for k, v in state.items() if not (isinstance(v, Tensor) and v.dim() > 0)}
+            scalars[name] = {k: host_copies(v) for k, v in state.items() if not (isinstance(v, Tensor) and v.dim() > 0)}
     return scalars
 
 
@@ -161,7 +202,7 @@ def gather_scalar_states(
     if not _is_distributed():
         return dict(local)
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, dict(local), group=group)
+    dist.all_gather_object(gathered, host_copies(dict(local)), group=group)
     merged: dict[str, dict[str, Any]] = {}
     for states in gathered:
         for name, state in states.items():

@@ -35,7 +35,7 @@ from torchmetrics import Metric
 
 from lightning_parallel.distributed.blocks import find_blocks
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0  # re-exported: the ZeRO-3 backend's
-from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, even_split
+from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, even_split, place_scalar_state
 
 __all__ = [
     "apply_fully_shard",
@@ -464,6 +464,7 @@ def _load_optimizer_state(
     requests = [(key, name_of[p], *ranges[name_of[p]]) for p in params for key in reader.keys_of(name_of[p])]
     values = reader.read([r for r in requests if r[0] != "param" and r[3] > r[2]])
     optimizer.state.clear()
+    group_of = {id(param): group for group in optimizer.param_groups for param in group["params"]}
     for param in params:
         name = name_of[param]
         state = {}
@@ -477,5 +478,6 @@ def _load_optimizer_state(
             )
         if state:
             scalars = reader.meta["scalars"].get(name, {})
-            state.update({k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()})
+            group = group_of[id(param)]
+            state.update({k: place_scalar_state(k, v, param=param, group=group) for k, v in scalars.items()})
             optimizer.state[param] = state

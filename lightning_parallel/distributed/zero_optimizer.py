@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader
+from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, host_copy, place_scalar_state
 from lightning_parallel.distributed.zero import ShardedParameterBuckets, ShardView
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "check_shardable"]
@@ -105,10 +105,13 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ save
     def consolidated_state_dict(self, *, destination: int = 0) -> dict[str, Any]:
-        """Collective. The unsharded ``optimizer.state_dict()`` on ``destination``; ``{}`` on other ranks.
+        """Collective. The unsharded ``optimizer.state_dict()`` on ``destination``, on the CPU; ``{}`` on other ranks.
 
         Exactly torch's: a parameter never stepped (no gradient yet) has no entry, and each parameter keeps its own
         0-dim state (Adam's ``step`` counts only the steps in which that parameter had a gradient).
+
+        Assembled on the CPU one bucket and state key at a time: the device holds at most one gathered bucket (and
+        this rank's shard of it) beyond what training holds, so saving fits wherever training fits.
         """
         state_of = self._state_by_index()
         keys = sorted({key for element_keys, _ in state_of.values() for key in element_keys})
@@ -119,7 +122,7 @@ class ShardedOptimizer:
             bucket = self.buckets.buckets[bucket_index]
             for key in keys:
                 full = self._gather_bucket_state(bucket, key, destination)
-                if not is_destination:
+                if full is None:
                     continue
                 for segment in bucket.segments:
                     index = index_of.get(segment.param)
@@ -148,19 +151,16 @@ class ShardedOptimizer:
         return consolidated
 
     def _gather_master_weights(self, destination: int, index_of: dict[nn.Parameter, int]) -> dict[int, Tensor]:
-        """Collective. The fp32 master of each of this optimizer's parameters, in its shape, on ``destination``."""
+        """Collective. The fp32 master of each of this optimizer's parameters, in its shape, on ``destination``'s
+        CPU."""
         masters: dict[int, Tensor] = {}
         for bucket_index in self.bucket_indices:
             bucket = self.buckets.buckets[bucket_index]
             if bucket.master is None:
                 continue
-            pieces = None
-            if self.buckets.rank == destination:
-                pieces = [torch.empty_like(bucket.master) for _ in range(self.buckets.world_size)]
-            dist.gather(bucket.master, pieces, group_dst=destination, group=self.buckets.group)
-            if pieces is None:
+            full = self._gather_to_host(bucket.master, destination)
+            if full is None:
                 continue
-            full = torch.cat(pieces)
             for segment in bucket.segments:
                 index = index_of.get(segment.param)
                 if index is not None:
@@ -194,8 +194,9 @@ class ShardedOptimizer:
             state = self.optimizer.state.get(view.tensor)
             if state:
                 keys = sorted(key for key, value in state.items() if isinstance(value, Tensor) and value.dim() > 0)
+                # Host copies before the object collective: a fused or capturable Adam keeps `step` on the device.
                 scalars = {
-                    key: value if isinstance(value, Tensor) else torch.tensor(value)
+                    key: host_copy(value) if isinstance(value, Tensor) else torch.tensor(value)
                     for key, value in state.items()
                     if not (isinstance(value, Tensor) and value.dim())
                 }
@@ -207,18 +208,32 @@ class ShardedOptimizer:
             merged.update(entries)
         return dict(sorted(merged.items()))
 
-    def _gather_bucket_state(self, bucket: Any, key: str, destination: int) -> Tensor:
+    def _gather_bucket_state(self, bucket: Any, key: str, destination: int) -> Tensor | None:
+        """Collective. The whole flat bucket of state ``key`` on ``destination``'s CPU (``None`` elsewhere)."""
         # The state has the dtype of what the optimizer steps: the fp32 master's, else the parameters'.
         shard = torch.zeros(bucket.shard_numel, dtype=bucket.shard_grads.dtype, device=bucket.flat_params.device)
         for view in bucket.views:
             value = self.optimizer.state.get(view.tensor, {}).get(key)
             if value is not None:
                 shard[view.grad_offset : view.grad_offset + value.numel()].copy_(value.reshape(-1))
-        pieces = None
-        if self.buckets.rank == destination:
-            pieces = [torch.empty_like(shard) for _ in range(self.buckets.world_size)]
+        return self._gather_to_host(shard, destination)
+
+    def _gather_to_host(self, shard: Tensor, destination: int) -> Tensor | None:
+        """Collective. Every rank's ``shard`` (on the device, as the group's backend needs), concatenated in rank
+        order on ``destination``'s CPU; ``None`` on the other ranks.
+
+        Each received piece is copied to the CPU and dropped from the device before the next one: the device holds
+        one gathered bucket at most, and the concatenation, the per-parameter slices and the checkpoint are the
+        CPU's."""
+        if self.buckets.rank != destination:
+            dist.gather(shard, None, group_dst=destination, group=self.buckets.group)
+            return None
+        pieces = [torch.empty_like(shard) for _ in range(self.buckets.world_size)]
         dist.gather(shard, pieces, group_dst=destination, group=self.buckets.group)
-        return torch.cat(pieces) if pieces is not None else shard
+        on_host = []
+        while pieces:
+            on_host.append(host_copy(pieces.pop(0)))
+        return torch.cat(on_host)
 
     # ------------------------------------------------------------------ load
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -228,12 +243,16 @@ class ShardedOptimizer:
             group.update({key: value for key, value in saved.items() if key != "params"})
         self.optimizer.state.clear()
         saved_state = state_dict["state"]
-        for index, param in enumerate(self._indexed_params()):
-            entry = saved_state.get(index, saved_state.get(str(index)))
-            if not entry:
-                continue
-            for view in self.views_of[param]:
-                self.optimizer.state[view.tensor] = {key: _slice_state(value, view) for key, value in entry.items()}
+        index = -1
+        for group, params in zip(self.optimizer.param_groups, self.group_params, strict=True):
+            for param in params:
+                index += 1
+                entry = saved_state.get(index, saved_state.get(str(index)))
+                if not entry:
+                    continue
+                for view in self.views_of[param]:
+                    state = {key: _slice_state(key, value, view, group) for key, value in entry.items()}
+                    self.optimizer.state[view.tensor] = state
         masters = state_dict.get("master_weights") or {}
         for index, param in enumerate(self._indexed_params()):
             master = masters.get(index, masters.get(str(index)))
@@ -263,6 +282,7 @@ def load_from_reader(sharded: ShardedOptimizer, reader: ShardedCheckpointReader,
             view = next(v for v in views if (v.name, v.start, v.stop) == key[1:])
             view.tensor.copy_(values[key])
     sharded.optimizer.state.clear()
+    group_of = {id(tensor): group for group in sharded.optimizer.param_groups for tensor in group["params"]}
     for view in views:
         state = {
             key: values[(key, view.name, view.start, view.stop)].to(view.tensor.device, view.tensor.dtype)
@@ -271,7 +291,8 @@ def load_from_reader(sharded: ShardedOptimizer, reader: ShardedCheckpointReader,
         }
         if state:
             scalars = reader.meta["scalars"].get(view.name, {})
-            state.update({k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()})
+            group = group_of[id(view.tensor)]
+            state.update({k: place_scalar_state(k, v, param=view.tensor, group=group) for k, v in scalars.items()})
             sharded.optimizer.state[view.tensor] = state
 
 
@@ -295,11 +316,11 @@ def _is_master(view: ShardView) -> bool:
     return view.tensor.dtype != view.param.dtype
 
 
-def _slice_state(value: Any, view: ShardView) -> Any:
+def _slice_state(key: str, value: Any, view: ShardView, group: dict[str, Any]) -> Any:
     if isinstance(value, Tensor) and value.dim() > 0:
         piece = value.reshape(-1)[view.start : view.stop]
         return piece.to(device=view.tensor.device, dtype=view.tensor.dtype).clone()
-    return value.clone() if isinstance(value, Tensor) else value
+    return place_scalar_state(key, value, param=view.tensor, group=group)
 
 
 def check_matching_optimizer_state(state_dict: dict[str, Any], group_params: list[list[nn.Parameter]]) -> None:

@@ -19,6 +19,8 @@ from lightning_parallel.distributed.checkpoint import (
     ShardedCheckpointReader,
     ShardedPieces,
     add_aliases,
+    host_copies,
+    host_copy,
     load_module_state,
     replicated_pieces,
     scalar_states,
@@ -131,7 +133,8 @@ class ReplicatedBackend:
         load_module_state(self.held, state, strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+        """``optimizer.state_dict()`` with every tensor copied to the CPU (as the sharded backends assemble it)."""
+        return host_copies(optimizer.state_dict())
 
     def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
         if isinstance(state, ShardedCheckpointReader):
@@ -162,9 +165,12 @@ def full_state_from_reader(reader: ShardedCheckpointReader) -> dict[str, Tensor]
 
 
 def cloned_state(module: nn.Module) -> dict[str, Any]:
-    """``module``'s state dict with every tensor cloned."""
-    # Parameters may be views into flat buckets: clone so the checkpoint holds plain, independent tensors.
-    return {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    """``module``'s state dict with every tensor copied to the CPU, one at a time.
+
+    Plain, independent tensors (parameters may be views into flat buckets), and never a second copy of the model on
+    the device: a model that fits only because ZeRO shards its optimizer state must still be able to save.
+    """
+    return {name: host_copy(tensor) for name, tensor in module.state_dict().items()}
 
 
 def group_params_of(optimizer: Optimizer | None) -> list[list[nn.Parameter]] | None:
