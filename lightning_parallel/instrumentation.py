@@ -20,7 +20,7 @@ record of what this run can measure. Plain Python: no torch, no Lightning.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -63,10 +63,14 @@ class Clock(Protocol):
 
 
 class WallClock:
-    """The host's clock (``time.perf_counter``): right where the work runs on the calling thread (CPU, gloo)."""
+    """The host's clock (``time.perf_counter``, or ``now``): right where the work runs on the calling thread (CPU,
+    gloo)."""
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.now = now
 
     def stamp(self) -> float:
-        return time.perf_counter()
+        return self.now()
 
     def is_ready(self, stamp: Any) -> bool:
         return True

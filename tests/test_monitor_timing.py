@@ -4,12 +4,11 @@ The CUDA path runs here with a fake of our own event interface (``EventClock(new
 a device whose stream reaches each recorded event at a time the test queues, and which has run up to another time.
 It checks the bookkeeping: the marks are recorded on the current stream around each block, a step is read once the
 device has passed its end (at the latest one step later, waiting for that event only), and nothing waits during a
-step. The CPU path is timed against real sleeps (a gloo wait blocks the host as a sleep does).
+step. The CPU path is timed with a host clock the test moves (a gloo wait blocks the host thread).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -144,24 +143,35 @@ def test_no_listener_no_marks() -> None:
     assert device.calls == []
 
 
+class _HostTime:
+    """The host's clock as the test moves it: work that blocks the calling thread (a gloo wait) advances it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_on_cpu_the_host_clock_times_blocking_waits() -> None:
-    clock = WallClock()
+    host = _HostTime()
+    clock = WallClock(now=host)
     events, listener = StrategyEvents(), _Listener(clock)
     events.subscribe(listener)
     listener.stamps = StepStamps(start=clock.stamp())
     with events.timed("pipeline_step"), events.chunk("F", 1):
-        time.sleep(0.02)
+        host.now += 0.25  # a forward chunk
     with events.timed("exposed_communication"):
-        time.sleep(0.03)  # gloo's wait blocks the calling thread like this
+        host.now += 0.5  # gloo's wait blocks the calling thread
     listener.stamps.end = clock.stamp()
     pending: PendingSteps[int] = PendingSteps(clock)
     pending.add(listener.stamps, 0)
     ((_, seconds, times),) = pending.read()  # at once: the host's clock is always readable
-    assert times.exposed_communication >= 0.03
-    assert times.pipeline_busy >= 0.02 and times.pipeline_step >= times.pipeline_busy
-    assert seconds >= 0.05
+    assert times.exposed_communication == 0.5
+    assert times.pipeline_busy == 0.25 and times.pipeline_step == 0.25
+    assert seconds == 0.75
     ((kind, stage, start, end),) = times.events
-    assert (kind, stage) == ("F", 1) and 0 <= start < end <= seconds
+    assert (kind, stage, start, end) == ("F", 1, 0.0, 0.25)
 
 
 def test_the_clock_follows_the_device() -> None:
