@@ -63,6 +63,7 @@ __all__ = [
     "ring_wire_bytes",
     "storage_bytes",
     "tensor_bytes",
+    "tensor_storages",
 ]
 
 # ---------------------------------------------------------------------------------------------------- bytes held
@@ -214,14 +215,14 @@ class PeakMemory:
         }
 
 
-def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
+def tensor_storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
     """The storages behind ``tensor``: its own, or its inner tensors' for a wrapper subclass (``DTensor``)."""
     if type(tensor) not in (Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
         inner_names, _ = tensor.__tensor_flatten__()
         for name in inner_names:
             inner = getattr(tensor, name, None)
             if isinstance(inner, Tensor):
-                yield from _storages(inner)
+                yield from tensor_storages(inner)
         return
     if tensor.device.type != "meta":
         yield tensor.untyped_storage()
@@ -311,7 +312,7 @@ class LiveTensorPeak(TorchDispatchMode):
         for name, tensors in self.categories().items():
             total = 0
             for tensor in tensors:
-                for storage in _storages(tensor):
+                for storage in tensor_storages(tensor):
                     total += remaining.pop(storage._cdata, 0)
             breakdown[name] = breakdown.get(name, 0) + total
         breakdown["other"] = sum(remaining.values())
@@ -333,13 +334,13 @@ class LiveTensorPeak(TorchDispatchMode):
         # peak with a temporary made mid-region.
         for tensor in tree_flatten((args, kwargs or {}))[0]:
             if isinstance(tensor, Tensor):
-                for storage in _storages(tensor):
+                for storage in tensor_storages(tensor):
                     self._add(storage, existed=False)
         self._record_peak()
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, Tensor):
-                for storage in _storages(tensor):
+                for storage in tensor_storages(tensor):
                     self._add(storage, existed=False)
         self._record_peak()
         return out
@@ -357,7 +358,7 @@ class LiveTensorPeak(TorchDispatchMode):
                         continue
                     grad = obj.grad if obj.is_leaf else None  # a non-leaf's `.grad` warns and is None
                     for tensor in (obj,) if grad is None else (obj, grad):
-                        for storage in _storages(tensor):
+                        for storage in tensor_storages(tensor):
                             self._add(storage, existed=True)
                 except (RuntimeError, AttributeError, TypeError, NotImplementedError):
                     continue  # a tensor without storage (sparse, functional or fake tensors)

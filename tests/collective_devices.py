@@ -54,6 +54,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode  # private: as monitor/ledger.py and accounting.py
 from torch.utils._pytree import tree_flatten
 
+from lightning_parallel.accounting import tensor_storages
+
 __all__ = ["DeviceSimulation", "Region"]
 
 DEVICE, HOST = "device", "host"
@@ -74,19 +76,10 @@ _RECEIVES = {inspect.unwrap(dist.recv_object_list).__code__}  # its list holds w
 
 
 def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages behind ``tensor``: its own, or its inner tensors' for a wrapper subclass (``DTensor``)."""
-    if type(tensor) not in (Tensor, torch.nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
-        names, _ = tensor.__tensor_flatten__()
-        for name in names:
-            inner = getattr(tensor, name, None)
-            if isinstance(inner, Tensor):
-                yield from _storages(inner)
-        return
-    if tensor.device.type == "meta":
-        return
+    """The storages behind ``tensor`` (the package's own walk), none for sparse, functional or fake tensors."""
     try:
-        yield tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse, functional or fake tensors
+        yield from tensor_storages(tensor)
+    except (RuntimeError, NotImplementedError):
         return
 
 
