@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import model_zoo as zoo
 import torch
 from distributed_harness import run_distributed
 
@@ -95,17 +96,7 @@ def _forced_paths(rank: int, world_size: int) -> dict[str, Any]:
         "compressed": ForcedDataParallelStrategy(gradient_compression="bf16"),
     }
     for name, strategy in strategies.items():
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=strategy,
-            max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[_Look(name)],
-        )
+        trainer = zoo.trainer(strategy, 1, max_steps=1, callbacks=[_Look(name)])
         trainer.fit(GPTLightningModule("tiny", block_size=16), DataLoader(RandomTokenDataset(2, 16), batch_size=2))
     return seen
 
