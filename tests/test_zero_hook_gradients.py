@@ -48,6 +48,7 @@ class GradientReader(pl.LightningModule):
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
         self.out = nn.Linear(16, 3)
         self.unused = nn.Linear(2, 2)  # no gradient: no key, as on one device
+        self.blocks[0].requires_grad_(False)  # frozen, yet in the optimizer (ZeRO-1/2 bucket it): no key either
         self.clip_by_hand = clip_by_hand
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,6 +214,7 @@ def test_grad_norm_logged_in_hooks_equals_one_device(ranks, one_device, strategy
     keys = set(one_device["logged"][0])
     assert {"grad_2.0_norm_total", "grad_1.0_norm_total", "grad_inf_norm_total", "grad_2.0_norm/out.weight"} <= keys
     assert not any("unused" in key for key in keys if key.startswith("grad_"))  # no gradient: no key
+    assert not any("blocks.0" in key for key in keys) and "grad_2.0_norm/blocks.1.0.weight" in keys  # frozen: none
     _assert_rows_equal(result["logged"], one_device["logged"])
     # The clip by hand in `on_before_optimizer_step` changed the step as on one device.
     assert_weights_close(result["weights"], one_device["weights"], **TOLERANCE)
