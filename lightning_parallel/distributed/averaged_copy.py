@@ -3,22 +3,22 @@
 Weight averaging keeps a deep copy of the whole module and updates it from the module parameter by parameter, zipping
 ``parameters()`` and ``buffers()`` of the two (torch's ``AveragedModel``, Lightning's ``WeightAveraging`` and
 ``StochasticWeightAveraging``). Under ZeRO-3 the module's parameters are DTensor shards, and under the pipeline a
-rank holds only its stage (the other layers are :class:`~lightning_parallel.distributed.pipeline.partition.RemoteLayer`
-placeholders): the zip would pair whole tensors with shards, or with another layer's tensors.
+rank holds only its stage (the other layers are placeholders): the zip would pair whole tensors with shards, or with
+another layer's tensors.
 
 :func:`hold_copy` makes the copy hold exactly what the module holds, under the same names in the same order
-(:class:`ShardedCopyLayout`: each parameter a DTensor of the module's mesh and placements, in the copy's own dtype
-and on its own device; :class:`StageCopyLayout`: the module's placeholders), so every update the averaging code
-makes stays local and elementwise, and a rank holds ``1/N`` (ZeRO-3) or one stage of the averages. Checkpoints still
-see the whole copy: ``state_dict()`` of the held copy gathers the whole state to global rank 0 (a collective, as the
-module's own consolidated state dict is) and ``load_state_dict()`` takes a whole state and keeps this rank's part
-(local: every rank reads the same file).
+(:class:`ShardedCopyLayout`: each parameter a DTensor of the module's mesh and placements, in the copy's own dtype and
+on its own device; the pipeline's ``StageCopyLayout``, ``distributed/pipeline/stage_copy.py``: the module's
+placeholders), so every update the averaging code makes stays local and elementwise, and a rank holds ``1/N`` (ZeRO-3)
+or one stage of the averages. Checkpoints still see the whole copy: ``state_dict()`` of the held copy gathers the whole
+state to global rank 0 (a collective, as the module's own consolidated state dict is) and ``load_state_dict()`` takes a
+whole state and keeps this rank's part (local: every rank reads the same file).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
@@ -27,11 +27,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_parallel.distributed.pipeline.consolidate import consolidate_state_dict
-from lightning_parallel.distributed.pipeline.partition import RemoteLayer
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+__all__ = ["CopyLayout", "HeldCopy", "ShardedCopyLayout", "hold_copy", "shard_whole_state"]
 
-__all__ = ["CopyLayout", "HeldCopy", "ShardedCopyLayout", "StageCopyLayout", "hold_copy", "shard_whole_state"]
+
+def __getattr__(name: str) -> Any:
+    """``StageCopyLayout`` lives with the pipeline (``distributed/pipeline/stage_copy.py``); importing it from here
+    still works, without this module importing any pipeline module (the ZeRO backends import this one)."""
+    if name == "StageCopyLayout":
+        from lightning_parallel.distributed.pipeline.stage_copy import StageCopyLayout
+
+        return StageCopyLayout
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _ATTRIBUTE = "_lightning_parallel_held_copy"
 
@@ -91,32 +98,6 @@ class ShardedCopyLayout:
 
     def localize(self, copy: nn.Module, whole: Mapping[str, Any]) -> dict[str, Any]:
         return shard_whole_state(copy, whole)
-
-
-@dataclass(frozen=True)
-class StageCopyLayout:
-    """Pipeline: the layers other ranks run are :class:`RemoteLayer` placeholders in the copy too."""
-
-    dims: ParallelDims
-    full_keys: Sequence[str]
-    """The whole module's ``state_dict`` keys, in order (recorded before the split)."""
-    aliases: Mapping[str, str] = field(default_factory=dict)
-    """Other name -> canonical name of every tied parameter."""
-
-    def hold_like(self, copy: nn.Module, model: nn.Module) -> None:
-        for name, submodule in model.named_modules():
-            if isinstance(submodule, RemoteLayer) and not isinstance(copy.get_submodule(name), RemoteLayer):
-                copy.set_submodule(name, RemoteLayer(submodule.name, submodule.stage))
-
-    def gather(self, copy: nn.Module) -> dict[str, Any] | None:
-        whole = consolidate_state_dict(copy, self.full_keys, self.dims, aliases=self.aliases)
-        return whole if whole is not None and dist.get_rank() == 0 else None
-
-    def localize(self, copy: nn.Module, whole: Mapping[str, Any]) -> dict[str, Any]:
-        local_keys = copy.state_dict(keep_vars=True).keys()
-        # A tied parameter held here under another of its names is read from its canonical name when needed.
-        named = {**{a: whole[c] for a, c in self.aliases.items() if a not in whole and c in whole}, **whole}
-        return {key: value for key, value in named.items() if key in local_keys}
 
 
 class HeldCopy:

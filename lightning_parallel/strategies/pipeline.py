@@ -21,7 +21,6 @@ from typing_extensions import override
 from lightning_parallel import _compat
 from lightning_parallel.accounting import CommunicationStats, MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
-from lightning_parallel.distributed.averaged_copy import StageCopyLayout
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.checkpoint_format import (
     CHECKPOINT_FORMATS,
@@ -57,6 +56,7 @@ from lightning_parallel.distributed.pipeline.split import (
     check_same_plan,
     plan_on_every_rank,
 )
+from lightning_parallel.distributed.pipeline.stage_copy import StageCopyLayout
 from lightning_parallel.distributed.pipeline.sync import SyncContext
 from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
 from lightning_parallel.distributed.pipeline.tied import (
@@ -71,8 +71,9 @@ from lightning_parallel.distributed.pipeline.verify import (
     check_single_evaluation_optimizers,
     closure_evaluated_twice,
 )
-from lightning_parallel.distributed.pipeline.zero import check_zero_stage
+from lightning_parallel.distributed.pipeline.zero import PipelineZeroStage, pipeline_zero_config
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within
+from lightning_parallel.distributed.zero_config import MasterWeights, OverlapParamGather
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
@@ -88,7 +89,8 @@ from lightning_parallel.strategies.pipeline_hooks import HookWindows
 
 __all__ = ["PipelineParallelStrategy"]
 
-_SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
+_SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+_SIXTEEN_BIT_TRUE = ("bf16-true",)
 _STEP_NAMES = {
     TrainerFn.FITTING: "training_step",
     TrainerFn.VALIDATING: "validation_step",
@@ -153,7 +155,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             layout). Both load under any layout and strategy of this package. ``"sharded"`` is refused with
             ``zero_stage`` 1 or 2 (``zero_stage=3`` writes each replica's rows of its stage).
         zero_stage: ZeRO inside the pipeline, across the data-parallel replicas of each stage (the mesh's
-            ``"replicate"`` axis): ``0`` (off: every replica holds its stage's whole gradients and optimizer state),
+            ``"shard"`` axis), held by the same ZeRO backends as ``ShardedOptimizerStrategy(stage=...)``: ``0``
+            (off: every replica holds its stage's whole gradients and optimizer state),
             ``1`` (each replica keeps the optimizer state of ``1/dp`` of its stage's parameters:
             ``8 * stage_params / dp`` bytes for Adam(W) in fp32), ``2`` (the gradients too:
             ``4 * stage_params / dp`` bytes kept after the reduce-scatter), ``3`` (the parameters too, with FSDP2's
@@ -164,6 +167,18 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             schedule and an all-gather of the stepped parameters (the same bytes); the optimizer must update
             elementwise (AdamW, SGD, ...). Without data parallelism nothing is sharded. Weights and consolidated
             checkpoints are those of ``zero_stage=0``; after the run the module is plain and whole again.
+        shard_size: with ``zero_stage`` 1-3, the replicas of a stage that shard it (a divisor of the data-parallel
+            size, e.g. the devices of one node); the ``world_size / (pipeline_parallel_size * shard_size)`` groups
+            hold the same shards (hybrid sharding, ``pp x replicate x shard``). ``None``: every replica shards.
+            As ``ShardedOptimizerStrategy(shard_size=...)``.
+        bucket_cap_mb: ``zero_stage`` 1-2: size of the flat gradient buckets, in MiB.
+        master_weights: ``zero_stage`` 1-2 with 16-bit parameters (``precision="bf16-true"``): ``"fp32"`` (default)
+            steps fp32 master weights of this replica's shard and reduces gradients in fp32, as
+            ``ShardedOptimizerStrategy``; ``None`` steps the 16-bit parameters. Without data parallelism the masters
+            are kept too (every parameter's). ``zero_stage`` 0 and 3 step the parameters as they are.
+        overlap_param_gather: ``zero_stage`` 1-2: ``True``/``"auto"`` (default) overlap the all-gather of the stepped
+            parameters with the next step's forward (each block waits for its buckets in a forward pre-hook), as
+            ``ShardedOptimizerStrategy``; ``False`` waits at the end of the step.
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
@@ -188,7 +203,11 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         verify_layers: bool = True,
         activation_checkpointing: ActivationCheckpointing = False,
         checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
-        zero_stage: Literal[0, 1, 2, 3] = 0,
+        zero_stage: PipelineZeroStage = 0,
+        shard_size: int | None = None,
+        bucket_cap_mb: float = 25.0,
+        master_weights: MasterWeights = "fp32",
+        overlap_param_gather: OverlapParamGather = "auto",
         start_method: StartMethod = "popen",
         timeout: timedelta | float = default_pg_timeout,
         process_group_backend: str | None = None,
@@ -212,7 +231,15 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             raise ValueError(
                 f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
             )
-        check_zero_stage(zero_stage, checkpoint_format=checkpoint_format, schedule=self.schedule)
+        zero_config = pipeline_zero_config(  # ShardedOptimizerStrategy's ZeroConfig and messages
+            zero_stage,
+            shard_size=shard_size,
+            bucket_cap_mb=bucket_cap_mb,
+            master_weights=master_weights,
+            overlap_param_gather=overlap_param_gather,
+            checkpoint_format=checkpoint_format,
+            schedule=self.schedule,
+        )
         super().__init__(
             start_method=start_method,
             timeout=timeout,
@@ -232,6 +259,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self.verify_layers = verify_layers
         self._checkpoints: CheckpointFormat = CHECKPOINT_FORMATS[checkpoint_format]
         self.zero_stage = zero_stage
+        self.zero_config = zero_config
+        """The ZeRO settings (``None`` at ``zero_stage=0``): each stage's ZeRO backend is built from them."""
         self._config: PipelineConfig | None = None
         self._run: PipelineRun | None = None  # the last split's record (`distributed/pipeline/run.py`)
         self._skip_warned = False
@@ -357,8 +386,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     @property
     @override
     def mesh_layout(self) -> MeshLayout:
-        """``(world_size / P) x 1 x P``: the data-parallel replicas of each stage on the ``replicate`` axis."""
-        return MeshLayout(self.world_size, pipeline_parallel_size=self.pipeline_parallel_size)
+        """``replicate x shard x P``: the data-parallel replicas of each stage on the ``replicate`` axis, or with ZeRO
+        on the ``shard`` axis (``shard_size`` of them; the rest on ``replicate``: hybrid sharding)."""
+        p = self.pipeline_parallel_size
+        if self.zero_config is None or self.world_size % p:
+            return MeshLayout(self.world_size, pipeline_parallel_size=p)
+        shard_size = self.zero_config.shard_size or self.world_size // p
+        return MeshLayout(self.world_size, shard_size=shard_size, pipeline_parallel_size=p)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -429,14 +463,23 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         )
         previous = self._run  # an earlier split's ranks and groups are reused (groups are created once)
         dims = previous.dims if previous is not None else self._new_parallel_dims()
-        sync_type = pipeline_sync_type(self.zero_stage, data_parallel_size=dims.data_parallel_size)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        keeps_masters = (
+            fitting
+            and self.zero_config is not None
+            and self.zero_config.master_weights == "fp32"
+            and self.precision_plugin.precision in _SIXTEEN_BIT_TRUE
+        )
+        sync_type = pipeline_sync_type(
+            self.zero_stage, data_parallel_size=dims.data_parallel_size, keeps_masters=keeps_masters
+        )
         local_stages = plan.stages_of(dims.pipeline_rank)
         full_state_keys = list(module.state_dict().keys())
         full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
         tied, aliases = find_tied_parameters(module, layers), parameter_aliases(module)
         sync_type.check_split(tied, plan, self.pipeline_parallel_size)
         # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
-        optimizer_layouts = self._whole_model_optimizer_layouts(module, fitting=trainer.state.fn == TrainerFn.FITTING)
+        optimizer_layouts = self._whole_model_optimizer_layouts(module, fitting=fitting)
         # First collectives: every check above ran on every rank.
         check_same_plan(plan, self.world_size)
         broadcast_from_rank0(module, self.root_device)  # every stage and replica starts from rank 0's weights
@@ -459,7 +502,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 mesh=self.device_mesh,
                 tied=tied_sync,
                 aliases=aliases,
-                zero_stage=self.zero_stage,
+                zero_config=self.zero_config,
                 device=self.root_device,
                 stats=self._tracked_stats,
                 warn=rank_zero_warn,
@@ -509,8 +552,15 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         )
 
     def _new_parallel_dims(self) -> ParallelDims:
-        dims = ParallelDims(self.world_size, self.global_rank, self.pipeline_parallel_size)
-        dims.mesh = self.device_mesh  # built in `setup_environment` (its groups: a collective done there)
+        layout = self.mesh_layout
+        dims = ParallelDims(
+            self.world_size,
+            self.global_rank,
+            self.pipeline_parallel_size,
+            shard_size=layout.shard_size,
+            mesh=self.device_mesh,  # built in `setup_environment` (its groups: a collective done there)
+        )
+        dims.flatten_data_axes()  # hybrid sharding: one group of every replica of the stage (a collective)
         return dims
 
     def _tracked_stats(self) -> CommunicationStats | None:
@@ -571,6 +621,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         module = self.lightning_module
         assert module is not None
         engine = self.engine
+        # ZeRO-1/2 with an overlapped all-gather: what no block's forward pre-hook waits for, now.
+        self._current_run.sync.wait_for_parameters(everywhere=False)
         self._check_same_trainable_parameters(module)
         with self.precision_plugin.train_step_context():
             model_inputs, size = engine.capture_inputs("training_step", args, kwargs)
@@ -646,6 +698,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def _evaluation_step(self, step: str, context: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._hook_windows.close()
         engine = self.engine
+        self._current_run.sync.wait_for_parameters()
         with context:
             model_inputs, _ = engine.capture_inputs(step, args, kwargs)
             outcome = engine.eval_step(step, args, kwargs, model_inputs=model_inputs, collect=step == "predict_step")
@@ -826,6 +879,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 mark_orphaned(module)
             return
         self._wait_for_peers("the teardown's gather of the stages")  # a peer that failed after training skips it
+        run.sync.wait_for_parameters()
         run.sync.restore_layers()  # ZeRO-3: the shards gathered into the user's layers, back in the module
         reassemble(
             module,

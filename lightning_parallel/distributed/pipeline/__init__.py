@@ -49,7 +49,7 @@ from lightning_parallel.distributed.pipeline.schedule import (
 from lightning_parallel.distributed.pipeline.sync import PipelineSync, ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
 from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
-from lightning_parallel.distributed.pipeline.zero import FlatBucketSync, PipelineZero
+from lightning_parallel.distributed.pipeline.zero import FlatBucketSync, TiedShardSum
 
 __all__ = [
     "CHECKPOINT_FORMATS",
@@ -63,11 +63,11 @@ __all__ = [
     "PipelineRun",
     "PipelineRuntime",
     "PipelineSync",
-    "PipelineZero",
     "RemoteLayer",
     "ReplicatedSync",
     "StagePlan",
     "SyncContext",
+    "TiedShardSum",
     "balanced_boundaries",
     "build_runtime",
     "check_layers_compose_to_forward",

@@ -84,7 +84,8 @@ class PipelineFullyShard:
         module: the user's (split) module.
         layers: this rank's pipeline layers by index (the user's objects).
         registrations: for each layer index, where its modules are registered in ``module``.
-        mesh: the one-axis mesh of the stage's replicas (the strategy's ``device_mesh["replicate"]``).
+        mesh: the mesh of the stage's replicas: the strategy's ``device_mesh["shard"]``, or with hybrid sharding
+            ``device_mesh["replicate", "shard"]`` (FSDP2's HSDP, as ``ShardedOptimizerStrategy(shard_size=...)``).
         aliases: other name -> canonical name of parameters with several names.
     """
 
@@ -114,8 +115,9 @@ class PipelineFullyShard:
             if registration.is_tensor:
                 registration.place(module, holder=self._copy_of[id(registration.holder)])
         initialise_root(self.units[-1])
+        hybrid = mesh.ndim == 2
         self.gloo_reduction = install_gloo_collectives(
-            cast(list[FSDPModule], self.units), mesh.get_group(), replicated=False
+            cast(list[FSDPModule], self.units), mesh.get_group(mesh.ndim - 1), replicated=hybrid
         )
         """On gloo, ZeRO-3's all-gathers and gradient reductions (``distributed/zero3_gloo.py``), as outside the
         pipeline; not counted by the monitor (FSDP2's traffic in the pipeline is not)."""
@@ -177,7 +179,7 @@ class FullyShardSync(ReplicatedSync):
             context.module,
             context.layers,
             registrations=context.registrations,
-            mesh=context.mesh["replicate"],
+            mesh=_stage_mesh(context.mesh),
             aliases=context.aliases,
         )
         self.sharded_names.update(self.stage.names)
@@ -203,7 +205,9 @@ class FullyShardSync(ReplicatedSync):
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         counted, copies = self.counted_and_copies(optimizer)
-        groups = [self.dims.data_parallel_group, self.dims.pipeline_group]
+        # The shard group holds disjoint rows of the stage's gradients (replica groups the same ones), the pipeline
+        # ranks the stages.
+        groups = [self.context.mesh.get_group("shard"), self.dims.pipeline_group]
         return self.stage.clip_grad_norm(counted, copies, max_norm, groups=groups, device=self.context.device)
 
     def abandon_in_flight(self) -> None:
@@ -244,6 +248,12 @@ class FullyShardSync(ReplicatedSync):
             for group in optimizer.param_groups:
                 by_name.update((self.sharded_names[id(param)], param) for param in group["params"])
         return list(by_name.items())
+
+
+def _stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards a stage over: its ``shard`` axis, or ``replicate`` x ``shard`` (HSDP) when both hold
+    several ranks."""
+    return mesh["replicate", "shard"] if mesh["replicate"].size() > 1 and mesh["shard"].size() > 1 else mesh["shard"]
 
 
 # ---------------------------------------------------------------------- plain <-> sharded

@@ -110,9 +110,9 @@ def check_count(name: str, value: Any) -> None:
 
 @dataclass
 class ParallelDims:
-    """A pipeline rank's view of the shared mesh (``distributed/mesh.py``): ``data_parallel_size x
-    pipeline_parallel_size`` ranks, the pipeline ranks of a replica adjacent (torchtitan's ``ParallelDims`` layout),
-    the replicas of each stage on the mesh's ``"replicate"`` axis.
+    """A pipeline rank's view of the shared mesh (``distributed/mesh.py``): ``replicate x shard x pp`` ranks, the
+    pipeline ranks of a replica adjacent, the data-parallel replicas of each stage on the mesh's data axes
+    (``replicate``, and ``shard`` where ZeRO shards the stage over them).
 
     ``global_rank = data_parallel_rank * pipeline_parallel_size + pipeline_rank``.
     """
@@ -120,13 +120,18 @@ class ParallelDims:
     world_size: int
     global_rank: int
     pipeline_parallel_size: int
+    shard_size: int = 1
+    """Ranks of the ``shard`` axis: the replicas of a stage that ZeRO shards it over (1 without ZeRO)."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
-    """The strategy's mesh, axes ``("replicate", "shard", "pp")`` (shard of size 1); ``None`` before
-    :meth:`build_groups` or before the strategy handed its own."""
+    """The strategy's mesh, axes ``("replicate", "shard", "pp")``; with both data axes larger than one also the
+    flattened ``"dp"`` axis (:meth:`flatten_data_axes`); ``None`` before :meth:`build_groups` or before the strategy
+    handed its own."""
 
     @property
     def layout(self) -> MeshLayout:
-        return MeshLayout(self.world_size, pipeline_parallel_size=self.pipeline_parallel_size)
+        return MeshLayout(
+            self.world_size, shard_size=self.shard_size, pipeline_parallel_size=self.pipeline_parallel_size
+        )
 
     @property
     def pipeline_group(self) -> Any:
@@ -135,8 +140,20 @@ class ParallelDims:
 
     @property
     def data_parallel_group(self) -> Any:
-        """Process group of the replicas of this rank's stages: the mesh's ``"replicate"`` axis."""
-        return self._mesh().get_group("replicate")
+        """Process group of every data-parallel replica of this rank's stages: the mesh's ``"replicate"`` or
+        ``"shard"`` axis, whichever holds them (both: the flattened ``"dp"`` axis)."""
+        layout = self.layout
+        if layout.shard_size == 1:
+            return self._mesh().get_group("replicate")
+        if layout.replicate_size == 1:
+            return self._mesh().get_group("shard")
+        return self._mesh()["dp"].get_group()
+
+    def flatten_data_axes(self) -> None:
+        """Collective (every rank, once, after the mesh is set): with both data axes larger than one, create the
+        flattened ``"dp"`` axis :attr:`data_parallel_group` returns (a process group of its own)."""
+        if self.layout.is_hybrid:
+            self._mesh()["replicate", "shard"]._flatten("dp")  # torchtitan's way; no public API in torch 2.13
 
     def _mesh(self) -> DeviceMesh:
         if self.mesh is None:
@@ -157,7 +174,7 @@ class ParallelDims:
 
     def pipeline_global_rank(self, pipeline_rank: int) -> int:
         """Global rank of ``pipeline_rank`` in this rank's replica."""
-        return self.layout.global_rank(self.data_parallel_rank, 0, pipeline_rank)
+        return self.data_parallel_rank * self.pipeline_parallel_size + pipeline_rank
 
     def build_groups(self, device_type: str) -> None:
         """Collective: create the mesh and its process groups on every rank, in the same order (a strategy hands its

@@ -6,8 +6,8 @@ from ``zero_stage`` and the data-parallel size) and afterwards calls only :class
 * :class:`ReplicatedSync` (``zero_stage=0``, or any stage without data parallelism): every replica holds its stage
   whole; after the schedule the replicas' gradients are averaged by one all-reduce, then the copies of tied weights
   summed over the pipeline ranks that hold one (``tied.TiedGradientSync``).
-* ``zero.FlatBucketSync`` (``zero_stage`` 1-2): the stage's parameters in flat buckets, reduce-scattered after the
-  schedule, this replica's shard stepped, the buckets all-gathered.
+* ``zero.FlatBucketSync`` (``zero_stage`` 1-2): ZeRO-1/2's own backend holding the stage (flat buckets
+  reduce-scattered after the schedule, this replica's shard stepped, the buckets all-gathered).
 * ``fully_shard.FullyShardSync`` (``zero_stage=3``): sharded copies of the rank's layers (FSDP2) run the stages.
 
 Each implementation also answers for its part of the checkpoints (the stage's whole state, its optimizer state in
@@ -38,6 +38,7 @@ from lightning_parallel.distributed.pipeline.consolidate import WholeOptimizerSt
 from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, TiedParameter, canonical_names, split_counted
+from lightning_parallel.distributed.zero_config import ZeroConfig
 
 __all__ = ["PipelineSync", "ReplicatedSync", "SyncContext", "average_across_replicas"]
 
@@ -60,8 +61,9 @@ class SyncContext:
     """The tied parameters, the pipeline ranks holding a copy of each, and their groups."""
     aliases: Mapping[str, str]
     """Other name -> canonical name of every parameter with several names."""
-    zero_stage: int
-    """``PipelineParallelStrategy(zero_stage=...)``: which stage a flat-bucket sync shards."""
+    zero_config: ZeroConfig | None
+    """``PipelineParallelStrategy``'s ZeRO settings (``None``: ``zero_stage=0``): the ZeRO backend holding the stage
+    is built from them, as ``ShardedOptimizerStrategy``'s is."""
     device: torch.device
     """This rank's device (norms are reduced there)."""
     stats: Callable[[], CommunicationStats | None] = lambda: None

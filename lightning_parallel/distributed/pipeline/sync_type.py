@@ -16,9 +16,11 @@ _BY_ZERO_STAGE: dict[int, type[PipelineSync]] = {
 }
 
 
-def pipeline_sync_type(zero_stage: int, *, data_parallel_size: int) -> type[PipelineSync]:
+def pipeline_sync_type(zero_stage: int, *, data_parallel_size: int, keeps_masters: bool = False) -> type[PipelineSync]:
     """The :class:`~.sync.PipelineSync` for ``PipelineParallelStrategy(zero_stage=...)``: replicated at stage 0 and
-    without data parallelism (nothing to shard over), flat buckets at stages 1-2, fully-shard at stage 3."""
+    without data parallelism (nothing to shard over), flat buckets at stages 1-2, fully-shard at stage 3. Without data
+    parallelism 16-bit parameters with fp32 masters (``keeps_masters``) keep the flat buckets at every stage, as
+    ``ShardedOptimizerStrategy`` keeps them at world size 1: a run moved between sizes keeps its arithmetic."""
     if data_parallel_size == 1:
-        return ReplicatedSync
+        return FlatBucketSync if zero_stage and keeps_masters else ReplicatedSync
     return _BY_ZERO_STAGE[zero_stage]

@@ -126,12 +126,12 @@ class TiedGradientSync:
 
     def __init__(self, layout: TiedLayout, dims: ParallelDims) -> None:
         self.layout = layout
-        p, mesh = dims.pipeline_parallel_size, dims.layout
+        p = dims.pipeline_parallel_size
         self._groups: list[tuple[Any, list[str]]] = []
         """(process group, canonical names) of the sets this rank belongs to."""
         for ranks, names in layout.rank_sets().items():
             for replica in range(dims.data_parallel_size):
-                members = [mesh.global_rank(replica, 0, r) for r in ranks]  # pipeline ranks `ranks` of `replica`
+                members = [replica * p + r for r in ranks]  # pipeline ranks `ranks` of data-parallel replica `replica`
                 group = dims.pipeline_group if len(ranks) == p else dist.new_group(members)
                 if replica == dims.data_parallel_rank and dims.pipeline_rank in ranks:
                     self._groups.append((group, names))

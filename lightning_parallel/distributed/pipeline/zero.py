@@ -1,67 +1,118 @@
-"""ZeRO inside the pipeline: each stage's optimizer state (stage 1) and gradients (stage 2) sharded across its replicas.
+"""ZeRO inside the pipeline: each stage held by the ZeRO backends ``ShardedOptimizerStrategy`` runs.
 
-Torch-only. The building blocks are ZeRO-1/2's own, over the mesh's ``"replicate"`` axis instead of the world:
-:class:`~lightning_parallel.distributed.zero.ShardedParameterBuckets` holds the rank's stage parameters in flat
-buckets padded to a multiple of the data-parallel size, and
-:class:`~lightning_parallel.distributed.zero_optimizer.ShardedOptimizer` points the user's optimizer at the
-``1/dp`` shard this replica owns. What differs from ``ShardedOptimizerStrategy``:
+Torch-only. A stage's replicas sit on the mesh's data axes: ``shard`` (the ranks ZeRO shards the stage over) and
+``replicate`` (hybrid sharding: shard groups holding the same shards). Stages 1-2 are
+:class:`~lightning_parallel.distributed.zero_backends.FlatBucketBackend`, built from the same
+:class:`~lightning_parallel.distributed.zero_config.ZeroConfig` (bucket cap, fp32 master weights of 16-bit
+parameters, overlapped parameter gather, hybrid sharding) with the pipeline's extension points
+(:class:`~lightning_parallel.distributed.zero_backends.StageExtensions`):
 
-* No backward hooks. torch's schedules accumulate each micro-batch's gradient into ``.grad`` (the zero-bubble
-  schedules outside autograd's accumulation, where a hook would not fire), so the gradients are taken into the
-  buckets once the schedule finished, then reduce-scattered (:meth:`PipelineZero.reduce_gradients`): the same bytes
-  as the replicas' all-reduce of the plain pipeline. Stage 2 frees the full buffers once reduced.
-* Tied parameters (``tied.py``): the sum over the pipeline ranks holding a copy comes after the replica reduction,
-  on the shards. The copies sit in different buckets on different stages, so a replica owns different slices of
-  each; every owner writes its slice into a zero tensor of the parameter's size, and one all-reduce over all
-  replicas of the ranks sharing the copy sums the copies' averaged gradients (each element has one non-zero term
-  per copy, so the sum is exact and every member gets the same bits: the copies stay bitwise equal).
-* Clipping: a shard's squares are summed over the ``"replicate"`` group, then over the ``"pp"`` group.
+* No backward hooks: torch's schedules accumulate each micro-batch's gradient into ``.grad`` (the zero-bubble
+  schedules outside autograd's accumulation, where a hook would not fire), so the backend takes the gradients into
+  its buckets once the schedule finished, then reduce-scatters them: the same bytes as the replicas' all-reduce.
+* Tied parameters (``tied.py``): after the reduction, the copies' shards are summed over the pipeline ranks holding a
+  copy. The copies sit in different buckets on different stages, so a replica owns different slices of each; every
+  owner in the first replica group writes its slice into a zero tensor of the parameter's size, and one all-reduce
+  over every replica of the ranks sharing the copy sums the copies' averaged gradients (each element has one
+  non-zero term per copy, so the sum is exact and every member gets the same bits: the copies stay bitwise equal).
+* Clipping: the shards' squares summed over the ``shard`` group, then over the ``pp`` group; the copies of a tied
+  weight counted once.
 
-Per rank: optimizer state ``K * stage_params / dp`` (exactly, when each bucket's size is a multiple of ``dp``: the
-padding holds no state), gradients ``stage_params + stage_params / dp`` (stage 1) or ``stage_params / dp``
-(stage 2) after the step, parameters whole (the flat buckets, with their padding).
+Per rank (``N`` shard ranks, a stage of ``P`` parameters, AdamW in fp32): optimizer state ``8P/N`` (exactly, when
+each bucket's size is a multiple of ``N``), gradients ``P`` (stage 1) or ``P/N`` (stage 2) after the step,
+parameters whole (the flat buckets, with their padding); docs/zero.md's formulas with the stage's parameters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_parallel.accounting import CommunicationStats, MemoryReport
-from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
+from lightning_parallel.accounting import MemoryReport
+from lightning_parallel.choices import check_choice, choices_of
 from lightning_parallel.distributed.pipeline.consolidate import WholeOptimizerState, local_optimizer_state
 from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 from lightning_parallel.distributed.pipeline.sync import ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, TiedParameter
-from lightning_parallel.distributed.zero import ShardedParameterBuckets, ShardView
-from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable
+from lightning_parallel.distributed.zero import ShardView
+from lightning_parallel.distributed.zero_backends import FlatBucketBackend, StageExtensions, ZeroContext
+from lightning_parallel.distributed.zero_config import MasterWeights, OverlapParamGather, ZeroConfig
 
-__all__ = ["ZERO_STAGES", "FlatBucketSync", "PipelineZero", "check_no_tie_within_a_rank", "check_zero_stage"]
+__all__ = [
+    "ZERO_STAGES",
+    "FlatBucketSync",
+    "PipelineZeroStage",
+    "TiedShardSum",
+    "check_no_tie_within_a_rank",
+    "pipeline_zero_config",
+]
 
-ZERO_STAGES = (0, 1, 2, 3)
-"""``zero_stage`` values of ``PipelineParallelStrategy``: 0 (off), 1 (optimizer state), 2 (+ gradients), 3 (+
-parameters, with FSDP2: :mod:`.fully_shard`)."""
+PipelineZeroStage = Literal[0, 1, 2, 3]
+"""``PipelineParallelStrategy(zero_stage=...)``: 0 (off), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters,
+with FSDP2: :mod:`.fully_shard`)."""
+
+ZERO_STAGES: tuple[int, ...] = choices_of(PipelineZeroStage)
+
+_ZERO_ONLY_DEFAULTS = {"shard_size": None, "bucket_cap_mb": 25.0, "overlap_param_gather": "auto"}
+"""The ZeRO options that mean nothing without ZeRO, at their defaults (``master_weights`` has effect only under ZeRO
+too, but its default is kept whatever the stage)."""
 
 
-def check_zero_stage(zero_stage: Any, *, checkpoint_format: str, schedule: str | None = None) -> None:
-    """Raise ``ValueError`` for a ``zero_stage`` that is not 0-3, or a combination we do not support.
+def pipeline_zero_config(
+    zero_stage: Any,
+    *,
+    shard_size: int | None = None,
+    bucket_cap_mb: float = 25.0,
+    master_weights: MasterWeights = "fp32",
+    overlap_param_gather: OverlapParamGather = "auto",
+    checkpoint_format: str = "consolidated",
+    schedule: str | None = None,
+) -> ZeroConfig | None:
+    """Local, the same verdict on every rank. The ZeRO settings of ``PipelineParallelStrategy``, validated as
+    ``ShardedOptimizerStrategy`` validates them (the same :class:`ZeroConfig`, the same messages); ``None`` for
+    ``zero_stage=0``.
 
     The sharded checkpoint format writes each replica's slice of whole parameters and optimizer state; with ZeRO-1/2
     the optimizer state is sharded by bucket instead, which that writer does not know, so it is refused up front
     (stage 3 writes FSDP2's rows of each tensor, which the format holds). Stage 3 refuses the zero-bubble schedule:
     it computes weight gradients outside autograd's backward, where FSDP2's hooks reduce them.
+
+    Raises:
+        ValueError: naming the bad value and the fix.
     """
-    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) or zero_stage not in ZERO_STAGES:
-        raise ValueError(
-            f"`zero_stage={zero_stage!r}` is invalid. Valid options: 0 (no sharding), 1 (optimizer state sharded"
-            " across each stage's data-parallel replicas), 2 (+ gradients), 3 (+ parameters)."
-        )
+    check_choice(
+        "zero_stage",
+        zero_stage,
+        PipelineZeroStage,
+        notes={
+            0: "no sharding",
+            1: "optimizer state sharded across each stage's data-parallel replicas",
+            2: "+ gradients",
+            3: "+ parameters",
+        },
+    )
+    config = ZeroConfig(  # validates the options whatever the stage
+        stage=zero_stage or 1,
+        shard_size=shard_size,
+        bucket_cap_mb=bucket_cap_mb,
+        master_weights=master_weights,
+        overlap_param_gather=overlap_param_gather,
+    )
+    if zero_stage == 0:
+        given = {"shard_size": shard_size, "bucket_cap_mb": bucket_cap_mb, "overlap_param_gather": overlap_param_gather}
+        changed = [f"`{name}={value!r}`" for name, value in given.items() if value != _ZERO_ONLY_DEFAULTS[name]]
+        if changed:
+            raise ValueError(
+                f"{', '.join(changed)} shards or buckets ZeRO's state, but `zero_stage=0` shards nothing. Pass"
+                " `zero_stage=1`, 2 or 3, or leave the option at its default."
+            )
+        return None
     if zero_stage in (1, 2) and checkpoint_format == "sharded":
         raise ValueError(
             f"`zero_stage={zero_stage}` with `checkpoint_format='sharded'` is not supported: the sharded writer"
@@ -74,6 +125,7 @@ def check_zero_stage(zero_stage: Any, *, checkpoint_format: str, schedule: str |
             " weight gradients outside autograd's backward, where FSDP2 reduce-scatters them. Use another schedule"
             " ('1F1B', 'GPipe', 'Interleaved1F1B', 'LoopedBFS') or `zero_stage=2`."
         )
+    return config
 
 
 def check_no_tie_within_a_rank(tied: Sequence[TiedParameter], plan: StagePlan, pipeline_parallel_size: int) -> None:
@@ -100,80 +152,40 @@ def check_no_tie_within_a_rank(tied: Sequence[TiedParameter], plan: StagePlan, p
             )
 
 
-class PipelineZero:
-    """A stage's parameters in flat buckets over the replicas, and the optimizers stepping this replica's shard.
+class TiedShardSum:
+    """Collective over each set of pipeline ranks sharing tied copies (all their replicas): every copy's reduced
+    shard becomes the sum of all copies' averaged gradients (see the module docstring).
 
-    Building it is a collective (one process group per set of pipeline ranks sharing tied copies, across all
-    replicas). Call it on every rank with the optimizers before their first step.
-
-    Args:
-        module: this rank's (split) module; its trainable parameters move into flat buffers in place.
-        optimizers: the unwrapped optimizers of this rank's parameters.
-        stage: 1 or 2.
-        dims: the strategy's ranks and groups; buckets are sharded over ``dims.data_parallel_group``.
-        tied: which pipeline ranks hold a copy of each tied parameter.
-        aliases: other name -> canonical name of parameters with several names.
-        bucket_cap_mb: bucket size in MiB.
-        stats: where to count collective bytes (``None``: not counted).
+    Building it is a collective: one process group per set of pipeline ranks sharing copies, across all replicas.
     """
 
     def __init__(
-        self,
-        module: nn.Module,
-        optimizers: Sequence[Optimizer],
-        *,
-        stage: int,
-        dims: ParallelDims,
-        tied: TiedLayout,
-        aliases: Mapping[str, str],
-        bucket_cap_mb: float = 25.0,
-        stats: CommunicationStats | None = None,
+        self, module: nn.Module, tied: TiedLayout, dims: ParallelDims, aliases: Mapping[str, str], *, stats: Any
     ) -> None:
-        held = [param for optimizer in optimizers for group in optimizer.param_groups for param in group["params"]]
-        self.dims = dims
+        self.aliases = aliases
         self.stats = stats
-        self.buckets = ShardedParameterBuckets(
-            module, stage=stage, group=dims.data_parallel_group, bucket_cap_mb=bucket_cap_mb, frozen=held
-        )
-        self.buckets.remove_hooks()  # gradients are taken after the schedule: see `reduce_gradients`
-        self.buckets.stats = stats
-        self.sharded = [ShardedOptimizer(optimizer, self.buckets) for optimizer in optimizers]
-        self._canonical = {view.name: aliases.get(view.name, view.name) for view in self.buckets.views()}
-        self._numel = {aliases.get(n, n): p.numel() for n, p in module.named_parameters()}
-        self._tied_groups = _tied_groups(tied, dims)
+        self.numel = {aliases.get(n, n): p.numel() for n, p in module.named_parameters()}
+        self.groups = _tied_groups(tied, dims)
+        self.writes = dims.layout.replicate_rank(dims.global_rank) == 0
+        """Whether this rank writes its shards: the replica groups hold the same shards, the first one counts."""
 
-    def sharded_for(self, optimizer: Optimizer) -> ShardedOptimizer:
-        """The :class:`ShardedOptimizer` wrapping the (unwrapped) ``optimizer``."""
-        return next(sharded for sharded in self.sharded if sharded.optimizer is optimizer)
+    def __call__(self, views: Sequence[ShardView]) -> None:
+        for group, names in self.groups:
+            self._sum(group, names, views)
 
-    def canonical_name(self, view: ShardView) -> str:
-        return self._canonical[view.name]
-
-    # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def reduce_gradients(self) -> None:
-        """Collective. Reduce-scatter the schedule's gradients (``.grad`` of the stage's parameters) into the shards
-        this replica owns (their mean over the replicas), then sum the shards of tied copies over the stages."""
-        self.buckets.add_gradients()
-        self.buckets.finish_gradient_sync()
-        for group, names in self._tied_groups:
-            self._sum_tied_shards(group, names)
-
-    def _sum_tied_shards(self, group: Any, names: list[str]) -> None:
-        """Every copy's shard becomes the sum of all copies' averaged gradients (see the module docstring).
-
-        One "has a gradient" flag per parameter travels along: a copy no rank used counts as zeros; if no copy was
-        used, its views keep ``.grad = None`` (not stepped, as on one device).
-        """
+    def _sum(self, group: Any, names: list[str], all_views: Sequence[ShardView]) -> None:
+        """One "has a gradient" flag per parameter travels along: a copy no rank used counts as zeros; if no copy was
+        used, its views keep ``.grad = None`` (not stepped, as on one device)."""
         offsets, total = {}, 0
         for name in names:
-            offsets[name], total = total, total + self._numel[name]
-        views = [view for view in self.buckets.views() if self.canonical_name(view) in offsets]
-        device = self.buckets.buckets[0].flat_params.device
+            offsets[name], total = total, total + self.numel[name]
+        views = [view for view in all_views if self.aliases.get(view.name, view.name) in offsets]
+        device = views[0].grad.device if views else torch.device("cpu")
         dtype = views[0].grad.dtype if views else torch.float32
         flat = torch.zeros(total + len(names), dtype=dtype, device=device)
-        for view in views:
-            name = self.canonical_name(view)
+        for view in views if self.writes else ():
+            name = self.aliases.get(view.name, view.name)
             if view.tensor.grad is not None:
                 start = offsets[name] + view.start
                 flat[start : start + view.grad.numel()] = view.grad
@@ -186,78 +198,58 @@ class PipelineZero:
         # a device sync per view, issue 36 item 5).
         used = flat[total:].tolist() if any(view.tensor.grad is None for view in views) else None
         for view in views:
-            name = self.canonical_name(view)
+            name = self.aliases.get(view.name, view.name)
             start = offsets[name] + view.start
             view.grad.copy_(flat[start : start + view.grad.numel()])
             has_grad = view.tensor.grad is not None or (used is not None and used[names.index(name)] > 0)
             view.tensor.grad = view.grad if has_grad else None
 
-    def clip_grad_norm(
-        self, optimizer: Optimizer, max_norm: float, *, uncounted: set[str], device: torch.device
-    ) -> Tensor:
-        """Collective. torch's clip over ``optimizer``'s parameters, the norm over every shard of every stage; the
-        copies of tied parameters in ``uncounted`` (canonical names another rank counts) are scaled, not counted."""
-        views = [view for view in self.sharded_for(optimizer).views if view.tensor.grad is not None]
-        counted = [view.tensor for view in views if self.canonical_name(view) not in uncounted]
-        copies = [view.tensor for view in views if self.canonical_name(view) in uncounted]
-        # The replicas of a stage hold disjoint shards of its gradients, the pipeline ranks the stages.
-        groups = [self.dims.data_parallel_group, self.dims.pipeline_group]
-        return clip_grad_norm_over_ranks_(counted, max_norm, groups=groups, device=device, copies=copies)
-
-    def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Collective over the replicas: all-gather the buckets ``optimizer`` stepped."""
-        self.buckets.all_gather_parameters(self.sharded_for(optimizer).bucket_indices)
-
-    # ------------------------------------------------------------------ state
-    def memory_report(self, optimizers: Sequence[Optimizer]) -> MemoryReport:
-        """Bytes of the stage's buckets (parameters, gradients) and ``optimizers``' state shards on this rank."""
-        return self.buckets.memory_report(optimizers)
-
-    def plain_state(self, optimizer: Optimizer) -> tuple[dict[str, Any], list[list[nn.Parameter]]]:
-        """Collective over the replicas. ``optimizer``'s unsharded state dict of this stage on replica 0 (``{}`` on
-        the others), and the parameters it numbers per group."""
-        sharded = self.sharded_for(optimizer)
-        return sharded.consolidated_state_dict(destination=0), sharded.group_params
-
-    def group_params(self, optimizer: Optimizer) -> list[list[nn.Parameter]]:
-        """The parameters ``optimizer`` was given, per group (it steps their shard views)."""
-        return self.sharded_for(optimizer).group_params
-
-    def load_plain_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        """Local. Take this replica's slices of a plain state dict numbered as :meth:`group_params`."""
-        self.sharded_for(optimizer).load_consolidated_state_dict(state)
-
 
 class FlatBucketSync(ReplicatedSync):
-    """``zero_stage`` 1-2 with data parallelism: a :class:`PipelineZero` built with the optimizers (when fitting).
+    """``zero_stage`` 1-2: the stage held by :class:`~lightning_parallel.distributed.zero_backends.FlatBucketBackend`
+    over the stage's replicas, built with the optimizers (when fitting).
 
     Until then (and in a run that does not fit) the stage is held whole, as :class:`~.sync.ReplicatedSync` holds it.
     """
 
     def __init__(self, context: SyncContext) -> None:
         super().__init__(context)
-        self.zero: PipelineZero | None = None
-        """The stage's buckets and sharded optimizers; built by :meth:`setup_optimizers`."""
+        self.backend: FlatBucketBackend | None = None
+        """The ZeRO-1/2 backend holding the stage; built by :meth:`setup_optimizers`."""
 
     def setup_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        """Collective (groups of the tied copies). Move the stage's parameters into flat buckets sharded over the
-        replicas; the optimizers step this replica's shard."""
+        """Collective (the stage's buckets; groups of the tied copies). Move the stage's parameters into flat buckets
+        sharded over the replicas; the optimizers step this replica's shard."""
         super().setup_optimizers(optimizers)
-        for optimizer in self.optimizers:
-            check_shardable(optimizer, warn=self.context.warn)
-        self.zero = PipelineZero(
-            self.module,
-            self.optimizers,
-            stage=self.context.zero_stage,
-            dims=self.dims,
-            tied=self.context.tied.layout,
-            aliases=self.context.aliases,
-            stats=self.stats,
+        context, dims = self.context, self.dims
+        uncounted = context.tied.layout.uncounted(dims.pipeline_rank)
+        extensions = StageExtensions(
+            after_reduction=TiedShardSum(self.module, context.tied.layout, dims, context.aliases, stats=self.stats),
+            norm_groups=(dims.pipeline_group,),
+            uncounted=frozenset(
+                name for name, _ in self.module.named_parameters() if context.aliases.get(name, name) in uncounted
+            ),
         )
+        assert context.zero_config is not None, "zero_stage 1-2 has ZeRO settings"
+        backend = FlatBucketBackend(
+            context.zero_config,
+            ZeroContext(
+                rank=dims.global_rank,
+                world_size=dims.world_size,
+                mesh=context.mesh,
+                stats=self.stats,
+                warn=context.warn,
+                sync_module_states=lambda module: None,  # the split started every stage from rank 0's weights
+                stage=extensions,
+            ),
+        )
+        backend.setup_module(self.module, context.device)
+        backend.setup_optimizers(list(self.optimizers))
+        self.backend = backend
 
-    def _built(self) -> PipelineZero:
-        assert self.zero is not None, "the optimizers were not set up"
-        return self.zero
+    def _built(self) -> FlatBucketBackend:
+        assert self.backend is not None, "the optimizers were not set up"
+        return self.backend
 
     # ------------------------------------------------------------------ step
     def reduce_gradients(self) -> list[Tensor]:
@@ -266,40 +258,61 @@ class FlatBucketSync(ReplicatedSync):
         return []
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        uncounted = self.context.tied.layout.uncounted(self.dims.pipeline_rank)
-        return self._built().clip_grad_norm(optimizer, max_norm, uncounted=uncounted, device=self.context.device)
+        return self._built().clip_grad_norm_(optimizer, max_norm)
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         self._built().after_optimizer_step(optimizer)
 
+    def wait_for_parameters(self, *, everywhere: bool = True) -> None:
+        if self.backend is not None:
+            self.backend.wait_for_parameters(everywhere=everywhere)
+
+    def abandon_in_flight(self) -> None:
+        if self.backend is not None:
+            self.backend.abandon_in_flight()
+
+    def teardown(self) -> None:
+        if self.backend is not None:
+            self.backend.teardown()
+
     # ------------------------------------------------------------------ state
     def gradient_buffers(self) -> list[Tensor]:
-        return self.zero.buckets.gradient_buffers() if self.zero is not None else []
+        return self.backend.gradient_buffers() if self.backend is not None else []
 
     def memory_report(self, optimizers: Sequence[Optimizer]) -> MemoryReport:
         """The stage's flat buckets and the optimizer state of this replica's shard, summed over ``optimizers``."""
-        if self.zero is None:
+        if self.backend is None:
             return super().memory_report(optimizers)
-        return self.zero.memory_report(optimizers)
+        return self.backend.memory_report(optimizers)
+
+    def model_state(self) -> dict[str, Any]:
+        self.wait_for_parameters()
+        return super().model_state()
+
+    def load_model_entries(self, module: nn.Module, entries: dict[str, Any]) -> None:
+        if self.backend is None:
+            return super().load_model_entries(module, entries)
+        self.backend.load_model_state(entries, strict=False)  # the fp32 masters start from the loaded weights
+        return None
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Collective over the replicas: first the stage's shards onto replica 0, which then joins its pipeline's
-        gather (the other replicas' parts are dropped: global rank 0 keeps one)."""
-        if self.zero is None:
+        """Collective over the shard group: first the stage's shards onto its first rank, which then joins its
+        pipeline's gather (the other replicas' parts are dropped: global rank 0 keeps one)."""
+        if self.backend is None:
             return super().optimizer_state(optimizer)
-        plain, group_params = self.zero.plain_state(optimizer)
+        plain = self.backend.optimizer_state(optimizer)
+        group_params = self.backend.sharded_for(optimizer).group_params
         if not plain:
             plain = {"state": {}, "param_groups": [_settings(group) for group in optimizer.param_groups]}
         return local_optimizer_state(optimizer, self.parameter_names(), state_dict=plain, group_params=group_params)
 
     def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
-        if self.zero is None:
+        if self.backend is None:
             return super().load_optimizer_state(optimizer, state)
         assert isinstance(state, WholeOptimizerState)
-        group_params = self.zero.group_params(optimizer)
-        self.zero.load_plain_state(
-            optimizer, state.slice_for(optimizer, self.parameter_names(), group_params=group_params)
-        )
+        group_params = self.backend.sharded_for(optimizer).group_params
+        plain = state.slice_for(optimizer, self.parameter_names(), group_params=group_params)
+        self.backend.load_optimizer_state(optimizer, plain)
         return None
 
 

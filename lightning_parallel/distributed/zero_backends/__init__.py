@@ -29,6 +29,7 @@ from lightning_parallel.distributed.zero_backends.choice import backend_type
 from lightning_parallel.distributed.zero_backends.context import (
     NoParameterCallbacks,
     ParameterCallbacks,
+    StageExtensions,
     ZeroContext,
     broadcast_on_its_device,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "NoParameterCallbacks",
     "ParameterCallbacks",
     "ReplicatedBackend",
+    "StageExtensions",
     "ZeroBackend",
     "ZeroContext",
     "backend_type",

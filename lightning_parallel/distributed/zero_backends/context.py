@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,7 +21,7 @@ from lightning_parallel.distributed.broadcast import broadcast_from_rank0
 from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.instrumentation import StrategyEvents
 
-__all__ = ["NoParameterCallbacks", "ParameterCallbacks", "ZeroContext", "broadcast_on_its_device"]
+__all__ = ["NoParameterCallbacks", "ParameterCallbacks", "StageExtensions", "ZeroContext", "broadcast_on_its_device"]
 
 
 class ParameterCallbacks(Protocol):
@@ -56,6 +56,30 @@ def broadcast_on_its_device(module: nn.Module) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StageExtensions:
+    """What a pipeline adds when a ZeRO backend holds one of its stages (``distributed/pipeline/stage_sync.py``).
+
+    The backend is the one ``ShardedOptimizerStrategy`` runs, on the mesh's data axes of the stage (``shard`` and
+    ``replicate``); these are the only points where a stage differs from a whole model.
+    """
+
+    reduce_after_backward: bool = True
+    """The caller's backward leaves every gradient in ``.grad`` (torch's pipeline schedules: the zero-bubble ones
+    compute weight gradients outside autograd's accumulation, where a backward hook would not fire), so no backward
+    hook is installed and ``reduce_gradients`` first takes the ``.grad`` into the buckets (stages 1-2)."""
+    after_reduction: Callable[[Sequence[Any]], None] | None = None
+    """Collective. Called by ``reduce_gradients`` once the stage's gradients are averaged over its replicas, with
+    the reduced shard views (stages 1-2: :class:`~lightning_parallel.distributed.zero.ShardView`): the pipeline sums
+    the copies of tied weights over the stages holding one there."""
+    norm_groups: tuple[Any, ...] = ()
+    """Process groups over which the clipping norm is reduced beside the shard group (the pipeline's ``pp`` group:
+    each pipeline rank holds other stages)."""
+    uncounted: frozenset[str] = frozenset()
+    """Parameter names (as the module names them) whose gradients clipping scales but leaves out of the norm: the
+    copies of a tied weight that another pipeline rank counts."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ZeroContext:
     """What the strategy's ``setup`` hands a backend beside the user's
     :class:`~lightning_parallel.distributed.zero_config.ZeroConfig`: this run's ranks, its mesh, who listens and the
@@ -80,3 +104,5 @@ class ZeroContext:
     """Collective. Start every rank from rank 0's parameters and buffers, the module being on its device (stages 1-2
     and world size 1). The strategy passes Lightning's ``_sync_module_states`` (a coalesced broadcast, as
     ``DDPStrategy``'s); the default broadcasts tensor by tensor."""
+    stage: StageExtensions | None = None
+    """Set when the backend holds one stage of a pipeline (:class:`StageExtensions`); ``None``: a whole model."""

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, ShardedPieces
+from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
 from lightning_parallel.distributed.zero import ShardedParameterBuckets
 from lightning_parallel.distributed.zero_backends.context import ZeroContext
 from lightning_parallel.distributed.zero_backends.replicated import ReplicatedBackend
@@ -39,6 +40,8 @@ class FlatBucketBackend(ReplicatedBackend):
         super().__init__(config, context)
         self.stats = context.stats
         self.warn = context.warn
+        self.stage_extensions = context.stage
+        """Set when this backend holds a pipeline stage (``ZeroContext.stage``)."""
         self.buckets: ShardedParameterBuckets | None = None
         self.gather: OverlappedParameterGather | None = None  # fitting with `overlap_param_gather`
         self.sharded_optimizers: list[ShardedOptimizer] = []  # one per optimizer, in order
@@ -68,6 +71,8 @@ class FlatBucketBackend(ReplicatedBackend):
         )
         if self.stats is not None:
             self.buckets.stats = self.stats
+        if self.stage_extensions is not None and self.stage_extensions.reduce_after_backward:
+            self.buckets.remove_hooks()  # the gradients are taken from `.grad` in `reduce_gradients`
         if self.config.overlaps_param_gather(world_size=self.world_size):
             self.gather = OverlappedParameterGather(
                 self.buckets, self.held, waiting=lambda: self.events.timed("exposed_communication")
@@ -79,9 +84,18 @@ class FlatBucketBackend(ReplicatedBackend):
         return next(sharded for sharded in self.sharded_optimizers if sharded.optimizer is optimizer)
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        """Collective. As torch's clip over ``optimizer``'s parameters only, with the norm over every shard."""
+        """Collective. As torch's clip over ``optimizer``'s parameters only, with the norm over every shard (and, for a
+        pipeline stage, over the other stages: ``StageExtensions.norm_groups``)."""
         assert self.buckets is not None
-        return self.buckets.clip_grad_norm_(float(max_norm), views=self.sharded_for(optimizer).views)
+        views = self.sharded_for(optimizer).views
+        extensions = self.stage_extensions
+        if extensions is None:
+            return self.buckets.clip_grad_norm_(float(max_norm), views=views)
+        counted = [view.tensor for view in views if view.name not in extensions.uncounted]
+        copies = [view.tensor for view in views if view.name in extensions.uncounted]
+        groups = [self.buckets.group, *extensions.norm_groups]
+        device = self.buckets.device
+        return clip_grad_norm_over_ranks_(counted, float(max_norm), groups=groups, device=device, copies=copies)
 
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
@@ -95,9 +109,14 @@ class FlatBucketBackend(ReplicatedBackend):
     def reduce_gradients(self) -> Iterable[Tensor]:
         buckets = self._set_up_buckets()
         self.wait_for_parameters()  # a block unused in this forward: its parameters are stepped next
+        extensions = self.stage_extensions
+        if extensions is not None and extensions.reduce_after_backward:
+            buckets.add_gradients()  # a pipeline schedule left them in `.grad`
         if buckets.sync_gradients:
             with self.events.timed("exposed_communication"):
                 buckets.finish_gradient_sync()
+                if extensions is not None and extensions.after_reduction is not None:
+                    extensions.after_reduction(buckets.views())
         else:
             for bucket in buckets.buckets:
                 bucket.ready = 0
