@@ -34,6 +34,10 @@ __all__ = [
     "slice_optimizer_state",
 ]
 
+MASTER_WEIGHTS = "master_weights"
+"""The optimizer state's entry of ZeRO's fp32 master weights (``distributed/zero_optimizer.py``), carried through the
+pipeline's consolidation by parameter name like the per-parameter state."""
+
 OptimizerLayout = list[list[str]]
 """Parameter names of every param group of one optimizer, in the order of the whole model's optimizer."""
 
@@ -106,10 +110,14 @@ def local_optimizer_state(
         for param in params:
             index_to_name[index] = names[id(param)]
             index += 1
-    return {
+    local = {
         "state": {index_to_name[i]: detached_cpu(s) for i, s in state_dict["state"].items()},
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]],
     }
+    masters = state_dict.get(MASTER_WEIGHTS)
+    if masters:  # ZeRO's fp32 masters of 16-bit parameters (``zero_optimizer.py``), by name like the state
+        local[MASTER_WEIGHTS] = {index_to_name[int(i)]: detached_cpu(t) for i, t in masters.items()}
+    return local
 
 
 def consolidate_optimizer_state(
@@ -130,9 +138,12 @@ def consolidate_optimizer_state(
     if gathered is None:
         return None
     state_by_name: dict[str, Any] = {}
+    masters_by_name: dict[str, Any] = {}
     for part in gathered:
         state_by_name.update(part["state"])
+        masters_by_name.update(part.get(MASTER_WEIGHTS, {}))
     state: dict[int, Any] = {}
+    masters: dict[int, Any] = {}
     param_groups = []
     index = 0
     for group_index, group_names in enumerate(layout):
@@ -141,10 +152,15 @@ def consolidate_optimizer_state(
         for name in group_names:
             if name in state_by_name:
                 state[index] = state_by_name[name]
+            if name in masters_by_name:
+                masters[index] = masters_by_name[name]
             ids.append(index)
             index += 1
         param_groups.append({**settings, "params": ids})
-    return {"state": state, "param_groups": param_groups}
+    whole = {"state": state, "param_groups": param_groups}
+    if masters:
+        whole[MASTER_WEIGHTS] = masters
+    return whole
 
 
 def slice_optimizer_state(
@@ -176,6 +192,8 @@ def slice_optimizer_state(
         for name, saved_id in zip(group_names, group["params"], strict=True)
     }
     state: dict[int, Any] = {}
+    saved_masters = full_state.get(MASTER_WEIGHTS) or {}
+    masters: dict[int, Any] = {}
     param_groups = []
     index = 0
     if group_params is None:
@@ -186,10 +204,16 @@ def slice_optimizer_state(
             saved_id = name_to_saved_id[names[id(param)]]
             if saved_id in full_state["state"]:
                 state[index] = full_state["state"][saved_id]
+            master = saved_masters.get(saved_id, saved_masters.get(str(saved_id)))
+            if master is not None:
+                masters[index] = master
             ids.append(index)
             index += 1
         param_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-    return {"state": state, "param_groups": param_groups}
+    sliced = {"state": state, "param_groups": param_groups}
+    if masters:
+        sliced[MASTER_WEIGHTS] = masters
+    return sliced
 
 
 @dataclass(frozen=True)
