@@ -92,8 +92,8 @@ class _AtTrainEnd(pl.Callback):
             "parameters": len(list(pl_module.parameters())),
             "memory": trainer.strategy.memory_report().as_dict(),
             "backend": type(backend).__name__ if backend is not None else type(sync).__name__,
-            "buckets": len(backend.buckets.buckets) if backend is not None else None,
-            "overlaps_gather": backend.gather is not None if backend is not None else None,
+            "buckets": len(backend.buckets.buckets) if hasattr(backend, "buckets") else None,
+            "overlaps_gather": backend.gather is not None if hasattr(backend, "gather") else None,
         }
 
 
@@ -158,6 +158,7 @@ def test_hybrid_sharding_inside_the_pipeline_trains_like_one_device() -> None:
         # fp32 AdamW: two states of 4 bytes per element, this rank's half of its stage (shard_size=2, not dp=4).
         _check_copies_and_state(runs[name], shard_size=2, state_bytes_per_element=4 * state_elements)
     assert {result["backend"] for result in runs["zero2"]} == {"FlatBucketBackend"}
+    assert {result["backend"] for result in runs["zero3"]} == {"FullyShardBackend"}
     # The options reached the backend: a bucket cap of ~1 KiB cuts a stage of several parameters into several buckets
     # (the default holds any stage of this model in one), and no overlap.
     assert all(result["buckets"] >= min(result["parameters"], 3) for result in runs["zero2"])
@@ -171,6 +172,7 @@ def _bf16_ranks(rank: int, world_size: int, directory: str) -> dict[str, dict]:
     return {
         "zero1": _fit(_pipeline(1), world_size, precision="bf16-true"),
         "zero2": _fit(_pipeline(2), world_size, precision="bf16-true", checkpoint=checkpoint),
+        "zero3": _fit(_pipeline(3), world_size, precision="bf16-true", checkpoint=f"{directory}/zero3_bf16.ckpt"),
     }
 
 
@@ -185,13 +187,25 @@ def test_fp32_master_weights_inside_the_pipeline_equal_one_device(tmp_path: Path
     runs = {name: [result[name] for result in results] for name in results[0]}
     reference = single["bf16_masters"]["weights"]
     assert all(value.dtype == torch.bfloat16 for value in reference.values() if value.is_floating_point())
-    for name in ("zero1", "zero2"):
+    for name in ("zero1", "zero2", "zero3"):
         for result in runs[name]:
             assert_weights_close(result["weights"], reference, **BF16_CLOSE)
-        # AdamW's two fp32 states and the fp32 master: 12 bytes per element, this replica's half of its stage.
-        _check_copies_and_state(runs[name], shard_size=2, state_bytes_per_element=12)
-    # The consolidated checkpoint: the bf16 state_dict and the fp32 masters in the single-device layout.
-    saved = torch.load(tmp_path / "pipeline_bf16.ckpt", weights_only=True)
+        # AdamW's two fp32 states and (stages 1-2) the fp32 master: this replica's half of its stage. At stage 3 the
+        # sharded parameters are the fp32 masters (4 bytes per element, counted as parameters).
+        _check_copies_and_state(runs[name], shard_size=2, state_bytes_per_element=8 if name == "zero3" else 12)
+    for result in runs["zero3"]:
+        assert result["memory"]["parameters"] == 4 * result["stage_numel"] // 2
+    # The consolidated checkpoints: the bf16 state_dict and the fp32 masters in the single-device layout.
+    for checkpoint in ("pipeline_bf16.ckpt", "zero3_bf16.ckpt"):
+        _check_master_weights_checkpoint(torch.load(tmp_path / checkpoint, weights_only=True))
+    # Resumed on one device (ShardedOptimizerStrategy keeps masters at world size 1): where two epochs end.
+    (resumed,) = run_distributed(
+        _resume_on_one_device, 1, args=(str(tmp_path / "pipeline_bf16.ckpt"),), init_process_group=False, timeout=180
+    )
+    assert_weights_close(resumed["weights"], single["bf16_masters_two_epochs"]["weights"], **BF16_CLOSE)
+
+
+def _check_master_weights_checkpoint(saved: dict) -> None:
     (optimizer_state,) = saved["optimizer_states"]
     masters = optimizer_state["master_weights"]
     names = [name for name, _ in zoo.TiedGPT().named_parameters()]
@@ -201,11 +215,6 @@ def test_fp32_master_weights_inside_the_pipeline_equal_one_device(tmp_path: Path
         assert master.dtype == torch.float32 and weight.dtype == torch.bfloat16
         assert torch.equal(master.to(torch.bfloat16), weight)  # the bf16 weights are the masters rounded
     assert any(not torch.equal(masters[i], saved["state_dict"][n].float()) for i, n in enumerate(names))
-    # Resumed on one device (ShardedOptimizerStrategy keeps masters at world size 1): where two epochs end.
-    (resumed,) = run_distributed(
-        _resume_on_one_device, 1, args=(str(tmp_path / "pipeline_bf16.ckpt"),), init_process_group=False, timeout=180
-    )
-    assert_weights_close(resumed["weights"], single["bf16_masters_two_epochs"]["weights"], **BF16_CLOSE)
 
 
 BF16_CLOSE = {"rtol": 1.6e-2, "atol": 4e-3}

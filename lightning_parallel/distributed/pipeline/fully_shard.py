@@ -30,25 +30,26 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_parallel.distributed.checkpoint import FlatPiece
+from lightning_parallel.distributed.checkpoint import FlatPiece, host_copy
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
-from lightning_parallel.distributed.pipeline.consolidate import local_optimizer_state
+from lightning_parallel.distributed.pipeline.consolidate import (
+    MASTER_WEIGHTS,
+    WholeOptimizerState,
+    local_optimizer_state,
+)
 from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
 from lightning_parallel.distributed.pipeline.sync import ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.tied import TiedParameter, canonical_names
 from lightning_parallel.distributed.pipeline.zero import check_no_tie_within_a_rank
-from lightning_parallel.distributed.zero3 import apply_fully_shard, named_sharded_pieces, shard_coordinates
-from lightning_parallel.distributed.zero3_compat import initialise_root
-from lightning_parallel.distributed.zero3_gloo import install_gloo_collectives
+from lightning_parallel.distributed.zero3 import cast_parameters, named_sharded_pieces, shard_coordinates
+from lightning_parallel.distributed.zero_backends import FullyShardBackend, StageExtensions, ZeroContext
 from lightning_parallel.distributed.zero_optimizer import check_shardable
 
 __all__ = [
@@ -84,8 +85,10 @@ class PipelineFullyShard:
         module: the user's (split) module.
         layers: this rank's pipeline layers by index (the user's objects).
         registrations: for each layer index, where its modules are registered in ``module``.
-        mesh: the mesh of the stage's replicas: the strategy's ``device_mesh["shard"]``, or with hybrid sharding
-            ``device_mesh["replicate", "shard"]`` (FSDP2's HSDP, as ``ShardedOptimizerStrategy(shard_size=...)``).
+        backend: ZeRO-3's own backend (``ShardedOptimizerStrategy(stage=3)``'s), built for this stage: it shards the
+            copies with FSDP2 over the mesh's ``shard`` axis (with hybrid sharding FSDP2's HSDP over ``replicate`` x
+            ``shard``), with fp32 master weights of 16-bit parameters, gloo's collectives and the access guard.
+        device: this rank's device.
         aliases: other name -> canonical name of parameters with several names.
     """
 
@@ -95,7 +98,8 @@ class PipelineFullyShard:
         layers: Mapping[int, nn.Module],
         *,
         registrations: Sequence[Sequence[Registration]],
-        mesh: DeviceMesh,
+        backend: FullyShardBackend,
+        device: torch.device,
         aliases: Mapping[str, str],
     ) -> None:
         self.module = module
@@ -110,15 +114,13 @@ class PipelineFullyShard:
                 registration.place(module, holder=self._copy_of[id(registration.holder)])
         _release(self.originals)
         self.container = _StageUnits(copies)
-        self.units = apply_fully_shard(self.container, mesh)
+        self.backend = backend
+        backend.setup_module(self.container, device)  # FSDP2's root: the units of a stage share one context
+        self.units = backend.units
         for registration in self._registrations:  # after sharding, which replaces a module's own parameters
             if registration.is_tensor:
                 registration.place(module, holder=self._copy_of[id(registration.holder)])
-        initialise_root(self.units[-1])
-        hybrid = mesh.ndim == 2
-        self.gloo_reduction = install_gloo_collectives(
-            cast(list[FSDPModule], self.units), mesh.get_group(mesh.ndim - 1), replicated=hybrid
-        )
+        self.gloo_reduction = backend.gloo_reduction
         """On gloo, ZeRO-3's all-gathers and gradient reductions (``distributed/zero3_gloo.py``), as outside the
         pipeline; not counted by the monitor (FSDP2's traffic in the pipeline is not)."""
         self.layers = dict(zip(self.indices, copies, strict=True))
@@ -175,11 +177,25 @@ class FullyShardSync(ReplicatedSync):
 
     def __init__(self, context: SyncContext) -> None:
         super().__init__(context)
+        assert context.zero_config is not None, "zero_stage=3 has ZeRO settings"
+        dims = context.dims
+        self.backend = FullyShardBackend(
+            context.zero_config,
+            ZeroContext(
+                rank=dims.global_rank,
+                world_size=dims.world_size,
+                mesh=context.mesh,
+                warn=context.warn,
+                # The tied copies' sum over the stages runs in `reduce_gradients`; clipping reduces its norm here.
+                stage=StageExtensions(reduce_after_backward=False),
+            ),
+        )
         self.stage = PipelineFullyShard(
             context.module,
             context.layers,
             registrations=context.registrations,
-            mesh=_stage_mesh(context.mesh),
+            backend=self.backend,
+            device=context.device,
             aliases=context.aliases,
         )
         self.sharded_names.update(self.stage.names)
@@ -200,6 +216,7 @@ class FullyShardSync(ReplicatedSync):
     # ------------------------------------------------------------------ step
     def reduce_gradients(self) -> list[Tensor]:
         """Collective over the tied sets: FSDP2 reduce-scattered each micro-batch; the tied sum on the shards."""
+        self.backend.reduce_gradients()
         self.sum_tied_copies()
         return []
 
@@ -211,9 +228,10 @@ class FullyShardSync(ReplicatedSync):
         return self.stage.clip_grad_norm(counted, copies, max_norm, groups=groups, device=self.context.device)
 
     def abandon_in_flight(self) -> None:
-        super().abandon_in_flight()
-        if self.stage.gloo_reduction is not None:
-            self.stage.gloo_reduction.abandon()
+        self.backend.abandon_in_flight()
+
+    def teardown(self) -> None:
+        self.backend.teardown()
 
     def restore_layers(self) -> None:
         """Collective over the replicas: the shards gathered into the user's layers, back in the module."""
@@ -221,7 +239,10 @@ class FullyShardSync(ReplicatedSync):
 
     # ------------------------------------------------------------------ state
     def model_state(self) -> dict[str, Any]:
-        return full_tensors(self.module.state_dict())
+        state = full_tensors(self.module.state_dict())
+        if self.backend.compute_dtype is not None:  # the 16-bit weights one device holds, not the fp32 masters
+            state = cast_parameters(self.module, state, self.backend.compute_dtype)
+        return state
 
     def load_model_entries(self, module: nn.Module, entries: dict[str, Any]) -> None:
         load_whole_parameters(module, entries)
@@ -229,11 +250,24 @@ class FullyShardSync(ReplicatedSync):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Collective over the replicas: their rows gathered whole on every replica (after the run too)."""
         names = {**self.parameter_names(), **self.sharded_names}
-        return local_optimizer_state(optimizer, names, state_dict=whole_optimizer_state(optimizer))
+        local = local_optimizer_state(optimizer, names, state_dict=whole_optimizer_state(optimizer))
+        if self.backend.compute_dtype is not None:  # the sharded parameters are the fp32 masters: whole, by name
+            params = [param for group in optimizer.param_groups for param in group["params"]]
+            local[MASTER_WEIGHTS] = {names[id(p)]: host_copy(_whole(p.detach())) for p in params}
+        return local
 
     def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
-        super().load_optimizer_state(optimizer, state)
+        assert isinstance(state, WholeOptimizerState)
+        sliced = state.slice_for(optimizer, self.parameter_names())
+        optimizer.load_state_dict(sliced)
         shard_optimizer_state(optimizer)  # each replica keeps its rows of the whole states
+        masters = sliced.get(MASTER_WEIGHTS) or {}
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        with torch.no_grad():  # the exact fp32 masters, not the 16-bit weights the model state was loaded from
+            for index, param in enumerate(params):
+                master = masters.get(index)
+                if master is not None and isinstance(param, DTensor):
+                    _local(param).copy_(_local(local_shard(master, param)))
 
     def sharded_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
         """Each replica's rows (of the copies, also after the run)."""
@@ -248,12 +282,6 @@ class FullyShardSync(ReplicatedSync):
             for group in optimizer.param_groups:
                 by_name.update((self.sharded_names[id(param)], param) for param in group["params"])
         return list(by_name.items())
-
-
-def _stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards a stage over: its ``shard`` axis, or ``replicate`` x ``shard`` (HSDP) when both hold
-    several ranks."""
-    return mesh["replicate", "shard"] if mesh["replicate"].size() > 1 and mesh["shard"].size() > 1 else mesh["shard"]
 
 
 # ---------------------------------------------------------------------- plain <-> sharded
@@ -318,6 +346,10 @@ def _local_views(parameters: Sequence[Tensor]) -> list[Tensor]:
         view.grad = _local(param.grad)
         views.append(view)
     return views
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -40,8 +40,6 @@ class FlatBucketBackend(ReplicatedBackend):
         super().__init__(config, context)
         self.stats = context.stats
         self.warn = context.warn
-        self.stage_extensions = context.stage
-        """Set when this backend holds a pipeline stage (``ZeroContext.stage``)."""
         self.buckets: ShardedParameterBuckets | None = None
         self.gather: OverlappedParameterGather | None = None  # fitting with `overlap_param_gather`
         self.sharded_optimizers: list[ShardedOptimizer] = []  # one per optimizer, in order

@@ -69,7 +69,8 @@ class FullyShardBackend(ReplicatedBackend):
         shard, replicate = self._groups()
         mesh = self._mesh_or_world(device)
         mesh = mesh["replicate", "shard"] if replicate is not None else mesh["shard"]
-        zero3.broadcast_from_rank0(module, device)  # start from rank 0's weights, as stages 1-2 and DDP do
+        if self.stage_extensions is None:  # a pipeline stage started from rank 0's weights at the split
+            zero3.broadcast_from_rank0(module, device)  # start from rank 0's weights, as stages 1-2 and DDP do
         if self.config.master_weights == "fp32":
             self.compute_dtype = zero3.upcast_16bit_parameters(module) or self.compute_dtype
         policy = (

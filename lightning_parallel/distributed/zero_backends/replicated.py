@@ -52,6 +52,8 @@ class ReplicatedBackend:
         """The strategy's mesh (see :attr:`ZeroContext.mesh`); ``None`` at world size 1."""
         self.events = context.events
         self.sync_module_states = context.sync_module_states
+        self.stage_extensions = context.stage
+        """Set when this backend holds a pipeline stage (``ZeroContext.stage``)."""
         self.module: nn.Module | None = None
 
     def _groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
