@@ -55,7 +55,9 @@ class ScheduleSpec:
     runs and where they are placed, its micro-batch rules and whether it splits backward.
 
     Adding a schedule is one entry in :data:`SCHEDULE_SPECS` (a V-shaped one, torch's ``ScheduleZBVZeroBubble``:
-    ``default_stages_per_rank=2, runs_any_stages_per_rank=False, placement="v", splits_backward=True``).
+    ``default_stages_per_rank=2, runs_any_stages_per_rank=False, placement="v", splits_backward=True``); the stage
+    plan takes the entry's placement. :func:`build_runtime` evaluates with looped forward-only schedules, so a V
+    schedule also needs its forward-only schedule there (its assertion says so).
     """
 
     name: str
