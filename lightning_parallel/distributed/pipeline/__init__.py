@@ -1,7 +1,9 @@
 """Pipeline parallelism building blocks on ``torch.distributed.pipelining``, importable without a Trainer.
 
-* :mod:`.partition`: ``pipeline_layers()`` -> balanced contiguous stages; keep only the local stages' layers.
-* :mod:`.schedule`: schedule names and constraints, the ``data x pipeline`` rank layout, torch stages/schedules.
+* :mod:`.partition`: ``pipeline_layers()`` -> balanced contiguous stages and the rank of each (``StagePlan``'s
+  placement); keep only the local stages' layers.
+* :mod:`.schedule`: one descriptor per schedule (``ScheduleSpec``: torch class, stages per rank, placement, micro-batch
+  rules), the ``data x pipeline`` rank layout, torch stages/schedules.
 * :mod:`.microbatch`: splitting batches into micro-batches, padding evaluation batches.
 * :mod:`.contract`: running a LightningModule's own step with ``self(...)`` answered by the pipeline.
 * :mod:`.consolidate`: stage state <-> the single-device (consolidated) checkpoint layout.
@@ -27,6 +29,8 @@ from lightning_parallel.distributed.pipeline.consolidate import (
 from lightning_parallel.distributed.pipeline.contract import ContractError
 from lightning_parallel.distributed.pipeline.fully_shard import FullyShardSync, PipelineFullyShard
 from lightning_parallel.distributed.pipeline.partition import (
+    PLACEMENTS,
+    Placement,
     RemoteLayer,
     StagePlan,
     balanced_boundaries,
@@ -39,11 +43,14 @@ from lightning_parallel.distributed.pipeline.partition import (
 from lightning_parallel.distributed.pipeline.reassemble import reassemble
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import (
+    SCHEDULE_SPECS,
     SCHEDULES,
     ParallelDims,
     PipelineRuntime,
+    ScheduleSpec,
     build_runtime,
     resolve_schedule,
+    schedule_spec,
     validate_schedule_config,
 )
 from lightning_parallel.distributed.pipeline.sync import PipelineSync, ReplicatedSync, SyncContext
@@ -53,7 +60,9 @@ from lightning_parallel.distributed.pipeline.zero import FlatBucketSync, TiedSha
 
 __all__ = [
     "CHECKPOINT_FORMATS",
+    "PLACEMENTS",
     "SCHEDULES",
+    "SCHEDULE_SPECS",
     "CheckpointFormat",
     "ContractError",
     "FlatBucketSync",
@@ -63,8 +72,10 @@ __all__ = [
     "PipelineRun",
     "PipelineRuntime",
     "PipelineSync",
+    "Placement",
     "RemoteLayer",
     "ReplicatedSync",
+    "ScheduleSpec",
     "StagePlan",
     "SyncContext",
     "TiedShardSum",
@@ -82,6 +93,7 @@ __all__ = [
     "reassemble",
     "resolve_pipeline_layers",
     "resolve_schedule",
+    "schedule_spec",
     "slice_optimizer_state",
     "validate_schedule_config",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_parallel.distributed.pipeline.schedule import MULTI_STAGE_SCHEDULES, validate_schedule_config
+from lightning_parallel.distributed.pipeline.schedule import ScheduleSpec, schedule_spec, validate_schedule_config
 
 __all__ = ["PipelineConfig"]
 
@@ -28,7 +28,8 @@ class PipelineConfig:
     schedule: str
     """The schedule the user asked for (canonical torch name)."""
     stages_per_rank: int
-    """Virtual stages per rank: 2 by default for the multi-stage schedules, else 1 (always 1 on a one-rank pipeline)."""
+    """Virtual stages per rank: by default the schedule's (``ScheduleSpec.default_stages_per_rank``: 2 for the
+    multi-stage schedules, else 1); always 1 on a one-rank pipeline."""
     num_microbatches: int
     """Micro-batches per batch (by default the number of stages: the minimum for 1F1B)."""
 
@@ -42,13 +43,14 @@ class PipelineConfig:
         stages_per_rank: Count,
         num_microbatches: Count,
     ) -> PipelineConfig:
-        """Replace every ``"auto"``: ``pipeline_parallel_size`` = the world size, ``stages_per_rank`` = 2 for the
-        multi-stage schedules (else 1), ``num_microbatches`` = the number of stages. Does not validate."""
+        """Replace every ``"auto"``: ``pipeline_parallel_size`` = the world size, ``stages_per_rank`` = the schedule's
+        default (2 for the multi-stage schedules, else 1), ``num_microbatches`` = the number of stages. Does not
+        validate the counts."""
         p = world_size if pipeline_parallel_size == "auto" else int(pipeline_parallel_size)
         if p == 1:
             per_rank = 1
         elif stages_per_rank == "auto":
-            per_rank = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+            per_rank = schedule_spec(schedule).default_stages_per_rank
         else:
             per_rank = int(stages_per_rank)
         microbatches = p * per_rank if num_microbatches == "auto" else int(num_microbatches)
@@ -75,6 +77,12 @@ class PipelineConfig:
         every schedule degenerates to forward and backward per micro-batch; torch's multi-stage runtimes also
         mishandle several stages on one rank in forward-only runs)."""
         return "1F1B" if self.pipeline_parallel_size == 1 else self.schedule
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The descriptor of :attr:`effective_schedule`: its stage placement (build the stage plan with
+        ``placement=config.spec.placement``), micro-batch rules, whether it splits backward."""
+        return schedule_spec(self.effective_schedule)
 
     def validate(self) -> None:
         """Raise ``ValueError`` (the bad values and the fix) for a layout the world size or torch cannot run."""

@@ -144,7 +144,7 @@ class PipelineEngine:
     @property
     def last_stage_global_rank(self) -> int:
         """Global rank (in this replica) that runs the last stage."""
-        return self.dims.pipeline_global_rank((self.plan.num_stages - 1) % self.dims.pipeline_parallel_size)
+        return self.dims.pipeline_global_rank(self.plan.rank_of_stage(self.plan.num_stages - 1))
 
     @property
     def has_last_stage(self) -> bool:

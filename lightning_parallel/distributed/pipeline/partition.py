@@ -22,7 +22,9 @@ from lightning_parallel.distributed.pipeline.flops import count_forward_flops, n
 from lightning_parallel.distributed.pipeline.side_inputs import accepted_side_inputs, call_layer, split_side_inputs
 
 __all__ = [
+    "PLACEMENTS",
     "PartitionMethod",
+    "Placement",
     "Registration",
     "RemoteLayer",
     "StageModule",
@@ -43,6 +45,10 @@ __all__ = [
 ]
 
 PartitionMethod = Literal["compute", "measured", "parameters"]
+
+Placement = Literal["loop", "v"]
+"""How a :class:`StagePlan` lays stages on pipeline ranks (see :attr:`StagePlan.placement`)."""
+PLACEMENTS: tuple[Placement, ...] = ("loop", "v")
 
 _CONTRACT = (
     "The pipeline contract: a step calls `self(...)` exactly once and computes its loss from the result; the"
@@ -428,14 +434,33 @@ def balanced_boundaries(costs: Sequence[float], num_stages: int) -> list[int]:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Which layers form which stage, and which pipeline rank runs each stage."""
+    """Which layers form which stage, and which pipeline rank runs each stage.
+
+    Every question "which rank holds stage ``s`` / layer ``i``" goes through :meth:`rank_of_stage` (and
+    :meth:`stages_of`, its inverse), which follow :attr:`placement`; nothing else writes the placement out.
+    """
 
     starts: tuple[int, ...]
     """Index of the first layer of each stage."""
     num_layers: int
     """Total number of layers."""
     pipeline_parallel_size: int
-    """Number of pipeline ranks; stage ``s`` runs on pipeline rank ``s % pipeline_parallel_size`` (loop order)."""
+    """Number of pipeline ranks; :attr:`placement` says which of them runs each stage."""
+    placement: Placement = "loop"
+    """How stages are laid on ranks, as the schedule expects them (``ScheduleSpec.placement``): ``"loop"`` puts stage
+    ``s`` on rank ``s % pipeline_parallel_size`` (every schedule with one stage per rank, and the interleaved/looped
+    ones); ``"v"`` (two stages per rank) puts stage ``s`` on rank ``s`` for ``s < p`` and on ``2p - 1 - s`` after, so
+    rank ``r`` holds stages ``r`` and ``2p - 1 - r`` and the first and last stage share rank 0 (torch's V-shaped
+    schedules, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``)."""
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"`placement={self.placement!r}` is invalid. Valid placements: {', '.join(PLACEMENTS)}.")
+        if self.placement == "v" and self.num_stages != 2 * self.pipeline_parallel_size:
+            raise ValueError(
+                f"`placement='v'` lays two stages on each rank, but the plan has {self.num_stages} stages for"
+                f" `pipeline_parallel_size={self.pipeline_parallel_size}`. Use `stages_per_rank=2`."
+            )
 
     @property
     def num_stages(self) -> int:
@@ -446,12 +471,25 @@ class StagePlan:
         stop = self.starts[stage + 1] if stage + 1 < self.num_stages else self.num_layers
         return range(self.starts[stage], stop)
 
+    def rank_of_stage(self, stage: int) -> int:
+        """The pipeline rank that runs ``stage`` under :attr:`placement`."""
+        if not 0 <= stage < self.num_stages:
+            raise IndexError(f"Stage {stage} is not in this plan of {self.num_stages} stages.")
+        p = self.pipeline_parallel_size
+        if self.placement == "v" and stage >= p:
+            return 2 * p - 1 - stage  # the way back up the V
+        return stage % p
+
     def stages_of(self, pipeline_rank: int) -> list[int]:
-        """Stages run by ``pipeline_rank``, in order."""
-        return list(range(pipeline_rank, self.num_stages, self.pipeline_parallel_size))
+        """Stages run by ``pipeline_rank``, ascending (the inverse of :meth:`rank_of_stage`)."""
+        return [stage for stage in range(self.num_stages) if self.rank_of_stage(stage) == pipeline_rank]
 
     def stage_of_layer(self, layer: int) -> int:
         return max(s for s, start in enumerate(self.starts) if start <= layer)
+
+    def rank_of_layer(self, layer: int) -> int:
+        """The pipeline rank that runs ``layer`` (the rank of its stage)."""
+        return self.rank_of_stage(self.stage_of_layer(layer))
 
 
 def plan_stages(
@@ -460,8 +498,10 @@ def plan_stages(
     num_stages: int,
     pipeline_parallel_size: int,
     boundaries: Sequence[int] | None = None,
+    placement: Placement = "loop",
 ) -> StagePlan:
-    """Plan stages from per-layer costs, or from explicit ``boundaries`` (start layer of every stage but the first).
+    """Plan stages from per-layer costs, or from explicit ``boundaries`` (start layer of every stage but the first),
+    laid on ranks by ``placement`` (the schedule's: ``schedule_spec(name).placement``).
 
     Raises:
         ValueError: If there are more stages than layers or the boundaries are not increasing in ``(0, num_layers)``.
@@ -477,7 +517,9 @@ def plan_stages(
                 f"`partition={list(boundaries)!r}` must list the first layer of stages 1..{num_stages - 1}"
                 f" ({num_stages - 1} strictly increasing indices in 1..{n - 1}) for {num_stages} stages of {n} layers."
             )
-    return StagePlan(starts=tuple(starts), num_layers=n, pipeline_parallel_size=pipeline_parallel_size)
+    return StagePlan(
+        starts=tuple(starts), num_layers=n, pipeline_parallel_size=pipeline_parallel_size, placement=placement
+    )
 
 
 def plan_for_example(
@@ -489,8 +531,10 @@ def plan_for_example(
     pipeline_parallel_size: int,
     measured: Sequence[float] | None = None,
     warn: Callable[[str], Any] = warnings.warn,
+    placement: Placement = "loop",
 ) -> StagePlan:
-    """Plan stages for ``layers`` given example inputs of the first layer (``(args, kwargs)``, or ``None``).
+    """Plan stages for ``layers`` given example inputs of the first layer (``(args, kwargs)``, or ``None``), laid on
+    ranks by ``placement`` (:attr:`StagePlan.placement`).
 
     Only ``"compute"`` runs the layers, to count their FLOPs (:func:`layer_compute_costs`, with fake parameters);
     ``"parameters"`` and an explicit list run nothing (the layers' outputs are checked by the layer check and at
@@ -514,7 +558,11 @@ def plan_for_example(
         costs = layer_parameter_costs(layers)
     boundaries = None if isinstance(partition, str) else list(partition)
     return plan_stages(
-        costs, num_stages=num_stages, pipeline_parallel_size=pipeline_parallel_size, boundaries=boundaries
+        costs,
+        num_stages=num_stages,
+        pipeline_parallel_size=pipeline_parallel_size,
+        boundaries=boundaries,
+        placement=placement,
     )
 
 

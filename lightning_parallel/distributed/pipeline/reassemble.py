@@ -80,7 +80,7 @@ def reassemble(
     gathered: list[Any] = [None] * p
     dist.all_gather_object(gathered, mine, group=dims.pipeline_group)
     for index, layer in enumerate(layers):
-        owner = plan.stage_of_layer(index) % p
+        owner = plan.rank_of_layer(index)
         source = dims.pipeline_global_rank(owner)
         signatures: list[TensorSignature] = gathered[owner][index]
         signatures = [s for s in signatures if (index, s.name) not in later_users]

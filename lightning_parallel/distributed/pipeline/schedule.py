@@ -28,34 +28,137 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from lightning_parallel.accounting import tensor_bytes
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline import _compat
-from lightning_parallel.distributed.pipeline.partition import StageModule, StagePlan
+from lightning_parallel.distributed.pipeline.partition import Placement, StageModule, StagePlan
 from lightning_parallel.distributed.pipeline.side_effects import preserved_state
 
 __all__ = [
     "MULTI_STAGE_SCHEDULES",
     "SCHEDULES",
+    "SCHEDULE_SPECS",
     "ChunkObserver",
     "P2PObserver",
     "ParallelDims",
     "PipelineRuntime",
+    "ScheduleSpec",
     "SideEffectFreePipelineStage",
     "build_runtime",
     "check_count",
     "resolve_schedule",
+    "schedule_spec",
     "validate_schedule_config",
 ]
 
-SCHEDULES: dict[str, type] = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "LoopedBFS": ScheduleLoopedBFS,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-}
-"""The schedules we support, by their torch names. All place stage ``s`` on pipeline rank ``s % p`` (loop order)."""
 
-MULTI_STAGE_SCHEDULES = frozenset({"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"})
-"""Schedules that run several (virtual) stages per rank (``stages_per_rank >= 1``)."""
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    """What the rest of the pipeline needs to know of one schedule, as data: its torch class, how many stages a rank
+    runs and where they are placed, its micro-batch rules and whether it splits backward.
+
+    Adding a schedule is one entry in :data:`SCHEDULE_SPECS` (a V-shaped one, torch's ``ScheduleZBVZeroBubble``:
+    ``default_stages_per_rank=2, runs_any_stages_per_rank=False, placement="v", splits_backward=True``); the stage
+    plan takes the entry's placement. :func:`build_runtime` evaluates with looped forward-only schedules, so a V
+    schedule also needs its forward-only schedule there (its assertion says so).
+    """
+
+    name: str
+    """torch's name, without the ``Schedule`` prefix (what users pass as ``schedule=``)."""
+    torch_class: type[PipelineScheduleSingle] | type[PipelineScheduleMulti]
+    """The class built for training; a subclass of ``PipelineScheduleMulti`` takes every stage of a rank."""
+    default_stages_per_rank: int = 1
+    """What ``stages_per_rank="auto"`` becomes on a pipeline of several ranks."""
+    runs_any_stages_per_rank: bool = False
+    """Whether any ``stages_per_rank >= 1`` runs (the looped schedules); else exactly the default."""
+    placement: Placement = "loop"
+    """Which rank holds each stage (:attr:`.StagePlan.placement`): the stage plan must be built with it."""
+    needs_microbatch_per_rank: bool = False
+    """At least ``pipeline_parallel_size`` micro-batches: 1F1B warms up one micro-batch per stage."""
+    needs_microbatches_multiple_of_ranks: bool = False
+    """``num_microbatches`` a multiple of ``pipeline_parallel_size``: torch's interleaved schedules run the
+    micro-batches in rounds of ``p``."""
+    splits_backward: bool = False
+    """Backward split into input gradients and weight gradients (zero bubble): the weight gradients are computed
+    outside autograd's backward, so hooks that reduce gradients as backward produces them (FSDP2's) miss them."""
+
+    @property
+    def is_multi_stage(self) -> bool:
+        """Whether torch's class takes a list of stages (several per rank), rather than one stage."""
+        return issubclass(self.torch_class, PipelineScheduleMulti)
+
+    def config_error(self, *, pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> str | None:
+        """Why torch cannot run this schedule with these counts (the bad values and the fix), or ``None``."""
+        p, m = pipeline_parallel_size, num_microbatches
+        if not self.runs_any_stages_per_rank and stages_per_rank != self.default_stages_per_rank:
+            return self._stages_per_rank_error(stages_per_rank)
+        if self.needs_microbatch_per_rank and m < p:
+            return (
+                f"`schedule={self.name!r}` needs at least as many micro-batches as pipeline ranks, but"
+                f" `num_microbatches={m}` < {p} (1F1B warms up one micro-batch per stage). Use"
+                f" `num_microbatches >= {p}` (more shrinks the bubble) or 'GPipe'."
+            )
+        if self.needs_microbatches_multiple_of_ranks and m % p:
+            return (
+                f"`schedule={self.name!r}` needs `num_microbatches` to be a multiple of the pipeline size {p}, got {m}."
+            )
+        return None
+
+    def check(self, *, pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> None:
+        """Raise :meth:`config_error` as a ``ValueError``, if any."""
+        error = self.config_error(
+            pipeline_parallel_size=pipeline_parallel_size,
+            stages_per_rank=stages_per_rank,
+            num_microbatches=num_microbatches,
+        )
+        if error is not None:
+            raise ValueError(error)
+
+    def _stages_per_rank_error(self, stages_per_rank: int) -> str:
+        looped = ", ".join(sorted(s.name for s in SCHEDULE_SPECS.values() if s.runs_any_stages_per_rank))
+        if self.default_stages_per_rank == 1:
+            return (
+                f"`schedule={self.name!r}` runs one stage per rank, but `stages_per_rank={stages_per_rank}`. Use"
+                f" `stages_per_rank=1` or a multi-stage schedule: {looped}."
+            )
+        return (
+            f"`schedule={self.name!r}` runs exactly {self.default_stages_per_rank} stages per rank, but"
+            f" `stages_per_rank={stages_per_rank}`. Use `stages_per_rank={self.default_stages_per_rank}` (or 'auto')"
+            f" or a schedule that runs any number: {looped}."
+        )
+
+
+SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec(name="GPipe", torch_class=ScheduleGPipe),
+        ScheduleSpec(name="1F1B", torch_class=Schedule1F1B, needs_microbatch_per_rank=True),
+        ScheduleSpec(
+            name="Interleaved1F1B",
+            torch_class=ScheduleInterleaved1F1B,
+            default_stages_per_rank=2,
+            runs_any_stages_per_rank=True,
+            needs_microbatch_per_rank=True,
+            needs_microbatches_multiple_of_ranks=True,
+        ),
+        ScheduleSpec(
+            name="LoopedBFS", torch_class=ScheduleLoopedBFS, default_stages_per_rank=2, runs_any_stages_per_rank=True
+        ),
+        ScheduleSpec(
+            name="InterleavedZeroBubble",
+            torch_class=ScheduleInterleavedZeroBubble,
+            default_stages_per_rank=2,
+            runs_any_stages_per_rank=True,
+            needs_microbatch_per_rank=True,
+            needs_microbatches_multiple_of_ranks=True,
+            splits_backward=True,
+        ),
+    )
+}
+"""The schedules we support, by their torch names, in the order error messages list them."""
+
+SCHEDULES: dict[str, type] = {name: spec.torch_class for name, spec in SCHEDULE_SPECS.items()}
+"""The torch class of each supported schedule (from :data:`SCHEDULE_SPECS`)."""
+
+MULTI_STAGE_SCHEDULES = frozenset(name for name, spec in SCHEDULE_SPECS.items() if spec.is_multi_stage)
+"""Schedules that run several (virtual) stages per rank (from :data:`SCHEDULE_SPECS`)."""
 
 
 def resolve_schedule(name: str) -> str:
@@ -64,36 +167,36 @@ def resolve_schedule(name: str) -> str:
     Raises:
         ValueError: For an unknown name, listing the valid ones.
     """
-    by_lower = {key.lower(): key for key in SCHEDULES}
+    by_lower = {key.lower(): key for key in SCHEDULE_SPECS}
     if not isinstance(name, str) or name.lower() not in by_lower:
-        raise ValueError(f"Unknown `schedule={name!r}`. Valid schedules (case-insensitive): {', '.join(SCHEDULES)}.")
+        raise ValueError(
+            f"Unknown `schedule={name!r}`. Valid schedules (case-insensitive): {', '.join(SCHEDULE_SPECS)}."
+        )
     return by_lower[name.lower()]
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The descriptor of schedule ``name`` (case-insensitive).
+
+    Raises:
+        ValueError: For an unknown name, listing the valid ones.
+    """
+    return SCHEDULE_SPECS[resolve_schedule(name)]
 
 
 def validate_schedule_config(
     schedule: str, *, pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int
 ) -> None:
-    """Check torch's constraints for ``schedule`` before anything runs.
+    """Check torch's constraints for ``schedule`` (its :class:`ScheduleSpec`'s rules) before anything runs.
 
     Raises:
         ValueError: With the bad values and the fix.
     """
-    if schedule not in MULTI_STAGE_SCHEDULES and stages_per_rank != 1:
-        raise ValueError(
-            f"`schedule={schedule!r}` runs one stage per rank, but `stages_per_rank={stages_per_rank}`. Use"
-            f" `stages_per_rank=1` or a multi-stage schedule: {', '.join(sorted(MULTI_STAGE_SCHEDULES))}."
-        )
-    if schedule in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble") and num_microbatches < pipeline_parallel_size:
-        raise ValueError(
-            f"`schedule={schedule!r}` needs at least as many micro-batches as pipeline ranks, but"
-            f" `num_microbatches={num_microbatches}` < {pipeline_parallel_size} (1F1B warms up one micro-batch per"
-            f" stage). Use `num_microbatches >= {pipeline_parallel_size}` (more shrinks the bubble) or 'GPipe'."
-        )
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and num_microbatches % pipeline_parallel_size:
-        raise ValueError(
-            f"`schedule={schedule!r}` needs `num_microbatches` to be a multiple of the pipeline size"
-            f" {pipeline_parallel_size}, got {num_microbatches}."
-        )
+    schedule_spec(schedule).check(
+        pipeline_parallel_size=pipeline_parallel_size,
+        stages_per_rank=stages_per_rank,
+        num_microbatches=num_microbatches,
+    )
 
 
 def check_count(name: str, value: Any) -> None:
@@ -330,10 +433,14 @@ def build_runtime(
     for stage in built:
         stage.on_chunk, stage.on_p2p = on_chunk, on_p2p
     stages: list[PipelineStage] = list(built)
-    name = schedule if loss_fn is not None else ("LoopedBFS" if len(stages) > 1 else "GPipe")
-    schedule_class = SCHEDULES[name]
-    if name in MULTI_STAGE_SCHEDULES:
-        torch_schedule = schedule_class(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    spec = schedule_spec(schedule if loss_fn is not None else ("LoopedBFS" if len(stages) > 1 else "GPipe"))
+    # torch's schedules place stages by their own rule (`stage_index_to_group_rank`): the plan must agree with it (the
+    # forward-only schedules are looped: a V plan needs its own forward-only schedule here).
+    assert spec.placement == plan.placement, f"{spec.name} places stages {spec.placement!r}, the plan {plan.placement}"
+    schedule_class = spec.torch_class
+    torch_schedule: PipelineScheduleSingle | PipelineScheduleMulti
+    if issubclass(schedule_class, PipelineScheduleMulti):  # spec.is_multi_stage, spelled so that mypy narrows it
+        torch_schedule = schedule_class([*stages], num_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
         torch_schedule = schedule_class(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
     return PipelineRuntime(schedule=torch_schedule, stages=stages)

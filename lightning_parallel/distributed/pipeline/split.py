@@ -17,6 +17,7 @@ from torch import nn
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0  # re-exported: the strategy's
 from lightning_parallel.distributed.pipeline.partition import (
     PartitionMethod,
+    Placement,
     StagePlan,
     measure_layer_times,
     plan_for_example,
@@ -34,8 +35,10 @@ def plan_on_every_rank(
     pipeline_parallel_size: int,
     global_rank: int,
     device: torch.device,
+    placement: Placement = "loop",
 ) -> StagePlan:
-    """:func:`plan_for_example` with ``partition="measured"`` timed on rank 0 and shared (a collective then)."""
+    """:func:`plan_for_example` with ``partition="measured"`` timed on rank 0 and shared (a collective then); stages
+    laid on ranks by ``placement`` (the schedule's, ``schedule_spec(name).placement``)."""
     measured = None
     if partition == "measured" and example is not None:
         # Timings differ between ranks: rank 0 measures, every rank uses its numbers.
@@ -53,6 +56,7 @@ def plan_on_every_rank(
         measured=measured,
         # Every rank plans from the same layers and example shapes and warns the same: say it once.
         warn=warnings.warn if global_rank == 0 else _silent,
+        placement=placement,
     )
 
 

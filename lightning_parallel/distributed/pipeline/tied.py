@@ -5,8 +5,9 @@ both stages need the weight. Each pipeline rank that runs a user of the paramete
 ``nn.Parameter`` object of that process: the copies start equal because rank 0's weights are broadcast before the
 split); before the optimizer step the copies' gradients are summed over exactly the ranks that hold one (one process
 group per set of ranks and data-parallel replica), so every copy takes the same step, and the run equals one device.
-Where all users of a parameter land on one rank (the looped placement ``stage % p`` of the interleaved schedules
-can put stages ``s`` and ``s + p`` together), there is no copy and nothing to communicate.
+Where all users of a parameter land on one rank (the plan's placement, :meth:`.StagePlan.rank_of_stage`, can put
+two stages together: stages ``s`` and ``s + p`` in the looped placement of the interleaved schedules, the first and
+the last stage in a V), there is no copy and nothing to communicate.
 
 Checkpoints name a tied parameter once, by its first name in ``module.named_parameters()`` (its *canonical* name),
 as single-device training does; the gradient norm for clipping counts it on one rank only (its lowest pipeline rank).
@@ -95,8 +96,7 @@ class TiedLayout:
 
     def ranks_of(self, tied: TiedParameter) -> tuple[int, ...]:
         """The pipeline ranks that run a user of ``tied``, ascending."""
-        p = self.plan.pipeline_parallel_size
-        return tuple(sorted({self.plan.stage_of_layer(index) % p for index in tied.layers}))
+        return tuple(sorted({self.plan.rank_of_layer(index) for index in tied.layers}))
 
     @property
     def copied(self) -> dict[str, tuple[int, ...]]:

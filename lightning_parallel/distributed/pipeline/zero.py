@@ -37,7 +37,7 @@ from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.choices import check_choice, choices_of
 from lightning_parallel.distributed.pipeline.consolidate import WholeOptimizerState, local_optimizer_state
 from lightning_parallel.distributed.pipeline.partition import StagePlan
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.schedule import SCHEDULE_SPECS, ParallelDims, schedule_spec
 from lightning_parallel.distributed.pipeline.sync import ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, TiedParameter
 from lightning_parallel.distributed.zero import ShardView
@@ -119,25 +119,26 @@ def pipeline_zero_config(
             " does not know ZeRO-1/2's bucketed optimizer shards. Use `checkpoint_format='consolidated'` (the"
             " default; loadable under any layout), `zero_stage=0` or `zero_stage=3`."
         )
-    if zero_stage == 3 and schedule == "InterleavedZeroBubble":
+    if zero_stage == 3 and schedule is not None and schedule_spec(schedule).splits_backward:
+        others = ", ".join(repr(name) for name, spec in SCHEDULE_SPECS.items() if not spec.splits_backward)
         raise ValueError(
-            "`zero_stage=3` with `schedule='InterleavedZeroBubble'` is not supported: that schedule computes the"
-            " weight gradients outside autograd's backward, where FSDP2 reduce-scatters them. Use another schedule"
-            " ('1F1B', 'GPipe', 'Interleaved1F1B', 'LoopedBFS') or `zero_stage=2`."
+            f"`zero_stage=3` with `schedule={schedule!r}` is not supported: that schedule computes the weight"
+            f" gradients outside autograd's backward, where FSDP2 reduce-scatters them. Use another schedule"
+            f" ({others}) or `zero_stage=2`."
         )
     return config
 
 
 def check_no_tie_within_a_rank(tied: Sequence[TiedParameter], plan: StagePlan, pipeline_parallel_size: int) -> None:
     """Local, the same verdict on every rank. ZeRO-3 shards a rank's layers as separate FSDP2 units: a parameter
-    two layers of one pipeline rank share (both users of a tied weight on one rank, as the looped placement of the
-    interleaved schedules can put them) would be gathered by neither unit's forward, so it is refused.
+    two layers of one pipeline rank share (both users of a tied weight on one rank, as the plan's placement,
+    ``StagePlan.rank_of_stage``, can put them) would be gathered by neither unit's forward, so it is refused.
 
     Raises:
         ValueError: naming the parameter and the fix.
     """
     for parameter in tied:
-        ranks = [plan.stage_of_layer(index) % pipeline_parallel_size for index in parameter.layers]
+        ranks = [plan.rank_of_layer(index) for index in parameter.layers]
         if len(set(ranks)) < len(ranks):
             fix = (
                 "use `ShardedOptimizerStrategy(stage=3)` (a pipeline of one rank is data parallelism; it shards a tied"
