@@ -27,8 +27,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_parallel.accounting import peak_memory_bytes, reset_peak_memory
-from lightning_parallel.distributed.zero_backends.flat_buckets import FlatBucketBackend
-from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
+from lightning_parallel.distributed.zero.backends.flat_buckets import FlatBucketBackend
+from lightning_parallel.distributed.zero.gather import OverlappedParameterGather
 from lightning_parallel.strategies import DataParallelStrategy, ShardedOptimizerStrategy
 
 __all__ = [

@@ -54,11 +54,11 @@ from lightning_parallel.accounting import (
     reset_peak_memory,
 )
 from lightning_parallel.demos.gpt import GPT, GPTConfig
-from lightning_parallel.distributed import zero3
 from lightning_parallel.distributed.activation_checkpointing import apply_activation_checkpointing
-from lightning_parallel.distributed.zero import ShardedParameterBuckets
-from lightning_parallel.distributed.zero3_compat import initialise_root
-from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer
+from lightning_parallel.distributed.zero import stage3 as zero3
+from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
+from lightning_parallel.distributed.zero.stage3_compat import initialise_root
 
 STRATEGIES = ("single", "ddp", "ddp_zero_redundancy", "zero1", "zero2", "zero3", "deepspeed_zero1", "deepspeed_zero2")
 """``single`` is one process without any wrapper (measured once, at world size 1). ``deepspeed_*``: DeepSpeed's own

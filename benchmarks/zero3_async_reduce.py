@@ -1,11 +1,11 @@
 """Experiment (issue 23, item 2): FSDP2's gradient reduction as an async all-reduce-and-slice on gloo, against plain
-FSDP2, on the same GPT in the same forked ranks, interleaved. What ZeRO-3 now does on gloo, with the cases below
-routed to a synchronous completion, lives in ``lightning_parallel/distributed/zero3_gloo.py``; this script keeps the
-bare comparison (its own copy, no safety checks: fp32, 1-D mesh, ``zero_grad`` every step).
+FSDP2, on the same GPT in the same forked ranks, interleaved. What ZeRO-3 now does on gloo, with the cases below routed
+to a synchronous completion, lives in ``lightning_parallel/distributed/zero/stage3_gloo.py``; this script keeps the bare
+comparison (its own copy, no safety checks: fp32, 1-D mesh, ``zero_grad`` every step).
 
 FSDP2 (torch 2.13) calls its reduce-scatter synchronously (``foreach_reduce`` calls the comm without ``async_op``
 and ignores what it returns): on gloo every unit's reduction blocks backward, and gloo's reduce-scatter is slower
-than its all-reduce (``distributed/zero.py``, ``default_gradient_reduction``).
+than its all-reduce (``distributed/zero/buckets.py``, ``default_gradient_reduction``).
 ``FSDPModule.set_custom_reduce_scatter(comm: ReduceScatter)`` lets a ``ReduceScatter`` (``allocate(size, *, dtype,
 device)``, ``__call__(output_tensor, input_tensor, group, op, async_op=False)``) replace it.
 :class:`AsyncAllReduceSlice` launches an async all-reduce of the unit's input (the whole gradients) and returns at
@@ -41,8 +41,8 @@ from torch.nn import functional as F
 
 from lightning_parallel.accounting import LiveTensorPeak
 from lightning_parallel.demos.gpt import GPT, GPTConfig
-from lightning_parallel.distributed import zero3
-from lightning_parallel.distributed.zero3_compat import initialise_root
+from lightning_parallel.distributed.zero import stage3 as zero3
+from lightning_parallel.distributed.zero.stage3_compat import initialise_root
 
 VARIANTS = ("fsdp2", "async_all_reduce")
 

@@ -5,7 +5,7 @@ This is one of four ``_compat`` modules, one per layer, so that ``distributed/``
 
 * this module: Lightning privates used by ``strategies/``;
 * :mod:`lightning_parallel.distributed.pipeline._compat`: torch pipelining privates (schedule and stage internals);
-* :mod:`lightning_parallel.distributed.zero3_compat`: FSDP2 privates of the ZeRO-3 backend;
+* :mod:`lightning_parallel.distributed.zero.stage3_compat`: FSDP2 privates of the ZeRO-3 backend;
 * :mod:`lightning_parallel.monitor._compat`: the c10d ops and FSDP2 module name the monitor's collective tap reads.
 
 Names here:

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.distributed.activation_checkpointing import checkpointed_modules
 from lightning_parallel.distributed.blocks import declared_block_names, find_blocks
-from lightning_parallel.distributed.zero3 import fsdp_units
+from lightning_parallel.distributed.zero.stage3 import fsdp_units
 
 WIDTH = 8
 

@@ -1,4 +1,4 @@
-"""One ZeRO-1/2 bucket layout (``distributed/zero_layout.py``) for the buckets and the planner: a model with a bf16
+"""One ZeRO-1/2 bucket layout (``distributed/zero/layout.py``) for the buckets and the planner: a model with a bf16
 layer between fp32 ones gets a bucket per dtype run, and the planner's bytes per rank and per step EQUAL what
 ParallelismMonitor measures for it (the planner's former copy of the layout put all three layers in one fp32
 bucket)."""
@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from training_helpers import assert_monitor_equals_plan, make_trainer
 
 from lightning_parallel import ShardedOptimizerStrategy
-from lightning_parallel.distributed.zero import ShardedParameterBuckets
-from lightning_parallel.distributed.zero_layout import BucketMember, bucket_layout
+from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout
 from lightning_parallel.monitor import ParallelismMonitor
 from lightning_parallel.planner import plan
 from lightning_parallel.planner.estimate import planned_buckets

@@ -14,14 +14,14 @@ import pytest
 from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.choices import check_choice, choices_of
 from lightning_parallel.distributed.compression import COMPRESSION_CHOICES, validate_compression
-from lightning_parallel.distributed.zero_backends import (
+from lightning_parallel.distributed.zero.backends import (
     FlatBucketBackend,
     FullyShardBackend,
     MasterWeightBackend,
     ReplicatedBackend,
     ZeroContext,
 )
-from lightning_parallel.distributed.zero_config import ZeroConfig
+from lightning_parallel.distributed.zero.config import ZeroConfig
 from lightning_parallel.strategies.launch import validate_start_method
 from lightning_parallel.strategies.nonfinite import validate_nonfinite
 

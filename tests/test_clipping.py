@@ -12,8 +12,8 @@ import torch.distributed as dist
 from distributed_harness import run_distributed
 
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_, grad_norm_over_ranks
-from lightning_parallel.distributed.zero import ShardedParameterBuckets
-from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer
+from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
 
 NORM_TYPES = (1.0, 2.0, 3.0, math.inf)
 MAX_NORM = 0.5

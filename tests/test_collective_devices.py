@@ -32,9 +32,9 @@ from training_helpers import SEQ_LEN, make_module, make_trainer
 from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.demos import RandomTokenDataset
 from lightning_parallel.distributed.checkpoint import gather_scalar_states, scalar_states
-from lightning_parallel.distributed.zero import ShardedParameterBuckets
-from lightning_parallel.distributed.zero_backends.replicated import cloned_state
-from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer
+from lightning_parallel.distributed.zero.backends.replicated import cloned_state
+from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
 
 CPU = torch.device("cpu")
 

@@ -47,15 +47,15 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("distributed/pipeline/flops.py", "_attributes_restored", "__dict__"): "puts a layer's own attributes back exactly "
     "as they were after a FakeTensor FLOP count (nn.Module.__setattr__ would re-file tensors as buffers)",
     (
-        "distributed/zero3_access.py",
+        "distributed/zero/stage3_access.py",
         "ShardedModuleAccess.__init__",
         "__dict__",
     ): "our marker on the user's module, so a "
     "later strategy finds and detaches the guard; not via setattr, which would register it as a submodule",
-    ("distributed/zero3_access.py", "ShardedModuleAccess.detach", "__dict__"): "removes that marker",
+    ("distributed/zero/stage3_access.py", "ShardedModuleAccess.detach", "__dict__"): "removes that marker",
     ("distributed/averaged_copy.py", "hold_copy", "__dict__"): "our marker on the weight-averaging callback's copy "
     "(as in zero3_access)",
-    ("distributed/zero3_compat.py", "reshard_after_forward_disabled", "private"): "puts back FSDP2's own "
+    ("distributed/zero/stage3_compat.py", "reshard_after_forward_disabled", "private"): "puts back FSDP2's own "
     "reshard-after-forward setting, which its public setter cannot restore (it cannot express 'auto')",
     ("strategies/clipping.py", "with_clipping", "foreign parameter"): "the plugin is one of our clipping classes "
     "(checked with isinstance just above): our own field",

@@ -23,7 +23,7 @@ from training_helpers import _loader_for, make_module, make_trainer
 
 from lightning_parallel import ShardedOptimizerStrategy
 from lightning_parallel.accounting import LiveTensorPeak, storage_bytes
-from lightning_parallel.distributed.zero import ShardedParameterBuckets
+from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
 from lightning_parallel.monitor import ParallelismMonitor
 
 FLOAT = 4  # bytes of one fp32 element

@@ -1,4 +1,4 @@
-"""ZeRO-3's collectives on gloo (``distributed/zero3_gloo.py``, issue 23 item 2) against plain FSDP2.
+"""ZeRO-3's collectives on gloo (``distributed/zero/stage3_gloo.py``, issue 23 item 2) against plain FSDP2.
 
 Two forked gloo ranks hold the same model twice, sharded by ``zero3.apply_fully_shard``: once gathering through
 :class:`GlooAllGather` (broadcasts) and reducing through :class:`GlooGradientReduction` (async all-reduce and
@@ -17,9 +17,9 @@ from distributed_harness import run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_parallel.distributed import zero3
-from lightning_parallel.distributed.zero3_compat import initialise_root
-from lightning_parallel.distributed.zero3_gloo import GlooAllGather, GlooGradientReduction
+from lightning_parallel.distributed.zero import stage3 as zero3
+from lightning_parallel.distributed.zero.stage3_compat import initialise_root
+from lightning_parallel.distributed.zero.stage3_gloo import GlooAllGather, GlooGradientReduction
 
 WIDTH = 24
 NUM_BLOCKS = 6

@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_parallel.distributed import zero3
-from lightning_parallel.distributed.zero3_compat import initialise_root
+from lightning_parallel.distributed.zero import stage3 as zero3
+from lightning_parallel.distributed.zero.stage3_compat import initialise_root
 
 WIDTH, NUM_BLOCKS, BATCH = 64, 6, 4
 FULL_BLOCK_GRADIENT = WIDTH * WIDTH * 4  # bytes: one block's whole gradient in fp32, FSDP2's reduce-scatter input

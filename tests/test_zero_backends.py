@@ -13,7 +13,7 @@ from training_helpers import assert_weights_close, fit_tiny
 
 from lightning_parallel import ShardedOptimizerStrategy
 from lightning_parallel.distributed.gradient_sync import GradientSync
-from lightning_parallel.distributed.zero_backends import (
+from lightning_parallel.distributed.zero.backends import (
     FlatBucketBackend,
     FullyShardBackend,
     MasterWeightBackend,
@@ -21,7 +21,7 @@ from lightning_parallel.distributed.zero_backends import (
     ZeroBackend,
     ZeroContext,
 )
-from lightning_parallel.distributed.zero_config import ZeroConfig
+from lightning_parallel.distributed.zero.config import ZeroConfig
 
 GLOBAL_BATCH = 8
 CLIP = 0.05  # far below the tiny GPT's gradient norm, so clipping changes every step

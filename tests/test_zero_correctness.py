@@ -30,8 +30,8 @@ from model_zoo import AuxHeadModel, FreezeScheduleModel, TwoOptimizerGAN, _noise
 
 from lightning_parallel import ShardedOptimizerStrategy
 from lightning_parallel.distributed.checkpoint import sharded_to_consolidated
-from lightning_parallel.distributed.zero import ShardedParameterBuckets
-from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer
+from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
 
 EXACT = {"rtol": 1e-5, "atol": 1e-6}
 

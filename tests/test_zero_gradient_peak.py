@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_parallel.accounting import LiveTensorPeak, storage_bytes
-from lightning_parallel.distributed.zero import ShardedParameterBuckets
+from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
 
 WIDTH = 64
 NUM_LAYERS = 8

@@ -35,8 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import ParallelismMonitor, ShardedOptimizerStrategy
-from lightning_parallel.distributed.zero import ShardedParameterBuckets
-from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
+from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+from lightning_parallel.distributed.zero.gather import OverlappedParameterGather
 
 STEPS = 4
 GLOBAL_BATCH = 8

@@ -6,7 +6,7 @@
   ``reduce_scatter_tensor``), ``allreduce_``.
 * The module whose calls the monitor counts, by ``__name__``: FSDP2 issues its all-gathers, reduce-scatters and
   (HSDP) all-reduces from ``torch.distributed.fsdp._fully_shard``, and on gloo its gradient reductions through
-  ``lightning_parallel.distributed.zero3_gloo`` (``set_custom_reduce_scatter``). The issuer of an op is the
+  ``lightning_parallel.distributed.zero.stage3_gloo`` (``set_custom_reduce_scatter``). The issuer of an op is the
   innermost Python frame outside ``torch.distributed``'s front end (``distributed_c10d``, ``c10d_logger``, the
   ``torch._dynamo`` wrappers that disable compilation of its functions) and outside dispatch machinery
   (``torch._ops``, dispatch modes).
@@ -46,7 +46,7 @@ COUNTED_OPS: dict[Any, tuple[str, Callable[[tuple[Any, ...]], list[Tensor]]]] = 
 FSDP_ISSUERS: tuple[str, ...] = (
     "torch.distributed.fsdp._fully_shard.",
     "torch.distributed._composable.fsdp.",
-    "lightning_parallel.distributed.zero3_gloo",
+    "lightning_parallel.distributed.zero.stage3_gloo",
 )
 """FSDP2's package (torch >= 2.6), where it lived before, and ZeRO-3's reductions that FSDP2 calls on gloo."""
 TRANSPARENT_MODULES = frozenset(

@@ -66,7 +66,7 @@ from lightning_parallel.accounting import ring_wire_bytes
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.partition import StagePlan, resolve_pipeline_layers
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, find_tied_parameters
-from lightning_parallel.distributed.zero_layout import BucketMember, bucket_layout, padded_numel
+from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, padded_numel
 from lightning_parallel.planner.shape import TransformerShape
 from lightning_parallel.planner.spec import ModelSpec, ParamSpec
 
@@ -409,7 +409,7 @@ def estimate_zero3(
         notes.append("FSDP2 units unknown: one unit gathered in forward and backward assumed.")
     gather = sum((1 if u.is_root else 2) * n * sum(padded_shard[i] for i in u.params) for u in units)
     scatter = sum(n * sum(padded_shard[i] for i in u.params) for u in units)
-    # On gloo each unit's reduce-scatter runs as an all-reduce of the same payload (`distributed/zero3_gloo.py`).
+    # On gloo each unit's reduce-scatter runs as an all-reduce of the same payload (`distributed/zero/stage3_gloo.py`).
     reduction = ctx.gradient_reduction if n > 1 else "reduce_scatter"
     comm = {"all_gather": gather * compute, reduction: scatter * e}
     across = _across_replicas(comm, layout, scatter // n * e)  # each unit's reduced shard

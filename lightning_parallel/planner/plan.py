@@ -154,7 +154,7 @@ def plan(
         process_group_backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs): on gloo ZeRO-1/2 all-reduce their gradient
             buckets and ZeRO-3 its units' gradients (each rank keeps its slice) instead of reduce-scattering them,
             which is faster there (:func:`~lightning_parallel.distributed.zero.default_gradient_reduction`,
-            ``distributed/zero3_gloo.py``); bytes held do not change.
+            ``distributed/zero/stage3_gloo.py``); bytes held do not change.
 
     Raises:
         ValueError: for an unknown optimizer or precision, or a world size / node count that does not divide.

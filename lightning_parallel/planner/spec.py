@@ -1,10 +1,10 @@
 """What the planner needs to know about a model: parameter shapes, pipeline layers, FSDP2 units, transformer shape.
 
-Built on the ``meta`` device (no memory, any size) from a registered preset name, a parameter count, a registered
-config object (the demo's ``GPTConfig``), a Hugging Face config (:mod:`.hf`), a ``"package.module:Class"`` path or a
-module instance, using the same functions the strategies use to split the model
-(:func:`lightning_parallel.distributed.zero3.fsdp_units`, the pipeline partitioner). The transformer shape comes from
-the model's own hook (:mod:`.shape`).
+Built on the ``meta`` device (no memory, any size) from a registered preset name, a parameter count, a registered config
+object (the demo's ``GPTConfig``), a Hugging Face config (:mod:`.hf`), a ``"package.module:Class"`` path or a module
+instance, using the same functions the strategies use to split the model
+(:func:`lightning_parallel.distributed.zero.stage3.fsdp_units`, the pipeline partitioner). The transformer shape comes
+from the model's own hook (:mod:`.shape`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.distributed import zero3
 from lightning_parallel.distributed.pipeline.partition import (
     StagePlan,
     layer_parameter_costs,
     plan_for_example,
     resolve_pipeline_layers,
 )
+from lightning_parallel.distributed.zero import stage3 as zero3
 from lightning_parallel.planner.hf import decoder_layout, hf_notes, read_hf_config
 from lightning_parallel.planner.hf_modules import build_causal_lm
 from lightning_parallel.planner.shape import (

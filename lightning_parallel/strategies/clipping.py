@@ -40,7 +40,7 @@ class _ClippingOverRanks:
     after_gradient_hooks: Callable[[], None] | None = None
     """Called after the ``on_before_optimizer_step`` hooks and before clipping and the optimizer's update, in
     automatic and manual optimization alike: where a strategy that lent whole gradients to the hooks takes them back
-    (``distributed/zero_hook_gradients.py``). No Lightning hook runs at that point, so we override the plugin's
+    (``distributed/zero/hook_gradients.py``). No Lightning hook runs at that point, so we override the plugin's
     ``_clip_gradients``, which Lightning calls there (``Precision._after_closure``) whatever the clipping settings."""
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:  # Lightning's `Precision` hook

@@ -73,7 +73,7 @@ from lightning_parallel.distributed.pipeline.verify import (
 )
 from lightning_parallel.distributed.pipeline.zero import PipelineZeroStage, pipeline_zero_config
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within
-from lightning_parallel.distributed.zero_config import MasterWeights, OverlapParamGather
+from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync

@@ -27,9 +27,9 @@ from lightning_parallel.distributed.averaged_copy import shard_whole_state
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
-from lightning_parallel.distributed.zero_backends import ZeroBackend, ZeroContext, backend_type
-from lightning_parallel.distributed.zero_config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
-from lightning_parallel.distributed.zero_hook_gradients import GradientLoan
+from lightning_parallel.distributed.zero.backends import ZeroBackend, ZeroContext, backend_type
+from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
+from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
@@ -102,7 +102,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             forward, the others' before the training step), so it overlaps the next forward as in Megatron. Code that
             runs in between (callbacks' and the module's ``on_train_batch_end``, an EMA, manual optimization after
             ``opt.step()``) cannot read a stale value: any torch operation on a parameter there first waits for its
-            bucket (``distributed/zero_gather.py``), so a callback that reads no parameter keeps the overlap and one
+            bucket (``distributed/zero/gather.py``), so a callback that reads no parameter keeps the overlap and one
             that does reads what it would without it. ``False`` waits at the end of the step. Checkpoints,
             evaluation and backward always see current parameters.
         master_weights: with 16-bit parameters (``precision="bf16-true"`` or ``"16-true"``), ``"fp32"`` (default)

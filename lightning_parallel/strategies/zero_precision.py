@@ -1,6 +1,6 @@
 """The thin Lightning adapter of the ZeRO backends: the precision plugin ``ShardedOptimizerStrategy`` trains with.
 
-The backends (``distributed/zero_backends/``) are torch-only; Lightning clips and scales through its precision
+The backends (``distributed/zero/backends/``) are torch-only; Lightning clips and scales through its precision
 plugin. Gradient clipping over shards goes through ``strategies.clipping.with_clipping``, a subclass of whichever
 precision plugin the Trainer chose (Lightning's ``FSDPPrecision`` pattern), calling the backend's
 ``clip_grad_norm_``; under ``16-mixed`` the grad scaler becomes torch's ``ShardedGradScaler`` wherever each rank sees
@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
-from lightning_parallel.distributed.zero_backends import ZeroBackend
+from lightning_parallel.distributed.zero.backends import ZeroBackend
 from lightning_parallel.strategies.base import unwrap_optimizer
 from lightning_parallel.strategies.clipping import ClipFunction, with_clipping, with_scaler
 

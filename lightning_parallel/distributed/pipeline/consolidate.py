@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 MASTER_WEIGHTS = "master_weights"
-"""The optimizer state's entry of ZeRO's fp32 master weights (``distributed/zero_optimizer.py``), carried through the
+"""The optimizer state's entry of ZeRO's fp32 master weights (``distributed/zero/optimizer.py``), carried through the
 pipeline's consolidation by parameter name like the per-parameter state."""
 
 OptimizerLayout = list[list[str]]

@@ -1,6 +1,6 @@
 """ZeRO-3 inside the pipeline: each stage's parameters, gradients and optimizer state sharded over its replicas.
 
-Torch-only. The engine is ZeRO-3's own (:func:`~lightning_parallel.distributed.zero3.apply_fully_shard`: torch's
+Torch-only. The engine is ZeRO-3's own (:func:`~lightning_parallel.distributed.zero.stage3.apply_fully_shard`: torch's
 FSDP2 per block), on the mesh's ``"replicate"`` axis: the data-parallel replicas of one stage, which hold the same
 layers. What differs from ``ShardedOptimizerStrategy(stage=3)``:
 
@@ -48,9 +48,9 @@ from lightning_parallel.distributed.pipeline.partition import Registration, Stag
 from lightning_parallel.distributed.pipeline.sync import ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.tied import TiedParameter, canonical_names
 from lightning_parallel.distributed.pipeline.zero import check_no_tie_within_a_rank
-from lightning_parallel.distributed.zero3 import cast_parameters, named_sharded_pieces, shard_coordinates
-from lightning_parallel.distributed.zero_backends import FullyShardBackend, StageExtensions, ZeroContext
-from lightning_parallel.distributed.zero_optimizer import check_shardable
+from lightning_parallel.distributed.zero.backends import FullyShardBackend, StageExtensions, ZeroContext
+from lightning_parallel.distributed.zero.optimizer import check_shardable
+from lightning_parallel.distributed.zero.stage3 import cast_parameters, named_sharded_pieces, shard_coordinates
 
 __all__ = [
     "FullyShardSync",
@@ -121,7 +121,7 @@ class PipelineFullyShard:
             if registration.is_tensor:
                 registration.place(module, holder=self._copy_of[id(registration.holder)])
         self.gloo_reduction = backend.gloo_reduction
-        """On gloo, ZeRO-3's all-gathers and gradient reductions (``distributed/zero3_gloo.py``), as outside the
+        """On gloo, ZeRO-3's all-gathers and gradient reductions (``distributed/zero/stage3_gloo.py``), as outside the
         pipeline; not counted by the monitor (FSDP2's traffic in the pipeline is not)."""
         self.layers = dict(zip(self.indices, copies, strict=True))
         """The sharded copies by layer index: what the stages run."""

@@ -38,7 +38,7 @@ from lightning_parallel.distributed.pipeline.consolidate import WholeOptimizerSt
 from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, TiedParameter, canonical_names, split_counted
-from lightning_parallel.distributed.zero_config import ZeroConfig
+from lightning_parallel.distributed.zero.config import ZeroConfig
 
 __all__ = ["PipelineSync", "ReplicatedSync", "SyncContext", "average_across_replicas"]
 

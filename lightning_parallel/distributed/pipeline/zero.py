@@ -2,10 +2,10 @@
 
 Torch-only. A stage's replicas sit on the mesh's data axes: ``shard`` (the ranks ZeRO shards the stage over) and
 ``replicate`` (hybrid sharding: shard groups holding the same shards). Stages 1-2 are
-:class:`~lightning_parallel.distributed.zero_backends.FlatBucketBackend`, built from the same
-:class:`~lightning_parallel.distributed.zero_config.ZeroConfig` (bucket cap, fp32 master weights of 16-bit
+:class:`~lightning_parallel.distributed.zero.backends.FlatBucketBackend`, built from the same
+:class:`~lightning_parallel.distributed.zero.config.ZeroConfig` (bucket cap, fp32 master weights of 16-bit
 parameters, overlapped parameter gather, hybrid sharding) with the pipeline's extension points
-(:class:`~lightning_parallel.distributed.zero_backends.StageExtensions`):
+(:class:`~lightning_parallel.distributed.zero.backends.StageExtensions`):
 
 * No backward hooks: torch's schedules accumulate each micro-batch's gradient into ``.grad`` (the zero-bubble
   schedules outside autograd's accumulation, where a hook would not fire), so the backend takes the gradients into
@@ -40,9 +40,9 @@ from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import SCHEDULE_SPECS, ParallelDims, schedule_spec
 from lightning_parallel.distributed.pipeline.sync import ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, TiedParameter
-from lightning_parallel.distributed.zero import ShardView
-from lightning_parallel.distributed.zero_backends import FlatBucketBackend, StageExtensions, ZeroContext
-from lightning_parallel.distributed.zero_config import MasterWeights, OverlapParamGather, ZeroConfig
+from lightning_parallel.distributed.zero.backends import FlatBucketBackend, StageExtensions, ZeroContext
+from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, ZeroConfig
+from lightning_parallel.distributed.zero.flat_bucket import ShardView
 
 __all__ = [
     "ZERO_STAGES",
@@ -207,7 +207,7 @@ class TiedShardSum:
 
 
 class FlatBucketSync(ReplicatedSync):
-    """``zero_stage`` 1-2: the stage held by :class:`~lightning_parallel.distributed.zero_backends.FlatBucketBackend`
+    """``zero_stage`` 1-2: the stage held by :class:`~lightning_parallel.distributed.zero.backends.FlatBucketBackend`
     over the stage's replicas, built with the optimizers (when fitting).
 
     Until then (and in a run that does not fit) the stage is held whole, as :class:`~.sync.ReplicatedSync` holds it.

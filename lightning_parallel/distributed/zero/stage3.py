@@ -74,7 +74,7 @@ def apply_fully_shard(
     unit when the next unit reduces. A unit nested in no other unit is a root of its own with a context of its own,
     which keeps its last reduce-scatter input until the end of backward: with the blocks as siblings every block's
     whole fp32 gradients stayed alive until backward ended (measured: 12 x 27 MiB per rank on a 12-layer GPT, d=768).
-    Call :func:`~lightning_parallel.distributed.zero3_compat.initialise_root` once the parameters are materialised
+    Call :func:`~lightning_parallel.distributed.zero.stage3_compat.initialise_root` once the parameters are materialised
     so that the root stays the root whichever unit's forward runs first.
 
     Idempotent: units that are already sharded (a second ``fit``/``validate`` of the same module) are kept as they are.
@@ -321,7 +321,7 @@ def consolidated_optimizer_state(
     """Collective. The plain ``optimizer.state_dict()`` layout (integer keys in param-group order) on rank 0.
 
     ``with_master_weights``: the sharded parameters are fp32 masters of a 16-bit model; add them, whole, as
-    ``"master_weights": {index: fp32 tensor}`` (the layout of ``distributed/zero_optimizer.py``).
+    ``"master_weights": {index: fp32 tensor}`` (the layout of ``distributed/zero/optimizer.py``).
     """
     # The full layout: "state" maps names to dicts, "param_groups" is a list (torch types both as one union).
     by_name: dict[str, Any] = get_optimizer_state_dict(module, optimizer, options=_FULL)

@@ -4,14 +4,13 @@
 Why our own, not FSDP2's: on gloo both of FSDP2's collectives are the slow ones. Its all-gather: gloo's
 ``all_gather_into_tensor`` takes about three times as long as one broadcast per rank
 (``distributed/gloo_collectives.py``: 20.5M fp32 elements at 2 ranks, 27 against 85 ms); :class:`GlooAllGather`
-broadcasts (FSDP2 has already copied this rank's shard into its slice of the output) and hands FSDP2 one ``Work``.
-Its reduce-scatter: FSDP2 (torch 2.13) calls it synchronously and ignores what it returns, so on gloo every unit's
-reduction blocks backward, and gloo's ``reduce_scatter_tensor`` is slower than its all-reduce (``distributed/zero.py``,
+broadcasts (FSDP2 has already copied this rank's shard into its slice of the output) and hands FSDP2 one ``Work``. Its
+reduce-scatter: FSDP2 (torch 2.13) calls it synchronously and ignores what it returns, so on gloo every unit's reduction
+blocks backward, and gloo's ``reduce_scatter_tensor`` is slower than its all-reduce (``distributed/zero/buckets.py``,
 ``default_gradient_reduction``; stages 1-2 all-reduce and slice on gloo for the same reason).
-:class:`GlooGradientReduction` gives each unit an object with FSDP2's ``ReduceScatter`` interface
-(``allocate(size, *, dtype, device)``, ``__call__(output_tensor, input_tensor, group, op)``). Measured
-(``benchmarks/zero3_async_reduce.py``, 13.8M-parameter GPT, 2 gloo ranks): 0.89-0.93x FSDP2's step time,
-bit-identical weights.
+:class:`GlooGradientReduction` gives each unit an object with FSDP2's ``ReduceScatter`` interface (``allocate(size, *,
+dtype, device)``, ``__call__(output_tensor, input_tensor, group, op)``). Measured (``benchmarks/zero3_async_reduce.py``,
+13.8M-parameter GPT, 2 gloo ranks): 0.89-0.93x FSDP2's step time, bit-identical weights.
 
 The call starts an async all-reduce (``SUM``) of FSDP2's input (the unit's whole gradients, laid out rank by rank)
 and returns; the rank's slice is copied into FSDP2's output and divided by the group size later: when more than
@@ -48,7 +47,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.accounting import CommunicationStats
 from lightning_parallel.distributed.gloo_collectives import all_gather_by_broadcasts
-from lightning_parallel.distributed.zero3_compat import (
+from lightning_parallel.distributed.zero.stage3_compat import (
     has_all_reduce_hook,
     post_accumulate_grad_hooks,
     queue_at_end_of_backward,

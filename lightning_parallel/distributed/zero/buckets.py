@@ -15,7 +15,7 @@ Layout (Megatron's distributed optimizer / DeepSpeed ZeRO):
   in the same order even when parameters are unused on some ranks.
 * Step: the user's optimizer sees, per parameter group, 1-D views of the owned pieces of its parameters, with the
   reduced gradient shard as ``.grad``. It updates the flat parameter buffer in place; then each bucket's shard is
-  all-gathered (``distributed/zero_gather.py`` overlaps that with the next forward). Reduce-scatter + all-gather
+  all-gathered (``distributed/zero/gather.py`` overlaps that with the next forward). Reduce-scatter + all-gather
   moves the same bytes as DDP's all-reduce.
 * Unused parameters: ``torch.optim`` skips a ``None`` gradient (no momentum, no weight decay), but a flat shard
   cannot tell it from a zero one. Each sync also all-reduces one "got a gradient since the last sync" flag per
@@ -35,7 +35,7 @@ the bucket), and the slice is zeroed at the first gradient of the next accumulat
 buffer as soon as its reduce-scatter completes and keeps only the ``Psi / N`` shard. Optimizer state exists only for
 the owned views: ``K * Psi / N``. Neither stage ever holds a second full copy of gradients or optimizer state. What
 each view's ``.grad`` is across syncs (kept, carried aside, cleared: torch's semantics on one device, also in place)
-is decided in ``distributed/zero_accumulation.py``.
+is decided in ``distributed/zero/accumulation.py``.
 
 Peak memory, not only the steady state: at stage 2 a bucket's full buffer is freed as soon as its collective has
 completed and this rank's slice is taken (checked at every gradient, not only at the next launch), and a new full
@@ -58,7 +58,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -78,13 +77,14 @@ from lightning_parallel.distributed.gloo_collectives import (
     all_gather_by_broadcasts,
     default_parameter_gather,
 )
-from lightning_parallel.distributed.zero_accumulation import (
+from lightning_parallel.distributed.zero.accumulation import (
     clear_unowned,
     reduce_output,
     start_accumulation,
     take_reduced,
 )
-from lightning_parallel.distributed.zero_layout import BucketMember, bucket_layout, padded_numel
+from lightning_parallel.distributed.zero.flat_bucket import FlatBucket, Segment, ShardView
+from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, padded_numel
 
 __all__ = [
     "DEFAULT_BUCKETS_IN_FLIGHT",
@@ -99,56 +99,6 @@ __all__ = [
 DEFAULT_BUCKETS_IN_FLIGHT = 2
 """Collectives of stage-1/2 buckets that may be in flight at once (each holds a full bucket, or a shard copy); at
 stage 2 also the whole gradient buckets alive at once, the one being filled included."""
-
-
-@dataclass
-class _Segment:
-    """One parameter's place in a bucket."""
-
-    param: nn.Parameter
-    name: str
-    offset: int  # first element within the bucket
-    numel: int
-    index: int = 0  # position in the per-parameter "got a gradient" flags
-
-
-@dataclass
-class ShardView:
-    """The piece of one parameter that this rank owns: ``param.view(-1)[start:stop]``."""
-
-    name: str
-    param: nn.Parameter
-    start: int
-    stop: int
-    tensor: Tensor  # view into the bucket's fp32 master shard if it has one, else its flat parameters; stepped
-    grad: Tensor  # view into the bucket's reduced gradient shard
-    grad_offset: int = 0  # where `grad` starts in that shard
-
-
-@dataclass
-class FlatBucket:
-    """One flat bucket's tensors and sync state (a record of :class:`ShardedParameterBuckets`; the fields from
-    ``pending_shard`` to ``carried`` that keep views' ``.grad`` as torch's are handled by ``zero_accumulation``)."""
-
-    segments: list[_Segment]
-    numel: int  # padded to a multiple of the world size
-    shard_numel: int
-    flat_params: Tensor
-    shard_grads: Tensor
-    full_grads: Tensor | None = None
-    pending_shard: Tensor | None = None  # reduce-scatter output to add to `shard_grads` (accumulating syncs)
-    ready: int = 0
-    expected: int = 0  # gradients this backward will produce: segments whose parameter requires grad
-    launched: bool = False
-    work: dist.Work | None = None
-    views: list[ShardView] = field(default_factory=list)
-    master: Tensor | None = None  # fp32 copy of this rank's shard of `flat_params` (16-bit parameters)
-    send: Tensor | None = None  # fp32 copy of `full_grads` for the reduce-scatter while it is in flight
-    reduces_in_place: bool = False  # stage 1 without a master: `shard_grads` is this rank's slice of `full_grads`
-    holds_reduced: bool = False  # in place: the owned slice holds the last sync's averages, not a new accumulation
-    carried: Tensor | None = None  # in place: gradients the views kept through a sync (no `zero_grad`), re-added after
-    owned_segments: list[_Segment] = field(default_factory=list)  # segments overlapping this rank's shard
-    copy_after: tuple[Tensor, Tensor] | None = None  # all-reduce: (output, source) to copy once `work` completes
 
 
 # torch 2.12 renamed the flat collectives and deprecates the old names with a FutureWarning on every call. Looked up
@@ -250,7 +200,7 @@ class ShardedParameterBuckets:
         """Order in which complete buckets are reduce-scattered: their index (reverse registration) until the first
         sync, then the order in which rank 0's first backward completed them (:meth:`_settle_launch_order`)."""
         self._launch_order_settled = False
-        self._bucket_of: dict[nn.Parameter, tuple[FlatBucket, _Segment]] = {
+        self._bucket_of: dict[nn.Parameter, tuple[FlatBucket, Segment]] = {
             segment.param: (bucket, segment) for bucket in self.buckets for segment in bucket.segments
         }
         for index, (_, segment) in enumerate(self._bucket_of.values()):
@@ -279,7 +229,7 @@ class ShardedParameterBuckets:
             numel = param.numel()
             flat[offset : offset + numel].copy_(param.detach().reshape(-1))
             param.data = flat[offset : offset + numel].view_as(param)
-            segments.append(_Segment(param=param, name=name, offset=offset, numel=numel))
+            segments.append(Segment(param=param, name=name, offset=offset, numel=numel))
             offset += numel
         shard_numel = padded // self.world_size
         master = None

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from lightning_parallel.distributed.zero import FlatBucket
+    from lightning_parallel.distributed.zero.flat_bucket import FlatBucket
 
 __all__ = ["clear_unowned", "reduce_output", "start_accumulation", "take_reduced"]
 

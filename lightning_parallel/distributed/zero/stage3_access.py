@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.distributed.zero3_compat import (
+from lightning_parallel.distributed.zero.stage3_compat import (
     is_initialised_root,
     propagate_requires_grad,
     reshard_after_forward_disabled,
@@ -33,10 +33,10 @@ class ShardedModuleAccess:
     """Guards the FSDP units of one sharded module: a forward is allowed while a Trainer runs the module
     (``running``) or inside :meth:`full_parameters`; anywhere else it raises before FSDP's all-gather.
 
-    While the Trainer runs, the same hook carries a ``requires_grad`` change (unfreezing a backbone between steps)
-    over to FSDP2's sharded parameters before the unit gathers them (see
-    :func:`~lightning_parallel.distributed.zero3_compat.propagate_requires_grad`). Attaching to a module replaces the
-    guard a previous strategy left on it (a new Trainer, a second ``fit``).
+    While the Trainer runs, the same hook carries a ``requires_grad`` change (unfreezing a backbone between steps) over
+    to FSDP2's sharded parameters before the unit gathers them (see
+    :func:`~lightning_parallel.distributed.zero.stage3_compat.propagate_requires_grad`). Attaching to a module replaces
+    the guard a previous strategy left on it (a new Trainer, a second ``fit``).
     """
 
     def __init__(self, module: nn.Module, units: Sequence[nn.Module], *, world_size: int) -> None:

@@ -2,7 +2,7 @@
 
 Torch-only (no Lightning). The strategy builds a :class:`ZeroConfig` in ``__init__`` (every rank, before any
 collective: a bad value raises the same ``ValueError`` everywhere) and hands it whole to the backend it chooses in
-``setup`` (``distributed/zero_backends/``), which reads the fields it needs. Whether ``shard_size`` divides the world
+``setup`` (``distributed/zero/backends/``), which reads the fields it needs. Whether ``shard_size`` divides the world
 size is checked once the world size is known (:class:`~lightning_parallel.distributed.mesh.MeshLayout`).
 """
 

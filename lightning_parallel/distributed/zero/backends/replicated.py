@@ -14,7 +14,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_parallel.accounting import MemoryReport, module_memory_report
-from lightning_parallel.distributed import zero3
 from lightning_parallel.distributed.checkpoint import (
     ShardedCheckpointReader,
     ShardedPieces,
@@ -25,9 +24,10 @@ from lightning_parallel.distributed.checkpoint import (
     replicated_pieces,
     scalar_states,
 )
-from lightning_parallel.distributed.zero_backends.context import ZeroContext
-from lightning_parallel.distributed.zero_config import ZeroConfig
-from lightning_parallel.distributed.zero_hook_gradients import GradientLoan
+from lightning_parallel.distributed.zero import stage3 as zero3
+from lightning_parallel.distributed.zero.backends.context import ZeroContext
+from lightning_parallel.distributed.zero.config import ZeroConfig
+from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
 
 __all__ = ["ReplicatedBackend", "cloned_state", "full_state_from_reader", "group_params_of"]
 

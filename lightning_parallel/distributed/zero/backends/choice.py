@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from lightning_parallel.distributed.zero_backends.flat_buckets import FlatBucketBackend
-from lightning_parallel.distributed.zero_backends.fully_shard import FullyShardBackend
-from lightning_parallel.distributed.zero_backends.master_weights import MasterWeightBackend
-from lightning_parallel.distributed.zero_backends.protocol import ZeroBackend
-from lightning_parallel.distributed.zero_backends.replicated import ReplicatedBackend
+from lightning_parallel.distributed.zero.backends.flat_buckets import FlatBucketBackend
+from lightning_parallel.distributed.zero.backends.fully_shard import FullyShardBackend
+from lightning_parallel.distributed.zero.backends.master_weights import MasterWeightBackend
+from lightning_parallel.distributed.zero.backends.protocol import ZeroBackend
+from lightning_parallel.distributed.zero.backends.replicated import ReplicatedBackend
 
 __all__ = ["backend_type"]
 

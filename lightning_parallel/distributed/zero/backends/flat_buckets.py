@@ -1,5 +1,5 @@
 """ZeRO stages 1-2: parameters in flat buckets reduce-scattered as backward produces gradients, the user's optimizer
-stepping this rank's shard, then the buckets all-gathered (``distributed/zero.py``, ``zero_optimizer.py``,
+stepping this rank's shard, then the buckets all-gathered (``distributed/zero/buckets.py``, ``zero_optimizer.py``,
 ``zero_gather.py``). The waits of the sync run inside ``events.timed("exposed_communication")`` for whoever listens
 (the monitor)."""
 
@@ -16,17 +16,17 @@ from torch.optim import Optimizer
 from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, ShardedPieces
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
-from lightning_parallel.distributed.zero import ShardedParameterBuckets
-from lightning_parallel.distributed.zero_backends.context import ZeroContext
-from lightning_parallel.distributed.zero_backends.replicated import ReplicatedBackend
-from lightning_parallel.distributed.zero_config import ZeroConfig
-from lightning_parallel.distributed.zero_gather import OverlappedParameterGather
-from lightning_parallel.distributed.zero_hook_gradients import (
+from lightning_parallel.distributed.zero.backends.context import ZeroContext
+from lightning_parallel.distributed.zero.backends.replicated import ReplicatedBackend
+from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+from lightning_parallel.distributed.zero.config import ZeroConfig
+from lightning_parallel.distributed.zero.gather import OverlappedParameterGather
+from lightning_parallel.distributed.zero.hook_gradients import (
     BucketGradientLoan,
     GradientLoan,
     LocalBucketGradientLoan,
 )
-from lightning_parallel.distributed.zero_optimizer import ShardedOptimizer, check_shardable, load_from_reader
+from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer, check_shardable, load_from_reader
 
 __all__ = ["FlatBucketBackend"]
 
@@ -132,7 +132,7 @@ class FlatBucketBackend(ReplicatedBackend):
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         # The stepped optimizer's buckets: the same ones on every rank.
         indices = self.sharded_for(optimizer).bucket_indices
-        if self.gather is not None:  # waited for where each bucket is first needed (distributed/zero_gather.py)
+        if self.gather is not None:  # waited for where each bucket is first needed (distributed/zero/gather.py)
             self.gather.launch(indices)
             return
         with self.events.timed("exposed_communication"):

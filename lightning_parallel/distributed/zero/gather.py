@@ -49,8 +49,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.distributed.blocks import find_blocks
-from lightning_parallel.distributed.zero import ShardedParameterBuckets
-from lightning_parallel.distributed.zero3_compat import current_function_mode
+from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+from lightning_parallel.distributed.zero.stage3_compat import current_function_mode
 
 __all__ = ["OverlappedParameterGather"]
 

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, host_copy, place_scalar_state
-from lightning_parallel.distributed.zero import ShardedParameterBuckets, ShardView
+from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+from lightning_parallel.distributed.zero.flat_bucket import ShardView
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "check_shardable"]
 

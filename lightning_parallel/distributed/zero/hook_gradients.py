@@ -30,12 +30,13 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_parallel.distributed.zero3_compat import local_gradient, sharded_gradient_params
-from lightning_parallel.distributed.zero_accumulation import clear_unowned
+from lightning_parallel.distributed.zero.accumulation import clear_unowned
+from lightning_parallel.distributed.zero.stage3_compat import local_gradient, sharded_gradient_params
 
 if TYPE_CHECKING:
     from lightning_parallel.accounting import CommunicationStats
-    from lightning_parallel.distributed.zero import FlatBucket, ShardedParameterBuckets, ShardView
+    from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+    from lightning_parallel.distributed.zero.flat_bucket import FlatBucket, ShardView
 
 __all__ = [
     "BucketGradientLoan",

@@ -17,10 +17,10 @@ from dataclasses import replace
 
 from torch.optim import Optimizer
 
-from lightning_parallel.distributed.zero_backends.context import ZeroContext
-from lightning_parallel.distributed.zero_backends.flat_buckets import FlatBucketBackend
-from lightning_parallel.distributed.zero_config import ZeroConfig
-from lightning_parallel.distributed.zero_optimizer import check_shardable
+from lightning_parallel.distributed.zero.backends.context import ZeroContext
+from lightning_parallel.distributed.zero.backends.flat_buckets import FlatBucketBackend
+from lightning_parallel.distributed.zero.config import ZeroConfig
+from lightning_parallel.distributed.zero.optimizer import check_shardable
 
 __all__ = ["MasterWeightBackend"]
 

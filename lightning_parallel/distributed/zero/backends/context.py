@@ -82,7 +82,7 @@ class StageExtensions:
 @dataclass(frozen=True, kw_only=True)
 class ZeroContext:
     """What the strategy's ``setup`` hands a backend beside the user's
-    :class:`~lightning_parallel.distributed.zero_config.ZeroConfig`: this run's ranks, its mesh, who listens and the
+    :class:`~lightning_parallel.distributed.zero.config.ZeroConfig`: this run's ranks, its mesh, who listens and the
     Lightning side's helpers. The defaults are one rank, no listener and no callbacks (a backend used without a
     strategy)."""
 

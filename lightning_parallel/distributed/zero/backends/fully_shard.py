@@ -1,4 +1,4 @@
-"""ZeRO stage 3: torch's FSDP2 ``fully_shard`` per repeated block (``distributed/zero3*.py``).
+"""ZeRO stage 3: torch's FSDP2 ``fully_shard`` per repeated block (``distributed/zero/stage3*.py``).
 
 With 16-bit parameters and ``master_weights="fp32"`` the sharded parameters are the fp32 masters, which FSDP2 casts
 to the 16-bit dtype for compute (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); consolidated
@@ -19,21 +19,21 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.distributed import zero3
 from lightning_parallel.distributed.averaged_copy import HeldCopy, ShardedCopyLayout
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, ShardedPieces, scalar_states
 from lightning_parallel.distributed.mesh import MeshLayout
-from lightning_parallel.distributed.zero3_access import ShardedModuleAccess, reset_after_failure
-from lightning_parallel.distributed.zero3_compat import initialise_root
-from lightning_parallel.distributed.zero3_gloo import GlooGradientReduction, install_gloo_collectives
-from lightning_parallel.distributed.zero_backends.context import ZeroContext
-from lightning_parallel.distributed.zero_backends.replicated import ReplicatedBackend, group_params_of
-from lightning_parallel.distributed.zero_config import ZeroConfig
-from lightning_parallel.distributed.zero_hook_gradients import (
+from lightning_parallel.distributed.zero import stage3 as zero3
+from lightning_parallel.distributed.zero.backends.context import ZeroContext
+from lightning_parallel.distributed.zero.backends.replicated import ReplicatedBackend, group_params_of
+from lightning_parallel.distributed.zero.config import ZeroConfig
+from lightning_parallel.distributed.zero.hook_gradients import (
     GradientLoan,
     LocalShardedTensorGradientLoan,
     ShardedTensorGradientLoan,
 )
+from lightning_parallel.distributed.zero.stage3_access import ShardedModuleAccess, reset_after_failure
+from lightning_parallel.distributed.zero.stage3_compat import initialise_root
+from lightning_parallel.distributed.zero.stage3_gloo import GlooGradientReduction, install_gloo_collectives
 
 __all__ = ["FullyShardBackend"]
 

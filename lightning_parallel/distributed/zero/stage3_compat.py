@@ -9,12 +9,12 @@ communication context is created lazily); :func:`is_initialised_root` tells whic
 only at the first forward of whichever unit comes first and which has no public entry point. Checked against torch
 2.13: a version that renames these fields fails here with a named error, not silently.
 
-Also the one torch private of the stage 1-2 overlap (``distributed/zero_gather.py``): :func:`current_function_mode`
+Also the one torch private of the stage 1-2 overlap (``distributed/zero/gather.py``): :func:`current_function_mode`
 (``torch.overrides._get_current_function_mode``), the innermost active ``TorchFunctionMode``. The overlap's
 stale-read guard is entered after the optimizer step and left at the next forward, not in one ``with`` block, so it
 pops itself only when it is the innermost mode (``TorchFunctionMode.__exit__`` pops whichever mode is innermost).
 
-And what ZeRO-3's gloo gradient reduction (``distributed/zero3_gloo.py``) must know to defer a reduction safely:
+And what ZeRO-3's gloo gradient reduction (``distributed/zero/stage3_gloo.py``) must know to defer a reduction safely:
 each unit's ``FSDPParam`` records (:func:`sharded_gradient_params`), whether it has an all-reduce hook
 (:func:`has_all_reduce_hook`) or a sharded parameter a post-accumulate-grad hook (:func:`post_accumulate_grad_hooks`),
 and the autograd engine's end-of-backward callback (:func:`queue_at_end_of_backward`).
