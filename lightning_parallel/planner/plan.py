@@ -116,6 +116,12 @@ class Plan:
                 f" ({_mode_words(self.checkpointing)}, {self.attention} attention): the closest is"
                 f" {self.closest.name} at {format_bytes(self.closest.max_total)} per rank."
             )
+        fitting_rows = [c.name for c in self.configurations if c.fits]
+        if self.table_fits and chosen not in self.configurations:
+            lines.append(
+                f"In the table ({_mode_words(self.checkpointing)}) these fit: {', '.join(fitting_rows)}; the search"
+                " found a cheaper layout."
+            )
         if chosen.fits and self.num_searched:
             lines.append(
                 f"Searched {self.num_searched} layouts (activation checkpointing none / selective / full, ZeRO stages,"
