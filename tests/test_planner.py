@@ -23,11 +23,11 @@ from lightning_parallel import PipelineParallelStrategy, ShardedOptimizerStrateg
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 from lightning_parallel.monitor import ParallelismMonitor, ring_wire_bytes
 from lightning_parallel.planner import main, parse_memory, pipeline_bubble, plan
+from lightning_parallel.planner.activations import activation_bytes
 from lightning_parallel.planner.estimate import (
     OPTIMIZER_STATES,
     PRECISION_BYTES,
     EstimateContext,
-    activation_estimate,
     estimate_pipeline,
     zero_buckets,
 )
@@ -314,47 +314,38 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- activations
-def test_activation_estimate_matches_saved_bytes() -> None:
-    """The activation estimate against the bytes autograd saves for backward, counted exactly
-    (tests/test_activation_checkpointing.py), for the demo GPT (2 blocks, h 64, 2 heads, V 256, fp32, batch 4 x 256).
-
-    Torch's CPU attention kernel is fused (no scores stored), so the estimate is taken without its ``5as`` term. The
-    estimate also counts the logits' gradient (``4V`` bytes per token), which exists in backward but is not saved;
-    with checkpointing it counts the block being recomputed, measured as one block's saved bytes. Tolerance 6%:
-    the formula's ``34h`` bytes per token and block (16-bit) is 17 elements, this GPT saves 16 (its attention output
-    feeds ``c_proj`` without a copy) plus LayerNorm statistics and the log-sum-exp, and the estimate leaves out the
-    few per-token tensors outside the blocks (final norm, head input, token ids).
-    """
+def test_activation_count_equals_saved_bytes() -> None:
+    """The activation count against the bytes autograd saves for backward, counted exactly
+    (tests/test_activation_checkpointing.py), for the demo GPT (2 blocks, h 64, 2 heads, V 256, fp32, batch 4 x 256;
+    torch's fused CPU attention kernel, which stores no scores: ``attention="flash"``): equal, without and with
+    checkpointing, up to 32 bytes: the measurement's token ids are a view of a ``(B, T + 1)`` tensor (8 bytes x 4
+    extra tokens). One block's saved bytes are the block being recomputed in backward. More models, precisions and
+    kernels: tests/test_planner_activations.py."""
     measured = measure_gpt_saved_bytes()
     shape = _gpt(block_size=AC_SEQ).transformer_shape()
-    logits_gradient = 4 * shape.vocab_size * AC_BATCH * AC_SEQ
 
-    def estimate(checkpointing: bool, attention_scores: bool = False) -> int:
-        return activation_estimate(
-            shape,
-            seq_len=AC_SEQ,
-            samples=AC_BATCH,
-            blocks=shape.num_layers,
-            activation_bytes=4,
-            stream_bytes=4,
-            with_logits=True,
-            checkpointing=checkpointing,
-            attention_scores=attention_scores,
-        )
+    def count(checkpointing: str) -> object:
+        return activation_bytes(
+            shape, seq_len=AC_SEQ, samples=AC_BATCH, blocks=shape.num_layers, stream_bytes=4, compute_bytes=4,
+            attention="flash", checkpointing=checkpointing,
+        )  # fmt: skip
 
-    assert estimate(False) == pytest.approx(measured["without"] + logits_gradient, rel=0.06)
-    assert estimate(True) == pytest.approx(measured["with"] + measured["one_block"] + logits_gradient, rel=0.06)
-    # plan() uses the same formula with the attention scores (an upper bound for fused kernels).
-    for checkpointing in (False, True):
+    without, with_checkpointing = count("none"), count("full")
+    assert without.saved + 32 == measured["without"]
+    assert with_checkpointing.saved + 32 == measured["with"]
+    block_input = 4 * AC_BATCH * AC_SEQ * shape.hidden_size
+    assert with_checkpointing.transient == measured["one_block"] - block_input  # beyond the input it kept
+    # plan() reports the peak: what is saved plus the largest transient of backward.
+    for checkpointing, expected in (("none", without), ("full", with_checkpointing)):
         planned = plan(
             _gpt(block_size=AC_SEQ),
             world_size=1,
             batch_size=AC_BATCH,
             seq_len=AC_SEQ,
             activation_checkpointing=checkpointing,
+            attention="flash",
         )
-        activations = planned.configuration("data_parallel").ranks[0].activations
-        assert activations == estimate(checkpointing, attention_scores=True)
+        assert planned.configuration("data_parallel").ranks[0].activations == expected.peak  # type: ignore[attr-defined]
 
 
 def test_activation_checkpointing_option(capsys: pytest.CaptureFixture[str]) -> None:
@@ -368,11 +359,17 @@ def test_activation_checkpointing_option(capsys: pytest.CaptureFixture[str]) -> 
     assert zero2 == "ShardedOptimizerStrategy(stage=2, activation_checkpointing=True)"
     assert checkpointed.configuration("data_parallel").strategy == "DataParallelStrategy(activation_checkpointing=True)"
     assert checkpointed.configuration("pipeline pp=2, dp=1").strategy.endswith(", activation_checkpointing=True)")
-    # "small": 4 blocks x 8 x 128 tokens x 256 x 4 bytes (the residual stream stays fp32 under autocast), one block
-    # in 16-bit, the logits and their gradient in fp32.
-    h, a, s, v, tokens = 256, 4, 128, 256, 8 * 128
-    expected = 4 * tokens * h * 4 + tokens * (34 * h + 5 * a * s) + 8 * v * tokens
-    assert checkpointed.configuration("zero3").ranks[0].activations == expected
+    # "small" (h 256, 4 heads, V 256, 4 blocks), 8 x 128 tokens, flash attention (nccl's default): each block keeps
+    # its input in fp32 (the residual stream stays fp32 under autocast); the largest transient of backward is the
+    # block being recomputed (in 16-bit, with its weights' 16-bit copies) or the loss's two fp32 gradients.
+    shape = model_spec("small").shape
+    assert shape is not None
+    expected = activation_bytes(
+        shape, seq_len=128, samples=8, blocks=4, stream_bytes=4, compute_bytes=2, checkpointing="full"
+    )
+    h, v, tokens = 256, 256, 8 * 128
+    assert expected.saved == 4 * tokens * h * 4 + tokens * (8 + 4 * h + 8 + 2 * h + 4 * v + 8) + 8 * 128 + 4 + 2 * v * h
+    assert checkpointed.configuration("zero3").ranks[0].activations == expected.peak
     with pytest.raises(TypeError, match="activation_checkpointing=1"):
         plan("tiny", world_size=2, activation_checkpointing=1)
     assert main(["tiny", "--world-size", "2", "--activation-checkpointing"]) == 0

@@ -1,19 +1,26 @@
 """One layout of the ranks for every strategy: a device mesh with the named axes ``replicate`` x ``shard`` x ``pp``.
 
-The ranks are laid out row-major over ``(replicate, shard, pp)`` (torchtitan's ``ParallelDims``): the pipeline ranks
-of a model replica are adjacent, then the shards of one replica group, then the replica groups::
+The ranks are laid out row-major over ``(replicate, shard, pp)``: the pipeline ranks of a model replica are adjacent,
+then the shards of one replica group, then the replica groups::
 
     global_rank = (replicate_rank * shard_size + shard_rank) * pipeline_parallel_size + pipeline_rank
 
 * ``replicate``: ranks holding the same values (data parallel; ZeRO's replica groups under hybrid sharding; the
-  pipeline's data-parallel replicas of a stage), whose gradients are averaged by an all-reduce;
-* ``shard``: ranks holding different shards of the same values (ZeRO-1/2's buckets, ZeRO-3's FSDP2 parameters);
+  pipeline's data-parallel replicas of a stage without ZeRO), whose gradients are averaged by an all-reduce;
+* ``shard``: ranks holding different shards of the same values (ZeRO-1/2's buckets, ZeRO-3's FSDP2 parameters, also
+  of one pipeline stage);
 * ``pp``: the ranks of one pipeline, each holding other layers.
 
-A data-parallel strategy is ``(world_size, 1, 1)``; ``ShardedOptimizerStrategy(shard_size=K)`` is
-``(world_size / K, K, 1)`` (``shard_size=None``: ``(1, world_size, 1)``); ``PipelineParallelStrategy`` is
-``(world_size / P, 1, P)``. Each rank of ``replicate`` x ``shard`` reads its own slice of the global batch
-(:meth:`MeshLayout.data_parallel_rank`); the ranks of one pipeline read the same slice.
+torchtitan's ``ParallelDims`` orders its axes the other way round (``pp`` outermost: the ranks of one pipeline stage
+are adjacent, so its FSDP and TP groups stay inside a node). Here the pipeline is innermost, so the ranks of one
+pipeline share a node and its point-to-point sends stay on the fast links; the shard groups span nodes. Which is
+better depends on the network (pipeline sends are small and frequent, ZeRO's collectives large and once per step).
+
+A data-parallel strategy is ``(world_size, 1, 1)``; ``ShardedOptimizerStrategy(shard_size=K)`` is ``(world_size / K, K,
+1)`` (``shard_size=None``: ``(1, world_size, 1)``); ``PipelineParallelStrategy`` is ``(world_size / P, 1, P)``, with
+ZeRO ``(world_size / (P * K), K, P)`` (``shard_size=None``: ``K = world_size / P``). Each rank of ``replicate`` x
+``shard`` reads its own slice of the global batch (:meth:`MeshLayout.data_parallel_rank`); the ranks of one pipeline
+read the same slice.
 
 :class:`MeshLayout` is plain arithmetic (the planner uses it without any process); :meth:`MeshLayout.build` makes
 torch's :class:`~torch.distributed.device_mesh.DeviceMesh` of it, a collective.

@@ -50,8 +50,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ZeRO-1/2 bucket size in MiB")
     parser.add_argument(
         "--activation-checkpointing",
-        action="store_true",
-        help="recompute every transformer block in backward (the strategies' activation_checkpointing=True)",
+        nargs="?",
+        const="full",
+        default="none",
+        metavar="{none,selective,full}",
+        help="none (default); full (the bare flag: every transformer block recomputed in backward, the strategies'"
+        " activation_checkpointing=True); selective (torchtitan's per-op policy: every other matmul output and the"
+        " attention output kept)",
+    )
+    parser.add_argument(
+        "--attention",
+        default=None,
+        metavar="{flash,math}",
+        help="attention kernel: flash (flash / memory-efficient SDPA, no s^2 scores stored; the default) or math"
+        " (softmax(q k^T) v written out, transformers' eager: the s^2 probabilities stored)",
     )
     return parser
 
@@ -73,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             schedule=args.schedule,
             bucket_cap_mb=args.bucket_cap_mb,
             activation_checkpointing=args.activation_checkpointing,
+            attention=args.attention,
         )
     except ValueError as error:
         print(f"lightning-parallel plan: error: {error}", file=sys.stderr)

@@ -47,15 +47,13 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   the pipeline), and tied copies all-reduce their local rows. Without it, a weight tied across stages (an
   embedding shared with the LM head) is held by every rank that runs a user of it, and those ranks all-reduce its
   gradient (plus one flag element per parameter) once a step (``distributed/pipeline/tied.py``).
-* Activations are an *estimate* (see :func:`activation_estimate`): per transformer block and token ``34*h + 5*a*s``
-  bytes in 16-bit precision (Korthikanti et al., 2022, no recomputation, sequence length s, hidden h, heads a;
-  doubled in fp32), plus the logits and their gradient in fp32 (``8*V`` bytes per token). A pipeline stage holds the
-  activations of ``m`` micro-batches (GPipe) or ``min(m, p - pipeline_rank)`` (1F1B) of its own blocks. With
-  activation checkpointing (``activation_checkpointing=True``: every block recomputed in backward) each block keeps
-  only its input, ``h`` elements per token in the parameters' dtype (the residual stream stays fp32 under autocast),
-  and backward holds one block's full activations for one (micro-)batch at a time while it recomputes it.
-  Measured on the demo GPT on CPU (fp32, fused attention, so no ``5*a*s`` term): within 6% of the measured
-  saved-for-backward bytes, with and without checkpointing (``tests/test_planner.py``).
+* Activations (:mod:`.activations`): what autograd saves for backward, counted tensor by tensor for the model's
+  transformer shape (grouped-query attention, gated or GELU MLP, RMSNorm or LayerNorm), the attention kernel
+  (``"flash"``: no ``s^2`` scores stored; ``"math"``: the probabilities stored) and activation checkpointing
+  (``"none"``, ``"selective"``: torchtitan's per-op policy, ``"full"``: every block recomputed), plus the largest
+  transient of backward. Equal to the bytes measured on CPU (``tests/test_planner_activations.py``). A pipeline stage
+  holds the activations of ``m`` micro-batches (GPipe) or ``min(m, p - pipeline_rank)`` (1F1B) of its own blocks,
+  and recomputes one micro-batch at a time.
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.partition import StagePlan, resolve_pipeline_layers
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, find_tied_parameters
 from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, padded_numel
-from lightning_parallel.planner.shape import TransformerShape
+from lightning_parallel.planner.activations import activation_bytes
 from lightning_parallel.planner.spec import ModelSpec, ParamSpec
 
 __all__ = [
@@ -76,7 +74,6 @@ __all__ = [
     "ConfigEstimate",
     "EstimateContext",
     "RankEstimate",
-    "activation_estimate",
     "estimate_data_parallel",
     "estimate_pipeline",
     "estimate_zero3",
@@ -148,6 +145,8 @@ class ConfigEstimate:
     notes: list[str] = field(default_factory=list)
     communication_complete: bool = True
     """False where some traffic could not be predicted (pipeline P2P of a model without an example input)."""
+    checkpointing: str = "none"
+    """The activation-checkpointing mode its activations assume (``"none"``, ``"selective"``, ``"full"``)."""
 
     @property
     def max_total(self) -> int:
@@ -186,80 +185,50 @@ class EstimateContext:
     batch_size: int
     """Samples per batch of one data-parallel replica (what its dataloader yields)."""
     seq_len: int
-    activation_checkpointing: bool = False
-    """Every transformer block recomputed in backward (the strategies' ``activation_checkpointing=True``)."""
+    checkpointing: str = "none"
+    """Activation checkpointing: ``"none"``, ``"selective"`` (torchtitan's per-op policy) or ``"full"`` (every
+    transformer block recomputed in backward: the strategies' ``activation_checkpointing=True``)."""
+    attention: str = "flash"
+    """The attention kernel: ``"flash"`` (fused; no scores stored) or ``"math"`` (the ``s^2`` probabilities stored)."""
     gradient_reduction: str = "reduce_scatter"
     """How ZeRO-1/2 average their gradient buckets and ZeRO-3 its units' gradients: ``"reduce_scatter"`` (NCCL) or
     ``"all_reduce"`` (gloo: each rank keeps its slice)."""
 
 
-def activation_estimate(
-    shape: TransformerShape,
-    *,
-    seq_len: int,
-    samples: float,
-    blocks: float,
-    activation_bytes: int,
-    stream_bytes: int,
-    with_logits: bool,
-    checkpointing: bool = False,
-    recompute_samples: float | None = None,
-    attention_scores: bool = True,
-) -> int:
-    """Activation bytes of ``blocks`` transformer blocks (and the logits) for ``samples`` sequences of ``seq_len``.
-
-    Without checkpointing: ``blocks * tokens * (34h + 5as) * activation_bytes / 2`` (Korthikanti et al., 2022:
-    ``34h + 5as`` bytes per token and block in 16-bit precision). With it: ``blocks * tokens * h * stream_bytes``
-    (each block's input, kept for the recomputation) plus one block's ``(34h + 5as) * activation_bytes / 2`` per token
-    of ``recompute_samples`` sequences (the block being recomputed in backward; a pipeline recomputes one
-    micro-batch at a time). Both add ``8V`` bytes per token for the fp32 logits and their gradient when
-    ``with_logits``.
-
-    Args:
-        shape: The model's transformer shape.
-        seq_len: Tokens per sequence (``s``).
-        samples: Sequences whose activations are held at once (a pipeline stage: the micro-batches in flight).
-        blocks: Transformer blocks held (may be 0: a pipeline stage without blocks).
-        activation_bytes: Bytes per activation element inside a block (2 under autocast or 16-bit, else 4).
-        stream_bytes: Bytes per element of a block's input, the residual stream (the parameters' dtype).
-        with_logits: Whether the output head's logits are held here.
-        checkpointing: Every block recomputed in backward.
-        recompute_samples: Sequences recomputed at once; ``None``: ``samples``.
-        attention_scores: Count the ``5as`` attention-score term; fused attention kernels (flash / memory-efficient
-            SDPA, also torch's CPU kernel) do not store the scores, so ``False`` describes them.
-    """
-    h, a, s = shape.hidden_size, shape.num_heads, seq_len
-    per_token_block = (34 * h + (5 * a * s if attention_scores else 0)) * activation_bytes / 2
-    tokens = samples * s
-    logits = 8 * shape.vocab_size * tokens if with_logits else 0
-    if not checkpointing:
-        return int(blocks * tokens * per_token_block + logits)
-    recomputed = min(blocks, 1) * (samples if recompute_samples is None else recompute_samples) * s
-    return int(blocks * tokens * h * stream_bytes + recomputed * per_token_block + logits)
-
-
 def _activations(
-    ctx: EstimateContext, *, blocks: float, samples: float, with_logits: bool, recompute_samples: float | None = None
+    ctx: EstimateContext,
+    *,
+    blocks: float,
+    samples: float,
+    with_head: bool,
+    with_embedding: bool = True,
+    recompute_samples: float | None = None,
+    batches: int = 1,
 ) -> int | None:
+    """Peak activation bytes (:func:`.activations.activation_bytes`); ``None`` without a transformer shape."""
     shape = ctx.spec.shape
     if shape is None:
         return None
-    return activation_estimate(
+    return activation_bytes(
         shape,
         seq_len=ctx.seq_len,
         samples=samples,
         blocks=blocks,
-        activation_bytes=ctx.activation_bytes,
         stream_bytes=ctx.element_bytes,
-        with_logits=with_logits,
-        checkpointing=ctx.activation_checkpointing,
+        compute_bytes=ctx.activation_bytes,
+        attention=ctx.attention,
+        checkpointing=ctx.checkpointing,
+        with_embedding=with_embedding,
+        with_head=with_head,
         recompute_samples=recompute_samples,
-    )
+        batches=batches,
+    ).peak
 
 
 def _strategy_line(ctx: EstimateContext, registry_name: str, constructor: str, args: str = "") -> str:
-    """The ``Trainer(strategy=...)`` value: the registry name, or the constructor call with checkpointing on."""
-    if not ctx.activation_checkpointing:
+    """The ``Trainer(strategy=...)`` value: the registry name, or the constructor call with full checkpointing on
+    (selective checkpointing is applied in the model, not by the strategy: ``plan``'s note says how)."""
+    if ctx.checkpointing != "full":
         return f'"{registry_name}"'
     return f"{constructor}({args}{', ' if args else ''}activation_checkpointing=True)"
 
@@ -269,7 +238,7 @@ def estimate_data_parallel(ctx: EstimateContext) -> ConfigEstimate:
     e = ctx.element_bytes
     comm = {"all_reduce": numel * e} if ctx.world_size > 1 else {}
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
-    act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
+    act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_head=True)
     rank = RankEstimate(numel * e, numel * e, ctx.state_count * numel * e, comm, act)
     strategy = _strategy_line(ctx, "data_parallel", "DataParallelStrategy")
     return ConfigEstimate("data_parallel", strategy, [rank] * ctx.world_size)
@@ -355,7 +324,7 @@ def estimate_zero12(
     ranks = []
     buckets = planned_buckets(ctx.spec, element_bytes=ctx.element_bytes, bucket_cap_mb=bucket_cap_mb)
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
-    act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
+    act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_head=True)
     num_params = len(ctx.spec.params)
     for rank in range(ctx.world_size):
         params, grads, optimizer, comm = _zero_sharded(
@@ -371,7 +340,7 @@ def _zero_name(ctx: EstimateContext, stage: int, shard_size: int | None, layout:
     """The configuration's name and strategy line: ``zero2``, or ``zero2 shard=4`` under hybrid sharding."""
     if shard_size is None or shard_size == ctx.world_size:
         return f"zero{stage}", _strategy_line(ctx, f"zero{stage}", "ShardedOptimizerStrategy", f"stage={stage}")
-    checkpointing = ", activation_checkpointing=True" if ctx.activation_checkpointing else ""
+    checkpointing = ", activation_checkpointing=True" if ctx.checkpointing == "full" else ""
     strategy = f"ShardedOptimizerStrategy(stage={stage}, shard_size={shard_size}{checkpointing})"
     return f"zero{stage} shard={layout.shard_size}", strategy
 
@@ -414,7 +383,7 @@ def estimate_zero3(
     comm = {"all_gather": gather * compute, reduction: scatter * e}
     across = _across_replicas(comm, layout, scatter // n * e)  # each unit's reduced shard
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
-    act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_logits=True)
+    act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_head=True)
     ranks = []
     for rank in range(ctx.world_size):
         r = layout.shard_rank(rank)
@@ -493,8 +462,10 @@ def estimate_pipeline(
             ctx,
             blocks=blocks,
             samples=ctx.batch_size / m * flight,
-            with_logits=has_head,
+            with_head=has_head,
+            with_embedding=0 in stages,
             recompute_samples=ctx.batch_size / m,
+            batches=flight,
         )
         ranks.append(RankEstimate(held[0], held[1], held[2], comm, act, other_groups=others))
     name = (
@@ -505,7 +476,7 @@ def estimate_pipeline(
     args = f"pipeline_parallel_size={p}, num_microbatches={m}, schedule={schedule!r}"
     if zero_stage:
         args += f", zero_stage={zero_stage}"
-    if ctx.activation_checkpointing:
+    if ctx.checkpointing == "full":
         args += ", activation_checkpointing=True"
     bubble = pipeline_bubble(schedule, pipeline_parallel_size=p, num_microbatches=m, stages_per_rank=v)
     notes = [] if boundary is not None else [
@@ -567,7 +538,10 @@ def _tied_sync(
     per parameter (``TiedGradientSync``). ``shard=(replica, dp)``: ZeRO-3's copies, of which a replica sums its rows."""
     module = ctx.spec.module
     assert module is not None
-    layout = TiedLayout(tuple(find_tied_parameters(module, resolve_pipeline_layers(module))), plan)
+    key = ("tied",)
+    if key not in ctx.spec._cache:  # the same for every configuration: found once per model
+        ctx.spec._cache[key] = tuple(find_tied_parameters(module, resolve_pipeline_layers(module)))
+    layout = TiedLayout(ctx.spec._cache[key], plan)
     numel = {p.name: p.numel if shard is None else _local_rows(p, *shard) for p in ctx.spec.params}
     sync: dict[int, list[tuple[str, int, int]]] = {}
     for ranks, names in layout.rank_sets().items():
@@ -611,6 +585,13 @@ def _row_numel(param: ParamSpec) -> int:
 def _stage_spec(ctx: EstimateContext, plan: object, stages: list[int]) -> ModelSpec:
     """The trainable parameters these stages hold, in the module's ``named_parameters()`` order (the split module's
     order, which its ZeRO buckets follow)."""
+    key = ("stage", tuple(tuple(plan.layers_of(s)) for s in stages))  # type: ignore[attr-defined]
+    if key not in ctx.spec._cache:  # the same for every configuration with these layers
+        ctx.spec._cache[key] = _build_stage_spec(ctx, plan, stages)
+    return ctx.spec._cache[key]
+
+
+def _build_stage_spec(ctx: EstimateContext, plan: object, stages: list[int]) -> ModelSpec:
     module = ctx.spec.module
     assert module is not None
     layers = resolve_pipeline_layers(module)

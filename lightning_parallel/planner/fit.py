@@ -74,7 +74,9 @@ def largest_fitting(
 
     def planned(value: int) -> Plan:
         if value not in plans:
-            plans[value] = plan(scaled(value), world_size=world_size, device_memory=device_memory, **plan_options)
+            plans[value] = plan(
+                scaled(value), world_size=world_size, device_memory=device_memory, search_layouts=False, **plan_options
+            )
         return plans[value]
 
     # A pipeline of p stages needs at least p layers: one absent at 1 is searched from the given config's value up.

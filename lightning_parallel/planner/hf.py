@@ -315,21 +315,11 @@ def hf_notes(layout: DecoderLayout) -> list[str]:
         f" embeddings), so bytes held and sent are exact; pipelines cut its {layout.num_layers} decoder layers as"
         f" {cut}, sending only hidden states between stages."
     ]
-    h, i = layout.hidden_size, layout.intermediate_size
-    unmodelled = []
-    if not layout.is_gpt2 or i != 4 * h:
-        unmodelled.append(f"{'a gated' if not layout.is_gpt2 else 'an'} MLP of width {i} = {i / h:.2f}h")
-    if layout.num_kv_heads < layout.num_heads:
-        unmodelled.append(f"grouped-query attention ({layout.num_kv_heads} key/value heads)")
-    if unmodelled:
+    if layout.qk_norm or layout.model_type == "gemma":
+        extra = "the RMSNorms of queries and keys" if layout.qk_norm else "Gemma's (1 + weight) RMSNorm"
         notes.append(
-            f"Activations: the GPT block estimate (34h + 5as, which assumes a 4h GELU MLP and as many key/value heads"
-            f" as heads) with h={h}, a={layout.num_heads}; this model has {' and '.join(unmodelled)}: an approximation."
-        )
-    if layout.max_position_embeddings > DEFAULT_SEQ_LEN_CAP:
-        notes.append(
-            f"seq_len defaults to {DEFAULT_SEQ_LEN_CAP} tokens (the config's max_position_embeddings ="
-            f" {layout.max_position_embeddings} is the longest it takes); pass seq_len / --seq-len to plan another."
+            f"Activations: counted as a Llama block (gated MLP of width {layout.intermediate_size},"
+            f" {layout.num_kv_heads} key/value heads); {extra} is not counted."
         )
     if layout.named_architecture is not None:
         notes.append(

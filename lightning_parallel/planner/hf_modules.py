@@ -43,6 +43,13 @@ def _shape(layout: DecoderLayout) -> TransformerShape:
         max_seq_len=layout.max_position_embeddings,
         first_block_layer=1,  # pipeline_layers(): [embedding, *decoder layers, norm + lm_head]
         default_seq_len=min(layout.max_position_embeddings, DEFAULT_SEQ_LEN_CAP),
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        intermediate_size=layout.intermediate_size,
+        mlp="gelu_tanh" if layout.is_gpt2 else "swiglu",  # GPT-2's gelu_new; Gemma's GeGLU saves what SwiGLU saves
+        norm="layernorm" if layout.is_gpt2 else "rmsnorm",
+        positions="learned" if layout.is_gpt2 else "rotary",
+        fused_qkv=layout.is_gpt2,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_parallel.planner.activations import check_attention, check_checkpointing, recompute_fraction
 from lightning_parallel.planner.estimate import (
     OPTIMIZER_STATES,
     PRECISION_BYTES,
@@ -15,10 +16,12 @@ from lightning_parallel.planner.estimate import (
     estimate_zero3,
     estimate_zero12,
 )
+from lightning_parallel.planner.hf import DEFAULT_SEQ_LEN_CAP
 from lightning_parallel.planner.recommend import recommend, trainer_line
+from lightning_parallel.planner.search import cost_key, search
 from lightning_parallel.planner.spec import ModelSpec, model_spec
 
-__all__ = ["Plan", "default_microbatches", "format_bytes", "plan"]
+__all__ = ["Plan", "default_microbatches", "format_bytes", "pipeline_schedule", "plan"]
 
 _GIB = 2**30
 
@@ -40,8 +43,21 @@ class Plan:
     recommended: ConfigEstimate | None
     trainer_line: str | None
     assumptions: list[str] = field(default_factory=list)
-    activation_checkpointing: bool = False
-    """Whether the activation estimates assume every transformer block recomputed in backward."""
+    checkpointing: str = "none"
+    """The activation checkpointing the table's rows assume: ``"none"``, ``"selective"`` or ``"full"``."""
+    attention: str = "flash"
+    """The attention kernel the activations assume: ``"flash"`` or ``"math"``."""
+    table_fits: bool | None = None
+    """Whether a row of the table (the requested options) fits; ``None`` without ``device_memory``."""
+    closest: ConfigEstimate | None = None
+    """When no row fits: the row with the smallest per-rank total."""
+    num_searched: int = 0
+    """Layouts the search tried when no row fit (:mod:`lightning_parallel.planner.search`); 0: no search."""
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether the table's rows assume any activation checkpointing."""
+        return self.checkpointing != "none"
 
     def configuration(self, name: str) -> ConfigEstimate:
         """The configuration called ``name`` (``"zero2"``, ``"pipeline pp=2, dp=2"``, ...)."""
@@ -75,21 +91,73 @@ class Plan:
 
     def __str__(self) -> str:
         memory = "unlimited" if self.device_memory is None else f"{self.device_memory / _GIB:.1f} GiB"
+        checkpointing = "" if self.checkpointing == "none" else f", {self.checkpointing} activation checkpointing"
         lines = [
             f"Model {self.model}: {self.num_parameters:,} parameters; world size {self.world_size} on"
             f" {self.num_nodes} node(s), {memory} per device, {self.optimizer}, precision {self.precision},"
-            f" batch {self.batch_size} x {self.seq_len} tokens per replica"
-            f"{', activation checkpointing' if self.activation_checkpointing else ''}. Per rank, worst rank shown:",
+            f" batch {self.batch_size} x {self.seq_len} tokens per replica, {self.attention} attention"
+            f"{checkpointing}. Per rank, worst rank shown:",
             "",
             self.table(),
             "",
             *[f"* {a}" for a in self.assumptions],
             *[f"* {c.name}: {note}" for c in self.configurations for note in c.notes],
         ]
-        if self.recommended is not None:
-            fits = "" if self.recommended.fits is not False else " (NOTHING FITS: closest shown)"
-            lines += ["", f"Recommended: {self.recommended.name}{fits}", f"    {self.trainer_line}"]
-        return "\n".join(lines)
+        return "\n".join(lines + self._recommendation_lines())
+
+    def _recommendation_lines(self) -> list[str]:
+        chosen = self.recommended
+        if chosen is None:
+            return []
+        lines = [""]
+        if self.table_fits is False and self.closest is not None:
+            lines.append(
+                f"Nothing in the table fits {self.device_memory / _GIB:.1f} GiB per device"  # type: ignore[operator]
+                f" ({_mode_words(self.checkpointing)}, {self.attention} attention): the closest is"
+                f" {self.closest.name} at {format_bytes(self.closest.max_total)} per rank."
+            )
+        fitting_rows = [c.name for c in self.configurations if c.fits]
+        if self.table_fits and chosen not in self.configurations:
+            lines.append(
+                f"In the table ({_mode_words(self.checkpointing)}) these fit: {', '.join(fitting_rows)}; the search"
+                " found a cheaper layout."
+            )
+        if chosen.fits and self.num_searched:
+            lines.append(
+                f"Searched {self.num_searched} layouts (activation checkpointing none / selective / full, ZeRO stages,"
+                " shard group sizes, pipeline sizes); the cheapest that fits (planner/search.py's order: estimated"
+                f" step time with recomputation and bubble, then wire bytes) is {chosen.name} with"
+                f" {_mode_words(chosen.checkpointing)}: {_breakdown(chosen)}."
+            )
+        verdict = ""
+        if chosen.fits is False:
+            verdict = " (NOTHING FITS: closest shown)"
+        elif chosen.fits:
+            verdict = f" (fits: {format_bytes(chosen.max_total)} of {format_bytes(self.device_memory or 0)} per rank)"
+        mode = "" if chosen.checkpointing == "none" else f", {chosen.checkpointing} activation checkpointing"
+        lines += [f"Recommended: {chosen.name}{mode}{verdict}", f"    {self.trainer_line}"]
+        if chosen.checkpointing == "selective":
+            lines.append(
+                "    + selective activation checkpointing applied in the model (the strategies'"
+                " activation_checkpointing recomputes whole blocks): torch.utils.checkpoint with"
+                " create_selective_checkpoint_contexts, saving every other matmul output and the attention output,"
+                " as torchtitan's per-op policy (docs/memory.md)."
+            )
+        return lines
+
+
+def _mode_words(mode: str) -> str:
+    return "no activation checkpointing" if mode == "none" else f"{mode} activation checkpointing"
+
+
+def _breakdown(config: ConfigEstimate) -> str:
+    worst = max(config.ranks, key=lambda r: r.total)
+    activations = "?" if worst.activations is None else format_bytes(worst.activations)
+    return (
+        f"{format_bytes(worst.total)} per rank (parameters {format_bytes(worst.parameters)}, gradients"
+        f" {format_bytes(worst.gradients)}, optimizer state {format_bytes(worst.optimizer_state)}, activations"
+        f" {activations})"
+    )
 
 
 def _wire_cell(config: ConfigEstimate, world_size: int) -> str:
@@ -120,15 +188,20 @@ def plan(
     num_microbatches: int | None = None,
     schedule: str = "1F1B",
     bucket_cap_mb: float = 25.0,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
+    attention: str | None = None,
     process_group_backend: str = "nccl",
+    search_layouts: bool = True,
 ) -> Plan:
     """Predict bytes held per rank and bytes communicated per step for every strategy configuration, and pick one.
 
     Configurations: data parallel, ZeRO 1/2/3 (on several nodes also hybrid, ``zero2 shard=<devices per node>``:
     sharded within a node, replicated across nodes), and a pipeline ``p x dp`` for every divisor ``p >= 2`` of the world
-    size (models with ``pipeline_layers()`` and at least ``p`` layers). Formulas and assumptions:
-    :mod:`lightning_parallel.planner.estimate`; recommendation rule: :mod:`lightning_parallel.planner.recommend`.
+    size (models with ``pipeline_layers()`` and at least ``p`` layers). When ``device_memory`` is given and none of
+    them fits, the planner searches the other options (checkpointing modes, ZeRO stages, shard group sizes, pipelines:
+    :mod:`lightning_parallel.planner.search`) and recommends the cheapest that fits, saying first that the table's
+    rows do not. Formulas and assumptions: :mod:`lightning_parallel.planner.estimate` and
+    :mod:`lightning_parallel.planner.activations`; recommendation rule: :mod:`lightning_parallel.planner.recommend`.
 
     Args:
         model: a preset (``"gpt-1.3b"``), a parameter count (``350_000_000``, ``"1.3B"``), a ``GPTConfig``, a
@@ -136,65 +209,83 @@ def plan(
             one; :mod:`lightning_parallel.planner.hf`), a ``"package.module:Class"`` LightningModule path, or a module
             instance.
         world_size: total number of processes (devices).
-        num_nodes: machines they are spread over (changes the recommendation only).
-        device_memory: bytes per device; ``None`` skips the "fits" check.
+        num_nodes: machines they are spread over (the recommendation, and node-aligned shard groups in the search).
+        device_memory: bytes per device; ``None`` skips the "fits" check (and the search).
         optimizer: a key of :data:`~lightning_parallel.planner.estimate.OPTIMIZER_STATES`.
         precision: a Lightning precision string (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...).
         batch_size: samples per batch of one data-parallel replica (what its dataloader yields).
         seq_len: tokens per sample; ``None``: the model's ``TransformerShape`` (its ``default_seq_len``, else
             ``max_seq_len``; 1 without one; a transformers config: ``min(max_position_embeddings, 4096)``).
         num_microbatches: pipeline micro-batches; ``None``: :func:`default_microbatches` (the planner passes the
-            count it chose in the ``Trainer`` line; bytes held and sent do not depend on it).
-        schedule: pipeline schedule (``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"``).
+            count it chose in the ``Trainer`` line).
+        schedule: pipeline schedule (``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"``); 1F1B needs at least as many
+            micro-batches as stages, so a batch smaller than the pipeline is planned as GPipe
+            (:func:`pipeline_schedule`).
         bucket_cap_mb: the ZeRO-1/2 bucket size (``ShardedOptimizerStrategy(bucket_cap_mb=...)``).
-        activation_checkpointing: every transformer block recomputed in backward, as the strategies'
-            ``activation_checkpointing=True`` does: each block keeps only its input, plus one block's activations
-            while it is recomputed (:func:`~lightning_parallel.planner.estimate.activation_estimate`). The
-            recommended ``Trainer`` line then turns it on.
+        activation_checkpointing: ``"none"`` (``False``), ``"full"`` (``True``: every transformer block recomputed in
+            backward, the strategies' ``activation_checkpointing=True``; the recommended ``Trainer`` line turns it
+            on) or ``"selective"`` (torchtitan's per-op policy, applied in the model;
+            :mod:`~lightning_parallel.planner.activations`).
+        attention: the attention kernel: ``"flash"`` (flash / memory-efficient SDPA: no ``s^2`` scores stored) or
+            ``"math"`` (the probabilities stored); ``None``: ``"flash"`` for ``process_group_backend="nccl"`` (GPU
+            plans), ``"math"`` for ``"gloo"`` (CPU plans; an upper bound there: torch's CPU SDPA kernel is fused too).
         process_group_backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs): on gloo ZeRO-1/2 all-reduce their gradient
             buckets and ZeRO-3 its units' gradients (each rank keeps its slice) instead of reduce-scattering them,
-            which is faster there (:func:`~lightning_parallel.distributed.zero.default_gradient_reduction`,
+            which is faster there (:func:`~lightning_parallel.distributed.zero.buckets.default_gradient_reduction`,
             ``distributed/zero/stage3_gloo.py``); bytes held do not change.
+        search_layouts: with ``device_memory``, search every option for the cheapest layout that fits and recommend
+            it; ``False`` keeps to the table's rows (:func:`~lightning_parallel.planner.largest_fitting` does, to
+            stay fast).
 
     Raises:
-        ValueError: for an unknown optimizer or precision, or a world size / node count that does not divide.
-        TypeError: for an ``activation_checkpointing`` that is not a bool.
+        ValueError: for an unknown optimizer, precision, attention kernel or checkpointing mode, or a world size /
+            node count that does not divide.
+        TypeError: for an ``activation_checkpointing`` that is neither a bool nor a mode name.
     """
     _validate(world_size, num_nodes, optimizer, precision, batch_size, device_memory)
-    if not isinstance(activation_checkpointing, bool):
-        raise TypeError(
-            f"`activation_checkpointing={activation_checkpointing!r}` must be True or False: the planner models"
-            " checkpointing of every transformer block (`True`), which is what a set naming the block class does."
-        )
+    checkpointing = _checkpointing_mode(activation_checkpointing)
+    attention = attention if attention is not None else ("math" if process_group_backend == "gloo" else "flash")
+    check_attention(attention)
     spec = model_spec(model)
+    defaulted = seq_len is None
     if seq_len is None:
         seq_len = (spec.shape.default_seq_len or spec.shape.max_seq_len) if spec.shape is not None else 1
     element, activation = PRECISION_BYTES[precision]
-    ctx = EstimateContext(
-        spec,
-        world_size,
-        OPTIMIZER_STATES[optimizer.lower()],
-        element,
-        activation,
-        batch_size,
-        seq_len,
-        activation_checkpointing=activation_checkpointing,
-        gradient_reduction="all_reduce" if process_group_backend == "gloo" else "reduce_scatter",
-    )
-    configs = [estimate_data_parallel(ctx)]
-    if world_size == 1 and element < 4:  # 16-bit parameters: ZeRO keeps fp32 masters of everything (nothing to shard)
-        configs += [estimate_zero12(ctx, stage=s, bucket_cap_mb=bucket_cap_mb) for s in (1, 2)]
-    if world_size > 1:
-        configs += [estimate_zero12(ctx, stage=s, bucket_cap_mb=bucket_cap_mb) for s in (1, 2)]
-        configs.append(estimate_zero3(ctx))
-        per_node = world_size // num_nodes
-        if num_nodes > 1 and per_node > 1:  # hybrid: shard within a node, replicate across the nodes
-            configs += [estimate_zero12(ctx, stage=s, bucket_cap_mb=bucket_cap_mb, shard_size=per_node) for s in (1, 2)]
-            configs.append(estimate_zero3(ctx, shard_size=per_node))
-        configs += _pipelines(ctx, spec, num_microbatches=num_microbatches, schedule=schedule)
+
+    def context(mode: str) -> EstimateContext:
+        return EstimateContext(
+            spec,
+            world_size,
+            OPTIMIZER_STATES[optimizer.lower()],
+            element,
+            activation,
+            batch_size,
+            seq_len,
+            checkpointing=mode,
+            attention=attention,
+            gradient_reduction="all_reduce" if process_group_backend == "gloo" else "reduce_scatter",
+        )
+
+    def pipelines(ctx: EstimateContext, zero_stage: int) -> list[ConfigEstimate]:
+        return _pipelines(ctx, spec, num_microbatches=num_microbatches, schedule=schedule, zero_stage=zero_stage)
+
+    ctx = context(checkpointing)
+    configs = _table(ctx, num_nodes=num_nodes, bucket_cap_mb=bucket_cap_mb, pipelines=pipelines)
     for config in configs:
-        config.fits = None if device_memory is None else config.max_total <= device_memory
+        config.checkpointing = checkpointing
+    _mark_fits(configs, device_memory)
     chosen = recommend(configs, num_nodes=num_nodes)
+    table_fits = None if device_memory is None else any(c.fits for c in configs)
+    closest = min(configs, key=lambda c: c.max_total) if table_fits is False else None
+    num_searched = 0
+    if device_memory is not None and search_layouts:  # the cheapest layout that fits, over every option
+        modes = ["none", "selective", "full"] if spec.shape is not None else ["none"]
+        found = search(context, modes=modes, num_nodes=num_nodes, bucket_cap_mb=bucket_cap_mb, pipelines=pipelines)
+        _mark_fits(found, device_memory)
+        num_searched = len(found)
+        recompute = {mode: recompute_fraction(spec.shape, mode, seq_len=seq_len) for mode in modes}
+        fitting = sorted((c for c in found if c.fits), key=lambda c: cost_key(c, world_size, recompute))
+        chosen = fitting[0] if fitting else min(configs, key=lambda c: c.max_total)
     line = trainer_line(chosen, world_size=world_size, num_nodes=num_nodes, precision=precision) if chosen else None
     return Plan(
         model=spec.name,
@@ -209,31 +300,108 @@ def plan(
         configurations=configs,
         recommended=chosen,
         trainer_line=line,
-        assumptions=_assumptions(spec, activation_checkpointing=activation_checkpointing),
-        activation_checkpointing=activation_checkpointing,
+        assumptions=_assumptions(spec, checkpointing=checkpointing, attention=attention, seq_len_defaulted=defaulted),
+        checkpointing=checkpointing,
+        attention=attention,
+        table_fits=table_fits,
+        closest=closest,
+        num_searched=num_searched,
     )
 
 
+def _checkpointing_mode(value: object) -> str:
+    """``True``/``False`` or a mode name -> the mode name."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if not isinstance(value, str):
+        raise TypeError(
+            f'`activation_checkpointing={value!r}` must be True ("full"), False ("none") or one of "none",'
+            ' "selective", "full".'
+        )
+    check_checkpointing(value)
+    return value
+
+
+def _table(
+    ctx: EstimateContext,
+    *,
+    num_nodes: int,
+    bucket_cap_mb: float,
+    pipelines: Any,
+) -> list[ConfigEstimate]:
+    """The rows of the table: the configurations of the requested options."""
+    world_size = ctx.world_size
+    configs = [estimate_data_parallel(ctx)]
+    if world_size == 1 and ctx.element_bytes < 4:  # 16-bit parameters: ZeRO keeps fp32 masters of everything
+        configs += [estimate_zero12(ctx, stage=s, bucket_cap_mb=bucket_cap_mb) for s in (1, 2)]
+    if world_size > 1:
+        configs += [estimate_zero12(ctx, stage=s, bucket_cap_mb=bucket_cap_mb) for s in (1, 2)]
+        configs.append(estimate_zero3(ctx))
+        per_node = world_size // num_nodes
+        if num_nodes > 1 and per_node > 1:  # hybrid: shard within a node, replicate across the nodes
+            configs += [estimate_zero12(ctx, stage=s, bucket_cap_mb=bucket_cap_mb, shard_size=per_node) for s in (1, 2)]
+            configs.append(estimate_zero3(ctx, shard_size=per_node))
+        configs += pipelines(ctx, 0)
+    return configs
+
+
+def _mark_fits(configs: list[ConfigEstimate], device_memory: int | None) -> None:
+    for config in configs:
+        config.fits = None if device_memory is None else config.max_total <= device_memory
+
+
 def _pipelines(
-    ctx: EstimateContext, spec: ModelSpec, *, num_microbatches: int | None, schedule: str
+    ctx: EstimateContext, spec: ModelSpec, *, num_microbatches: int | None, schedule: str, zero_stage: int = 0
 ) -> list[ConfigEstimate]:
     if not spec.has_pipeline_layers:
         return []
     num_layers = len(spec.layer_numels())
-    stages_per_rank = 2 if schedule.lower().startswith("interleaved") else 1
     configs = []
     for p in range(2, ctx.world_size + 1):
-        if ctx.world_size % p or p * stages_per_rank > num_layers:
-            continue
-        m = num_microbatches or default_microbatches(ctx.batch_size, p, stages_per_rank)
-        if m is None or ctx.batch_size % m:
+        if ctx.world_size % p or (zero_stage and ctx.world_size == p):
+            continue  # zero_stage needs replicas to shard over
+        chosen = pipeline_schedule(schedule, batch_size=ctx.batch_size, pipeline_parallel_size=p,
+                                   num_microbatches=num_microbatches)  # fmt: skip
+        if chosen is None:
             continue  # the strategy refuses batches not divisible by the micro-batch count
-        configs.append(
-            estimate_pipeline(
-                ctx, pipeline_parallel_size=p, num_microbatches=m, schedule=schedule, stages_per_rank=stages_per_rank
-            )
+        m, row_schedule, stages_per_rank = chosen
+        if p * stages_per_rank > num_layers:
+            continue
+        config = estimate_pipeline(
+            ctx,
+            pipeline_parallel_size=p,
+            num_microbatches=m,
+            schedule=row_schedule,
+            stages_per_rank=stages_per_rank,
+            zero_stage=zero_stage,
         )
+        if row_schedule != schedule:
+            config.notes.append(
+                f"batch {ctx.batch_size} < {p} stages: {schedule} needs at least one micro-batch per stage, so this"
+                f" row is GPipe with {m} micro-batch(es); the stages run one after the other (bubble"
+                f" {config.bubble:.2f}): the pipeline splits the memory, not the time."
+            )
+        configs.append(config)
     return configs
+
+
+def pipeline_schedule(
+    schedule: str, *, batch_size: int, pipeline_parallel_size: int, num_microbatches: int | None
+) -> tuple[int, str, int] | None:
+    """``(micro-batches, schedule, stages per rank)`` of a ``pipeline_parallel_size`` pipeline for this batch, or
+    ``None`` when the given ``num_microbatches`` does not divide it.
+
+    :func:`default_microbatches` when it finds a count; else (a batch smaller than the pipeline: 1F1B and the
+    interleaved schedules need at least one micro-batch per stage) GPipe, which takes any count, with one
+    micro-batch per sample: at batch 1 a single micro-batch goes through the stages one after the other.
+    """
+    stages_per_rank = 2 if schedule.lower().startswith("interleaved") else 1
+    if num_microbatches is not None:
+        return (num_microbatches, schedule, stages_per_rank) if batch_size % num_microbatches == 0 else None
+    m = default_microbatches(batch_size, pipeline_parallel_size, stages_per_rank)
+    if m is not None:
+        return m, schedule, stages_per_rank
+    return batch_size, "GPipe", 1
 
 
 def default_microbatches(batch_size: int, pipeline_parallel_size: int, stages_per_rank: int) -> int | None:
@@ -247,24 +415,43 @@ def default_microbatches(batch_size: int, pipeline_parallel_size: int, stages_pe
     return None
 
 
-def _assumptions(spec: ModelSpec, *, activation_checkpointing: bool) -> list[str]:
+def _assumptions(spec: ModelSpec, *, checkpointing: str, attention: str, seq_len_defaulted: bool) -> list[str]:
+    kernel = (
+        "flash (fused SDPA: no s^2 attention scores stored)"
+        if attention == "flash"
+        else "math (the s^2 attention probabilities stored, in fp32)"
+    )
     notes = [
         "Bytes held and bytes per step are exact for our strategies (checked against ParallelismMonitor);"
-        " activations are an estimate (34h + 5as bytes per token and block in 16-bit, Korthikanti et al. 2022).",
-        "The activation estimate keeps attention scores (the 5as term); fused attention kernels (flash /"
-        " memory-efficient SDPA, the default on GPUs) do not store them, so read it as an upper bound.",
+        " activations count what autograd saves, tensor by tensor (equal to CPU measurements), plus the largest"
+        " transient of backward (planner/activations.py).",
+        f"Attention kernel: {kernel}; pass attention / --attention to change it.",
         "Pipelines: the most micro-batches up to 4 x stages that divide the batch (unless num_microbatches is given).",
         "wire bytes = the most bytes one rank puts on the wire per step under ring collectives (2(N-1)/N of an"
         " all-reduce, (N-1)/N of a reduce-scatter or all-gather; P2P as sent).",
     ]
-    if activation_checkpointing:
+    if checkpointing == "full":
         notes.append(
-            "Activation checkpointing: each block keeps its input (h elements per token in the parameters' dtype);"
-            " backward adds one block's activations for one (micro-)batch while recomputing it, and ~1/3 more"
-            " compute (each block's forward runs twice)."
+            "Full activation checkpointing: each block keeps its input; backward recomputes one block at a time"
+            " (~1/3 more compute: each block's forward runs twice)."
+        )
+    elif checkpointing == "selective":
+        notes.append(
+            "Selective activation checkpointing (torchtitan's per-op policy): each block keeps its input, every other"
+            " matmul output and the attention output; the rest is recomputed in backward."
         )
     if spec.shape is None:
         notes.append("No transformer shape (no `transformer_shape()` hook): activations are not estimated ('?').")
+    elif (
+        seq_len_defaulted
+        and spec.shape.default_seq_len is not None
+        and spec.shape.default_seq_len < spec.shape.max_seq_len
+    ):
+        notes.append(
+            f"seq_len defaults to {spec.shape.default_seq_len} tokens (min(max_position_embeddings,"
+            f" {DEFAULT_SEQ_LEN_CAP}); the model takes up to {spec.shape.max_seq_len}); pass seq_len / --seq-len to"
+            " plan another."
+        )
     return notes + spec.notes
 
 

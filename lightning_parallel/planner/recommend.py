@@ -1,7 +1,8 @@
 """Which configuration to recommend, and the ``Trainer(...)`` line that selects it.
 
-The rule, in order (each step only among configurations that fit in ``device_memory``; all of them when it is not
-given):
+With ``device_memory`` given, :func:`~lightning_parallel.planner.plan` recommends the cheapest layout that fits
+over every option (:mod:`lightning_parallel.planner.search`). Without it, and when choosing among the table's rows,
+the rule, in order (each step only among configurations that fit; all of them when no memory is given):
 
 1. ``data_parallel`` when it fits: no sharding overhead, the least code in the way.
 2. ``zero1``, then ``zero2``: the same bytes on the wire as data parallel (reduce-scatter + all-gather), less memory.

@@ -15,10 +15,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+
+from lightning_parallel.choices import check_choice
 
 __all__ = [
     "PRESET_PACKAGES",
@@ -52,6 +54,60 @@ class TransformerShape:
     default_seq_len: int | None = None
     """The planner's default ``seq_len`` when it should be shorter than :attr:`max_seq_len` (a Hugging Face config's
     ``max_position_embeddings`` of 128k tokens); ``None``: ``max_seq_len``."""
+    # What the activation count (:mod:`.activations`) reads; the defaults describe the demo GPT (GPT-2's block).
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention when fewer than :attr:`num_heads`); ``None``: :attr:`num_heads`."""
+    head_dim: int | None = None
+    """Width of one head; ``None``: ``hidden_size // num_heads``."""
+    intermediate_size: int | None = None
+    """Width of the MLP's hidden layer; ``None``: ``4 * hidden_size``."""
+    mlp: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
+    """``"gelu"``: two products around a GELU (GPT); ``"gelu_tanh"``: the same with GPT-2's tanh GELU written out in
+    element-wise ops (transformers' ``gelu_new``); ``"swiglu"``: gated, three products (Llama)."""
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """``"layernorm"`` (GPT) or ``"rmsnorm"`` computed in fp32 as Llama's ``LlamaRMSNorm``."""
+    positions: Literal["learned", "rotary"] = "learned"
+    """Learned position embeddings (GPT) or rotary embeddings (Llama)."""
+    fused_qkv: bool = True
+    """Queries, keys and values come from one product (GPT's ``c_attn``) rather than three (Llama)."""
+    dropout: bool = False
+    """Dropout is active in training (each dropout saves a 1-byte mask per element)."""
+
+    def __post_init__(self) -> None:
+        check_choice("TransformerShape.mlp", self.mlp, Literal["gelu", "gelu_tanh", "swiglu"])
+        check_choice("TransformerShape.norm", self.norm, Literal["layernorm", "rmsnorm"])
+        check_choice("TransformerShape.positions", self.positions, Literal["learned", "rotary"])
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries (and of the attention output): heads x head width."""
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys (and of the values)."""
+        return (self.num_kv_heads or self.num_heads) * self.head_size
+
+    @property
+    def mlp_size(self) -> int:
+        return self.intermediate_size or 4 * self.hidden_size
+
+    def matmul_widths(self) -> list[int]:
+        """Output widths of a block's matrix products in forward order (GPT: qkv, proj, fc, proj; Llama: q, k, v, o,
+        gate, up, down)."""
+        h, i = self.hidden_size, self.mlp_size
+        attention = [self.q_dim + 2 * self.kv_dim] if self.fused_qkv else [self.q_dim, self.kv_dim, self.kv_dim]
+        mlp = [i, i, h] if self.mlp == "swiglu" else [i, h]
+        return [*attention, h, *mlp]
+
+    def block_weight_numel(self) -> int:
+        """Elements of a block's matrix-product weights (what autocast copies to 16 bits), biases and norms not."""
+        h, i = self.hidden_size, self.mlp_size
+        return h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + (3 if self.mlp == "swiglu" else 2) * h * i
 
     def example_inputs(self, batch_size: int, seq_len: int) -> tuple[Tensor, ...]:
         """Token ids ``(batch_size, seq_len)`` on the meta device: the input of ``forward``."""

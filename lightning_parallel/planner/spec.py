@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.distributed.pipeline.partition import (
     StagePlan,
+    layer_compute_costs,
     layer_parameter_costs,
     plan_for_example,
     resolve_pipeline_layers,
@@ -81,6 +82,8 @@ class ModelSpec:
     """The transformer shape the model reports (``transformer_shape()``), for the activation estimate; ``None``:
     the model has no such hook."""
     notes: list[str] = field(default_factory=list)
+    _cache: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False, compare=False)
+    """Per-layer FLOPs and output sizes per batch shape: the same for every configuration the planner tries."""
 
     @property
     def num_parameters(self) -> int:
@@ -106,13 +109,27 @@ class ModelSpec:
         """The split ``PipelineParallelStrategy(partition="compute")`` makes for this batch (the same function)."""
         assert self.module is not None
         layers = resolve_pipeline_layers(self.module)
+        example = self.example_inputs(batch_size, seq_len)
+        costs = self._layer_costs(layers, example, batch_size, seq_len)
         return plan_for_example(
             layers,
-            self.example_inputs(batch_size, seq_len),
-            partition="compute",
+            example,
+            partition="compute" if costs is None else "measured",  # the FLOPs "compute" counts, counted once
+            measured=costs,
             num_stages=num_stages,
             pipeline_parallel_size=pipeline_parallel_size,
         )
+
+    def _layer_costs(self, layers: list[nn.Module], example: Any, batch_size: int, seq_len: int) -> list[int] | None:
+        """``layer_compute_costs`` of the layers for this batch, cached; ``None`` when they cannot be counted (the
+        partitioner then says why and splits by parameters)."""
+        key = ("costs", batch_size, seq_len)
+        if key not in self._cache:
+            try:
+                self._cache[key] = None if example is None else layer_compute_costs(layers, *example)
+            except Exception:  # the partitioner's own call reports it
+                self._cache[key] = None
+        return self._cache[key]
 
     def layer_numels(self) -> list[int]:
         assert self.module is not None
@@ -120,6 +137,12 @@ class ModelSpec:
 
     def layer_output_numels(self, batch_size: int, seq_len: int) -> list[int] | None:
         """Elements of each pipeline layer's output for a batch (what a stage boundary sends), on ``meta``."""
+        key = ("outputs", batch_size, seq_len)
+        if key not in self._cache:
+            self._cache[key] = self._layer_output_numels(batch_size, seq_len)
+        return self._cache[key]
+
+    def _layer_output_numels(self, batch_size: int, seq_len: int) -> list[int] | None:
         example = self.example_inputs(batch_size, seq_len)
         if example is None or self.module is None:
             return None

@@ -1,12 +1,12 @@
 """What a ZeRO-1/2 shard view holds as ``.grad`` across gradient syncs: torch's ``.grad`` on one device, kept exactly.
 
 On one device a parameter's ``.grad`` is ``None`` until its first gradient, accumulates over backwards until
-``zero_grad()`` (manual optimization may sync several backwards before one step), and is left alone for a parameter
-that got no gradient or whose ``requires_grad`` is off. The optimizer of
-:class:`~lightning_parallel.distributed.zero.ShardedParameterBuckets` steps 1-D views of this rank's shard of each
-bucket (:class:`~lightning_parallel.distributed.zero.ShardView`), whose ``.grad`` is a slice of the bucket's reduced
-gradient shard. The functions here decide, for one bucket at a time, where a sync's collective writes its result and
-what each view's ``.grad`` then is, so that the optimizer sees what it would see on one device:
+``zero_grad()`` (manual optimization may sync several backwards before one step), and is left alone for a parameter that
+got no gradient or whose ``requires_grad`` is off. The optimizer of
+:class:`~lightning_parallel.distributed.zero.buckets.ShardedParameterBuckets` steps 1-D views of this rank's shard of
+each bucket (:class:`~lightning_parallel.distributed.zero.flat_bucket.ShardView`), whose ``.grad`` is a slice of the
+bucket's reduced gradient shard. The functions here decide, for one bucket at a time, where a sync's collective writes
+its result and what each view's ``.grad`` then is, so that the optimizer sees what it would see on one device:
 
 * :func:`reduce_output`: at launch, the reduced shard itself when no view keeps a gradient, else a fresh tensor
   (``pending_shard``) added to the kept ones after the sync;

@@ -156,6 +156,9 @@ class ShardedParameterBuckets:
         parameter_gather: ``"all_gather"`` or ``"broadcasts"`` (one per rank, the same result); ``None``: the faster
             on ``group``'s backend (:func:`~lightning_parallel.distributed.gloo_collectives.default_parameter_gather`:
             broadcasts on gloo).
+        gradient_hooks: take each gradient into its bucket as backward produces it (a post-accumulate-grad hook per
+            parameter); ``False`` for a caller whose backward bypasses autograd's accumulation (a pipeline schedule's
+            split weight gradients): it lets backward fill ``.grad``, then calls :meth:`add_gradients`.
     """
 
     def __init__(
@@ -171,6 +174,7 @@ class ShardedParameterBuckets:
         master_dtype: torch.dtype | None = None,
         gradient_reduction: GradientReduction | None = None,
         parameter_gather: ParameterGather | None = None,
+        gradient_hooks: bool = True,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"`stage={stage!r}` is invalid for ShardedParameterBuckets: use 1 or 2.")
@@ -207,7 +211,7 @@ class ShardedParameterBuckets:
             segment.index = index
         # Parameters that got a gradient on this rank since the last sync (any micro-step counts).
         self._used = bytearray(len(self._bucket_of))
-        for param in self._bucket_of:
+        for param in self._bucket_of if gradient_hooks else ():
             # torch refuses a hook on a frozen tensor, but keeps one across `requires_grad` changes.
             frozen_now = not param.requires_grad
             param.requires_grad_(True)
@@ -590,7 +594,7 @@ class ShardedParameterBuckets:
         now into its bucket, as the backward hook does for each gradient.
 
         For a caller whose backward bypasses autograd's gradient accumulation (a pipeline schedule's split weight
-        gradients): it calls :meth:`remove_hooks` once, lets backward fill ``.grad``, then this and
+        gradients): built with ``gradient_hooks=False``, it lets backward fill ``.grad``, then calls this and
         :meth:`finish_gradient_sync` (``PipelineParallelStrategy(zero_stage=...)``).
         """
         for param in self._bucket_of:

@@ -1,5 +1,5 @@
 """Which parameters share a ZeRO-1/2 flat bucket: one pure function for the buckets themselves
-(:class:`~lightning_parallel.distributed.zero.ShardedParameterBuckets`) and for the planner's arithmetic
+(:class:`~lightning_parallel.distributed.zero.buckets.ShardedParameterBuckets`) and for the planner's arithmetic
 (:mod:`lightning_parallel.planner.estimate`), so a prediction cannot drift from what is built."""
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ class StageExtensions:
     hook is installed and ``reduce_gradients`` first takes the ``.grad`` into the buckets (stages 1-2)."""
     after_reduction: Callable[[Sequence[Any]], None] | None = None
     """Collective. Called by ``reduce_gradients`` once the stage's gradients are averaged over its replicas, with
-    the reduced shard views (stages 1-2: :class:`~lightning_parallel.distributed.zero.ShardView`): the pipeline sums
-    the copies of tied weights over the stages holding one there."""
+    the reduced shard views (stages 1-2: :class:`~lightning_parallel.distributed.zero.flat_bucket.ShardView`): the
+    pipeline sums the copies of tied weights over the stages holding one there."""
     norm_groups: tuple[Any, ...] = ()
     """Process groups over which the clipping norm is reduced beside the shard group (the pipeline's ``pp`` group:
     each pipeline rank holds other stages)."""

@@ -66,11 +66,11 @@ class FlatBucketBackend(ReplicatedBackend):
             bucket_cap_mb=self.config.bucket_cap_mb,
             frozen=held,
             master_dtype=torch.float32 if self.config.master_weights == "fp32" else None,
+            # A pipeline stage: the schedule leaves the gradients in `.grad`, taken in `reduce_gradients`.
+            gradient_hooks=self.stage_extensions is None or not self.stage_extensions.reduce_after_backward,
         )
         if self.stats is not None:
             self.buckets.stats = self.stats
-        if self.stage_extensions is not None and self.stage_extensions.reduce_after_backward:
-            self.buckets.remove_hooks()  # the gradients are taken from `.grad` in `reduce_gradients`
         if self.config.overlaps_param_gather(world_size=self.world_size):
             self.gather = OverlappedParameterGather(
                 self.buckets, self.held, waiting=lambda: self.events.timed("exposed_communication")
