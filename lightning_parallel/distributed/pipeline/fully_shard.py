@@ -1,8 +1,10 @@
 """ZeRO-3 inside the pipeline: each stage's parameters, gradients and optimizer state sharded over its replicas.
 
-Torch-only. The engine is ZeRO-3's own (:func:`~lightning_parallel.distributed.zero.stage3.apply_fully_shard`: torch's
-FSDP2 per block), on the mesh's ``"replicate"`` axis: the data-parallel replicas of one stage, which hold the same
-layers. What differs from ``ShardedOptimizerStrategy(stage=3)``:
+Torch-only. The stage is held by ZeRO-3's own backend
+(:class:`~lightning_parallel.distributed.zero.backends.FullyShardBackend`: torch's FSDP2 per block, fp32 master weights
+of 16-bit parameters, gloo's collectives), on the mesh's ``"shard"`` axis (the data-parallel replicas of one stage,
+which hold the same layers; with hybrid sharding FSDP2's HSDP over ``"replicate"`` x ``"shard"``). What differs from
+``ShardedOptimizerStrategy(stage=3)``:
 
 * The sharded modules are copies. The rank's layers are deep-copied once (together, so parameters two local layers
   share stay shared), the copies take the layers' places in the user's module for the run and are sharded; the
@@ -17,10 +19,10 @@ layers. What differs from ``ShardedOptimizerStrategy(stage=3)``:
   a plain ``StageModule`` around the units, so FSDP2's own hooks do every reduction: one reduce-scatter per
   micro-batch and unit instead of one per step (more collectives, the same result). The zero-bubble schedule,
   which computes weight gradients outside autograd's backward where those hooks fire, is refused.
-* Tied parameters: every copy is sharded the same way (same shape, same replica axis), so replica ``r`` holds the
-  same rows of each copy; after FSDP2's reduce-scatter the shards are summed over the pipeline ranks holding a copy
+* Tied parameters: every copy is sharded the same way (same shape, same mesh), so replica ``r`` holds the same rows
+  of each copy; after FSDP2's reduce-scatter the shards are summed over the pipeline ranks holding a copy
   (``tied.TiedGradientSync`` on the local shards), and the copies stay bitwise equal.
-* Clipping: the squares of the local gradient shards summed over the ``"replicate"`` group, then the ``"pp"`` group.
+* Clipping: the squares of the local gradient shards summed over the ``"shard"`` group, then the ``"pp"`` group.
 
 Per rank after a step (``dp`` replicas, a stage of ``N`` parameters, sizes divisible by ``dp``): parameters ``4N/dp``
 bytes (fp32), gradients ``4N/dp``, optimizer state ``K * 4N/dp`` (``K`` per-element states: 2 for Adam(W)).
@@ -172,7 +174,7 @@ class FullyShardSync(ReplicatedSync):
 
     FSDP2's hooks reduce-scatter each micro-batch's gradients during the schedule; afterwards only the tied copies'
     shards are summed over the pipeline ranks holding one. Clipping: the replicas hold disjoint rows of each stage's
-    gradients, so the norm is reduced over the ``"replicate"`` group, then the ``"pp"`` group.
+    gradients, so the norm is reduced over the ``"shard"`` group, then the ``"pp"`` group.
     """
 
     def __init__(self, context: SyncContext) -> None:
