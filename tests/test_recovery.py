@@ -4,19 +4,18 @@ ends with the weights of an uninterrupted run; a hundred steps with periodic che
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from distributed_harness import find_free_port
-from launch_helpers import Finished, run_together
 from training_helpers import assert_weights_close
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "fault_tolerant.py")
 STEPS, EVERY, KILL_AT = 100, 20, 70
-DEADLINE_S = 300  # for both jobs together; a job still running then is killed with its processes
 
 
 # torch 2.13 + gloo: a process may abort *after* the job finished and saved ("terminate called without an active
@@ -24,8 +23,8 @@ DEADLINE_S = 300  # for both jobs together; a job still running then is killed w
 # once, then 0 in 66 runs) and once (2026-12-02) in the pipeline's restarted attempt, with gloo groups left to the
 # interpreter's teardown; the exit handler frees them since, but the abort was too rare to show it gone. The test gives
 # torchrun one spare restart for it and still requires the final weights to equal an uninterrupted run's.
-def _torchrun_command(directory: Path, strategy: str, *, kill: bool) -> list[str]:
-    """The example under torchrun, checkpointing into ``directory``; ``kill``: rank 1 dies at step ``KILL_AT``."""
+def _torchrun(directory: Path, strategy: str, *, kill: bool) -> dict:
+    """Run the example under torchrun; return what rank 0 saved at the end."""
     restarts = 2  # one for the kill, one spare for the known exit abort
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--max-restarts={restarts}",
@@ -34,13 +33,11 @@ def _torchrun_command(directory: Path, strategy: str, *, kill: bool) -> list[str
     ]  # fmt: skip
     if kill:
         command += ["--kill-rank", "1", "--kill-at-step", str(KILL_AT)]
-    return command
-
-
-def _saved_at_the_end(finished: Finished, directory: Path, *, kill: bool) -> dict:
-    """Check how the torchrun job ended; return what rank 0 saved at the end."""
-    output = finished.output
-    assert finished.returncode == 0, output[-4000:]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
     assert f"finished at step {STEPS}" in output, output[-3000:]
     aborted = "terminate called" in output
     if aborted:  # only after the job had finished
@@ -55,19 +52,8 @@ def _saved_at_the_end(finished: Finished, directory: Path, *, kill: bool) -> dic
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["data_parallel", "zero2", "zero3", "pipeline"])
 def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(tmp_path, strategy):
-    # The two jobs are independent (own directory, own rendezvous port) and run at the same time: each job's waits
-    # (the rendezvous, a restart, its processes' exit) leave the cores to the other.
-    directories = {"uninterrupted": tmp_path / "uninterrupted", "recovered": tmp_path / "recovered"}
-    commands = {
-        name: _torchrun_command(directory, strategy, kill=name == "recovered")
-        for name, directory in directories.items()
-    }
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    finished = run_together(commands, dict.fromkeys(commands, env), deadline=DEADLINE_S)
-    uninterrupted, recovered = (
-        _saved_at_the_end(finished[name], directories[name], kill=name == "recovered") for name in directories
-    )
+    uninterrupted = _torchrun(tmp_path / "uninterrupted", strategy, kill=False)
+    recovered = _torchrun(tmp_path / "recovered", strategy, kill=True)
     assert_weights_close(recovered["weights"], uninterrupted["weights"], rtol=1e-6, atol=1e-7)
     for run in (uninterrupted, recovered):
         if not run["resources"]:  # the known exit abort: the spare restart found the job done and trained nothing
