@@ -11,11 +11,13 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from distributed_harness import find_free_port
 from launch_helpers import (
+    Finished,
     assert_all_succeeded,
     assert_equals_single_device,
     assert_ranks_took_part,
@@ -45,27 +47,54 @@ def _c10d(node_rank: int, port: int, address: str = "127.0.0.1") -> list[str]:
 # is DP x PP = 2 x 2 at world size 4: each pipeline's 2 stages on one node, the gradient all-reduce across nodes
 # (with `zero_stage=2`: the reduce-scatter and all-gather of each stage's shards across nodes). `zero2_hybrid`
 # shards within each node (`shard_size=2`) and all-reduces the shards across the two nodes.
+# No zero3 here: a torchrun job without spare restarts would fail on the known FSDP2 at-exit abort
+# (docs/reliability.md); ZeRO-3 under torchrun is covered by tests/test_recovery.py, which gives it one.
+LOOPBACK = {
+    "data_parallel": _static,
+    "zero1": _c10d,
+    "zero2": _c10d,
+    "zero2_hybrid": _static,
+    "pipeline": _static,
+    "pipeline_zero2": _c10d,
+}
+
+
+@pytest.fixture(scope="module")
+def loopback_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[dict[str, Finished], Path]]:
+    """``run(strategy)``: the two torchrun nodes' outputs and the saved weights of that strategy's loopback job.
+
+    The jobs are independent (own ports, own output file), so two run at the same time: the strategy asked for and
+    the next one in ``LOOPBACK`` not run yet, whose result waits here for its own test. One job leaves part of the two
+    cores idle (rendezvous, process exit); the other fills it.
+    """
+    results: dict[str, tuple[dict[str, Finished], Path]] = {}
+
+    def run(strategy: str) -> tuple[dict[str, Finished], Path]:
+        if strategy not in results:
+            partner = next((name for name in LOOPBACK if name != strategy and name not in results), None)
+            batch = [strategy] if partner is None else [strategy, partner]
+            commands, saves = {}, {}
+            for name in batch:
+                port, saves[name] = find_free_port(), tmp_path_factory.mktemp(name) / "final.ckpt"
+                launcher = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=2"]
+                for rank in (0, 1):
+                    rendezvous = LOOPBACK[name](rank, port)
+                    commands[name, rank] = [*launcher, *rendezvous, *example_command(name, saves[name])]
+            finished = run_together(
+                {f"{name} node{rank}": command for (name, rank), command in commands.items()},
+                {f"{name} node{rank}": clean_environment() for name, rank in commands},
+            )
+            for name in batch:
+                results[name] = ({f"node{rank}": finished[f"{name} node{rank}"] for rank in (0, 1)}, saves[name])
+        return results[strategy]
+
+    return run
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("strategy", "rendezvous"),
-    # No zero3 here: a torchrun job without spare restarts would fail on the known FSDP2 at-exit abort
-    # (docs/reliability.md); ZeRO-3 under torchrun is covered by tests/test_recovery.py, which gives it one.
-    [
-        ("data_parallel", _static),
-        ("zero1", _c10d),
-        ("zero2", _c10d),
-        ("zero2_hybrid", _static),
-        ("pipeline", _static),
-        ("pipeline_zero2", _c10d),
-    ],
-)
-def test_two_torchrun_nodes_on_loopback_train_like_one_device(strategy, rendezvous, tmp_path):
-    port, save = find_free_port(), tmp_path / "final.ckpt"
-    launcher = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=2"]
-    commands = {
-        f"node{rank}": [*launcher, *rendezvous(rank, port), *example_command(strategy, save)] for rank in (0, 1)
-    }
-    finished = run_together(commands, {name: clean_environment() for name in commands})
+@pytest.mark.parametrize("strategy", list(LOOPBACK))
+def test_two_torchrun_nodes_on_loopback_train_like_one_device(strategy, loopback_run):
+    finished, save = loopback_run(strategy)
     output = assert_all_succeeded(finished)
     assert_ranks_took_part(output, world_size=4, num_nodes=2, environment="TorchElasticEnvironment")
     # Each torchrun process ran exactly one node's two ranks.

@@ -7,6 +7,7 @@ parameters returned to the kernel) as JSON, and asserts on those numbers, not on
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -73,11 +74,29 @@ def kernel_environment(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _execute(name: str, jupyter_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[nbformat.NotebookNode, dict]:
-    monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the kernel must never create a CUDA context before forking
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+@pytest.fixture(scope="module")
+def executed(kernel_environment: Path) -> dict[str, tuple[nbformat.NotebookNode, dict] | BaseException]:
+    """Every notebook executed end to end, each in its own fresh kernel, the kernels running at the same time.
+
+    One kernel keeps about one of the two cores busy while it imports torch and Lightning and between its forked
+    runs; the notebooks share nothing (each run logs into its own temporary directory), so the kernels overlap.
+    Returns ``{name: (the executed notebook, the facts its extra cell printed)}``, or the exception it raised, which
+    that notebook's test raises again.
+    """
+    with pytest.MonkeyPatch.context() as monkeypatch:  # the kernels inherit this environment when they start
+        monkeypatch.setenv("JUPYTER_PATH", str(kernel_environment))
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the kernel must never create a CUDA context before forking
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+        outcomes = asyncio.run(_execute_all(NOTEBOOKS))
+    return dict(zip(NOTEBOOKS, outcomes, strict=True))
+
+
+async def _execute_all(names: list[str]) -> list[tuple[nbformat.NotebookNode, dict] | BaseException]:
+    return await asyncio.gather(*(_execute(name) for name in names), return_exceptions=True)
+
+
+async def _execute(name: str) -> tuple[nbformat.NotebookNode, dict]:
     notebook = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
     notebook.cells.append(nbformat.v4.new_code_cell(FACTS_CELL))
     client = NotebookClient(
@@ -86,7 +105,7 @@ def _execute(name: str, jupyter_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         kernel_name=KERNEL_NAME,
         resources={"metadata": {"path": str(NOTEBOOK_DIR)}},  # the kernel's cwd: `import training_report` works
     )
-    client.execute()
+    await client.async_execute()
     stdout = [out["text"] for out in notebook.cells[-1].outputs if out.get("name") == "stdout"]
     return notebook, json.loads("".join(stdout).strip().splitlines()[-1])
 
@@ -192,7 +211,10 @@ CHECKS = {
 @pytest.mark.slow
 @pytest.mark.timeout(4 * CELL_TIMEOUT_S)
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_in_a_real_kernel(name: str, kernel_environment: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    notebook, facts = _execute(name, kernel_environment, monkeypatch)
+def test_notebook_runs_in_a_real_kernel(name: str, executed: dict) -> None:
+    outcome = executed[name]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    notebook, facts = outcome
     _check_common(notebook, facts)
     CHECKS[name](facts)
