@@ -35,14 +35,20 @@ from lightning_parallel.distributed.pipeline.checkpoint_format import (
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.contract import replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
-from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches
+from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, check_divisible_batch
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
-from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan, validate_partition
+from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned
 from lightning_parallel.distributed.pipeline.run import PipelineRun
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims, check_count, resolve_schedule
+from lightning_parallel.distributed.pipeline.schedule import ParallelDims, resolve_schedule
 from lightning_parallel.distributed.pipeline.stage_copy import StageCopyLayout
-from lightning_parallel.distributed.pipeline.stage_split import check_not_split, check_splittable, split_into_stages
+from lightning_parallel.distributed.pipeline.stage_split import (
+    build_parallel_dims,
+    check_not_split,
+    check_splittable,
+    pipeline_mesh_layout,
+    split_into_stages,
+)
 from lightning_parallel.distributed.pipeline.tied import TiedLayout
 from lightning_parallel.distributed.pipeline.verify import closure_evaluated_twice
 from lightning_parallel.distributed.pipeline.zero import PipelineZeroStage, pipeline_zero_config
@@ -148,19 +154,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self.schedule = resolve_schedule(schedule)
-        for name, count in [
-            ("pipeline_parallel_size", pipeline_parallel_size),
-            ("num_microbatches", num_microbatches),
-            ("stages_per_rank", stages_per_rank),
-        ]:
-            check_count(name, count)
-        if not isinstance(verify_layers, bool):
-            raise TypeError(f"`verify_layers={verify_layers!r}` must be True or False.")
-        validate_partition(partition)
-        if checkpoint_format not in CHECKPOINT_FORMATS:
-            raise ValueError(
-                f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
-            )
+        pipeline_setup.check_arguments(
+            pipeline_parallel_size=pipeline_parallel_size,
+            num_microbatches=num_microbatches,
+            stages_per_rank=stages_per_rank,
+            partition=partition,
+            verify_layers=verify_layers,
+            checkpoint_format=checkpoint_format,
+        )
         zero_config = pipeline_zero_config(  # ShardedOptimizerStrategy's ZeroConfig and messages
             zero_stage,
             shard_size=shard_size,
@@ -285,8 +286,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._resolve_config()
         # BatchNorm normalises each micro-batch on the rank of its stage; nothing here would synchronise it.
         check_layer_sync(_compat.layer_sync_of(self), self.strategy_name, self.root_device, supported=False)
-        sizes = f" (`pipeline_parallel_size={self.pipeline_parallel_size}` x `stages_per_rank={self.stages_per_rank}`)"
-        check_splittable(model, num_stages=self.num_stages, sizes=sizes)
+        counts = f" (`pipeline_parallel_size={self.pipeline_parallel_size}` x `stages_per_rank={self.stages_per_rank}`)"
+        check_splittable(model, num_stages=self.num_stages, counts=counts)
 
     @override
     def setup_environment(self) -> None:
@@ -308,10 +309,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         """``replicate x shard x P``: the data-parallel replicas of each stage on the ``replicate`` axis, or with ZeRO
         on the ``shard`` axis (``shard_size`` of them; the rest on ``replicate``: hybrid sharding)."""
         p = self.pipeline_parallel_size
-        if self.zero_config is None or self.world_size % p:
-            return MeshLayout(self.world_size, pipeline_parallel_size=p)
-        shard_size = self.zero_config.shard_size or self.world_size // p
-        return MeshLayout(self.world_size, shard_size=shard_size, pipeline_parallel_size=p)
+        return pipeline_mesh_layout(self.world_size, pipeline_parallel_size=p, zero_config=self.zero_config)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -364,7 +362,17 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
         layouts = pipeline_setup.whole_model_optimizer_layouts(module, fitting=fitting)
         previous = self._run  # an earlier split's ranks and groups are reused (groups are created once)
-        dims = previous.dims if previous is not None else self._new_parallel_dims()
+        if previous is not None:
+            dims = previous.dims
+        else:  # on the mesh built in `setup_environment` (its groups: a collective done there)
+            p, zero_config = self.pipeline_parallel_size, self.zero_config
+            dims = build_parallel_dims(
+                self.world_size,
+                self.global_rank,
+                pipeline_parallel_size=p,
+                zero_config=zero_config,
+                mesh=self.device_mesh,
+            )
         precision = self.precision_plugin.precision
         self._run = split_into_stages(
             module,
@@ -389,15 +397,6 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             on_p2p=self.communication_stats.record if self.track_communication else None,
             previous=previous,
         )
-
-    def _new_parallel_dims(self) -> ParallelDims:
-        shard_size = self.mesh_layout.shard_size
-        mesh = self.device_mesh  # built in `setup_environment` (its groups: a collective done there)
-        dims = ParallelDims(
-            self.world_size, self.global_rank, self.pipeline_parallel_size, shard_size=shard_size, mesh=mesh
-        )
-        dims.flatten_data_axes()  # hybrid sharding: one group of every replica of the stage (a collective)
-        return dims
 
     def _tracked_stats(self) -> CommunicationStats | None:
         """Where collective bytes are counted now (``None`` unless a monitor switched counting on)."""
@@ -424,27 +423,11 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         run.check_same_trainable_parameters(module, device=self.root_device, owner="PipelineParallelStrategy")
         with self.precision_plugin.train_step_context():
             model_inputs, size = engine.capture_inputs("training_step", args, kwargs)
-            if size % engine.num_microbatches:
-                raise ValueError(
-                    f"The training batch size {size} is not divisible by `num_microbatches={engine.num_microbatches}`;"
-                    " the pipeline splits every batch into equal micro-batches. Use a batch size that is a multiple"
-                    f" of {engine.num_microbatches}."
-                )
-            params = list(module.parameters())
-            previous = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-            try:
-                with self.events.timed("pipeline_step"):
-                    divisor = engine.num_microbatches * module.trainer.accumulate_grad_batches
-                    outcome = engine.train_step(
-                        "training_step", args, kwargs, model_inputs=model_inputs, divisor=divisor
-                    )
-            finally:
-                # This batch's gradients are handed over in `backward`, after Lightning's `zero_grad`.
-                run.pending_grads = [p.grad for p in params]
-                for p, grad in zip(params, previous, strict=True):
-                    p.grad = grad
+            check_divisible_batch(size, engine.num_microbatches)
+            divisor = engine.num_microbatches * module.trainer.accumulate_grad_batches
+            # This batch's gradients are handed over in `backward`, after Lightning's `zero_grad`.
+            with run.gradients_set_aside(module), self.events.timed("pipeline_step"):
+                outcome = engine.train_step("training_step", args, kwargs, model_inputs=model_inputs, divisor=divisor)
         self._replay(outcome)
         assert outcome.loss is not None  # a training step always has one
         loss = outcome.loss.to(self.root_device).requires_grad_()
@@ -506,11 +489,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         module = self.lightning_module
         assert module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        run = self._current_run
-        pending, run.pending_grads = run.pending_grads, None
-        for p, grad in zip(module.parameters(), pending, strict=True) if pending is not None else ():
-            if grad is not None:
-                p.grad = grad if p.grad is None else p.grad + grad
+        self._current_run.hand_over_gradients(module)
         with self._hook_windows.window("on_after_backward"):  # post_backward calls it; the whole model if overridden
             return self.precision_plugin.post_backward(closure_loss, module)
 

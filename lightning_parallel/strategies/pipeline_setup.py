@@ -15,7 +15,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_parallel import _compat
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout, optimizer_layout
 from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch
-from lightning_parallel.distributed.pipeline.microbatch import batch_size_of
+from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, check_divisible_batch
+from lightning_parallel.distributed.pipeline.partition import validate_partition
+from lightning_parallel.distributed.pipeline.schedule import check_count
 from lightning_parallel.distributed.pipeline.verify import check_single_evaluation_optimizers
 from lightning_parallel.distributed.zero_config import ZeroConfig
 from lightning_parallel.strategies.parameter_callbacks import (
@@ -26,6 +28,7 @@ from lightning_parallel.strategies.parameter_callbacks import (
 
 __all__ = [
     "SUPPORTED_PRECISION",
+    "check_arguments",
     "check_callbacks",
     "check_precision",
     "example_model_inputs",
@@ -41,6 +44,31 @@ _STEP_NAMES = {
     TrainerFn.TESTING: "test_step",
     TrainerFn.PREDICTING: "predict_step",
 }
+
+
+def check_arguments(
+    *,
+    pipeline_parallel_size: object,
+    num_microbatches: object,
+    stages_per_rank: object,
+    partition: object,
+    verify_layers: object,
+    checkpoint_format: object,
+) -> None:
+    """The constructor's arguments that no config object validates (``ValueError``/``TypeError`` naming the value)."""
+    for name, count in [
+        ("pipeline_parallel_size", pipeline_parallel_size),
+        ("num_microbatches", num_microbatches),
+        ("stages_per_rank", stages_per_rank),
+    ]:
+        check_count(name, count)
+    if not isinstance(verify_layers, bool):
+        raise TypeError(f"`verify_layers={verify_layers!r}` must be True or False.")
+    validate_partition(partition)
+    if checkpoint_format not in ("consolidated", "sharded"):
+        raise ValueError(
+            f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
+        )
 
 
 def example_model_inputs(
@@ -66,12 +94,8 @@ def example_model_inputs(
         return None
     inputs = model_inputs_of_batch(module, step, (batch, 0), {}, call=call)
     size = batch_size_of(inputs)
-    if step == "training_step" and size is not None and size % num_microbatches:
-        raise ValueError(
-            f"The training batch size {size} is not divisible by `num_microbatches={num_microbatches}`;"
-            " the pipeline splits every batch into equal micro-batches. Choose a batch size that is a multiple"
-            f" of {num_microbatches} or another `num_microbatches`."
-        )
+    if step == "training_step" and size is not None:
+        check_divisible_batch(size, num_microbatches)
     return inputs
 
 

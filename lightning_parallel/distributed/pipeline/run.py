@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,29 @@ class PipelineRun:
     def drop_split(self) -> None:
         """The module is whole again: forget the engine and the layers."""
         self.engine, self.layers, self.registrations = None, [], []
+
+    @contextmanager
+    def gradients_set_aside(self, module: nn.Module) -> Iterator[None]:
+        """Local. Run a step with ``.grad`` cleared: afterwards its gradients wait in :attr:`pending_grads` and the
+        earlier ones are back, for a loop that zeroes gradients between the step and its backward (Lightning's);
+        :meth:`hand_over_gradients` adds them then."""
+        params = list(module.parameters())
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+        finally:
+            self.pending_grads = [p.grad for p in params]
+            for p, grad in zip(params, previous, strict=True):
+                p.grad = grad
+
+    def hand_over_gradients(self, module: nn.Module) -> None:
+        """Local. Add the gradients :meth:`gradients_set_aside` kept to ``.grad`` (nothing if none wait)."""
+        pending, self.pending_grads = self.pending_grads, None
+        for p, grad in zip(module.parameters(), pending, strict=True) if pending is not None else ():
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad + grad
 
     def reassemble(self, module: nn.Module, *, device: torch.device) -> None:
         """Collective over the pipeline (and, at ZeRO-3, the replicas). Give every rank the whole ``module`` back:

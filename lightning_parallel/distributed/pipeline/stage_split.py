@@ -7,8 +7,9 @@ moved to ``meta``), the sync holding the stage over its replicas and the engine 
 :meth:`~.run.PipelineRun.reassemble` gives the whole module back. ``PipelineParallelStrategy`` calls these and adds
 only what the Trainer knows (the example batch, the precision plugin, the optimizers' layout, hooks).
 
-A plain loop (every rank; ``dims.build_groups("cpu")`` first)::
+A plain loop, on every rank of a joined process group (``tests/test_pipeline_torch_split.py`` runs it)::
 
+    dims = build_parallel_dims(world_size, rank, pipeline_parallel_size=2)  # the mesh and its groups
     run = split_into_stages(model, dims=dims, device=device, num_stages=2, schedule="1F1B", num_microbatches=2)
     optimizer = torch.optim.AdamW(model.parameters())  # this rank's parameters only
     run.sync.setup_optimizers([optimizer])
@@ -17,9 +18,10 @@ A plain loop (every rank; ``dims.build_groups("cpu")`` first)::
         run.engine.train_step("training_step", (batch, index), {}, model_inputs=inputs, divisor=2)
         run.sync.reduce_gradients()  # over the replicas of each stage, then the tied copies' sum
         optimizer.step()
-        run.sync.after_optimizer_step(optimizer)
+        run.sync.after_optimizer_step(optimizer)  # ZeRO-1/2: all-gather the stepped shards
         optimizer.zero_grad()
     run.reassemble(model, device=device)  # the whole model again on every rank
+    run.sync.teardown()
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.accounting import CommunicationStats
+from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout
 from lightning_parallel.distributed.pipeline.contract import ModelCall
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
@@ -63,7 +66,14 @@ from lightning_parallel.distributed.pipeline.tied import (
 from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
 from lightning_parallel.distributed.zero_config import ZeroConfig
 
-__all__ = ["check_not_split", "check_splittable", "split_into_stages", "tied_gradient_sync"]
+__all__ = [
+    "build_parallel_dims",
+    "check_not_split",
+    "check_splittable",
+    "pipeline_mesh_layout",
+    "split_into_stages",
+    "tied_gradient_sync",
+]
 
 Example = tuple[tuple[Any, ...], dict[str, Any]]
 """The model call's ``(args, kwargs)`` for one batch."""
@@ -71,6 +81,37 @@ Example = tuple[tuple[Any, ...], dict[str, Any]]
 
 def _not_counted() -> CommunicationStats | None:
     return None
+
+
+def pipeline_mesh_layout(
+    world_size: int, *, pipeline_parallel_size: int, zero_config: ZeroConfig | None = None
+) -> MeshLayout:
+    """``replicate x shard x pp``: the data-parallel replicas of each stage on the ``replicate`` axis, or with ZeRO on
+    the ``shard`` axis (``zero_config.shard_size`` of them, the rest on ``replicate``: hybrid sharding)."""
+    p = pipeline_parallel_size
+    if zero_config is None or world_size % p:
+        return MeshLayout(world_size, pipeline_parallel_size=p)
+    shard_size = zero_config.shard_size or world_size // p
+    return MeshLayout(world_size, shard_size=shard_size, pipeline_parallel_size=p)
+
+
+def build_parallel_dims(
+    world_size: int,
+    global_rank: int,
+    *,
+    pipeline_parallel_size: int,
+    zero_config: ZeroConfig | None = None,
+    mesh: DeviceMesh | None = None,
+    device_type: str = "cpu",
+) -> ParallelDims:
+    """Collective (every rank, once). This rank's :class:`~.schedule.ParallelDims` on ``mesh`` (the
+    :func:`pipeline_mesh_layout`'s, built on ``device_type`` when not given) with the groups a split needs."""
+    layout = pipeline_mesh_layout(world_size, pipeline_parallel_size=pipeline_parallel_size, zero_config=zero_config)
+    dims = ParallelDims(world_size, global_rank, pipeline_parallel_size, shard_size=layout.shard_size, mesh=mesh)
+    if mesh is None:
+        dims.build_groups(device_type)
+    dims.flatten_data_axes()  # hybrid sharding: one group of every replica of the stage (a collective)
+    return dims
 
 
 def check_not_split(module: nn.Module) -> None:
@@ -82,15 +123,16 @@ def check_not_split(module: nn.Module) -> None:
         )
 
 
-def check_splittable(module: nn.Module, *, num_stages: int, sizes: str = "") -> None:
+def check_splittable(module: nn.Module, *, num_stages: int, counts: str = "") -> None:
     """Local, the same verdict on every rank. ``module.pipeline_layers()`` must own its parameters, sit in the module
-    where it can be replaced, and give every one of ``num_stages`` stages a layer (``sizes``: how the count came)."""
+    where it can be replaced, and give each of ``num_stages`` stages a layer (``counts``: where that number comes
+    from, for the message)."""
     layers, _ = pipeline_layers_and_call(module)
     check_parameter_ownership(module, layers)
     layer_registrations(module, layers)
     if len(layers) < num_stages:
         raise ValueError(
-            f"Cannot split {len(layers)} pipeline layers into {num_stages} stages{sizes}: every stage needs at least"
+            f"Cannot split {len(layers)} pipeline layers into {num_stages} stages{counts}: every stage needs at least"
             " one layer. Use fewer stages or return finer layers."
         )
 
@@ -137,7 +179,7 @@ def split_into_stages(
 
     Args:
         module: The model; keeps its own names (its other ranks' layers become :class:`~.partition.RemoteLayer`).
-        dims: Ranks and process groups (``dims.mesh`` set: :meth:`~.schedule.ParallelDims.build_groups`).
+        dims: Ranks and process groups (:func:`build_parallel_dims`).
         device: This rank's device.
         num_stages: Stages in all (``pipeline_parallel_size x stages_per_rank``).
         schedule: Canonical schedule name (:func:`~.schedule.resolve_schedule`); evaluation runs forward-only.
@@ -165,7 +207,7 @@ def split_into_stages(
     mesh = mesh if mesh is not None else dims.mesh
     if mesh is None:
         raise ValueError(
-            "`dims` has no process groups yet: call `dims.build_groups(device.type)` (a collective) or pass `mesh=`."
+            "`dims` has no process groups yet: make it with `build_parallel_dims(...)` (a collective) or pass `mesh=`."
         )
     if layers is None:
         layers, declared_call = pipeline_layers_and_call(module)
