@@ -603,15 +603,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def teardown(self) -> None:
         self._hook_windows.detach()
         run, module = self._run, self.lightning_module
+        if run is not None and run.is_split and module is not None:
+            # The user's module whole on every rank (a collective), unless the run failed (its placeholders then raise
+            # on access). A later run of this Trainer splits the module afresh.
+            if not run.failed:
+                self._wait_for_peers("the teardown's gather of the stages")  # a peer that failed after training
+            run.reassemble(module, device=self.root_device)
         if run is not None:
-            if run.engine is not None:
-                run.engine.clear()  # the stages' receive buffers
-            if run.engine is not None and module is not None:
-                # The user's module whole on every rank (a collective), unless the run failed (its placeholders then
-                # raise on access). A later run of this Trainer splits the module afresh.
-                if not run.failed:
-                    self._wait_for_peers("the teardown's gather of the stages")  # a peer that failed after training
-                run.reassemble(module, device=self.root_device)
             run.sync.teardown()
         super().teardown()
 

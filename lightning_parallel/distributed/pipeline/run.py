@@ -101,11 +101,11 @@ class PipelineRun:
         """Collective over the pipeline (and, at ZeRO-3, the replicas). Give every rank the whole ``module`` back:
         the stages' parameters gathered into the user's layers, the placeholders replaced, then :meth:`drop_split`.
         A run that :attr:`failed` is left split instead, its placeholders raising on access (no collective)."""
+        if self.engine is not None:
+            self.engine.clear()  # the stages' receive buffers
         if self.failed:
             mark_orphaned(module)
             return
-        if self.engine is not None:
-            self.engine.clear()  # the stages' receive buffers
         self.sync.wait_for_parameters()
         self.sync.restore_layers()  # ZeRO-3: the shards gathered into the user's layers, back in the module
         reassemble(
