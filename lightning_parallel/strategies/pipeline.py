@@ -94,6 +94,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     * A pipeline of one rank is a single stage holding the whole model, whatever the schedule.
     * After the run the module is plain and whole again on every rank.
 
+    Each argument at length: ``docs/pipeline.md``, "The arguments at length".
+
     Args:
         pipeline_parallel_size: Ranks per pipeline; ``"auto"`` uses all ranks (no data parallelism).
         schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"`` or ``"InterleavedZeroBubble"``.
