@@ -1,4 +1,9 @@
-"""PipelineParallelStrategy: pipeline model parallelism (x data parallelism) on ``torch.distributed.pipelining``."""
+"""PipelineParallelStrategy: pipeline model parallelism (x data parallelism) on ``torch.distributed.pipelining``.
+
+A thin adapter: the split (``distributed/pipeline/stage_split.py``), the steps' engine, the syncs and the reassembly
+are torch-only; this class reads the Trainer (:mod:`.pipeline_setup`) and connects the precision plugin, the hooks and
+the checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -28,75 +33,37 @@ from lightning_parallel.distributed.pipeline.checkpoint_format import (
     whole_model_state,
 )
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
-from lightning_parallel.distributed.pipeline.consolidate import WholeOptimizerState, load_local_state, optimizer_layout
-from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch, replay_logs
+from lightning_parallel.distributed.pipeline.contract import replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
-from lightning_parallel.distributed.pipeline.hook_view import WholeModelView
-from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, batch_size_of
+from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, check_divisible_batch
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
-from lightning_parallel.distributed.pipeline.partition import (
-    PartitionMethod,
-    RemoteLayer,
-    StagePlan,
-    check_parameter_ownership,
-    layer_registrations,
-    local_module_ids,
-    remove_remote_layers,
-    validate_partition,
-)
-from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, offload_layers, reassemble
+from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan
+from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned
 from lightning_parallel.distributed.pipeline.run import PipelineRun
-from lightning_parallel.distributed.pipeline.schedule import (
-    ParallelDims,
-    check_count,
-    resolve_schedule,
-)
-from lightning_parallel.distributed.pipeline.split import (
-    broadcast_from_rank0,
-    check_same_plan,
-    plan_on_every_rank,
-)
+from lightning_parallel.distributed.pipeline.schedule import ParallelDims, resolve_schedule
 from lightning_parallel.distributed.pipeline.stage_copy import StageCopyLayout
-from lightning_parallel.distributed.pipeline.sync import SyncContext
-from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
-from lightning_parallel.distributed.pipeline.tied import (
-    TiedGradientSync,
-    TiedLayout,
-    canonical_names,
-    find_tied_parameters,
-    parameter_aliases,
+from lightning_parallel.distributed.pipeline.stage_split import (
+    build_parallel_dims,
+    check_not_split,
+    check_splittable,
+    pipeline_mesh_layout,
+    split_into_stages,
 )
-from lightning_parallel.distributed.pipeline.verify import (
-    check_layers_compose_to_forward,
-    check_single_evaluation_optimizers,
-    closure_evaluated_twice,
-)
+from lightning_parallel.distributed.pipeline.tied import TiedLayout
+from lightning_parallel.distributed.pipeline.verify import closure_evaluated_twice
 from lightning_parallel.distributed.pipeline.zero import PipelineZeroStage, pipeline_zero_config
-from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather
 from lightning_parallel.instrumentation import Instrumentation
+from lightning_parallel.strategies import pipeline_setup
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.clipping import with_clipping
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
-from lightning_parallel.strategies.parameter_callbacks import (
-    AVERAGING_CALLBACKS,
-    check_averaging_checkpoint_format,
-    check_parameter_callbacks,
-    hold_averaged_copies,
-)
+from lightning_parallel.strategies.parameter_callbacks import hold_averaged_copies
 from lightning_parallel.strategies.pipeline_hooks import HookWindows
+from lightning_parallel.strategies.pipeline_setup import CheckpointFormatName
 
 __all__ = ["PipelineParallelStrategy"]
-
-_SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
-_SIXTEEN_BIT_TRUE = ("bf16-true",)
-_STEP_NAMES = {
-    TrainerFn.FITTING: "training_step",
-    TrainerFn.VALIDATING: "validation_step",
-    TrainerFn.TESTING: "test_step",
-    TrainerFn.PREDICTING: "predict_step",
-}
 
 
 class PipelineParallelStrategy(LightningParallelStrategy):
@@ -112,81 +79,53 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     (``global_rank = replica * pipeline_parallel_size + pipeline_rank``); the sampler shards data by replica, so
     every rank of a replica loads the same batch, and gradients are averaged across the replicas of each stage.
 
-    Semantics:
+    Semantics (``docs/pipeline.md`` has the details):
 
     * Gradients: each micro-batch's loss is divided by ``num_microbatches * accumulate_grad_batches`` before its
       backward, so the gradient is that of the mean loss over the batch (and the accumulation window), as on one
       device. Logged values are the mean over micro-batches (weighted by their sizes; ``reduce_fx="sum"/"max"/"min"``
       honoured); every rank logs them, so loggers on rank 0 and callbacks on all ranks see the same numbers.
     * ``gradient_clip_val`` with ``"norm"`` clips by the global norm over all stages.
-    * Training batches must be divisible by ``num_microbatches``. A smaller last batch that is not is left out of
-      the epoch (a warning; Lightning's epoch length does not count it), as ``drop_last=True`` would.
-      Evaluation/predict batches are padded to a multiple by repeating the last row; padded rows never reach the step.
+    * Training batches must be divisible by ``num_microbatches``; a smaller last batch that is not is left out of the
+      epoch (a warning), as ``drop_last=True`` would. Evaluation/predict batches are padded by repeating the last
+      row; padded rows never reach the step.
     * Checkpoints are consolidated by default: one ``.ckpt`` with the whole model's ``state_dict`` (original names)
       and the optimizer state in the single-device layout, loadable by single-device Lightning, DataParallelStrategy,
       ShardedOptimizerStrategy, or a pipeline of another size. Saving is a collective (call it on every rank).
     * A pipeline of one rank is a single stage holding the whole model, whatever the schedule.
+    * After the run the module is plain and whole again on every rank.
+
+    Each argument at length: ``docs/pipeline.md``, "The arguments at length".
 
     Args:
         pipeline_parallel_size: Ranks per pipeline; ``"auto"`` uses all ranks (no data parallelism).
-        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"`` or ``"InterleavedZeroBubble"``
-            (case-insensitive).
-        num_microbatches: Micro-batches per batch; ``"auto"`` is the number of stages (the minimum for 1F1B; more
-            shrinks the bubble ``(p - 1) / (m + p - 1)``).
-        stages_per_rank: Virtual stages per rank for the multi-stage schedules; ``"auto"`` is 2 for those, else 1
-            (always 1 on a one-rank pipeline).
-        partition: ``"compute"`` balances stages by forward FLOPs counted with shape-only (fake) parameters for an
-            example batch (no memory; deterministic, the same on every rank), ``"measured"`` by each layer's forward
-            + backward time on rank 0's device for that batch (shared with the other ranks), ``"parameters"`` by
-            parameter count, or a list with the first layer index of every stage but the first.
-        activation_checkpointing: recompute blocks in backward instead of keeping their activations, on every
-            stage: ``False``, ``True`` (every block: the classes a Hugging Face model declares in
-            ``_no_split_modules``, else repeated blocks such as the transformer blocks) or a set of module classes such
-            as ``{Block}``. With 1F1B a stage then holds each in-flight
-            micro-batch's block inputs instead of all its activations; names and checkpoints are unchanged.
-        verify_layers: Before the split, on the first batch of every run, check on every rank that
-            ``pipeline_layers()`` applied in order gives ``forward``'s result (a ``ValueError`` naming the first layer
-            whose input differs). Costs two forward passes of the whole model on one batch, on the device the model
-            sits on before the split, without gradients or side effects; ``False`` skips it (models too large to run
-            whole).
-        checkpoint_format: ``"consolidated"`` writes one Lightning ``.ckpt`` exactly as single-device training would
-            (whole ``state_dict``, single-device optimizer layout), gathered to rank 0; ``"sharded"`` writes a
-            ``torch.distributed.checkpoint`` directory from all ranks in parallel (the package's shared sharded
-            layout). Both load under any layout and strategy of this package. ``"sharded"`` is refused with
-            ``zero_stage`` 1 or 2 (``zero_stage=3`` writes each replica's rows of its stage).
-        zero_stage: ZeRO inside the pipeline, across the data-parallel replicas of each stage (the mesh's
-            ``"shard"`` axis), held by the same ZeRO backends as ``ShardedOptimizerStrategy(stage=...)``: ``0``
-            (off: every replica holds its stage's whole gradients and optimizer state),
-            ``1`` (each replica keeps the optimizer state of ``1/dp`` of its stage's parameters:
-            ``8 * stage_params / dp`` bytes for Adam(W) in fp32), ``2`` (the gradients too:
-            ``4 * stage_params / dp`` bytes kept after the reduce-scatter), ``3`` (the parameters too, with FSDP2's
-            ``fully_shard`` on copies of the rank's layers: ``4 * stage_params / dp`` bytes each of parameters and
-            gradients; every micro-batch all-gathers each block's parameters for forward and backward and
-            reduce-scatters its gradients; not with ``"InterleavedZeroBubble"``, nor with a tied weight whose users
-            run on one pipeline rank). At stages 1-2 the replicas' all-reduce becomes a reduce-scatter after the
-            schedule and an all-gather of the stepped parameters (the same bytes); the optimizer must update
-            elementwise (AdamW, SGD, ...). Without data parallelism nothing is sharded. Weights and consolidated
-            checkpoints are those of ``zero_stage=0``; after the run the module is plain and whole again.
-        shard_size: with ``zero_stage`` 1-3, the replicas of a stage that shard it (a divisor of the data-parallel
-            size, e.g. the devices of one node); the ``world_size / (pipeline_parallel_size * shard_size)`` groups
-            hold the same shards (hybrid sharding, ``pp x replicate x shard``). ``None``: every replica shards.
-            As ``ShardedOptimizerStrategy(shard_size=...)``.
+        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"`` or ``"InterleavedZeroBubble"``.
+        num_microbatches: Micro-batches per batch; ``"auto"`` is the number of stages (the minimum for 1F1B).
+        stages_per_rank: Virtual stages per rank; ``"auto"`` is 2 for the multi-stage schedules, else 1.
+        partition: ``"compute"`` (forward FLOPs of an example batch), ``"measured"`` (timed on rank 0),
+            ``"parameters"``, or a list with the first layer index of every stage but the first.
+        verify_layers: Check on the first batch that ``pipeline_layers()`` applied in order gives ``forward``'s
+            result (two forward passes of the whole model); ``False`` skips it.
+        activation_checkpointing: Recompute blocks in backward on every stage: ``False``, ``True`` (every block) or
+            a set of module classes such as ``{Block}``.
+        checkpoint_format: ``"consolidated"`` (one ``.ckpt`` as on one device, gathered to rank 0) or ``"sharded"``
+            (a ``torch.distributed.checkpoint`` directory written by all ranks; refused with ``zero_stage`` 1-2).
+        zero_stage: ZeRO over the data-parallel replicas of each stage: ``0`` off, ``1`` optimizer state sharded,
+            ``2`` gradients too, ``3`` parameters too (FSDP2); weights and checkpoints are those of ``0``.
+        shard_size: With ``zero_stage`` 1-3, the replicas of a stage that shard it (hybrid sharding); ``None``: all.
         bucket_cap_mb: ``zero_stage`` 1-2: size of the flat gradient buckets, in MiB.
-        master_weights: ``zero_stage`` 1-2 with 16-bit parameters (``precision="bf16-true"``): ``"fp32"`` (default)
-            steps fp32 master weights of this replica's shard and reduces gradients in fp32, as
-            ``ShardedOptimizerStrategy``; ``None`` steps the 16-bit parameters. Without data parallelism the masters
-            are kept too (every parameter's). ``zero_stage`` 0 and 3 step the parameters as they are.
-        overlap_param_gather: ``zero_stage`` 1-2: ``True``/``"auto"`` (default) overlap the all-gather of the stepped
-            parameters with the next step's forward (each block waits for its buckets in a forward pre-hook), as
-            ``ShardedOptimizerStrategy``; ``False`` waits at the end of the step.
+        master_weights: ``zero_stage`` 1-2 under ``precision="bf16-true"``: ``"fp32"`` steps fp32 masters of the
+            shard; ``None`` steps the 16-bit parameters.
+        overlap_param_gather: ``zero_stage`` 1-2: overlap the all-gather of the stepped parameters with the next
+            forward (``True``/``"auto"``) or wait at the end of the step (``False``).
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
-        accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.
-        parallel_devices: set by the Trainer from ``devices``.
-        cluster_environment: set by the Trainer from the launcher it detects (torchrun, SLURM, MPI, ...).
-        checkpoint_io: set by the Trainer (its ``plugins``); the default saves with ``torch.save``.
-        precision_plugin: set by the Trainer from ``precision``.
+        accelerator: Set by the Trainer from its ``accelerator`` argument.
+        parallel_devices: Set by the Trainer from ``devices``.
+        cluster_environment: Set by the Trainer from the launcher it detects (torchrun, SLURM, MPI, ...).
+        checkpoint_io: Set by the Trainer (its ``plugins``); the default saves with ``torch.save``.
+        precision_plugin: Set by the Trainer from ``precision``.
     """
 
     strategy_name = "pipeline"
@@ -202,7 +141,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         partition: PartitionMethod | list[int] = "compute",
         verify_layers: bool = True,
         activation_checkpointing: ActivationCheckpointing = False,
-        checkpoint_format: Literal["consolidated", "sharded"] = "consolidated",
+        checkpoint_format: CheckpointFormatName = "consolidated",
         zero_stage: PipelineZeroStage = 0,
         shard_size: int | None = None,
         bucket_cap_mb: float = 25.0,
@@ -218,19 +157,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self.schedule = resolve_schedule(schedule)
-        for name, count in [
-            ("pipeline_parallel_size", pipeline_parallel_size),
-            ("num_microbatches", num_microbatches),
-            ("stages_per_rank", stages_per_rank),
-        ]:
-            check_count(name, count)
-        if not isinstance(verify_layers, bool):
-            raise TypeError(f"`verify_layers={verify_layers!r}` must be True or False.")
-        validate_partition(partition)
-        if checkpoint_format not in ("consolidated", "sharded"):
-            raise ValueError(
-                f"`checkpoint_format={checkpoint_format!r}` is invalid. Valid options: 'consolidated', 'sharded'."
-            )
+        pipeline_setup.check_arguments(
+            pipeline_parallel_size=pipeline_parallel_size,
+            num_microbatches=num_microbatches,
+            stages_per_rank=stages_per_rank,
+            partition=partition,
+            verify_layers=verify_layers,
+            checkpoint_format=checkpoint_format,
+        )
         zero_config = pipeline_zero_config(  # ShardedOptimizerStrategy's ZeroConfig and messages
             zero_stage,
             shard_size=shard_size,
@@ -274,7 +208,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         if self._config is not None:
             return self._config
         return PipelineConfig.resolve(
-            world_size=self._world_size_before_init(),
+            world_size=self.num_processes * self.num_nodes,
             pipeline_parallel_size=self._pipeline_parallel_size_arg,
             schedule=self.schedule,
             stages_per_rank=self._stages_per_rank_arg,
@@ -316,23 +250,22 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     @property
     def parallel_dims(self) -> ParallelDims:
         """Ranks and process groups; raises ``RuntimeError`` before the strategy's ``setup``."""
-        if self._run is None:
-            raise RuntimeError("`PipelineParallelStrategy.parallel_dims` is available after the Trainer set it up.")
-        return self._run.dims
+        return self._run_for("parallel_dims").dims
 
     @property
     def tied_layout(self) -> TiedLayout:
         """Tied parameters and the pipeline ranks holding a copy of each; raises ``RuntimeError`` before ``setup``."""
-        if self._run is None:
-            raise RuntimeError("`PipelineParallelStrategy.tied_layout` is available after the Trainer set it up.")
-        return self._run.tied.layout
+        return self._run_for("tied_layout").tied.layout
 
     @property
     def stage_plan(self) -> StagePlan:
         """Which layers form which stage; raises ``RuntimeError`` before the strategy's ``setup``."""
+        return self._run_for("stage_plan").plan
+
+    def _run_for(self, name: str) -> PipelineRun:
         if self._run is None:
-            raise RuntimeError("`PipelineParallelStrategy.stage_plan` is available after the Trainer set it up.")
-        return self._run.plan
+            raise RuntimeError(f"`PipelineParallelStrategy.{name}` is available after the Trainer set it up.")
+        return self._run
 
     @property
     def _current_run(self) -> PipelineRun:
@@ -340,9 +273,6 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         if self._run is None:
             raise RuntimeError("The pipeline is available after the Trainer set the strategy up.")
         return self._run
-
-    def _world_size_before_init(self) -> int:
-        return self.num_processes * self.num_nodes
 
     def _resolve_config(self) -> None:
         """Fix the pipeline's counts for this run and check them (local: every rank reaches the same verdict)."""
@@ -359,15 +289,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._resolve_config()
         # BatchNorm normalises each micro-batch on the rank of its stage; nothing here would synchronise it.
         check_layer_sync(_compat.layer_sync_of(self), self.strategy_name, self.root_device, supported=False)
-        layers, _ = pipeline_layers_and_call(model)
-        check_parameter_ownership(model, layers)
-        layer_registrations(model, layers)
-        if len(layers) < self.num_stages:
-            raise ValueError(
-                f"Cannot split {len(layers)} pipeline layers into {self.num_stages} stages"
-                f" (`pipeline_parallel_size={self.pipeline_parallel_size}` x `stages_per_rank={self.stages_per_rank}`)"
-                ": every stage needs at least one layer. Use fewer stages or return finer layers."
-            )
+        counts = f" (`pipeline_parallel_size={self.pipeline_parallel_size}` x `stages_per_rank={self.stages_per_rank}`)"
+        check_splittable(model, num_stages=self.num_stages, counts=counts)
 
     @override
     def setup_environment(self) -> None:
@@ -389,10 +312,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         """``replicate x shard x P``: the data-parallel replicas of each stage on the ``replicate`` axis, or with ZeRO
         on the ``shard`` axis (``shard_size`` of them; the rest on ``replicate``: hybrid sharding)."""
         p = self.pipeline_parallel_size
-        if self.zero_config is None or self.world_size % p:
-            return MeshLayout(self.world_size, pipeline_parallel_size=p)
-        shard_size = self.zero_config.shard_size or self.world_size // p
-        return MeshLayout(self.world_size, shard_size=shard_size, pipeline_parallel_size=p)
+        return pipeline_mesh_layout(self.world_size, pipeline_parallel_size=p, zero_config=self.zero_config)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -407,13 +327,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 "PipelineParallelStrategy supports automatic optimization only: the schedule runs forward and"
                 " backward together. Remove `self.automatic_optimization = False`."
             )
-        if self.precision_plugin.precision not in _SUPPORTED_PRECISION:
-            raise ValueError(
-                f"`precision={self.precision_plugin.precision!r}` is not supported by PipelineParallelStrategy."
-                f" Valid options: {', '.join(map(repr, _SUPPORTED_PRECISION))}."
-            )
+        pipeline_setup.check_precision(self.precision_plugin.precision)
         if fitting:
-            _check_callbacks(
+            pipeline_setup.check_callbacks(
                 trainer.callbacks,
                 zero_stage=self.zero_stage,
                 pipeline_parallel_size=self.pipeline_parallel_size,
@@ -421,13 +337,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             )
         if not self.is_split:
             self._apply_activation_checkpointing(module)  # before the split: each stage keeps its wrapped blocks
-            self._split(trainer, module)
+            self._split(trainer, module, fitting=fitting)
         else:  # after a failed run of the same Trainer the module was left split: reuse that split
             self._current_run.failed = False
             mark_orphaned(module, orphaned=False)
             self.model_to_device()
         run = self._current_run
-        self._hook_windows.attach(trainer, module, partial(self._whole_model_view, run), sync=run.sync)
+        make_view = partial(run.whole_model_view, module, device=self.root_device, stats=self._tracked_stats)
+        self._hook_windows.attach(trainer, module, make_view, sync=run.sync)
         if fitting:
             # Weight-averaging callbacks copied the whole module in their `setup`: each copy keeps this rank's stage.
             layout = StageCopyLayout(run.dims, tuple(run.full_state_keys), dict(run.aliases))
@@ -440,169 +357,53 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _split(self, trainer: Any, module: Any) -> None:
-        """Check the layers, plan the stages, keep this rank's layers, choose the sync, create the engine."""
-        if any(isinstance(submodule, RemoteLayer) for submodule in module.modules()):
-            raise ValueError(
-                "This module was already split by another PipelineParallelStrategy (some layers live on other"
-                " ranks). Create a fresh module, or load the consolidated checkpoint into one."
-            )
+    def _split(self, trainer: Any, module: Any, *, fitting: bool) -> None:
+        """What the Trainer knows (the first batch, the optimizers' layout, the precision), then the torch split."""
+        check_not_split(module)
         layers, call = pipeline_layers_and_call(module)
-        registrations = layer_registrations(module, layers)  # raises before any collective
-        example = self._example_model_inputs(trainer, module, call)
-        if self.verify_layers and example is not None:
-            check_layers_compose_to_forward(module, layers, example, reference=call.reference)
-        plan = plan_on_every_rank(
-            layers,
-            example,
-            partition=self.partition,
-            num_stages=self.num_stages,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            global_rank=self.global_rank,
-            device=self.root_device,
-        )
-        previous = self._run  # an earlier split's ranks and groups are reused (groups are created once)
-        dims = previous.dims if previous is not None else self._new_parallel_dims()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        keeps_masters = (
-            fitting
-            and self.zero_config is not None
-            and self.zero_config.master_weights == "fp32"
-            and self.precision_plugin.precision in _SIXTEEN_BIT_TRUE
-        )
-        sync_type = pipeline_sync_type(
-            self.zero_stage, data_parallel_size=dims.data_parallel_size, keeps_masters=keeps_masters
-        )
-        local_stages = plan.stages_of(dims.pipeline_rank)
-        full_state_keys = list(module.state_dict().keys())
-        full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
-        tied, aliases = find_tied_parameters(module, layers), parameter_aliases(module)
-        sync_type.check_split(tied, plan, self.pipeline_parallel_size)
+        example = pipeline_setup.example_model_inputs(trainer, module, call, num_microbatches=self.num_microbatches)
         # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
-        optimizer_layouts = self._whole_model_optimizer_layouts(module, fitting=fitting)
-        # First collectives: every check above ran on every rank.
-        check_same_plan(plan, self.world_size)
-        broadcast_from_rank0(module, self.root_device)  # every stage and replica starts from rank 0's weights
-        layout = TiedLayout(tuple(tied), plan)
-        tied_sync = _tied_gradient_sync(layout, dims, previous)
-        local = {i for s in local_stages for i in plan.layers_of(s)}
-        shared = local_module_ids(layers, plan, local_stages)
-        remove_remote_layers(module, registrations, plan, local_stages, keep=shared)
-        offload_layers(layers, [i for i in range(len(layers)) if i not in local], keep=shared)
-        held = set(canonical_names(module, aliases).values())
-        self.precision_plugin.convert_module(module)
-        self.model_to_device()
-        # ZeRO-3: the local layers' sharded copies run the stages (the optimizers are built after this).
-        sync = sync_type(
-            SyncContext(
-                module=module,
-                layers={i: layers[i] for i in local},
-                registrations=registrations,
-                dims=dims,
+        layouts = pipeline_setup.whole_model_optimizer_layouts(module, fitting=fitting)
+        previous = self._run  # an earlier split's ranks and groups are reused (groups are created once)
+        if previous is not None:
+            dims = previous.dims
+        else:  # on the mesh built in `setup_environment` (its groups: a collective done there)
+            p, zero_config = self.pipeline_parallel_size, self.zero_config
+            dims = build_parallel_dims(
+                self.world_size,
+                self.global_rank,
+                pipeline_parallel_size=p,
+                zero_config=zero_config,
                 mesh=self.device_mesh,
-                tied=tied_sync,
-                aliases=aliases,
-                zero_config=self.zero_config,
-                device=self.root_device,
-                stats=self._tracked_stats,
-                warn=rank_zero_warn,
-                sharded_names=previous.sync.sharded_names if previous is not None else {},
             )
-        )
-        running = sync.layers
-        engine = PipelineEngine(
+        precision = self.precision_plugin.precision
+        self._run = split_into_stages(
             module,
-            layers=[running.get(i) for i in range(len(layers))],
-            plan=plan,
             dims=dims,
+            device=self.root_device,
+            num_stages=self.num_stages,
             schedule=self.effective_schedule,
             num_microbatches=self.num_microbatches,
-            device=self.root_device,
+            example=example,
+            layers=layers,
             call=call,
+            partition=self.partition,
+            verify_layers=self.verify_layers,
+            mesh=self.device_mesh,
+            zero_config=self.zero_config,
+            keeps_masters=pipeline_setup.keeps_fp32_masters(self.zero_config, precision=precision, fitting=fitting),
+            optimizer_layouts=layouts,
+            convert=self.precision_plugin.convert_module,
+            warn=rank_zero_warn,
+            stats=self._tracked_stats,
             on_chunk=self.events.chunk,
             on_p2p=self.communication_stats.record if self.track_communication else None,
+            previous=previous,
         )
-        self._run = PipelineRun(
-            dims=dims,
-            plan=plan,
-            tied=tied_sync,
-            aliases=aliases,
-            full_state_keys=full_state_keys,
-            full_shapes=full_shapes,
-            optimizer_layouts=optimizer_layouts,
-            local_parameter_names=held - layout.uncounted(dims.pipeline_rank),
-            sync=sync,
-            engine=engine,
-            layers=layers,
-            registrations=registrations,
-        )
-
-    def _whole_model_view(self, run: PipelineRun) -> WholeModelView:
-        module = self.lightning_module
-        assert module is not None
-        return WholeModelView(
-            module,
-            layers=run.layers,
-            registrations=run.registrations,
-            plan=run.plan,
-            dims=run.dims,
-            aliases=run.aliases,
-            device=self.root_device,
-            stats=self._tracked_stats,
-        )
-
-    def _new_parallel_dims(self) -> ParallelDims:
-        layout = self.mesh_layout
-        dims = ParallelDims(
-            self.world_size,
-            self.global_rank,
-            self.pipeline_parallel_size,
-            shard_size=layout.shard_size,
-            mesh=self.device_mesh,  # built in `setup_environment` (its groups: a collective done there)
-        )
-        dims.flatten_data_axes()  # hybrid sharding: one group of every replica of the stage (a collective)
-        return dims
 
     def _tracked_stats(self) -> CommunicationStats | None:
         """Where collective bytes are counted now (``None`` unless a monitor switched counting on)."""
         return self.communication_stats if self.track_communication else None
-
-    def _example_model_inputs(
-        self, trainer: Any, module: Any, call: ModelCall
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """The ``self(...)`` arguments of the first batch of the loop about to run (local: no collective), if any."""
-        source = _compat.data_source_for(trainer)
-        step = _STEP_NAMES.get(trainer.state.fn)
-        if source is None or step is None or not source.is_defined():
-            return None
-        loader = source.dataloader()
-        if isinstance(loader, dict):
-            loader = list(loader.values())
-        if isinstance(loader, list | tuple):
-            loader = loader[0] if loader else None
-        try:
-            batch = next(iter(loader))
-        except (StopIteration, TypeError):
-            return None
-        inputs = model_inputs_of_batch(module, step, (batch, 0), {}, call=call)
-        size = batch_size_of(inputs)
-        if step == "training_step" and size is not None and size % self.num_microbatches:
-            raise ValueError(
-                f"The training batch size {size} is not divisible by `num_microbatches={self.num_microbatches}`;"
-                " the pipeline splits every batch into equal micro-batches. Choose a batch size that is a multiple"
-                f" of {self.num_microbatches} or another `num_microbatches`."
-            )
-        return inputs
-
-    def _whole_model_optimizer_layouts(self, module: Any, *, fitting: bool) -> list[list[list[str]]]:
-        # `configure_optimizers` runs once more on the whole model only to learn its param groups by name: the
-        # consolidated checkpoint numbers parameters the way the single-device optimizer does. Its optimizers also
-        # show, before any collective, one that re-evaluates the loss in `step(closure)` (LBFGS).
-        names = {id(p): name for name, p in module.named_parameters()}
-        optimizers, _ = _compat.init_optimizers_and_lr_schedulers(module)
-        if fitting:
-            check_single_evaluation_optimizers(optimizers)
-        return [optimizer_layout(opt, names) for opt in optimizers]
 
     @override
     def configure_ddp(self) -> None:
@@ -620,56 +421,20 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._hook_windows.close()
         module = self.lightning_module
         assert module is not None
-        engine = self.engine
-        # ZeRO-1/2 with an overlapped all-gather: what no block's forward pre-hook waits for, now.
-        self._current_run.sync.wait_for_parameters(everywhere=False)
-        self._check_same_trainable_parameters(module)
+        engine, run = self.engine, self._current_run
+        run.sync.wait_for_parameters(everywhere=False)  # ZeRO-1/2 overlapped: what no forward pre-hook waits for
+        run.check_same_trainable_parameters(module, device=self.root_device, owner="PipelineParallelStrategy")
         with self.precision_plugin.train_step_context():
             model_inputs, size = engine.capture_inputs("training_step", args, kwargs)
-            if size % engine.num_microbatches:
-                raise ValueError(
-                    f"The training batch size {size} is not divisible by `num_microbatches={engine.num_microbatches}`;"
-                    " the pipeline splits every batch into equal micro-batches. Use a batch size that is a multiple"
-                    f" of {engine.num_microbatches}."
-                )
-            accumulate = module.trainer.accumulate_grad_batches
-            params = list(module.parameters())
-            previous = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-            try:
-                with self.events.timed("pipeline_step"):
-                    outcome = engine.train_step(
-                        "training_step",
-                        args,
-                        kwargs,
-                        model_inputs=model_inputs,
-                        divisor=engine.num_microbatches * accumulate,
-                    )
-            finally:
-                # This batch's gradients are handed over in `backward`, after Lightning's `zero_grad`.
-                self._current_run.pending_grads = [p.grad for p in params]
-                for p, grad in zip(params, previous, strict=True):
-                    p.grad = grad
+            check_divisible_batch(size, engine.num_microbatches)
+            divisor = engine.num_microbatches * module.trainer.accumulate_grad_batches
+            # This batch's gradients are handed over in `backward`, after Lightning's `zero_grad`.
+            with run.gradients_set_aside(module), self.events.timed("pipeline_step"):
+                outcome = engine.train_step("training_step", args, kwargs, model_inputs=model_inputs, divisor=divisor)
         self._replay(outcome)
         assert outcome.loss is not None  # a training step always has one
         loss = outcome.loss.to(self.root_device).requires_grad_()
         return {"loss": loss, **outcome.extra} if outcome.extra else loss
-
-    def _check_same_trainable_parameters(self, module: Any) -> None:
-        """Collective (every rank, every step, with data parallelism). The replicas of a stage average its gradients,
-        so they must agree on which parameters require grad (user code may change ``requires_grad`` between steps);
-        a disagreement raises on every rank, naming the parameters and ranks, before the schedule's first send."""
-        dims = self.parallel_dims
-        if dims.data_parallel_size == 1:
-            return
-        p = dims.pipeline_parallel_size
-        check_same_trainable_parameters_within(
-            module,
-            cohorts=[rank % p for rank in range(dims.world_size)],
-            owner="PipelineParallelStrategy",
-            device=self.root_device,
-        )
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -727,12 +492,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         module = self.lightning_module
         assert module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        run = self._current_run
-        pending, run.pending_grads = run.pending_grads, None
-        if pending is not None:
-            for p, grad in zip(module.parameters(), pending, strict=True):
-                if grad is not None:
-                    p.grad = grad if p.grad is None else p.grad + grad
+        self._current_run.hand_over_gradients(module)
         with self._hook_windows.window("on_after_backward"):  # post_backward calls it; the whole model if overridden
             return self.precision_plugin.post_backward(closure_loss, module)
 
@@ -763,15 +523,11 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @override
     def instrumentation(self) -> Instrumentation:
-        return Instrumentation(
-            data_parallel_size=self.mesh_layout.data_parallel_size,
-            times_exposed_communication=True,
-            is_pipeline=True,
-        )
+        dp = self.mesh_layout.data_parallel_size
+        return Instrumentation(data_parallel_size=dp, times_exposed_communication=True, is_pipeline=True)
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` with the norm over the parameters of all stages (a tied parameter
-        counted once, on the lowest pipeline rank holding a copy)."""
+        """``clip_grad_norm_`` by the norm over all stages (a tied parameter counted once)."""
         self._current_run.sync.clip_grad_norm_(unwrap_optimizer(optimizer), clip_val)
 
     @override
@@ -784,8 +540,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     @override
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds (measured from its tensors: at ``zero_stage=3`` the local shards); with ``zero_stage``
-        1-2 the stage's flat buckets and
-        the optimizer state of this replica's shard, summed over the optimizers."""
+        1-2 the stage's flat buckets and the optimizer state of this replica's shard, summed over the optimizers."""
         if self._run is None:
             return super().memory_report()
         return self._run.sync.memory_report(self.unwrapped_optimizers())
@@ -839,58 +594,27 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.is_split:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        run = self._current_run
-        load_local_state(
-            self.module,
-            checkpoint["state_dict"],
-            run.full_state_keys,
-            strict=strict,
-            aliases=run.aliases,
-            load=run.sync.load_model_entries,
-        )
+        self._current_run.load_model_state(self.module, checkpoint["state_dict"], strict=strict)
         return None
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        run = self._current_run
-        for optimizer, state, layout in zip(
-            self.unwrapped_optimizers(), checkpoint["optimizer_states"], run.optimizer_layouts, strict=True
-        ):
-            run.sync.load_optimizer_state(optimizer, WholeOptimizerState(state, layout))
+        self._current_run.load_optimizer_states(self.unwrapped_optimizers(), checkpoint["optimizer_states"])
         _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def teardown(self) -> None:
         self._hook_windows.detach()
-        run = self._run
+        run, module = self._run, self.lightning_module
+        if run is not None and run.is_split and module is not None:
+            # The user's module whole on every rank (a collective), unless the run failed (its placeholders then raise
+            # on access). A later run of this Trainer splits the module afresh.
+            if not run.failed:
+                self._wait_for_peers("the teardown's gather of the stages")  # a peer that failed after training
+            run.reassemble(module, device=self.root_device)
         if run is not None:
-            if run.engine is not None:
-                run.engine.clear()  # the stages' receive buffers
-                self._reassemble(run)
             run.sync.teardown()
         super().teardown()
-
-    def _reassemble(self, run: PipelineRun) -> None:
-        """Give the user's module back whole on every rank (a collective), unless the run failed (then its
-        placeholders raise on access). A later run of this Trainer splits the module afresh."""
-        module = self.lightning_module
-        if run.failed or module is None:
-            if module is not None:
-                mark_orphaned(module)
-            return
-        self._wait_for_peers("the teardown's gather of the stages")  # a peer that failed after training skips it
-        run.sync.wait_for_parameters()
-        run.sync.restore_layers()  # ZeRO-3: the shards gathered into the user's layers, back in the module
-        reassemble(
-            module,
-            layers=run.layers,
-            registrations=run.registrations,
-            plan=run.plan,
-            dims=run.dims,
-            device=self.root_device,
-            tied=run.tied.layout.parameters,
-        )
-        run.drop_split()
 
     @classmethod
     @override
@@ -903,33 +627,3 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             for variant, method in methods.items()
         ]
         cls._register(strategy_registry, entries)
-
-
-def _check_callbacks(callbacks: Any, *, zero_stage: int, pipeline_parallel_size: int, checkpoint_format: str) -> None:
-    """Refuse (on every rank, before a collective) callbacks that change parameters where a rank holds only its
-    stage (or, at ``zero_stage=3``, its shards), and averaging with a checkpoint format it cannot write."""
-    if pipeline_parallel_size > 1 or zero_stage == 3:
-        check_parameter_callbacks(callbacks, strategy_name="pipeline", layout="only its stage's layers on each rank")
-    if zero_stage == 3:
-        _refuse_averaging_under_zero3(callbacks)
-    check_averaging_checkpoint_format(callbacks, strategy_name="pipeline", checkpoint_format=checkpoint_format)
-
-
-def _refuse_averaging_under_zero3(callbacks: Any) -> None:
-    """Weight averaging's copy of the module is held as this rank's stage (``StageCopyLayout``), not as its shards:
-    refused (on every rank, before a collective) rather than averaging whole copies of sharded parameters."""
-    for callback in callbacks:
-        if isinstance(callback, AVERAGING_CALLBACKS):
-            raise ValueError(
-                f"`{type(callback).__name__}` is not supported with `PipelineParallelStrategy(zero_stage=3)`: its"
-                " averaged copy would hold the stage's whole parameters, not their shards. Use `zero_stage=2` (or"
-                " 0-1) with weight averaging."
-            )
-
-
-def _tied_gradient_sync(layout: TiedLayout, dims: ParallelDims, previous: PipelineRun | None) -> TiedGradientSync:
-    """The previous split's when the layout is the same (its process groups exist), else a new one (a collective
-    when ranks hold copies: new groups)."""
-    if previous is not None and previous.tied.layout == layout:
-        return previous.tied
-    return TiedGradientSync(layout, dims)

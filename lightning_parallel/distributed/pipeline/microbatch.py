@@ -13,7 +13,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-__all__ = ["DivisibleBatches", "batch_size_of", "detached_cpu", "pad_batch", "slice_batch"]
+__all__ = ["DivisibleBatches", "batch_size_of", "check_divisible_batch", "detached_cpu", "pad_batch", "slice_batch"]
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -28,6 +28,16 @@ def batch_size_of(value: Any) -> int | None:
         if tensor.dim() > 0:
             return tensor.size(0)
     return None
+
+
+def check_divisible_batch(size: int, num_microbatches: int) -> None:
+    """Raise ``ValueError`` for a training batch of ``size`` rows that does not split into equal micro-batches."""
+    if size % num_microbatches:
+        raise ValueError(
+            f"The training batch size {size} is not divisible by `num_microbatches={num_microbatches}`; the pipeline"
+            f" splits every batch into equal micro-batches. Use a batch size that is a multiple of {num_microbatches}"
+            " or another `num_microbatches`."
+        )
 
 
 def pad_batch(value: Any, size: int) -> Any:

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
-from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout
+from lightning_parallel.accounting import CommunicationStats
+from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout, WholeOptimizerState, load_local_state
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
+from lightning_parallel.distributed.pipeline.hook_view import WholeModelView
 from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
+from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, reassemble
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 from lightning_parallel.distributed.pipeline.sync import PipelineSync
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync
+from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within
 
 __all__ = ["PipelineRun"]
 
@@ -19,6 +28,8 @@ __all__ = ["PipelineRun"]
 @dataclass(kw_only=True)
 class PipelineRun:
     """A split module's state: created whole by the split, its live part dropped when the module is reassembled.
+
+    Made by :func:`~.stage_split.split_into_stages`; :meth:`reassemble` gives the module back whole.
 
     The live part (:attr:`engine`, :attr:`layers`, :attr:`registrations`) exists while the module holds only this
     rank's stages. The rest stays after the reassembly (teardown), so that after ``fit`` the strategy still answers
@@ -62,3 +73,91 @@ class PipelineRun:
     def drop_split(self) -> None:
         """The module is whole again: forget the engine and the layers."""
         self.engine, self.layers, self.registrations = None, [], []
+
+    @contextmanager
+    def gradients_set_aside(self, module: nn.Module) -> Iterator[None]:
+        """Local. Run a step with ``.grad`` cleared: afterwards its gradients wait in :attr:`pending_grads` and the
+        earlier ones are back, for a loop that zeroes gradients between the step and its backward (Lightning's);
+        :meth:`hand_over_gradients` adds them then."""
+        params = list(module.parameters())
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+        finally:
+            self.pending_grads = [p.grad for p in params]
+            for p, grad in zip(params, previous, strict=True):
+                p.grad = grad
+
+    def hand_over_gradients(self, module: nn.Module) -> None:
+        """Local. Add the gradients :meth:`gradients_set_aside` kept to ``.grad`` (nothing if none wait)."""
+        pending, self.pending_grads = self.pending_grads, None
+        for p, grad in zip(module.parameters(), pending, strict=True) if pending is not None else ():
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad + grad
+
+    def reassemble(self, module: nn.Module, *, device: torch.device) -> None:
+        """Collective over the pipeline (and, at ZeRO-3, the replicas). Give every rank the whole ``module`` back:
+        the stages' parameters gathered into the user's layers, the placeholders replaced, then :meth:`drop_split`.
+        A run that :attr:`failed` is left split instead, its placeholders raising on access (no collective)."""
+        if self.engine is not None:
+            self.engine.clear()  # the stages' receive buffers
+        if self.failed:
+            mark_orphaned(module)
+            return
+        self.sync.wait_for_parameters()
+        self.sync.restore_layers()  # ZeRO-3: the shards gathered into the user's layers, back in the module
+        reassemble(
+            module,
+            layers=self.layers,
+            registrations=self.registrations,
+            plan=self.plan,
+            dims=self.dims,
+            device=device,
+            tied=self.tied.layout.parameters,
+        )
+        self.drop_split()
+
+    def whole_model_view(
+        self, module: nn.Module, *, device: torch.device, stats: Callable[[], CommunicationStats | None]
+    ) -> WholeModelView:
+        """Local. A view that puts the whole model in the split ``module`` for the length of a hook (opening it is a
+        collective; :mod:`.hook_view`)."""
+        return WholeModelView(
+            module,
+            layers=self.layers,
+            registrations=self.registrations,
+            plan=self.plan,
+            dims=self.dims,
+            aliases=self.aliases,
+            device=device,
+            stats=stats,
+        )
+
+    def load_model_state(self, module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Local. Load this rank's entries of the whole model's ``state_dict`` into the split ``module``."""
+        load_local_state(
+            module,
+            state_dict,
+            self.full_state_keys,
+            strict=strict,
+            aliases=self.aliases,
+            load=self.sync.load_model_entries,
+        )
+
+    def load_optimizer_states(self, optimizers: Sequence[Optimizer], states: Sequence[dict[str, Any]]) -> None:
+        """Local. Load each optimizer's part of the whole model's single-device ``state_dict`` (in the order of
+        :attr:`optimizer_layouts`)."""
+        for optimizer, state, layout in zip(optimizers, states, self.optimizer_layouts, strict=True):
+            self.sync.load_optimizer_state(optimizer, WholeOptimizerState(state, layout))
+
+    def check_same_trainable_parameters(self, module: nn.Module, *, device: torch.device, owner: str) -> None:
+        """Collective with data parallelism (every rank), else nothing. The replicas of a stage average its
+        gradients, so they must agree on which parameters require grad (user code may change ``requires_grad``
+        between steps); a disagreement raises on every rank, naming the parameters and ranks."""
+        if self.dims.data_parallel_size == 1:
+            return
+        layout = self.dims.layout
+        cohorts = [layout.pipeline_rank(rank) for rank in range(self.dims.world_size)]
+        check_same_trainable_parameters_within(module, cohorts=cohorts, owner=owner, device=device)

@@ -1,0 +1,306 @@
+"""Split a module into pipeline stages on every rank: the whole split, usable from a plain torch loop.
+
+Torch-only. :func:`split_into_stages` takes a module with ``pipeline_layers()`` (or its layers), the process groups
+(:class:`~.schedule.ParallelDims`) and the pipeline's counts, and returns the :class:`~.run.PipelineRun` record:
+this rank's stages kept in the module (the other layers replaced by :class:`~.partition.RemoteLayer` placeholders and
+moved to ``meta``), the sync holding the stage over its replicas and the engine running steps.
+:meth:`~.run.PipelineRun.reassemble` gives the whole module back. ``PipelineParallelStrategy`` calls these and adds
+only what the Trainer knows (the example batch, the precision plugin, the optimizers' layout, hooks).
+
+A plain loop, on every rank of a joined process group (``tests/test_pipeline_torch_split.py`` runs it)::
+
+    dims = build_parallel_dims(world_size, rank, pipeline_parallel_size=2)  # the mesh and its groups
+    run = split_into_stages(model, dims=dims, device=device, num_stages=2, schedule="1F1B", num_microbatches=2)
+    optimizer = torch.optim.AdamW(model.parameters())  # this rank's parameters only
+    run.sync.setup_optimizers([optimizer])
+    for index, batch in enumerate(loader):
+        inputs, _ = run.engine.capture_inputs("training_step", (batch, index), {})
+        run.engine.train_step("training_step", (batch, index), {}, model_inputs=inputs, divisor=2)
+        run.sync.reduce_gradients()  # over the replicas of each stage, then the tied copies' sum
+        optimizer.step()
+        run.sync.after_optimizer_step(optimizer)  # ZeRO-1/2: all-gather the stepped shards
+        optimizer.zero_grad()
+    run.reassemble(model, device=device)  # the whole model again on every rank
+    run.sync.teardown()
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_parallel.accounting import CommunicationStats
+from lightning_parallel.distributed.mesh import MeshLayout
+from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout
+from lightning_parallel.distributed.pipeline.contract import ModelCall
+from lightning_parallel.distributed.pipeline.engine import PipelineEngine
+from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
+from lightning_parallel.distributed.pipeline.partition import (
+    PartitionMethod,
+    Registration,
+    RemoteLayer,
+    StagePlan,
+    check_parameter_ownership,
+    layer_registrations,
+    local_module_ids,
+    remove_remote_layers,
+)
+from lightning_parallel.distributed.pipeline.reassemble import offload_layers
+from lightning_parallel.distributed.pipeline.run import PipelineRun
+from lightning_parallel.distributed.pipeline.schedule import ChunkObserver, P2PObserver, ParallelDims, schedule_spec
+from lightning_parallel.distributed.pipeline.split import broadcast_from_rank0, check_same_plan, plan_on_every_rank
+from lightning_parallel.distributed.pipeline.sync import SyncContext
+from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
+from lightning_parallel.distributed.pipeline.tied import (
+    TiedGradientSync,
+    TiedLayout,
+    canonical_names,
+    find_tied_parameters,
+    parameter_aliases,
+)
+from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
+from lightning_parallel.distributed.zero.config import ZeroConfig
+
+__all__ = [
+    "build_parallel_dims",
+    "check_not_split",
+    "check_splittable",
+    "pipeline_mesh_layout",
+    "split_into_stages",
+    "tied_gradient_sync",
+]
+
+Example = tuple[tuple[Any, ...], dict[str, Any]]
+"""The model call's ``(args, kwargs)`` for one batch."""
+
+
+def _not_counted() -> CommunicationStats | None:
+    return None
+
+
+def pipeline_mesh_layout(
+    world_size: int, *, pipeline_parallel_size: int, zero_config: ZeroConfig | None = None
+) -> MeshLayout:
+    """``replicate x shard x pp``: the data-parallel replicas of each stage on the ``replicate`` axis, or with ZeRO on
+    the ``shard`` axis (``zero_config.shard_size`` of them, the rest on ``replicate``: hybrid sharding)."""
+    p = pipeline_parallel_size
+    if zero_config is None or world_size % p:
+        return MeshLayout(world_size, pipeline_parallel_size=p)
+    shard_size = zero_config.shard_size or world_size // p
+    return MeshLayout(world_size, shard_size=shard_size, pipeline_parallel_size=p)
+
+
+def build_parallel_dims(
+    world_size: int,
+    global_rank: int,
+    *,
+    pipeline_parallel_size: int,
+    zero_config: ZeroConfig | None = None,
+    mesh: DeviceMesh | None = None,
+    device_type: str = "cpu",
+) -> ParallelDims:
+    """Collective (every rank, once). This rank's :class:`~.schedule.ParallelDims` on ``mesh`` (the
+    :func:`pipeline_mesh_layout`'s, built on ``device_type`` when not given) with the groups a split needs."""
+    layout = pipeline_mesh_layout(world_size, pipeline_parallel_size=pipeline_parallel_size, zero_config=zero_config)
+    dims = ParallelDims(world_size, global_rank, pipeline_parallel_size, shard_size=layout.shard_size, mesh=mesh)
+    if mesh is None:
+        dims.build_groups(device_type)
+    dims.flatten_data_axes()  # hybrid sharding: one group of every replica of the stage (a collective)
+    return dims
+
+
+def check_not_split(module: nn.Module) -> None:
+    """Local. Raise ``ValueError`` if ``module`` holds placeholders of an earlier split (its layers live elsewhere)."""
+    if any(isinstance(submodule, RemoteLayer) for submodule in module.modules()):
+        raise ValueError(
+            "This module was already split by another PipelineParallelStrategy (some layers live on other"
+            " ranks). Create a fresh module, or load the consolidated checkpoint into one."
+        )
+
+
+def check_splittable(module: nn.Module, *, num_stages: int, counts: str = "") -> None:
+    """Local, the same verdict on every rank. ``module.pipeline_layers()`` must own its parameters, sit in the module
+    where it can be replaced, and give each of ``num_stages`` stages a layer (``counts``: where that number comes
+    from, for the message)."""
+    layers, _ = pipeline_layers_and_call(module)
+    check_parameter_ownership(module, layers)
+    layer_registrations(module, layers)
+    if len(layers) < num_stages:
+        raise ValueError(
+            f"Cannot split {len(layers)} pipeline layers into {num_stages} stages{counts}: every stage needs at least"
+            " one layer. Use fewer stages or return finer layers."
+        )
+
+
+def tied_gradient_sync(layout: TiedLayout, dims: ParallelDims, previous: PipelineRun | None) -> TiedGradientSync:
+    """The previous split's when the layout is the same (its process groups exist), else a new one (a collective
+    when ranks hold copies: new groups)."""
+    if previous is not None and previous.tied.layout == layout:
+        return previous.tied
+    return TiedGradientSync(layout, dims)
+
+
+def split_into_stages(
+    module: nn.Module,
+    *,
+    dims: ParallelDims,
+    device: torch.device,
+    num_stages: int,
+    schedule: str,
+    num_microbatches: int,
+    example: Example | None = None,
+    layers: Sequence[nn.Module] | None = None,
+    call: ModelCall | None = None,
+    partition: PartitionMethod | Sequence[int] = "compute",
+    verify_layers: bool = True,
+    mesh: DeviceMesh | None = None,
+    zero_config: ZeroConfig | None = None,
+    keeps_masters: bool = False,
+    optimizer_layouts: Sequence[OptimizerLayout] = (),
+    convert: Callable[[nn.Module], Any] | None = None,
+    warn: Callable[[str], Any] = warnings.warn,
+    stats: Callable[[], CommunicationStats | None] = _not_counted,
+    on_chunk: ChunkObserver | None = None,
+    on_p2p: P2PObserver | None = None,
+    previous: PipelineRun | None = None,
+) -> PipelineRun:
+    """Collective (every rank, the same arguments but ``device``). Keep this rank's stages of ``module`` in place.
+
+    Local checks first, on every rank, so a bad model raises everywhere before the first collective: the module is
+    not split already, the layers' registrations, ``verify_layers`` (the layers applied in order on ``example`` give
+    ``forward``'s result), the plan, and whether the sync can hold it. Then: one plan on every rank, every replica
+    from rank 0's weights, the other ranks' layers replaced by placeholders (moved to ``meta``), the module converted
+    and moved to ``device``, the sync and the engine built.
+
+    Args:
+        module: The model; keeps its own names (its other ranks' layers become :class:`~.partition.RemoteLayer`).
+        dims: Ranks and process groups (:func:`build_parallel_dims`).
+        device: This rank's device.
+        num_stages: Stages in all (``pipeline_parallel_size x stages_per_rank``).
+        schedule: Canonical schedule name (:func:`~.schedule.resolve_schedule`); evaluation runs forward-only.
+        num_microbatches: Micro-batches per batch.
+        example: The model call's ``(args, kwargs)`` for a batch: plans ``"compute"``/``"measured"`` and verifies.
+        layers: The pipeline layers in order; default ``module.pipeline_layers()`` (or a declared Hugging Face plan).
+        call: The model call the pipeline answers; default the one that comes with the layers, else ``module(...)``.
+        partition: ``"compute"``, ``"measured"``, ``"parameters"`` or the first layer of every stage but the first.
+        verify_layers: Check the layers against ``forward`` on ``example`` (two forward passes, no side effects).
+        mesh: The device mesh the sync shards over; default ``dims.mesh``.
+        zero_config: ZeRO inside the pipeline over each stage's replicas (``None``: replicated).
+        keeps_masters: 16-bit parameters stepped through fp32 master weights (ZeRO-1/2's flat buckets hold them).
+        optimizer_layouts: Each optimizer's parameter names per group on the whole model (consolidated checkpoints).
+        convert: Called with the split module before it moves to ``device`` (a precision plugin's ``convert_module``).
+        warn: How the sync warns (an optimizer not known to update element-wise).
+        stats: Where collective bytes are counted now (``None``: not counted).
+        on_chunk: Told of every forward/backward chunk this rank's stages run.
+        on_p2p: Told of every P2P op this rank's stages send or receive.
+        previous: The last split of this module's strategy: its tied groups and sharded names are reused.
+
+    Returns:
+        The run's record; ``run.engine`` runs steps, ``run.sync`` reduces gradients and steps with the optimizers.
+    """
+    check_not_split(module)
+    mesh = mesh if mesh is not None else dims.mesh
+    if mesh is None:
+        raise ValueError(
+            "`dims` has no process groups yet: make it with `build_parallel_dims(...)` (a collective) or pass `mesh=`."
+        )
+    if layers is None:
+        layers, declared_call = pipeline_layers_and_call(module)
+        call = call or declared_call
+    layers = list(layers)
+    call = call or ModelCall(module)
+    registrations = layer_registrations(module, layers)  # raises before any collective
+    if verify_layers and example is not None:
+        check_layers_compose_to_forward(module, layers, example, reference=call.reference)
+    plan = plan_on_every_rank(
+        layers,
+        example,
+        partition=partition,
+        num_stages=num_stages,
+        pipeline_parallel_size=dims.pipeline_parallel_size,
+        global_rank=dims.global_rank,
+        device=device,
+        placement=schedule_spec(schedule).placement,  # which rank holds each stage: the schedule's
+    )
+    zero_stage = zero_config.stage if zero_config is not None else 0
+    sync_type = pipeline_sync_type(zero_stage, data_parallel_size=dims.data_parallel_size, keeps_masters=keeps_masters)
+    full_state_keys = list(module.state_dict().keys())
+    full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    tied, aliases = find_tied_parameters(module, layers), parameter_aliases(module)
+    sync_type.check_split(tied, plan, dims.pipeline_parallel_size)
+    # First collectives: every check above ran on every rank.
+    check_same_plan(plan, dims.world_size)
+    broadcast_from_rank0(module, device)  # every stage and replica starts from rank 0's weights
+    layout = TiedLayout(tuple(tied), plan)
+    tied_sync = tied_gradient_sync(layout, dims, previous)
+    local = keep_local_layers(module, layers, registrations, plan, dims.pipeline_rank)
+    held = set(canonical_names(module, aliases).values())
+    if convert is not None:
+        convert(module)
+    module.to(device)
+    # ZeRO-3: the local layers' sharded copies run the stages (the optimizers are built after this).
+    sync = sync_type(
+        SyncContext(
+            module=module,
+            layers={i: layers[i] for i in local},
+            registrations=registrations,
+            dims=dims,
+            mesh=mesh,
+            tied=tied_sync,
+            aliases=aliases,
+            zero_config=zero_config,
+            device=device,
+            stats=stats,
+            warn=warn,
+            sharded_names=previous.sync.sharded_names if previous is not None else {},
+        )
+    )
+    running = sync.layers
+    engine = PipelineEngine(
+        module,
+        layers=[running.get(i) for i in range(len(layers))],
+        plan=plan,
+        dims=dims,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        device=device,
+        call=call,
+        on_chunk=on_chunk,
+        on_p2p=on_p2p,
+    )
+    return PipelineRun(
+        dims=dims,
+        plan=plan,
+        tied=tied_sync,
+        aliases=aliases,
+        full_state_keys=full_state_keys,
+        full_shapes=full_shapes,
+        optimizer_layouts=list(optimizer_layouts),
+        local_parameter_names=held - layout.uncounted(dims.pipeline_rank),
+        sync=sync,
+        engine=engine,
+        layers=layers,
+        registrations=registrations,
+    )
+
+
+def keep_local_layers(
+    module: nn.Module,
+    layers: Sequence[nn.Module],
+    registrations: Sequence[Sequence[Registration]],
+    plan: StagePlan,
+    pipeline_rank: int,
+) -> set[int]:
+    """Local. Replace the layers of other pipeline ranks by placeholders in ``module`` and move them to ``meta`` (a
+    module a local layer shares stays); returns the indices of this rank's layers."""
+    local_stages = plan.stages_of(pipeline_rank)
+    local = {i for s in local_stages for i in plan.layers_of(s)}
+    shared = local_module_ids(layers, plan, local_stages)
+    remove_remote_layers(module, registrations, plan, local_stages, keep=shared)
+    offload_layers(layers, [i for i in range(len(layers)) if i not in local], keep=shared)
+    return local

@@ -1,0 +1,152 @@
+"""What ``PipelineParallelStrategy`` reads from the Trainer before it splits the module (Lightning glue only).
+
+The split itself is torch-only (:func:`~lightning_parallel.distributed.pipeline.stage_split.split_into_stages`); here:
+the example batch it plans from (the first batch of the loop about to run), the whole model's optimizer layout (the
+consolidated checkpoint's numbering), and the checks of the Trainer's precision and callbacks. Every function is
+local and reaches the same verdict on every rank, before any collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_parallel import _compat
+from lightning_parallel.choices import check_choice
+from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout, optimizer_layout
+from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch
+from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, check_divisible_batch
+from lightning_parallel.distributed.pipeline.partition import validate_partition
+from lightning_parallel.distributed.pipeline.schedule import check_count
+from lightning_parallel.distributed.pipeline.verify import check_single_evaluation_optimizers
+from lightning_parallel.distributed.zero.config import ZeroConfig
+from lightning_parallel.strategies.parameter_callbacks import (
+    AVERAGING_CALLBACKS,
+    check_averaging_checkpoint_format,
+    check_parameter_callbacks,
+)
+
+__all__ = [
+    "SUPPORTED_PRECISION",
+    "check_arguments",
+    "check_callbacks",
+    "check_precision",
+    "example_model_inputs",
+    "keeps_fp32_masters",
+    "whole_model_optimizer_layouts",
+]
+
+CheckpointFormatName = Literal["consolidated", "sharded"]
+"""``PipelineParallelStrategy(checkpoint_format=...)``."""
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+_SIXTEEN_BIT_TRUE = ("bf16-true",)
+_STEP_NAMES = {
+    TrainerFn.FITTING: "training_step",
+    TrainerFn.VALIDATING: "validation_step",
+    TrainerFn.TESTING: "test_step",
+    TrainerFn.PREDICTING: "predict_step",
+}
+
+
+def check_arguments(
+    *,
+    pipeline_parallel_size: object,
+    num_microbatches: object,
+    stages_per_rank: object,
+    partition: object,
+    verify_layers: object,
+    checkpoint_format: object,
+) -> None:
+    """The constructor's arguments that no config object validates (``ValueError``/``TypeError`` naming the value)."""
+    for name, count in [
+        ("pipeline_parallel_size", pipeline_parallel_size),
+        ("num_microbatches", num_microbatches),
+        ("stages_per_rank", stages_per_rank),
+    ]:
+        check_count(name, count)
+    if not isinstance(verify_layers, bool):
+        raise TypeError(f"`verify_layers={verify_layers!r}` must be True or False.")
+    validate_partition(partition)
+    check_choice("checkpoint_format", checkpoint_format, CheckpointFormatName)
+
+
+def example_model_inputs(
+    trainer: Any, module: Any, call: ModelCall, *, num_microbatches: int
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The ``self(...)`` arguments of the first batch of the loop about to run, if any.
+
+    Raises:
+        ValueError: A training batch not divisible by ``num_microbatches``.
+    """
+    source = _compat.data_source_for(trainer)
+    step = _STEP_NAMES.get(trainer.state.fn)
+    if source is None or step is None or not source.is_defined():
+        return None
+    loader = source.dataloader()
+    if isinstance(loader, dict):
+        loader = list(loader.values())
+    if isinstance(loader, list | tuple):
+        loader = loader[0] if loader else None
+    try:
+        batch = next(iter(loader))
+    except (StopIteration, TypeError):
+        return None
+    inputs = model_inputs_of_batch(module, step, (batch, 0), {}, call=call)
+    size = batch_size_of(inputs)
+    if step == "training_step" and size is not None:
+        check_divisible_batch(size, num_microbatches)
+    return inputs
+
+
+def whole_model_optimizer_layouts(module: Any, *, fitting: bool) -> list[OptimizerLayout]:
+    """Each optimizer's parameter names per group on the whole (not yet split) model.
+
+    ``configure_optimizers`` runs once more on the whole model only to learn its param groups by name: the
+    consolidated checkpoint numbers parameters the way the single-device optimizer does. Its optimizers also show,
+    before any collective, one that re-evaluates the loss in ``step(closure)`` (LBFGS), refused when fitting.
+    """
+    names = {id(p): name for name, p in module.named_parameters()}
+    optimizers, _ = _compat.init_optimizers_and_lr_schedulers(module)
+    if fitting:
+        check_single_evaluation_optimizers(optimizers)
+    return [optimizer_layout(opt, names) for opt in optimizers]
+
+
+def check_precision(precision: str) -> None:
+    """Refuse a precision the pipeline does not run."""
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"`precision={precision!r}` is not supported by PipelineParallelStrategy."
+            f" Valid options: {', '.join(map(repr, SUPPORTED_PRECISION))}."
+        )
+
+
+def keeps_fp32_masters(zero_config: ZeroConfig | None, *, precision: str, fitting: bool) -> bool:
+    """Whether ZeRO steps fp32 master weights of 16-bit parameters (``precision="bf16-true"``) in this run."""
+    return (
+        fitting and zero_config is not None and zero_config.master_weights == "fp32" and precision in _SIXTEEN_BIT_TRUE
+    )
+
+
+def check_callbacks(callbacks: Any, *, zero_stage: int, pipeline_parallel_size: int, checkpoint_format: str) -> None:
+    """Refuse callbacks that change parameters where a rank holds only its stage (or, at ``zero_stage=3``, its
+    shards), and averaging with a checkpoint format it cannot write."""
+    if pipeline_parallel_size > 1 or zero_stage == 3:
+        check_parameter_callbacks(callbacks, strategy_name="pipeline", layout="only its stage's layers on each rank")
+    if zero_stage == 3:
+        _refuse_averaging_under_zero3(callbacks)
+    check_averaging_checkpoint_format(callbacks, strategy_name="pipeline", checkpoint_format=checkpoint_format)
+
+
+def _refuse_averaging_under_zero3(callbacks: Any) -> None:
+    """Weight averaging's copy of the module is held as this rank's stage (``StageCopyLayout``), not as its shards:
+    refused rather than averaging whole copies of sharded parameters."""
+    for callback in callbacks:
+        if isinstance(callback, AVERAGING_CALLBACKS):
+            raise ValueError(
+                f"`{type(callback).__name__}` is not supported with `PipelineParallelStrategy(zero_stage=3)`: its"
+                " averaged copy would hold the stage's whole parameters, not their shards. Use `zero_stage=2` (or"
+                " 0-1) with weight averaging."
+            )
