@@ -110,12 +110,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             a set of module classes such as ``{Block}``.
         checkpoint_format: ``"consolidated"`` (one ``.ckpt`` as on one device, gathered to rank 0) or ``"sharded"``
             (a ``torch.distributed.checkpoint`` directory written by all ranks; refused with ``zero_stage`` 1-2).
-        zero_stage: ZeRO over the data-parallel replicas of each stage: ``0`` off, ``1`` optimizer state sharded,
-            ``2`` gradients too, ``3`` parameters too (FSDP2); weights and checkpoints are those of ``0``.
+        zero_stage: ZeRO over the data-parallel replicas of each stage, held by ``ShardedOptimizerStrategy``'s own
+            backends: ``0`` off, ``1`` optimizer state sharded, ``2`` gradients too, ``3`` parameters too (FSDP2);
+            weights and checkpoints are those of ``0``.
         shard_size: With ``zero_stage`` 1-3, the replicas of a stage that shard it (hybrid sharding); ``None``: all.
         bucket_cap_mb: ``zero_stage`` 1-2: size of the flat gradient buckets, in MiB.
-        master_weights: ``zero_stage`` 1-2 under ``precision="bf16-true"``: ``"fp32"`` steps fp32 masters of the
-            shard; ``None`` steps the 16-bit parameters.
+        master_weights: ``zero_stage`` 1-3 under ``precision="bf16-true"``: ``"fp32"`` steps fp32 masters of the
+            shard (kept without data parallelism too); ``None`` steps the 16-bit parameters.
         overlap_param_gather: ``zero_stage`` 1-2: overlap the all-gather of the stepped parameters with the next
             forward (``True``/``"auto"``) or wait at the end of the step (``False``).
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
