@@ -176,6 +176,11 @@ def _bf16_ranks(rank: int, world_size: int, directory: str) -> dict[str, dict]:
     }
 
 
+def _no_replicas(rank: int, world_size: int) -> dict:
+    """A pipeline of 2 ranks, no data parallelism: nothing to shard, the fp32 masters kept (as at world size 1)."""
+    return _fit(_pipeline(3), world_size, precision="bf16-true")
+
+
 def _resume_on_one_device(rank: int, world_size: int, checkpoint: str) -> dict:
     strategy = ShardedOptimizerStrategy(2)
     return _fit(strategy, 1, precision="bf16-true", resume=checkpoint, max_steps=-1, max_epochs=2)
@@ -195,6 +200,10 @@ def test_fp32_master_weights_inside_the_pipeline_equal_one_device(tmp_path: Path
         _check_copies_and_state(runs[name], shard_size=2, state_bytes_per_element=8 if name == "zero3" else 12)
     for result in runs["zero3"]:
         assert result["memory"]["parameters"] == 4 * result["stage_numel"] // 2
+    # Without replicas (2 x 1) zero_stage=3 keeps every parameter's fp32 master, as one device does.
+    for result in run_distributed(_no_replicas, 2, init_process_group=False, timeout=180):
+        assert_weights_close(result["weights"], reference, **BF16_CLOSE)
+        assert result["memory"]["optimizer_state"] == 12 * result["stage_numel"]
     # The consolidated checkpoints: the bf16 state_dict and the fp32 masters in the single-device layout.
     for checkpoint in ("pipeline_bf16.ckpt", "zero3_bf16.ckpt"):
         _check_master_weights_checkpoint(torch.load(tmp_path / checkpoint, weights_only=True))

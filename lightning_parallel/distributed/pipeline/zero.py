@@ -26,6 +26,7 @@ parameters whole (the flat buckets, with their padding); docs/zero.md's formulas
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -231,9 +232,12 @@ class FlatBucketSync(ReplicatedSync):
                 name for name, _ in self.module.named_parameters() if context.aliases.get(name, name) in uncounted
             ),
         )
-        assert context.zero_config is not None, "zero_stage 1-2 has ZeRO settings"
+        assert context.zero_config is not None, "zero_stage 1-3 has ZeRO settings"
+        # Stage 3 comes here only without data parallelism, to keep fp32 masters: stage 2's buckets, one shard each
+        # (as `MasterWeightBackend` does for `ShardedOptimizerStrategy` at world size 1).
+        config = replace(context.zero_config, stage=min(context.zero_config.stage, 2))
         backend = FlatBucketBackend(
-            context.zero_config,
+            config,
             ZeroContext(
                 rank=dims.global_rank,
                 world_size=dims.world_size,
