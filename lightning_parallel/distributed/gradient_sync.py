@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Protocol
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -59,14 +59,6 @@ class GradientSync(Protocol):
 
     def memory_report(self, optimizers: Sequence[Optimizer]) -> MemoryReport:
         """Local. Bytes this rank holds: parameters, gradients and ``optimizers``' state (summed)."""
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Collective. ``optimizer``'s plain (unsharded) state dict of what this sync's ranks hold together,
-        complete on the first of them (``{}`` or partial elsewhere)."""
-
-    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
-        """Local or collective (per implementation). Load a plain state dict as :meth:`optimizer_state` returns it:
-        each rank keeps what it holds of it."""
 
     def abandon_in_flight(self) -> None:
         """Local. Training failed: forget collectives still in flight without waiting for them (a failed peer never

@@ -85,7 +85,7 @@ class ConsolidatedCheckpoint:
         layout = run.optimizer_layouts[list(optimizers).index(optimizer)]
         names = run.sync.parameter_names()
         return consolidate_optimizer_state(
-            optimizer, names, layout, run.dims, local=run.sync.optimizer_state(optimizer)
+            optimizer, names, layout, run.dims, local=run.sync.stage_optimizer_state(optimizer)
         )
 
     def save(
@@ -129,7 +129,7 @@ class ShardedCheckpoint:
         broadcast: Callable[[str], str],
     ) -> None:
         dims = run.dims
-        named, pieces = run.sync.sharded_pieces(optimizer)
+        named, pieces = run.sync.stage_pieces(optimizer)
         # After teardown the module is whole again: each rank still writes only the stage it trained. A tied
         # parameter is written once, under its canonical name, by the lowest pipeline rank holding a copy.
         pieces = [replace(piece, name=run.aliases.get(piece.name, piece.name)) for piece in pieces]

@@ -249,7 +249,7 @@ class FullyShardSync(ReplicatedSync):
     def load_model_entries(self, module: nn.Module, entries: dict[str, Any]) -> None:
         load_whole_parameters(module, entries)
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+    def stage_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Collective over the replicas: their rows gathered whole on every replica (after the run too)."""
         names = {**self.parameter_names(), **self.sharded_names}
         local = local_optimizer_state(optimizer, names, state_dict=whole_optimizer_state(optimizer))
@@ -258,8 +258,7 @@ class FullyShardSync(ReplicatedSync):
             local[MASTER_WEIGHTS] = {names[id(p)]: host_copy(_whole(p.detach())) for p in params}
         return local
 
-    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
-        assert isinstance(state, WholeOptimizerState)
+    def load_stage_optimizer_state(self, optimizer: Optimizer, state: WholeOptimizerState) -> None:
         sliced = state.slice_for(optimizer, self.parameter_names())
         optimizer.load_state_dict(sliced)
         shard_optimizer_state(optimizer)  # each replica keeps its rows of the whole states
@@ -271,7 +270,7 @@ class FullyShardSync(ReplicatedSync):
                 if master is not None and isinstance(param, DTensor):
                     _local(param).copy_(_local(local_shard(master, param)))
 
-    def sharded_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
+    def stage_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
         """Each replica's rows (of the copies, also after the run)."""
         named = self._sharded_parameters(optimizer)
         return named, named_sharded_pieces(named, optimizer)

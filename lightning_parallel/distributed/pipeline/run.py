@@ -150,7 +150,7 @@ class PipelineRun:
         """Local. Load each optimizer's part of the whole model's single-device ``state_dict`` (in the order of
         :attr:`optimizer_layouts`)."""
         for optimizer, state, layout in zip(optimizers, states, self.optimizer_layouts, strict=True):
-            self.sync.load_optimizer_state(optimizer, WholeOptimizerState(state, layout))
+            self.sync.load_stage_optimizer_state(optimizer, WholeOptimizerState(state, layout))
 
     def check_same_trainable_parameters(self, module: nn.Module, *, device: torch.device, owner: str) -> None:
         """Collective with data parallelism (every rank), else nothing. The replicas of a stage average its

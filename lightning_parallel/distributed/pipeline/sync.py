@@ -77,9 +77,9 @@ class SyncContext:
 class PipelineSync(GradientSync, Protocol):
     """:class:`~lightning_parallel.distributed.gradient_sync.GradientSync` plus what a pipeline's split needs.
 
-    In a pipeline the optimizer state is the stage's: :meth:`optimizer_state` gives it keyed by canonical parameter
+    In a pipeline the optimizer state is the stage's: :meth:`stage_optimizer_state` gives it keyed by canonical
     name (:func:`~lightning_parallel.distributed.pipeline.consolidate.local_optimizer_state`, complete on the first
-    replica), which the consolidated checkpoint then gathers over the pipeline; :meth:`load_optimizer_state` takes
+    replica), which the consolidated checkpoint then gathers over the pipeline; :meth:`load_stage_optimizer_state` takes
     the whole model's single-device state with its layout (a
     :class:`~lightning_parallel.distributed.pipeline.consolidate.WholeOptimizerState`) and keeps this rank's part.
     Gradients are reduced once the schedule ran (:meth:`reduce_gradients`), never during its backward.
@@ -120,7 +120,16 @@ class PipelineSync(GradientSync, Protocol):
         """Local. Load whole tensors of this rank's entries (``load_state_dict(strict=False)``; ZeRO-3 keeps its
         rows of each)."""
 
-    def sharded_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
+    def stage_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Collective over the stage's replicas (ZeRO) or local. The stage's part of ``optimizer``'s state keyed by
+        canonical parameter name (:func:`~lightning_parallel.distributed.pipeline.consolidate.local_optimizer_state`),
+        complete on the stage's first replica, which the consolidated checkpoint gathers over the pipeline."""
+        ...
+
+    def load_stage_optimizer_state(self, optimizer: Optimizer, state: WholeOptimizerState) -> None:
+        """Local. Keep this rank's part of the whole model's single-device optimizer state."""
+
+    def stage_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
         """Local. ``(canonical name, parameter)`` of what this rank holds, and the pieces of the sharded format
         this replica writes."""
         ...
@@ -234,17 +243,16 @@ class ReplicatedSync:
     def load_model_entries(self, module: nn.Module, entries: dict[str, Any]) -> None:
         module.load_state_dict(entries, strict=False)
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+    def stage_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Local here. The stage's optimizer state keyed by canonical name, as
         :func:`~lightning_parallel.distributed.pipeline.consolidate.local_optimizer_state` gives it."""
         return local_optimizer_state(optimizer, self.parameter_names())
 
-    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
+    def load_stage_optimizer_state(self, optimizer: Optimizer, state: WholeOptimizerState) -> None:
         """Local. ``state``: a :class:`~.consolidate.WholeOptimizerState`; this rank keeps its stage's part."""
-        assert isinstance(state, WholeOptimizerState)
         optimizer.load_state_dict(state.slice_for(optimizer, self.parameter_names()))
 
-    def sharded_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
+    def stage_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
         names = self.parameter_names()
         named: list[tuple[str, Tensor]] = [(names[id(param)], param) for param in self.module.parameters()]
         dims = self.dims

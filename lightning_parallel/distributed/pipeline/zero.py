@@ -300,21 +300,20 @@ class FlatBucketSync(ReplicatedSync):
         self.backend.load_model_state(entries, strict=False)  # the fp32 masters start from the loaded weights
         return None
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+    def stage_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Collective over the shard group: first the stage's shards onto its first rank, which then joins its
         pipeline's gather (the other replicas' parts are dropped: global rank 0 keeps one)."""
         if self.backend is None:
-            return super().optimizer_state(optimizer)
+            return super().stage_optimizer_state(optimizer)
         plain = self.backend.optimizer_state(optimizer)
         group_params = self.backend.sharded_for(optimizer).group_params
         if not plain:
             plain = {"state": {}, "param_groups": [_settings(group) for group in optimizer.param_groups]}
         return local_optimizer_state(optimizer, self.parameter_names(), state_dict=plain, group_params=group_params)
 
-    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
+    def load_stage_optimizer_state(self, optimizer: Optimizer, state: WholeOptimizerState) -> None:
         if self.backend is None:
-            return super().load_optimizer_state(optimizer, state)
-        assert isinstance(state, WholeOptimizerState)
+            return super().load_stage_optimizer_state(optimizer, state)
         group_params = self.backend.sharded_for(optimizer).group_params
         plain = state.slice_for(optimizer, self.parameter_names(), group_params=group_params)
         self.backend.load_optimizer_state(optimizer, plain)

@@ -24,8 +24,9 @@ class ZeroBackend(GradientSync, Protocol):
 
     The gradient sync is :class:`~lightning_parallel.distributed.gradient_sync.GradientSync` (``no_sync``,
     ``reduce_gradients``, ``clip_grad_norm_``, ``after_optimizer_step``, ``wait_for_parameters``,
-    ``gradient_buffers``, ``memory_report``, ``optimizer_state``, ``load_optimizer_state``, ``abandon_in_flight``,
-    ``teardown``); a ZeRO backend also holds the module: the methods below. Torch-only: the strategy reaches
+    ``gradient_buffers``, ``memory_report``, ``abandon_in_flight``, ``teardown``); a ZeRO backend also holds the
+    module and the optimizers' state: the methods below (a pipeline's ``PipelineSync`` names its stage-keyed state
+    differently, ``stage_optimizer_state``: the same name always means the same thing). Torch-only: the strategy reaches
     Lightning's precision plugin through ``strategies/zero_precision.py``, which reads :attr:`clips_over_ranks` and
     :attr:`shards_gradients`.
     """
@@ -68,6 +69,14 @@ class ZeroBackend(GradientSync, Protocol):
 
     def load_model_state(self, state: Any, *, strict: bool) -> None:
         """Collective. Load a plain state dict or a :class:`ShardedCheckpointReader`."""
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Collective. ``optimizer``'s plain (unsharded) state dict of what this backend's ranks hold together,
+        complete on the first of them (``{}`` or partial elsewhere)."""
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: Any) -> None:
+        """Local or collective (per implementation). Load a plain state dict as :meth:`optimizer_state` returns it,
+        or a :class:`ShardedCheckpointReader`: each rank keeps what it holds of it."""
 
     def sharded_pieces(self, optimizer: Optimizer | None) -> ShardedPieces:
         """What this rank writes into a sharded checkpoint (one optimizer at most)."""
