@@ -24,10 +24,25 @@ def test_nothing_fits_is_said_first_then_the_cheapest_fit_is_named() -> None:
     text = str(result)
     assert text.index("Nothing in the table fits") < text.index("the cheapest that fits") < text.index("Recommended:")
     assert f"Recommended: {chosen.name}, {chosen.checkpointing} activation checkpointing (fits:" in text
-    if chosen.checkpointing == "full":
-        assert "activation_checkpointing=True" in (result.trainer_line or "")
-    else:
-        assert "create_selective_checkpoint_contexts" in text
+    argument = {"full": "activation_checkpointing=True", "selective": 'activation_checkpointing="selective"'}
+    assert argument[chosen.checkpointing] in (result.trainer_line or "")
+    assert "applied in the model" not in text
+
+
+@pytest.mark.parametrize(("mode", "argument"), [("full", True), ("selective", "selective")])
+def test_the_strategy_lines_pass_the_checkpointing_mode(mode: str, argument: object) -> None:
+    """Every row's ``Trainer(strategy=...)`` value builds the strategy with the mode the row assumes, registry names
+    included (none of them: a mode needs the constructor)."""
+    import lightning_parallel
+
+    result = plan("small", **OPTIONS, activation_checkpointing=mode)  # no device memory: no search, the table
+    names = {name: getattr(lightning_parallel, name) for name in lightning_parallel.__all__}
+    lines = {config.name: config.strategy for config in result.configurations}
+    assert any("shard_size=" in line for line in lines.values()) and any("Pipeline" in line for line in lines.values())
+    for name, line in lines.items():
+        strategy = eval(line, names)  # our own line, evaluated: it builds the strategy
+        assert strategy.activation_checkpointing == argument, name
+    assert f"activation_checkpointing={argument!r}".replace("'", '"') in (result.trainer_line or "")
 
 
 def test_nothing_fits_anywhere_is_flagged() -> None:

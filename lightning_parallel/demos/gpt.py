@@ -286,6 +286,7 @@ class GPT(nn.Module):
             vocab_size=c.vocab_size,
             max_seq_len=c.block_size,
             first_block_layer=1,  # pipeline_layers(): [embedding, *blocks, norm, head]
+            dropout=c.dropout > 0,  # each dropout saves a 1-byte mask per element in training
         )
 
 

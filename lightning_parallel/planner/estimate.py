@@ -186,8 +186,9 @@ class EstimateContext:
     """Samples per batch of one data-parallel replica (what its dataloader yields)."""
     seq_len: int
     checkpointing: str = "none"
-    """Activation checkpointing: ``"none"``, ``"selective"`` (torchtitan's per-op policy) or ``"full"`` (every
-    transformer block recomputed in backward: the strategies' ``activation_checkpointing=True``)."""
+    """Activation checkpointing: ``"none"``, ``"selective"`` (torchtitan's per-op policy: the strategies'
+    ``activation_checkpointing="selective"``) or ``"full"`` (every transformer block recomputed in backward: the
+    strategies' ``activation_checkpointing=True``)."""
     attention: str = "flash"
     """The attention kernel: ``"flash"`` (fused; no scores stored) or ``"math"`` (the ``s^2`` probabilities stored)."""
     gradient_reduction: str = "reduce_scatter"
@@ -225,12 +226,17 @@ def _activations(
     ).peak
 
 
+_CHECKPOINTING_ARGUMENTS = {"none": "", "full": "activation_checkpointing=True",
+                            "selective": 'activation_checkpointing="selective"'}  # fmt: skip
+"""The strategies' ``activation_checkpointing`` argument for each planner mode ("" for none)."""
+
+
 def _strategy_line(ctx: EstimateContext, registry_name: str, constructor: str, args: str = "") -> str:
-    """The ``Trainer(strategy=...)`` value: the registry name, or the constructor call with full checkpointing on
-    (selective checkpointing is applied in the model, not by the strategy: ``plan``'s note says how)."""
-    if ctx.checkpointing != "full":
+    """The ``Trainer(strategy=...)`` value: the registry name, or the constructor call with checkpointing on."""
+    checkpointing = _CHECKPOINTING_ARGUMENTS[ctx.checkpointing]
+    if not checkpointing:
         return f'"{registry_name}"'
-    return f"{constructor}({args}{', ' if args else ''}activation_checkpointing=True)"
+    return f"{constructor}({args}{', ' if args else ''}{checkpointing})"
 
 
 def estimate_data_parallel(ctx: EstimateContext) -> ConfigEstimate:
@@ -340,7 +346,7 @@ def _zero_name(ctx: EstimateContext, stage: int, shard_size: int | None, layout:
     """The configuration's name and strategy line: ``zero2``, or ``zero2 shard=4`` under hybrid sharding."""
     if shard_size is None or shard_size == ctx.world_size:
         return f"zero{stage}", _strategy_line(ctx, f"zero{stage}", "ShardedOptimizerStrategy", f"stage={stage}")
-    checkpointing = ", activation_checkpointing=True" if ctx.checkpointing == "full" else ""
+    checkpointing = f", {_CHECKPOINTING_ARGUMENTS[ctx.checkpointing]}" if ctx.checkpointing != "none" else ""
     strategy = f"ShardedOptimizerStrategy(stage={stage}, shard_size={shard_size}{checkpointing})"
     return f"zero{stage} shard={layout.shard_size}", strategy
 
@@ -476,8 +482,8 @@ def estimate_pipeline(
     args = f"pipeline_parallel_size={p}, num_microbatches={m}, schedule={schedule!r}"
     if zero_stage:
         args += f", zero_stage={zero_stage}"
-    if ctx.checkpointing == "full":
-        args += ", activation_checkpointing=True"
+    if ctx.checkpointing != "none":
+        args += f", {_CHECKPOINTING_ARGUMENTS[ctx.checkpointing]}"
     bubble = pipeline_bubble(schedule, pipeline_parallel_size=p, num_microbatches=m, stages_per_rank=v)
     notes = [] if boundary is not None else [
         "stage boundary sizes unknown (no example input): P2P bytes not predicted; set the module's"

@@ -136,13 +136,6 @@ class Plan:
             verdict = f" (fits: {format_bytes(chosen.max_total)} of {format_bytes(self.device_memory or 0)} per rank)"
         mode = "" if chosen.checkpointing == "none" else f", {chosen.checkpointing} activation checkpointing"
         lines += [f"Recommended: {chosen.name}{mode}{verdict}", f"    {self.trainer_line}"]
-        if chosen.checkpointing == "selective":
-            lines.append(
-                "    + selective activation checkpointing applied in the model (the strategies'"
-                " activation_checkpointing recomputes whole blocks): torch.utils.checkpoint with"
-                " create_selective_checkpoint_contexts, saving every other matmul output and the attention output,"
-                " as torchtitan's per-op policy (docs/memory.md)."
-            )
         return lines
 
 
@@ -223,9 +216,10 @@ def plan(
             (:func:`pipeline_schedule`).
         bucket_cap_mb: the ZeRO-1/2 bucket size (``ShardedOptimizerStrategy(bucket_cap_mb=...)``).
         activation_checkpointing: ``"none"`` (``False``), ``"full"`` (``True``: every transformer block recomputed in
-            backward, the strategies' ``activation_checkpointing=True``; the recommended ``Trainer`` line turns it
-            on) or ``"selective"`` (torchtitan's per-op policy, applied in the model;
-            :mod:`~lightning_parallel.planner.activations`).
+            backward, the strategies' ``activation_checkpointing=True``) or ``"selective"`` (torchtitan's per-op
+            policy, the strategies' ``activation_checkpointing="selective"``;
+            :mod:`~lightning_parallel.planner.activations`). The recommended ``Trainer`` line passes the strategy's
+            argument.
         attention: the attention kernel: ``"flash"`` (flash / memory-efficient SDPA: no ``s^2`` scores stored) or
             ``"math"`` (the probabilities stored); ``None``: ``"flash"`` for ``process_group_backend="nccl"`` (GPU
             plans), ``"math"`` for ``"gloo"`` (CPU plans; an upper bound there: torch's CPU SDPA kernel is fused too).

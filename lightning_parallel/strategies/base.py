@@ -49,6 +49,7 @@ from typing_extensions import override
 from lightning_parallel.accounting import CommunicationStats, MemoryReport, module_memory_report
 from lightning_parallel.distributed.activation_checkpointing import (
     ActivationCheckpointing,
+    SelectiveCheckpointing,
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
@@ -90,7 +91,8 @@ class LightningParallelStrategy(DDPStrategy):
         process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
         nonfinite_loss: ``"skip"``, ``"stop"`` or ``"ignore"`` (see ``strategies/nonfinite.py``).
         activation_checkpointing: ``False``, ``True`` (every repeated block) or a set of module classes to recompute
-            in backward (``distributed/activation_checkpointing.py``).
+            in backward; ``"selective"`` (or ``SelectiveCheckpointing(blocks=...)``) keeps torchtitan's per-op
+            choice of each block's outputs and recomputes the rest (``distributed/activation_checkpointing.py``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
         ddp_options: keyword arguments for ``DDPStrategy`` (bucket size, static graph, ...).
     """
@@ -281,7 +283,9 @@ class LightningParallelStrategy(DDPStrategy):
             return
         names = apply_activation_checkpointing(module, self.activation_checkpointing)
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        rank_zero_debug(f"{type(self).__name__}: activation checkpointing recomputes {len(names)} blocks: {shown}")
+        selective = isinstance(validate_activation_checkpointing(self.activation_checkpointing), SelectiveCheckpointing)
+        how = "selectively " if selective else ""
+        rank_zero_debug(f"{type(self).__name__}: activation checkpointing {how}recomputes {len(names)} blocks: {shown}")
 
     # ------------------------------------------------------------------ non-finite loss
     def _decide_skip_step(self, output: Any) -> None:

@@ -92,8 +92,10 @@ class DataParallelStrategy(LightningParallelStrategy):
         nonfinite_loss: what every rank does when the loss is NaN/inf on any rank: ``"skip"`` the step (default),
             ``"stop"`` (raise ``FloatingPointError``) or ``"ignore"`` (no check: plain DDP averages the NaN in).
         activation_checkpointing: recompute blocks in backward instead of keeping their activations: ``False``,
-            ``True`` (every repeated block, e.g. transformer blocks) or a set of module classes such as ``{Block}``.
-            Parameter names and checkpoints are unchanged; see docs/memory.md.
+            ``True`` (every repeated block, e.g. transformer blocks) or a set of module classes such as ``{Block}``;
+            ``"selective"``: every repeated block keeps every other matrix product's output and the attention's
+            (torchtitan's per-op policy; ``SelectiveCheckpointing(blocks={Block})`` for chosen classes). Parameter
+            names and checkpoints are unchanged; see docs/memory.md.
         track_communication: count the bytes of uncompressed all-reduces too (adds a Python hook per bucket);
             compressed runs always count. Read them from :attr:`communication_stats`.
         accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.

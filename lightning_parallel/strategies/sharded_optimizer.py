@@ -93,8 +93,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             plain single-device layout (rank 0 gathers); ``"sharded"`` writes a directory in parallel from all ranks
             with ``torch.distributed.checkpoint``. Both load at any world size and under the other strategies.
         activation_checkpointing: recompute blocks in backward instead of keeping their activations: ``False``,
-            ``True`` (every repeated block, the units stage 3 shards) or a set of module classes such as ``{Block}``.
-            Applied before FSDP2 wraps the units; parameter names and checkpoints are unchanged; see docs/memory.md.
+            ``True`` (every repeated block, the units stage 3 shards) or a set of module classes such as ``{Block}``;
+            ``"selective"``: every repeated block keeps every other matrix product's output and the attention's
+            (torchtitan's per-op policy; ``SelectiveCheckpointing(blocks={Block})`` for chosen classes). Applied
+            before FSDP2 wraps the units; parameter names and checkpoints are unchanged; see docs/memory.md.
         nonfinite_loss: what every rank does when the loss is NaN/inf on any rank: ``"skip"`` the step (default),
             ``"stop"`` (raise ``FloatingPointError``) or ``"ignore"`` (no check).
         overlap_param_gather: stages 1-2: ``True`` or ``"auto"`` (default) start the all-gather of the stepped
