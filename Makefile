@@ -43,7 +43,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=30
 
 # The `medium` preset (~35 minutes on 2 CPU cores, estimated: ~25 before the six user-callback fits per repeat were
 # added): gpt-20m, ours and every anchor interleaved, with and without a plain user callback, 3 repeats.

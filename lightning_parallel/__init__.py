@@ -4,6 +4,7 @@ Importing this package registers its strategy names with Lightning, so ``Trainer
 works after ``import lightning_parallel``.
 """
 
+from lightning_parallel.distributed.activation_checkpointing import SelectiveCheckpointing
 from lightning_parallel.monitor import ParallelismMonitor
 from lightning_parallel.planner import plan
 from lightning_parallel.strategies import (
@@ -17,6 +18,7 @@ __all__ = [
     "DataParallelStrategy",
     "ParallelismMonitor",
     "PipelineParallelStrategy",
+    "SelectiveCheckpointing",
     "ShardedOptimizerStrategy",
     "__version__",
     "plan",

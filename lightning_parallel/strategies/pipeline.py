@@ -106,8 +106,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             ``"parameters"``, or a list with the first layer index of every stage but the first.
         verify_layers: Check on the first batch that ``pipeline_layers()`` applied in order gives ``forward``'s
             result (two forward passes of the whole model); ``False`` skips it.
-        activation_checkpointing: Recompute blocks in backward on every stage: ``False``, ``True`` (every block) or
-            a set of module classes such as ``{Block}``.
+        activation_checkpointing: Recompute blocks in backward on every stage: ``False``, ``True`` (every block), a
+            set of module classes such as ``{Block}``, or ``"selective"`` (every block with torchtitan's per-op
+            policy: each keeps every other matrix product's output and the attention output).
         checkpoint_format: ``"consolidated"`` (one ``.ckpt`` as on one device, gathered to rank 0) or ``"sharded"``
             (a ``torch.distributed.checkpoint`` directory written by all ranks; refused with ``zero_stage`` 1-2).
         zero_stage: ZeRO over the data-parallel replicas of each stage, held by ``ShardedOptimizerStrategy``'s own
