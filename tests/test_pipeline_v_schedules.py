@@ -26,6 +26,8 @@ from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec, validate_schedule_config
+from lightning_parallel.planner.cli import _parser
+from lightning_parallel.planner.plan import pipeline_schedule
 
 ADAM_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # as tests/test_pipeline_zero.py
 TIED = ("embedding.weight", "head.weight")
@@ -143,3 +145,13 @@ def test_dualpipev_refuses_fewer_microbatches_than_stages_with_the_fix() -> None
 def test_zero3_refuses_v_schedules_naming_the_fix(schedule: str) -> None:
     with pytest.raises(ValueError, match=rf"`zero_stage=3` with `schedule='{schedule}'`.*`zero_stage=2`"):
         PipelineParallelStrategy(zero_stage=3, schedule=schedule)
+
+
+def test_planner_plans_v_schedules_with_two_stages_per_rank_and_offers_them_on_the_command_line() -> None:
+    assert pipeline_schedule("DualPipeV", batch_size=8, pipeline_parallel_size=2, num_microbatches=None) == (
+        8,
+        "DualPipeV",
+        2,
+    )
+    for schedule in V_SCHEDULES:
+        assert _parser().parse_args(["--world-size", "2", "--schedule", schedule, "gpt"]).schedule == schedule
