@@ -17,9 +17,11 @@ from typing import Any
 import lightning.pytorch as pl
 import model_zoo as zoo
 import pytest
+import test_pipeline_random_draws as draws
 import torch
 from distributed_harness import run_distributed
 from torch import nn
+from torch.utils.data import DataLoader
 from training_helpers import assert_checkpoint_is_single_devices, assert_weights_close
 
 from lightning_parallel import PipelineParallelStrategy
@@ -155,3 +157,22 @@ def test_planner_plans_v_schedules_with_two_stages_per_rank_and_offers_them_on_t
     )
     for schedule in V_SCHEDULES:
         assert _parser().parse_args(["--world-size", "2", "--schedule", schedule, "gpt"]).schedule == schedule
+
+
+# ---------------------------------------------------------------------------------------------------- random draws
+def _denoise(rank: int, world_size: int) -> dict[str, Any]:
+    """``test_pipeline_random_draws``'s denoiser (noise drawn in the step, dropout inside the layers) under ZBV: the
+    rank of the last stage, which replays the step's draws per micro-batch, is pipeline rank 0, the first stage's."""
+    pl.seed_everything(draws.SEED, verbose=False)
+    module = draws.Denoiser()
+    loader = DataLoader(draws.TRAIN, batch_size=draws.BATCH, shuffle=False)
+    strategy = PipelineParallelStrategy(schedule="ZBVZeroBubble", num_microbatches=2, timeout=60)
+    trainer = zoo.trainer(strategy, world_size, max_steps=draws.STEPS)
+    trainer.fit(module, train_dataloaders=loader)
+    return {"score": draws._score(module), "noises": module.noises}
+
+
+def test_v_schedule_replays_the_steps_draws_on_rank_0_which_holds_the_first_and_last_stage() -> None:
+    last, first = run_distributed(_denoise, 2, init_process_group=False, timeout=180)
+    assert first["score"] == last["score"] < 0.2  # learned (predicting no noise scores 1.0), the same on both ranks
+    draws._assert_noise_is_consistent(first, last, len(draws.RECORDED_BATCHES))
