@@ -13,6 +13,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import ScheduleDualPipeV
 
 from lightning_parallel.distributed.pipeline import (
     SCHEDULE_SPECS,
@@ -125,25 +126,46 @@ def test_schedule_names_are_derived_from_the_descriptors_as_before() -> None:
         "Interleaved1F1B": ScheduleInterleaved1F1B,
         "LoopedBFS": ScheduleLoopedBFS,
         "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+        "ZBVZeroBubble": ScheduleZBVZeroBubble,
+        "DualPipeV": ScheduleDualPipeV,
     }
-    assert list(SCHEDULES) == ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"]
-    assert frozenset({"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"}) == MULTI_STAGE_SCHEDULES
-    assert all(spec.placement == "loop" for spec in SCHEDULE_SPECS.values())  # no V schedule accepted yet
-    assert [name for name, spec in SCHEDULE_SPECS.items() if spec.splits_backward] == ["InterleavedZeroBubble"]
+    assert list(SCHEDULES) == [
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "LoopedBFS",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+        "DualPipeV",
+    ]
+    assert (
+        frozenset({"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"})
+        == MULTI_STAGE_SCHEDULES
+    )
+    assert [name for name, spec in SCHEDULE_SPECS.items() if spec.placement == "v"] == ["ZBVZeroBubble", "DualPipeV"]
+    assert [name for name, spec in SCHEDULE_SPECS.items() if spec.splits_backward] == [
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+        "DualPipeV",
+    ]
     assert {name: spec.default_stages_per_rank for name, spec in SCHEDULE_SPECS.items()} == {
         "GPipe": 1,
         "1F1B": 1,
         "Interleaved1F1B": 2,
         "LoopedBFS": 2,
         "InterleavedZeroBubble": 2,
+        "ZBVZeroBubble": 2,
+        "DualPipeV": 2,
     }
 
 
 def test_schedule_spec_resolves_names_like_the_strategy() -> None:
     assert schedule_spec("interleaved1f1b") is SCHEDULE_SPECS["Interleaved1F1B"]
     assert schedule_spec("GPIPE").name == resolve_schedule("GPIPE") == "GPipe"
-    with pytest.raises(ValueError, match=r"Unknown `schedule='ZBVZeroBubble'`. Valid schedules"):
-        schedule_spec("ZBVZeroBubble")
+    assert schedule_spec("zbvzerobubble") is SCHEDULE_SPECS["ZBVZeroBubble"]
+    assert schedule_spec("DUALPIPEV").name == "DualPipeV"
+    with pytest.raises(ValueError, match=r"Unknown `schedule='DualPipe'`. Valid schedules.*ZBVZeroBubble, DualPipeV"):
+        schedule_spec("DualPipe")
 
 
 _ALL = set(range(1, 9))
@@ -166,6 +188,13 @@ ACCEPTED_MICROBATCHES = {
     ("InterleavedZeroBubble", 2): {2, 4, 6, 8},
     ("InterleavedZeroBubble", 3): {3, 6},
     ("InterleavedZeroBubble", 4): {4, 8},
+    # The V schedules (two stages per rank): ZBV takes any count; DualPipeV at least one micro-batch per stage.
+    ("ZBVZeroBubble", 2): _ALL,
+    ("ZBVZeroBubble", 3): _ALL,
+    ("ZBVZeroBubble", 4): _ALL,
+    ("DualPipeV", 2): {4, 5, 6, 7, 8},
+    ("DualPipeV", 3): {6, 7, 8},
+    ("DualPipeV", 4): {8},
 }
 
 
@@ -189,10 +218,11 @@ def test_microbatch_rules_give_the_verdicts_of_before(schedule: str, p: int, num
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_stages_per_rank_rules_give_the_verdicts_of_before(schedule: str, stages_per_rank: int) -> None:
     accepts_several = schedule in {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"}
+    runs_exactly = 2 if schedule in {"ZBVZeroBubble", "DualPipeV"} else 1
     error = schedule_spec(schedule).config_error(
         pipeline_parallel_size=2, stages_per_rank=stages_per_rank, num_microbatches=4
     )
-    assert (error is None) == (accepts_several or stages_per_rank == 1)
+    assert (error is None) == (accepts_several or stages_per_rank == runs_exactly)
 
 
 def test_error_messages_are_the_ones_of_before() -> None:
@@ -222,7 +252,8 @@ def test_the_config_defaults_come_from_the_descriptor() -> None:
             num_microbatches="auto",
         )
 
-    assert [resolved(name).stages_per_rank for name in SCHEDULES] == [1, 1, 2, 2, 2]
+    assert [resolved(name).stages_per_rank for name in SCHEDULES] == [1, 1, 2, 2, 2, 2, 2]
+    assert resolved("DualPipeV").num_microbatches == 8  # the number of stages: DualPipeV's minimum
     assert resolved("Interleaved1F1B").num_microbatches == 8
     assert resolved("Interleaved1F1B", world_size=1).stages_per_rank == 1  # one rank: one stage, whatever the schedule
     assert resolved("Interleaved1F1B").spec is SCHEDULE_SPECS["Interleaved1F1B"]
@@ -230,16 +261,16 @@ def test_the_config_defaults_come_from_the_descriptor() -> None:
 
 
 def test_a_v_schedule_is_one_descriptor() -> None:
-    """What adding torch's ``ScheduleZBVZeroBubble`` (a later issue) takes: its descriptor, whose placement the plan
-    follows. Not registered: ``schedule="ZBVZeroBubble"`` stays refused."""
+    """What adding torch's ``ScheduleZBVZeroBubble`` took (issue 32, item 2): its descriptor, whose placement the plan
+    follows."""
     zbv = ScheduleSpec(
         name="ZBVZeroBubble",
         torch_class=ScheduleZBVZeroBubble,
         default_stages_per_rank=2,
         placement="v",
-        needs_microbatch_per_rank=True,
         splits_backward=True,
     )
+    assert SCHEDULE_SPECS["ZBVZeroBubble"] == zbv
     assert zbv.is_multi_stage
     assert zbv.config_error(pipeline_parallel_size=2, stages_per_rank=2, num_microbatches=4) is None
     error = zbv.config_error(pipeline_parallel_size=2, stages_per_rank=3, num_microbatches=4)
@@ -248,4 +279,4 @@ def test_a_v_schedule_is_one_descriptor() -> None:
     )
     plan = plan_stages([1.0] * 4, num_stages=4, pipeline_parallel_size=2, placement=zbv.placement)
     assert (plan.stages_of(0), plan.stages_of(1)) == ([0, 3], [1, 2])
-    assert "ZBVZeroBubble" not in SCHEDULES
+    assert SCHEDULES["ZBVZeroBubble"] is ScheduleZBVZeroBubble

@@ -79,6 +79,12 @@ CASES = {
         lambda ws: f"pipeline pp=2, dp={ws // 2}, v=2",
         {"schedule": "Interleaved1F1B"},
     ),
+    # V placement (4 stages): rank 0 holds the first and last stage, rank 1 the middle two (their boundary local).
+    "pipeline_zbv": (
+        lambda ws: PipelineParallelStrategy(pipeline_parallel_size=2, schedule="ZBVZeroBubble", start_method="fork"),
+        lambda ws: f"pipeline pp=2, dp={ws // 2}, v=2",
+        {"schedule": "ZBVZeroBubble"},
+    ),
 }
 # Hybrid sharding at world size 4 only: 2 shard groups of 2 ranks ("two nodes": the planner lists these layouts for
 # `num_nodes > 1`), the gradient shards and flags all-reduced across the groups.

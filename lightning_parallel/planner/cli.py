@@ -6,6 +6,7 @@ import argparse
 import re
 import sys
 
+from lightning_parallel.distributed.pipeline.schedule import SCHEDULE_SPECS
 from lightning_parallel.planner.estimate import OPTIMIZER_STATES, PRECISION_BYTES
 from lightning_parallel.planner.plan import plan
 
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=8, help="samples per batch of one data-parallel replica")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's longest)")
     parser.add_argument("--num-microbatches", type=int, default=None, help="pipeline micro-batches (default: stages)")
-    parser.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"])
+    parser.add_argument("--schedule", default="1F1B", choices=list(SCHEDULE_SPECS))
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ZeRO-1/2 bucket size in MiB")
     parser.add_argument(
         "--activation-checkpointing",

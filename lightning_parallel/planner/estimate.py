@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from lightning_parallel.accounting import ring_wire_bytes
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.partition import StagePlan, resolve_pipeline_layers
+from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, find_tied_parameters
 from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, padded_numel
 from lightning_parallel.planner.activations import activation_bytes
@@ -432,7 +433,11 @@ def estimate_pipeline(
     num_stages = p * v
     m = num_microbatches or num_stages
     plan = ctx.spec.stage_plan(
-        num_stages=num_stages, pipeline_parallel_size=p, batch_size=ctx.batch_size, seq_len=ctx.seq_len
+        num_stages=num_stages,
+        pipeline_parallel_size=p,
+        batch_size=ctx.batch_size,
+        seq_len=ctx.seq_len,
+        placement=schedule_spec(schedule).placement,  # which rank holds each stage: the schedule's, as in the strategy
     )
     numels = ctx.spec.layer_numels()
     outputs = ctx.spec.layer_output_numels(ctx.batch_size, ctx.seq_len)
@@ -448,8 +453,9 @@ def estimate_pipeline(
         local = sum(numels[i] for s in stages for i in plan.layers_of(s))
         comm: dict[str, int] = {}
         if boundary is not None:
-            sends = sum(boundary[s] for s in stages if s < num_stages - 1)
-            sends += sum(boundary[s - 1] for s in stages if s > 0)
+            # A boundary between two stages of one rank (the tip of a V) passes its tensors locally: no P2P.
+            sends = sum(boundary[s] for s in stages if s < num_stages - 1 and plan.rank_of_stage(s + 1) != pr)
+            sends += sum(boundary[s - 1] for s in stages if s > 0 and plan.rank_of_stage(s - 1) != pr)
             comm = {"send": sends, "recv": sends} if sends else {}
         held, sharded, others = _stage_sharding(
             ctx, plan, stages, zero_stage=zero_stage, rank=r, layout=layout, bucket_cap_mb=bucket_cap_mb, m=m

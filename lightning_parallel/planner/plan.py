@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.planner.activations import check_attention, check_checkpointing, recompute_fraction
 from lightning_parallel.planner.estimate import (
     OPTIMIZER_STATES,
@@ -211,7 +212,8 @@ def plan(
             ``max_seq_len``; 1 without one; a transformers config: ``min(max_position_embeddings, 4096)``).
         num_microbatches: pipeline micro-batches; ``None``: :func:`default_microbatches` (the planner passes the
             count it chose in the ``Trainer`` line).
-        schedule: pipeline schedule (``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"``); 1F1B needs at least as many
+        schedule: pipeline schedule (a key of :data:`~lightning_parallel.distributed.pipeline.schedule.SCHEDULE_SPECS`:
+            ``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"``, ``"ZBVZeroBubble"``, ...); 1F1B needs at least as many
             micro-batches as stages, so a batch smaller than the pipeline is planned as GPipe
             (:func:`pipeline_schedule`).
         bucket_cap_mb: the ZeRO-1/2 bucket size (``ShardedOptimizerStrategy(bucket_cap_mb=...)``).
@@ -349,6 +351,8 @@ def _pipelines(
 ) -> list[ConfigEstimate]:
     if not spec.has_pipeline_layers:
         return []
+    if zero_stage == 3 and schedule_spec(schedule).splits_backward:
+        return []  # the strategy refuses it: FSDP2's gradient hooks miss the weight gradients computed outside backward
     num_layers = len(spec.layer_numels())
     configs = []
     for p in range(2, ctx.world_size + 1):
@@ -389,7 +393,7 @@ def pipeline_schedule(
     interleaved schedules need at least one micro-batch per stage) GPipe, which takes any count, with one
     micro-batch per sample: at batch 1 a single micro-batch goes through the stages one after the other.
     """
-    stages_per_rank = 2 if schedule.lower().startswith("interleaved") else 1
+    stages_per_rank = schedule_spec(schedule).default_stages_per_rank
     if num_microbatches is not None:
         return (num_microbatches, schedule, stages_per_rank) if batch_size % num_microbatches == 0 else None
     m = default_microbatches(batch_size, pipeline_parallel_size, stages_per_rank)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.pipeline.partition import (
+    Placement,
     StagePlan,
     layer_compute_costs,
     layer_parameter_costs,
@@ -105,8 +106,17 @@ class ModelSpec:
             return tuple(e.to("meta") if isinstance(e, Tensor) else e for e in example), {}
         return None
 
-    def stage_plan(self, *, num_stages: int, pipeline_parallel_size: int, batch_size: int, seq_len: int) -> StagePlan:
-        """The split ``PipelineParallelStrategy(partition="compute")`` makes for this batch (the same function)."""
+    def stage_plan(
+        self,
+        *,
+        num_stages: int,
+        pipeline_parallel_size: int,
+        batch_size: int,
+        seq_len: int,
+        placement: Placement = "loop",
+    ) -> StagePlan:
+        """The split ``PipelineParallelStrategy(partition="compute")`` makes for this batch (the same function), its
+        stages laid on ranks by ``placement`` (the schedule's, ``schedule_spec(name).placement``)."""
         assert self.module is not None
         layers = resolve_pipeline_layers(self.module)
         example = self.example_inputs(batch_size, seq_len)
@@ -118,6 +128,7 @@ class ModelSpec:
             measured=costs,
             num_stages=num_stages,
             pipeline_parallel_size=pipeline_parallel_size,
+            placement=placement,
         )
 
     def _layer_costs(self, layers: list[nn.Module], example: Any, batch_size: int, seq_len: int) -> list[int] | None:

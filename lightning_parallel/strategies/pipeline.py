@@ -99,9 +99,12 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     Args:
         pipeline_parallel_size: Ranks per pipeline; ``"auto"`` uses all ranks (no data parallelism).
-        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"`` or ``"InterleavedZeroBubble"``.
+        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, or the
+            V-shaped ``"ZBVZeroBubble"`` / ``"DualPipeV"`` (two stages per rank, rank ``r`` holding ``r`` and
+            ``2p - 1 - r``).
         num_microbatches: Micro-batches per batch; ``"auto"`` is the number of stages (the minimum for 1F1B).
-        stages_per_rank: Virtual stages per rank; ``"auto"`` is 2 for the multi-stage schedules, else 1.
+        stages_per_rank: Virtual stages per rank; ``"auto"`` is 2 for the multi-stage schedules (exactly 2 for the
+            V-shaped ones), else 1.
         partition: ``"compute"`` (forward FLOPs of an example batch), ``"measured"`` (timed on rank 0),
             ``"parameters"``, or a list with the first layer index of every stage but the first.
         verify_layers: Check on the first batch that ``pipeline_layers()`` applied in order gives ``forward``'s

@@ -12,7 +12,10 @@ layer-sync flag) are in :mod:`lightning_parallel._compat`, so this package impor
 * ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk`` and
   ``get_{fwd,bwd}_{send,recv}_ops``: public names of ``PipelineStage`` defined on its private base
   ``_PipelineStageBase``, through which every schedule runs a micro-batch and builds its P2P ops;
-  ``SideEffectFreePipelineStage`` overrides them (calling torch's) to time chunks and count P2P bytes.
+  ``SideEffectFreePipelineStage`` overrides them (calling torch's) to time chunks and count P2P bytes. Likewise
+  ``get_local_bwd_output`` / ``set_local_bwd_input`` (how torch's runtime hands an input gradient between two stages
+  of one rank, the tip of a V): overridden to pass nothing when the schedule runs without backward (evaluation under
+  a V schedule), where torch's would raise.
 * ``FakeTensorMode`` (``torch._subclasses.fake_tensor``): :mod:`.flops` counts a layer's FLOPs with fake stand-ins
   for its parameters (shapes without memory that report their real device), as torch's own ``FlopCounterMode`` tests
   and ``torch.export`` do.

@@ -29,9 +29,9 @@ class PipelineConfig:
     """The schedule the user asked for (canonical torch name)."""
     stages_per_rank: int
     """Virtual stages per rank: by default the schedule's (``ScheduleSpec.default_stages_per_rank``: 2 for the
-    multi-stage schedules, else 1); always 1 on a one-rank pipeline."""
+    multi-stage schedules, else 1; the V-shaped ones run exactly 2); always 1 on a one-rank pipeline."""
     num_microbatches: int
-    """Micro-batches per batch (by default the number of stages: the minimum for 1F1B)."""
+    """Micro-batches per batch (by default the number of stages: the minimum for 1F1B and DualPipeV)."""
 
     @classmethod
     def resolve(

@@ -22,8 +22,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, ScheduleDualPipeV
 
 from lightning_parallel.accounting import tensor_bytes
 from lightning_parallel.distributed.mesh import MeshLayout
@@ -54,10 +55,10 @@ class ScheduleSpec:
     """What the rest of the pipeline needs to know of one schedule, as data: its torch class, how many stages a rank
     runs and where they are placed, its micro-batch rules and whether it splits backward.
 
-    Adding a schedule is one entry in :data:`SCHEDULE_SPECS` (a V-shaped one, torch's ``ScheduleZBVZeroBubble``:
-    ``default_stages_per_rank=2, runs_any_stages_per_rank=False, placement="v", splits_backward=True``); the stage
-    plan takes the entry's placement. :func:`build_runtime` evaluates with looped forward-only schedules, so a V
-    schedule also needs its forward-only schedule there (its assertion says so).
+    Adding a schedule is one entry in :data:`SCHEDULE_SPECS` (the V-shaped ones, torch's ``ScheduleZBVZeroBubble``
+    and ``ScheduleDualPipeV``: ``default_stages_per_rank=2, runs_any_stages_per_rank=False, placement="v",
+    splits_backward=True``); the stage plan takes the entry's placement, and :func:`build_runtime` evaluates
+    (forward-only) with a schedule of the same placement.
     """
 
     name: str
@@ -75,6 +76,9 @@ class ScheduleSpec:
     needs_microbatches_multiple_of_ranks: bool = False
     """``num_microbatches`` a multiple of ``pipeline_parallel_size``: torch's interleaved schedules run the
     micro-batches in rounds of ``p``."""
+    needs_microbatch_per_stage: bool = False
+    """At least as many micro-batches as stages (``p x stages_per_rank``): torch's ``ScheduleDualPipeV`` refuses
+    fewer (its two halves of the batch each fill the V)."""
     splits_backward: bool = False
     """Backward split into input gradients and weight gradients (zero bubble): the weight gradients are computed
     outside autograd's backward, so hooks that reduce gradients as backward produces them (FSDP2's) miss them."""
@@ -94,6 +98,12 @@ class ScheduleSpec:
                 f"`schedule={self.name!r}` needs at least as many micro-batches as pipeline ranks, but"
                 f" `num_microbatches={m}` < {p} (1F1B warms up one micro-batch per stage). Use"
                 f" `num_microbatches >= {p}` (more shrinks the bubble) or 'GPipe'."
+            )
+        if self.needs_microbatch_per_stage and m < p * stages_per_rank:
+            return (
+                f"`schedule={self.name!r}` needs at least as many micro-batches as stages, but `num_microbatches={m}`"
+                f" < {p * stages_per_rank} ({p} ranks x {stages_per_rank} stages). Use"
+                f" `num_microbatches >= {p * stages_per_rank}` or 'ZBVZeroBubble', which takes any count."
             )
         if self.needs_microbatches_multiple_of_ranks and m % p:
             return (
@@ -148,6 +158,21 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
             runs_any_stages_per_rank=True,
             needs_microbatch_per_rank=True,
             needs_microbatches_multiple_of_ranks=True,
+            splits_backward=True,
+        ),
+        ScheduleSpec(
+            name="ZBVZeroBubble",
+            torch_class=ScheduleZBVZeroBubble,
+            default_stages_per_rank=2,
+            placement="v",
+            splits_backward=True,
+        ),
+        ScheduleSpec(
+            name="DualPipeV",
+            torch_class=ScheduleDualPipeV,
+            default_stages_per_rank=2,
+            placement="v",
+            needs_microbatch_per_stage=True,
             splits_backward=True,
         ),
     )
@@ -362,6 +387,20 @@ class SideEffectFreePipelineStage(PipelineStage):
                 self.on_p2p(kind, tensor_bytes(op.tensor))
         return ops
 
+    # A V schedule built without a loss (evaluation) still runs its backward actions: torch skips each one's compute
+    # and P2P ops (``has_backward`` is false), but hands the input gradient of the stage that follows on the same rank
+    # (stages p-1 and p share the V's tip) to its neighbour unconditionally, which raises without a backward. With
+    # nothing to hand over, these two pass nothing.
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        if not self.has_backward:
+            return ()
+        return super().get_local_bwd_output(mb_index)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        if not self.has_backward:
+            return
+        super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._observed("F", super().forward_one_chunk, args, kwargs)
 
@@ -408,11 +447,12 @@ def build_runtime(
     """Wrap this rank's stages in ``PipelineStage`` objects and build the schedule.
 
     ``loss_fn=None`` builds a forward-only schedule (evaluation): GPipe's forward phase for one stage per rank,
-    LoopedBFS's for several. Gradients are never scaled by torch (``scale_grads=False``): the caller's loss already
-    divides by the number of micro-batches and accumulation steps (torch's scaling would also rescale gradients
-    accumulated in earlier steps, pytorch/torchtitan#1733). ``side_names``: the model call's side inputs
-    (:mod:`.side_inputs`), which every stage carries along. ``on_chunk`` / ``on_p2p``: told of every chunk the
-    stages run / P2P op they send or receive.
+    LoopedBFS's for several placed in a loop, and the V schedule itself for a V placement (torch has no forward-only
+    schedule of that placement; its backward actions do nothing without a loss). Gradients are never scaled by torch
+    (``scale_grads=False``): the caller's loss already divides by the number of micro-batches and accumulation steps
+    (torch's scaling would also rescale gradients accumulated in earlier steps, pytorch/torchtitan#1733).
+    ``side_names``: the model call's side inputs (:mod:`.side_inputs`), which every stage carries along.
+    ``on_chunk`` / ``on_p2p``: told of every chunk the stages run / P2P op they send or receive.
     """
     _compat.stage_inference_method(PipelineStage)  # this torch has the method the stages wrap (a clear error if not)
     built = [
@@ -433,9 +473,10 @@ def build_runtime(
     for stage in built:
         stage.on_chunk, stage.on_p2p = on_chunk, on_p2p
     stages: list[PipelineStage] = list(built)
-    spec = schedule_spec(schedule if loss_fn is not None else ("LoopedBFS" if len(stages) > 1 else "GPipe"))
-    # torch's schedules place stages by their own rule (`stage_index_to_group_rank`): the plan must agree with it (the
-    # forward-only schedules are looped: a V plan needs its own forward-only schedule here).
+    spec = schedule_spec(schedule)
+    if loss_fn is None and spec.placement == "loop":
+        spec = schedule_spec("LoopedBFS" if len(stages) > 1 else "GPipe")
+    # torch's schedules place stages by their own rule (`stage_index_to_group_rank`): the plan must agree with it.
     assert spec.placement == plan.placement, f"{spec.name} places stages {spec.placement!r}, the plan {plan.placement}"
     schedule_class = spec.torch_class
     torch_schedule: PipelineScheduleSingle | PipelineScheduleMulti
