@@ -230,3 +230,34 @@ BF16_CLOSE = {"rtol": 1.6e-2, "atol": 4e-3}
 """bf16 weights from micro-batched gradients (the pipeline sums 2 micro-batches' bf16 gradients, and the tied copies'
 gradients in fp32) against one device's whole-batch gradient: equal up to the rounding of a bf16 gradient, about one
 bf16 ulp of a weight of magnitude 0.5 (3.9e-3); fp32 master weights keep the differences from growing."""
+
+
+class _ValidatedTiedGPT(zoo.TiedGPT):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+
+def _saved_around_validate(rank: int, world_size: int, directory: str) -> None:
+    """ZeRO-2 at 2 x 2: ``fit``, save, ``validate`` (which splits the module afresh), save again."""
+    pl.seed_everything(0, verbose=False)
+    trainer = zoo.trainer(_pipeline(2), world_size)
+    sampler = trainer.strategy.distributed_sampler_kwargs
+    loader = zoo.loader(sampler["num_replicas"], sampler["rank"], kind="tokens")
+    module = _ValidatedTiedGPT()
+    trainer.fit(module, loader)
+    trainer.save_checkpoint(f"{directory}/after_fit.ckpt")
+    trainer.validate(module, loader, verbose=False)
+    trainer.save_checkpoint(f"{directory}/after_validate.ckpt")
+
+
+def test_a_checkpoint_saved_after_validate_holds_the_fits_zero_state(tmp_path: Path) -> None:
+    run_distributed(_saved_around_validate, 4, args=(str(tmp_path),), init_process_group=False, timeout=180)
+    before = torch.load(tmp_path / "after_fit.ckpt", weights_only=True)
+    after = torch.load(tmp_path / "after_validate.ckpt", weights_only=True)
+    assert_weights_close(after["state_dict"], before["state_dict"], rtol=0.0, atol=0.0)
+    (saved_before,), (saved_after,) = before["optimizer_states"], after["optimizer_states"]
+    assert saved_after["param_groups"] == saved_before["param_groups"]
+    assert saved_after["state"].keys() == saved_before["state"].keys() and saved_before["state"]
+    for index, state in saved_before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(saved_after["state"][index][key], value), (index, key)

@@ -258,6 +258,7 @@ def split_into_stages(
             stats=stats,
             warn=warn,
             sharded_names=previous.sync.sharded_names if previous is not None else {},
+            previous=previous.sync if previous is not None else None,
         )
     )
     running = sync.layers

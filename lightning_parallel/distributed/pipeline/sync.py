@@ -72,6 +72,9 @@ class SyncContext:
     """How to warn about an optimizer we do not know to be element-wise (the strategy's rank-zero warning)."""
     sharded_names: Mapping[int, str] = field(default_factory=dict)
     """``id`` -> canonical name of the sharded parameters of earlier splits (see :attr:`PipelineSync.sharded_names`)."""
+    previous: PipelineSync | None = None
+    """The last split's sync (a ``fit`` before this ``validate``): its optimizers' shards are still the state a
+    checkpoint saves."""
 
 
 class PipelineSync(GradientSync, Protocol):

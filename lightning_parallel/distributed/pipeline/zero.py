@@ -216,8 +216,12 @@ class FlatBucketSync(ReplicatedSync):
 
     def __init__(self, context: SyncContext) -> None:
         super().__init__(context)
-        self.backend: FlatBucketBackend | None = None
-        """The ZeRO-1/2 backend holding the stage; built by :meth:`setup_optimizers`."""
+        previous = context.previous
+        self.backend: FlatBucketBackend | None = previous.backend if isinstance(previous, FlatBucketSync) else None
+        """The ZeRO-1/2 backend holding the stage; built by :meth:`setup_optimizers`. A split that does not fit
+        (``validate`` after ``fit``) keeps the fit's: its optimizers step its shard views, and a checkpoint saved
+        now must consolidate their state through it (the stage's parameters are the same objects, still views into
+        its buckets)."""
 
     def setup_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Collective (the stage's buckets; groups of the tied copies). Move the stage's parameters into flat buckets
