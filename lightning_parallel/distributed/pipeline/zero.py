@@ -26,7 +26,6 @@ parameters whole (the flat buckets, with their padding); docs/zero.md's formulas
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -41,7 +40,12 @@ from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import SCHEDULE_SPECS, ParallelDims, schedule_spec
 from lightning_parallel.distributed.pipeline.sync import ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, TiedParameter
-from lightning_parallel.distributed.zero.backends import FlatBucketBackend, StageExtensions, ZeroContext
+from lightning_parallel.distributed.zero.backends import (
+    FlatBucketBackend,
+    MasterWeightBackend,
+    StageExtensions,
+    ZeroContext,
+)
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, ZeroConfig
 from lightning_parallel.distributed.zero.flat_bucket import ShardView
 
@@ -237,11 +241,11 @@ class FlatBucketSync(ReplicatedSync):
             ),
         )
         assert context.zero_config is not None, "zero_stage 1-3 has ZeRO settings"
-        # Stage 3 comes here only without data parallelism, to keep fp32 masters: stage 2's buckets, one shard each
-        # (as `MasterWeightBackend` does for `ShardedOptimizerStrategy` at world size 1).
-        config = replace(context.zero_config, stage=min(context.zero_config.stage, 2))
-        backend = FlatBucketBackend(
-            config,
+        # Without data parallelism this sync exists only to keep fp32 masters: `ShardedOptimizerStrategy`'s world-size-1
+        # backend (stage-1/2 buckets of one shard, at any `zero_stage`).
+        backend_type = FlatBucketBackend if dims.data_parallel_size > 1 else MasterWeightBackend
+        backend = backend_type(
+            context.zero_config,
             ZeroContext(
                 rank=dims.global_rank,
                 world_size=dims.world_size,
