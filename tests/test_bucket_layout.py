@@ -20,7 +20,7 @@ from training_helpers import assert_monitor_equals_plan, make_trainer
 
 from lightning_parallel import ShardedOptimizerStrategy
 from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
-from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout
+from lightning_parallel.distributed.zero.layout import STAGE2_MIN_BUCKETS, BucketMember, bucket_layout, min_buckets
 from lightning_parallel.monitor import ParallelismMonitor
 from lightning_parallel.planner import plan
 from lightning_parallel.planner.estimate import planned_buckets
@@ -62,17 +62,35 @@ def test_a_bucket_per_dtype_run_and_the_cap() -> None:
     assert bucket_layout([], bucket_cap_mb=1) == []
 
 
-def _built_buckets(rank: int, world_size: int) -> list[tuple[int, torch.dtype]]:
-    buckets = ShardedParameterBuckets(MixedDtypes(), stage=2)
-    return [(sum(s.numel for s in bucket.segments), bucket.flat_params.dtype) for bucket in buckets.buckets]
+def _built_buckets(rank: int, world_size: int) -> dict[int, list[tuple[int, torch.dtype]]]:
+    built = {}
+    for stage in STAGES:
+        buckets = ShardedParameterBuckets(MixedDtypes(), stage=stage)
+        built[stage] = [(sum(s.numel for s in b.segments), b.flat_params.dtype) for b in buckets.buckets]
+    return built
 
 
 def test_planner_buckets_are_the_built_ones() -> None:
     (built,) = run_distributed(_built_buckets, world_size=1)
-    assert built == [(18, torch.float32), (40, torch.bfloat16), (35, torch.float32)]
-    planned = planned_buckets(model_spec(MixedDtypes()), element_bytes=4, bucket_cap_mb=25.0)
+    assert built[1] == [(18, torch.float32), (40, torch.bfloat16), (35, torch.float32)]
+    # Stage 2: at most a sixteenth of the model's bytes per bucket (292 B -> 19 B), so every parameter alone.
+    assert len(built[2]) == sum(1 for p in MixedDtypes().parameters())
     sizes = {torch.float32: 4, torch.bfloat16: 2}
-    assert [(b.numel, b.element_size) for b in planned] == [(numel, sizes[dtype]) for numel, dtype in built]
+    for stage in STAGES:
+        planned = planned_buckets(model_spec(MixedDtypes()), element_bytes=4, bucket_cap_mb=25.0, stage=stage)
+        expected = [(numel, sizes[dtype]) for numel, dtype in built[stage]]
+        assert [(b.numel, b.element_size) for b in planned] == expected
+
+
+def test_stage2_splits_a_model_under_the_cap_into_sixteen_buckets() -> None:
+    members = [BucketMember(100, 4, "fp32")] * 64  # 25,600 B, far under a 25 MiB cap
+    assert len(bucket_layout(members, bucket_cap_mb=25.0, min_buckets=min_buckets(1))) == 1
+    stage2 = bucket_layout(members, bucket_cap_mb=25.0, min_buckets=min_buckets(2))
+    assert len(stage2) == STAGE2_MIN_BUCKETS == 16
+    assert [len(bucket) for bucket in stage2] == [4] * 16
+    # Over 16 x the cap the cap decides, as before.
+    big = [BucketMember(2**20, 4, "fp32")] * 40  # 40 MiB of 4 MiB parameters under an 8 MiB cap
+    assert bucket_layout(big, bucket_cap_mb=8.0, min_buckets=16) == bucket_layout(big, bucket_cap_mb=8.0)
 
 
 def _measure(rank: int, world_size: int, devices: int) -> dict[int, dict]:

@@ -65,7 +65,7 @@ from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.partition import StagePlan, resolve_pipeline_layers
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, find_tied_parameters
-from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, padded_numel
+from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, min_buckets, padded_numel
 from lightning_parallel.planner.activations import activation_bytes
 from lightning_parallel.planner.spec import ModelSpec, ParamSpec
 
@@ -270,21 +270,23 @@ def trained_element_size(param: ParamSpec, element_bytes: int) -> int:
     return param.element_size
 
 
-def planned_buckets(spec: ModelSpec, *, element_bytes: int, bucket_cap_mb: float) -> list[PlannedBucket]:
-    """The flat buckets ``ShardedParameterBuckets`` builds, in bucket order: the same :func:`bucket_layout` over the
-    parameters in reverse registration order, a bucket per dtype run."""
+def planned_buckets(spec: ModelSpec, *, element_bytes: int, bucket_cap_mb: float, stage: int) -> list[PlannedBucket]:
+    """The flat buckets ``ShardedParameterBuckets`` builds at ZeRO ``stage``, in bucket order: the same
+    :func:`bucket_layout` over the parameters in reverse registration order, a bucket per dtype run."""
     sizes = [trained_element_size(param, element_bytes) for param in reversed(spec.params)]
     numels = [param.numel for param in reversed(spec.params)]
     members = [BucketMember(numel, size, size) for numel, size in zip(numels, sizes, strict=True)]
     return [
         PlannedBucket(sum(numels[i] for i in indices), sizes[indices[0]])
-        for indices in bucket_layout(members, bucket_cap_mb=bucket_cap_mb)
+        for indices in bucket_layout(members, bucket_cap_mb=bucket_cap_mb, min_buckets=min_buckets(stage))
     ]
 
 
-def zero_buckets(spec: ModelSpec, *, element_bytes: int, bucket_cap_mb: float) -> list[int]:
-    """Element counts of the flat buckets ``ShardedParameterBuckets`` builds (before padding), in bucket order."""
-    return [bucket.numel for bucket in planned_buckets(spec, element_bytes=element_bytes, bucket_cap_mb=bucket_cap_mb)]
+def zero_buckets(spec: ModelSpec, *, element_bytes: int, bucket_cap_mb: float, stage: int) -> list[int]:
+    """Element counts of the flat buckets ``ShardedParameterBuckets`` builds at ZeRO ``stage`` (before padding), in
+    bucket order."""
+    planned = planned_buckets(spec, element_bytes=element_bytes, bucket_cap_mb=bucket_cap_mb, stage=stage)
+    return [bucket.numel for bucket in planned]
 
 
 GRADIENT_FLAG_BYTES = 1
@@ -329,7 +331,7 @@ def estimate_zero12(
     layout = MeshLayout.for_sharding(ctx.world_size, shard_size)
     n = layout.shard_size
     ranks = []
-    buckets = planned_buckets(ctx.spec, element_bytes=ctx.element_bytes, bucket_cap_mb=bucket_cap_mb)
+    buckets = planned_buckets(ctx.spec, element_bytes=ctx.element_bytes, bucket_cap_mb=bucket_cap_mb, stage=stage)
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_head=True)
     num_params = len(ctx.spec.params)
@@ -528,7 +530,9 @@ def _stage_sharding(
         *held, comm = _fully_sharded(ctx, stage_spec, shard=shard, num_microbatches=m)
         others = _tied_sync(ctx, plan, shard=shard).get(layout.pipeline_rank(rank), [])
         return (held[0], held[1], held[2]), comm, others
-    buckets = planned_buckets(stage_spec, element_bytes=ctx.element_bytes, bucket_cap_mb=bucket_cap_mb)
+    buckets = planned_buckets(
+        stage_spec, element_bytes=ctx.element_bytes, bucket_cap_mb=bucket_cap_mb, stage=zero_stage
+    )
     # The pipeline's ZeRO keeps no fp32 masters (it supports 32-true and bf16-mixed).
     params, grads, state, comm = _zero_sharded(
         ctx,

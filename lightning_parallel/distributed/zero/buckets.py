@@ -84,7 +84,7 @@ from lightning_parallel.distributed.zero.accumulation import (
     take_reduced,
 )
 from lightning_parallel.distributed.zero.flat_bucket import FlatBucket, Segment, ShardView
-from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, padded_numel
+from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, min_buckets, padded_numel
 
 __all__ = [
     "DEFAULT_BUCKETS_IN_FLIGHT",
@@ -141,7 +141,8 @@ class ShardedParameterBuckets:
             shard in the other shard groups (the mesh's ``replicate`` axis); each reduced gradient shard is then
             all-reduced across it (``1/K`` of the bucket's bytes), so gradients are averaged over every rank.
             ``None``: ``group`` is every rank there is.
-        bucket_cap_mb: bucket size in MiB.
+        bucket_cap_mb: bucket size in MiB; at stage 2 at most a sixteenth of the model
+            (:data:`~lightning_parallel.distributed.zero.layout.STAGE2_MIN_BUCKETS`).
         frozen: parameters to bucket although ``requires_grad`` is off (those the optimizers hold, so unfreezing
             them later needs no new layout). Other frozen parameters stay outside the buckets, never communicated.
         max_buckets_in_flight: reduce-scatters (stage 2, or of fp32 copies beside 16-bit buckets) in flight at once;
@@ -221,7 +222,7 @@ class ShardedParameterBuckets:
     # ------------------------------------------------------------------ layout
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]], bucket_cap_mb: float) -> list[FlatBucket]:
         members = [BucketMember(p.numel(), p.element_size(), (p.dtype, p.device)) for _, p in named]
-        layout = bucket_layout(members, bucket_cap_mb=bucket_cap_mb)
+        layout = bucket_layout(members, bucket_cap_mb=bucket_cap_mb, min_buckets=min_buckets(self.stage))
         return [self._make_bucket([named[i] for i in indices]) for indices in layout]
 
     def _make_bucket(self, members: list[tuple[str, nn.Parameter]]) -> FlatBucket:
