@@ -90,7 +90,8 @@ def render(results: DataParallelResults, *, command: str) -> str:
             f"{results.config.workload.describe()}; {results.config.repeats} interleaved repeats.",
             *load_notes(results.outcomes.values()),
             "Both all-reduce through the library's counting hook (a Python DDP comm hook) while `ParallelismMonitor`"
-            " measures them; tokens/s divides the global batch's tokens by the median step time of the slowest rank."
+            " measures them (one fit per configuration); tokens/s divides the global batch's tokens by the median step"
+            " time of the slowest rank in fits without the monitor (a step clock callback only)."
             " DDP's all-reduce waits run inside autograd: the monitor cannot time its exposed communication.",
         ],
         blocks={

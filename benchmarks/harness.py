@@ -3,9 +3,13 @@
 A :class:`Contender` is a strategy (ours or an anchor) plus the LightningModule it trains; a :class:`Workload` is the
 model size, world size, batch and number of steps. :func:`run_interleaved` trains every contender once per repeat,
 in alternating order (forwards, then backwards), so that slow drift of a shared machine affects each side alike.
-Every fit carries the library's :class:`~lightning_parallel.monitor.ParallelismMonitor` and nothing else: step times,
-tokens, bytes held per rank, peak memory and bytes per collective all come from its summary (which rank 0 writes as
-JSON, read back here), so ours and the anchors are measured by the same code. Every fit also records the machine's
+Throughput comes from fits that carry no monitor, only :class:`StepClock` (a clock at ``on_train_batch_start`` and
+``on_train_batch_end`` on every rank, what a user's timing callback does): the monitor's dispatch-mode tap costs
+FSDP2's collectives more than ours (+14-24 ms on a ~70 ms ZeRO-3 step), so timing under it favoured us. Everything
+else, tokens, bytes held per rank, peak memory, bytes per collective, exposed communication, the pipeline's bubble
+and timeline, comes from one more fit per contender under
+:class:`~lightning_parallel.monitor.ParallelismMonitor` (its summary, which rank 0 writes as JSON, read back here),
+so ours and the anchors are measured by the same code. Every fit also records the machine's
 1-minute load average before and after it (:attr:`Run.load`), so a run disturbed by other work is visible. An anchor
 that raises (not installed, refuses the CPU) is kept with the reason as :attr:`Outcome.unavailable`; one of ours that
 raises fails the benchmark.
@@ -43,11 +47,13 @@ __all__ = [
     "Contender",
     "Outcome",
     "Run",
+    "StepClock",
     "UserTimingCallback",
     "Workload",
     "compare",
     "compile_backend",
     "compiled",
+    "monitored_fit",
     "one_line",
     "run_interleaved",
     "train",
@@ -177,7 +183,8 @@ class Run:
     """One fit, as the monitor measured it (steps after the warm-up)."""
 
     step_s: list[float]
-    """Per measured step: the slowest rank's step time (``on_train_batch_start`` to ``on_train_batch_end``)."""
+    """Per measured step: the slowest rank's step time (``on_train_batch_start`` to ``on_train_batch_end``), from a
+    fit without the monitor (:func:`train`)."""
     tokens: int
     """Tokens of the global batch."""
     held: list[dict[str, int]]
@@ -194,6 +201,9 @@ class Run:
     load: tuple[float, float] | None = None
     """The machine's 1-minute load average (``os.getloadavg()``) when the fit started and when it ended; it counts the
     fit's own ranks. Set by :func:`train`."""
+    monitored_step_s: list[float] | None = None
+    """The same step times in the fit under the monitor, whose figures this run carries (``None``: a raw loop that
+    measures itself)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -242,16 +252,59 @@ class Run:
         )
 
 
-def train(contender: Contender, workload: Workload) -> Run:
-    """Fit the demo model once with ``contender`` under a :class:`ParallelismMonitor`; return what it measured, with
-    the machine's 1-minute load average at the start and the end of the fit."""
+class StepClock(pl.Callback):
+    """Every rank's step times (``on_train_batch_start`` to ``on_train_batch_end``, the monitor's window), written to
+    ``folder/steps-rank<r>.json`` at the end of the fit; nothing else (no dispatch mode, no collective)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.started = 0.0
+        self.seconds: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seconds.append(time.perf_counter() - self.started)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        Path(self.folder, f"steps-rank{trainer.global_rank}.json").write_text(json.dumps(self.seconds))
+
+    @staticmethod
+    def slowest_rank(folder: str, world_size: int, warmup_steps: int) -> list[float]:
+        """Per step after the warm-up, the slowest rank's seconds."""
+        ranks = [json.loads(Path(folder, f"steps-rank{r}.json").read_text()) for r in range(world_size)]
+        return [max(step) for step in zip(*(rank[warmup_steps:] for rank in ranks), strict=True)]
+
+
+def train(contender: Contender, workload: Workload, *, figures: Run | None = None) -> Run:
+    """Fit the demo model with ``contender`` and time it without the monitor; the other figures come from
+    ``figures`` (an earlier run of the same contender and workload) or, when ``None``, from one more fit under a
+    :class:`ParallelismMonitor` first (:func:`monitored_fit`). A contender with its own ``run`` (a raw loop) measures
+    itself. The run records the machine's 1-minute load average at the start and the end of the timed fit."""
+    if contender.run is not None:
+        start = os.getloadavg()[0]
+        run = contender.run(workload)
+        run.load = (start, os.getloadavg()[0])
+        return run
+    if figures is None:
+        figures = monitored_fit(contender, workload)
     start = os.getloadavg()[0]
-    run = contender.run(workload) if contender.run is not None else _fit(contender, workload)
+    step_s = _fit(contender, workload, monitored=False).step_s
+    return replace(figures, step_s=step_s, load=(start, os.getloadavg()[0]))
+
+
+def monitored_fit(contender: Contender, workload: Workload) -> Run:
+    """One fit under a :class:`ParallelismMonitor`: what it measured (its step times are timed under it), with the
+    load average at the start and the end. For figures only the monitor gives (bubble, timeline), not throughput."""
+    start = os.getloadavg()[0]
+    run = _fit(contender, workload, monitored=True)
     run.load = (start, os.getloadavg()[0])
+    run.monitored_step_s = run.step_s
     return run
 
 
-def _fit(contender: Contender, workload: Workload) -> Run:
+def _fit(contender: Contender, workload: Workload, *, monitored: bool) -> Run:
     assert contender.make_strategy is not None, f"{contender.name} has neither `make_strategy` nor `run`"
     gc.collect()  # the previous fit's model (held in reference cycles) would otherwise be inherited by the ranks
     torch.manual_seed(0)
@@ -259,12 +312,13 @@ def _fit(contender: Contender, workload: Workload) -> Run:
     data.setup("fit")  # once here: the forked ranks inherit the corpus
     with tempfile.TemporaryDirectory(prefix="lp-bench-") as folder:
         summary_path = Path(folder, "monitor.json")
+        measure = ParallelismMonitor(figure_path=False, summary_path=summary_path) if monitored else StepClock(folder)
         trainer = pl.Trainer(
             accelerator=workload.accelerator,
             devices=workload.devices,
             strategy=contender.make_strategy(),
             max_steps=workload.steps,
-            callbacks=[ParallelismMonitor(figure_path=False, summary_path=summary_path), *contender.make_callbacks()],
+            callbacks=[measure, *contender.make_callbacks()],
             default_root_dir=folder,
             limit_val_batches=0,
             num_sanity_val_steps=0,
@@ -279,6 +333,9 @@ def _fit(contender: Contender, workload: Workload) -> Run:
             model = contender.make_module(workload)
         with _restored_environ():
             trainer.fit(model, datamodule=data)
+        if not monitored:
+            step_s = StepClock.slowest_rank(folder, workload.devices, workload.warmup_steps)
+            return Run(step_s=step_s, tokens=0, held=[], peak=[], world_size=workload.devices)
         summary = json.loads(summary_path.read_text())
     return Run.from_summary(
         summary, warmup_steps=workload.warmup_steps, loss=trainer.callback_metrics.get("train_loss")
@@ -315,9 +372,11 @@ def run_interleaved(
     workload: Workload,
     *,
     repeats: int,
-    train_fn: Callable[[Contender, Workload], Run] = train,
+    train_fn: Callable[..., Run] = train,
 ) -> dict[str, Outcome]:
-    """Train every contender ``repeats`` times in alternating order; returns name -> outcome.
+    """Train every contender ``repeats`` times in alternating order; returns name -> outcome. Each repeat is timed
+    without the monitor; a contender's first repeat also fits once under it, whose figures the others reuse
+    (``train_fn(contender, workload, figures=...)``).
 
     Raises:
         RuntimeError: If one of ours failed (its error is chained).
@@ -332,7 +391,8 @@ def run_interleaved(
                 continue
             start = time.monotonic()
             try:
-                outcome.runs.append(train_fn(contender, workload))
+                figures = outcome.runs[0] if outcome.runs else None
+                outcome.runs.append(train_fn(contender, workload, figures=figures))
             except Exception as error:  # an anchor that cannot run here is a result, not a failure
                 if contender.is_ours:
                     raise RuntimeError(f"{contender.label} failed: {one_line(error)}") from error

@@ -28,17 +28,29 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from benchmarks import figures
-from benchmarks.harness import Comparison, Contender, Outcome, Run, Workload, compare, run_interleaved, train
+from benchmarks.harness import (
+    Comparison,
+    Contender,
+    Outcome,
+    Run,
+    Workload,
+    compare,
+    monitored_fit,
+    run_interleaved,
+)
 from benchmarks.report import comparison_table, load_notes, markdown_table, outcome_table, section
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.accounting import module_memory_report, peak_memory_bytes
 from lightning_parallel.demos import GPTLightningModule, TextDataModule, next_token_loss
 from lightning_parallel.distributed.pipeline.partition import StageModule, StagePlan, layer_compute_costs, plan_stages
+from lightning_parallel.distributed.pipeline.schedule import schedule_spec
+from lightning_parallel.planner import pipeline_bubble
 
 __all__ = ["NAME", "PRESETS", "Config", "PipelineResults", "measure", "render", "write_figures"]
 
 NAME = "pipeline"
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""Every schedule; those with two stages per rank (interleaved, V-shaped) run ``Config.interleaved_microbatches``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,18 +209,22 @@ def measure(config: Config) -> PipelineResults:
     results = PipelineResults(config, outcomes, [compare(*outcomes.values())], split)
     short = replace(config.workload, steps=config.workload.warmup_steps + 3)  # enough for a median of 3 steps
     for schedule in SCHEDULES:
-        counts = config.interleaved_microbatches if schedule.startswith("Interleaved") else config.bubble_microbatches
+        counts = config.interleaved_microbatches if _two_stages(schedule) else config.bubble_microbatches
         for count in counts:
             print(f"=== bubble: {schedule}, m={count}", flush=True)
-            results.timelines[(schedule, count)] = train(ours(schedule, count), short)
+            results.timelines[(schedule, count)] = monitored_fit(ours(schedule, count), short)
     return results
 
 
-def _theory(schedule: str, p: int, m: int) -> str:
-    if schedule == "InterleavedZeroBubble":
-        return "~0"
-    v = 2 if schedule == "Interleaved1F1B" else 1
-    return f"{(p - 1) / (v * m + p - 1):.3f}"
+def _two_stages(schedule: str) -> bool:
+    return schedule_spec(schedule).default_stages_per_rank == 2
+
+
+def _planned(schedule: str, p: int, m: int) -> str:
+    """The planner's predicted bubble (``lightning-parallel plan``), as it tells a user choosing a schedule."""
+    v = 2 if _two_stages(schedule) else 1
+    bubble = pipeline_bubble(schedule, pipeline_parallel_size=p, num_microbatches=m, stages_per_rank=v)
+    return f"{bubble:.3f}"
 
 
 def render(results: PipelineResults, *, command: str) -> str:
@@ -217,21 +233,28 @@ def render(results: PipelineResults, *, command: str) -> str:
     for (schedule, m), run in results.timelines.items():
         mean, worst = bubble(run)
         in_flight = ", ".join(str(peak_in_flight(rank["steps"][0]["timeline"])) for rank in run.ranks)
-        rows.append([f"{schedule}, m={m}", _theory(schedule, p, m), f"{mean:.3f}", f"{worst:.3f}", in_flight])
-    bubbles = markdown_table(
-        ["schedule", "bubble theory", "measured, mean of ranks", "worst rank", "peak in-flight micro-batches per rank"],
-        rows,
-    )
+        held = max(sum(rank.values()) for rank in run.held) / 2**20
+        peak = max(run.peak) / 2**20
+        bubbles_cells = [_planned(schedule, p, m), f"{mean:.3f}", f"{worst:.3f}"]
+        rows.append([f"{schedule}, m={m}", *bubbles_cells, in_flight, f"{held:.1f}", f"{peak:.1f}"])
+    header = ["schedule", "bubble planned", "measured, mean of ranks", "worst rank"]
+    header += ["peak in-flight micro-batches per rank", "held MiB/rank", "peak MiB/rank"]
+    bubbles = markdown_table(header, rows)
     return section(
         f"{NAME}: PipelineParallelStrategy vs a raw torch.distributed.pipelining loop",
         command=command,
         notes=[
             f"Overhead pair: {cfg.workload.describe()} (the whole batch through {p} stages, split at layers"
             f" {results.split} on both sides), 1F1B with m={cfg.num_microbatches}; {cfg.repeats} interleaved repeats."
-            " Ours carries `ParallelismMonitor` (it times every chunk), the raw loop a clock around the step.",
+            " Both timed without the monitor (ours: a step clock callback; the raw loop: a clock around the step);"
+            " the bubble and timeline come from fits under `ParallelismMonitor` (it times every chunk).",
             *load_notes(results.outcomes.values()),
-            "Bubble: the monitor's idle share of each rank's schedule, median over 3 steps after the warm-up; theory"
-            " assumes equal blocks and free communication. In-flight micro-batches bound the activations a rank holds.",
+            "Bubble: the monitor's idle share of each rank's schedule, median over 3 steps after the warm-up, beside"
+            " the planner's prediction (`lightning-parallel plan`: equal blocks, free communication; for the"
+            " two-stages-per-rank schedules, zero-bubble and V-shaped included, the interleaved formula"
+            " (p-1)/(2m+p-1), an upper bound that ignores the split weight gradients filling the bubble)."
+            " In-flight micro-batches bound the activations a rank holds; held: parameters + gradients + optimizer"
+            " state of the largest rank; peak: the largest rank's peak memory (RSS on CPU), 1F1B vs ZBV at the same m.",
         ],
         blocks={
             "Ours / raw loop": comparison_table(results.comparisons),

@@ -290,8 +290,10 @@ def render(results: ZeroResults, *, command: str) -> str:
             f"Scaling part: {cfg.scaling.describe().split(';')[0]}, {cfg.scaling.batch_size} x"
             f" {cfg.scaling.tokens_per_sequence} tokens per rank, once at world sizes"
             f" {', '.join(map(str, cfg.world_sizes))} (bytes only: the load there is no concern).",
-            "Measured by `ParallelismMonitor` in every rank: step time (slowest rank, steps after the warm-up), bytes"
-            " held from `memory_report()` (ours; the anchors' parameters, `.grad` and local optimizer state), peak"
+            "Step time (slowest rank, steps after the warm-up) from fits without the monitor (a step clock callback"
+            " only: the monitor's dispatch-mode tap costs FSDP2's collectives more than ours); from one more fit per"
+            " configuration under `ParallelismMonitor` in every rank: exposed communication, bytes held from"
+            " `memory_report()` (ours; the anchors' parameters, `.grad` and local optimizer state), peak"
             " memory (RSS on CPU: it includes torch and what the forked rank inherits), payload bytes per collective"
             " from the strategies' ledger (FSDP2's collectives through the monitor's `CollectiveTap`). Wire bytes: ring"
             " algorithms, all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of the payload. Lightning's DDP"

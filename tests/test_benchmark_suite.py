@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-import lightning.pytorch  # noqa: F401  (imported before forking so the ranks inherit it)
+import lightning.pytorch  # imported before forking so the ranks inherit it
 import pytest
 import torch
 
@@ -22,6 +22,8 @@ if str(_REPO_ROOT) not in sys.path:  # `benchmarks` is a folder at the repositor
     sys.path.insert(0, str(_REPO_ROOT))
 
 from benchmarks import data_parallel, harness, pipeline, report, run_all, zero  # noqa: E402
+from lightning_parallel import DataParallelStrategy  # noqa: E402
+from lightning_parallel.monitor import ParallelismMonitor  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)  # the suite forks ~25 short fits; a hung rank fails the module
 
@@ -138,6 +140,36 @@ def test_an_anchor_that_cannot_start_is_reported_and_ours_is_not_excused() -> No
     ours = harness.Contender(name="ours", label="ours: broken", make_strategy=missing, is_ours=True)
     with pytest.raises(RuntimeError, match="ours: broken failed: ImportError: not installed here"):
         harness.run_interleaved([ours], workload, repeats=1)
+
+
+class _RecordsMonitor(lightning.pytorch.Callback):
+    """Appends, at the start of every fit, whether a ParallelismMonitor is among the Trainer's callbacks."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: lightning.pytorch.Trainer, pl_module: lightning.pytorch.LightningModule) -> None:
+        monitored = any(isinstance(c, ParallelismMonitor) for c in trainer.callbacks)
+        with self.path.open("a") as file:
+            file.write(f"{int(monitored)}")
+
+
+def test_throughput_is_timed_without_the_monitor_and_figures_come_from_one_monitored_fit(tmp_path: Path) -> None:
+    log = tmp_path / "fits"
+    workload = harness.Workload(preset="tiny", steps=3, warmup_steps=1, devices=1)
+    contender = harness.Contender(
+        name="ours",
+        label="ours: data parallel",
+        make_strategy=lambda: DataParallelStrategy(start_method="fork"),
+        make_callbacks=lambda: [_RecordsMonitor(log)],
+        is_ours=True,
+    )
+    outcome = harness.run_interleaved([contender], workload, repeats=2)["ours"]
+    assert log.read_text() == "100"  # one fit under the monitor, then one timed fit per repeat without it
+    first, second = outcome.runs
+    assert len(first.step_s) == len(second.step_s) == 2 and first.step_s != second.step_s
+    assert first.monitored_step_s == second.monitored_step_s and len(first.monitored_step_s or []) == 2
+    assert first.held == second.held and first.held[0]["parameters"] > 0  # the monitor's figures, reused
 
 
 def test_fp16_compression_sends_exactly_half_the_bytes(suite: tuple[run_all.SuiteResults, Path]) -> None:
