@@ -59,7 +59,7 @@ def test_unknown_schedule_lists_the_valid_ones():
         ({"start_method": "forkserver"}, "Unknown `start_method='forkserver'`"),
         ({"num_microbatches": 0}, "`num_microbatches=0` is invalid"),
         ({"pipeline_parallel_size": -1}, "`pipeline_parallel_size=-1` is invalid"),
-        ({"partition": "flops"}, "`partition='flops'` is invalid"),
+        ({"partition": "memory"}, "`partition='memory'` is invalid"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, message):

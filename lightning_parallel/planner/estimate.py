@@ -32,7 +32,8 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   shard (parameters) and a padded gradient shard per unit, while optimizer state follows the unpadded local rows
   (``torch.chunk``). Per step every unit is all-gathered in forward and reduce-scattered once; non-root units are
   all-gathered again in backward (``reshard_after_forward=True``), the root unit stays gathered.
-* Pipeline p x dp: the split of ``PipelineParallelStrategy(partition="compute")`` (the partitioner itself is called);
+* Pipeline p x dp: the split of ``PipelineParallelStrategy(partition="flops")`` (the partitioner itself is called,
+  uneven stages and the per-rank refinement of several stages per rank included);
   each rank holds its stages' parameters, gradients and optimizer state. Per step every stage boundary sends the
   activations of the batch forward and their gradients backward (same shape, in the parameters' dtype: under
   autocast the residual stream between blocks stays fp32); replicas all-reduce their stage's gradients. Bubble:
@@ -62,7 +63,7 @@ from dataclasses import dataclass, field
 
 from lightning_parallel.accounting import ring_wire_bytes
 from lightning_parallel.distributed.mesh import MeshLayout
-from lightning_parallel.distributed.pipeline.partition import StagePlan, resolve_pipeline_layers
+from lightning_parallel.distributed.pipeline.partition import StagePlan, UnevenStages, resolve_pipeline_layers
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, find_tied_parameters
 from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, min_buckets, padded_numel
@@ -425,10 +426,12 @@ def estimate_pipeline(
     stages_per_rank: int,
     zero_stage: int = 0,
     bucket_cap_mb: float = 25.0,
+    uneven: UnevenStages | None = None,
 ) -> ConfigEstimate:
     """``PipelineParallelStrategy``; ``zero_stage`` 1 or 2 shards each stage's optimizer state (and gradients) over
     its dp replicas as ZeRO-1/2 does, 3 its parameters, gradients and optimizer state as ZeRO-3 (FSDP2) does
-    (nothing is sharded at dp = 1)."""
+    (nothing is sharded at dp = 1). ``uneven``: the strategy's ``first_stage_fewer_layers`` /
+    ``last_stage_fewer_layers`` (every per-rank number follows the resulting stage plan)."""
     p, v, n, e = pipeline_parallel_size, stages_per_rank, ctx.world_size, ctx.element_bytes
     layout = MeshLayout(n, pipeline_parallel_size=p)  # the strategy's mesh: replicas x pipeline ranks
     dp = layout.data_parallel_size
@@ -440,6 +443,7 @@ def estimate_pipeline(
         batch_size=ctx.batch_size,
         seq_len=ctx.seq_len,
         placement=schedule_spec(schedule).placement,  # which rank holds each stage: the schedule's, as in the strategy
+        uneven=uneven,
     )
     numels = ctx.spec.layer_numels()
     outputs = ctx.spec.layer_output_numels(ctx.batch_size, ctx.seq_len)
@@ -490,6 +494,9 @@ def estimate_pipeline(
     args = f"pipeline_parallel_size={p}, num_microbatches={m}, schedule={schedule!r}"
     if zero_stage:
         args += f", zero_stage={zero_stage}"
+    if uneven is not None and not uneven.is_even:
+        args += f", first_stage_fewer_layers={uneven.first_stage_fewer_layers}"
+        args += f", last_stage_fewer_layers={uneven.last_stage_fewer_layers}"
     if ctx.checkpointing != "none":
         args += f", {_CHECKPOINTING_ARGUMENTS[ctx.checkpointing]}"
     bubble = pipeline_bubble(schedule, pipeline_parallel_size=p, num_microbatches=m, stages_per_rank=v)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from lightning_parallel.distributed.pipeline.partition import (
     Placement,
     StagePlan,
+    UnevenStages,
     layer_compute_costs,
     layer_parameter_costs,
     plan_for_example,
@@ -114,9 +115,11 @@ class ModelSpec:
         batch_size: int,
         seq_len: int,
         placement: Placement = "loop",
+        uneven: UnevenStages | None = None,
     ) -> StagePlan:
-        """The split ``PipelineParallelStrategy(partition="compute")`` makes for this batch (the same function), its
-        stages laid on ranks by ``placement`` (the schedule's, ``schedule_spec(name).placement``)."""
+        """The split ``PipelineParallelStrategy(partition="flops")`` makes for this batch (the same function), its
+        stages laid on ranks by ``placement`` (the schedule's, ``schedule_spec(name).placement``), the first and last
+        stage lightened by ``uneven``."""
         assert self.module is not None
         layers = resolve_pipeline_layers(self.module)
         example = self.example_inputs(batch_size, seq_len)
@@ -124,11 +127,12 @@ class ModelSpec:
         return plan_for_example(
             layers,
             example,
-            partition="compute" if costs is None else "measured",  # the FLOPs "compute" counts, counted once
+            partition="flops" if costs is None else "measured",  # the FLOPs "flops" counts, counted once
             measured=costs,
             num_stages=num_stages,
             pipeline_parallel_size=pipeline_parallel_size,
             placement=placement,
+            uneven=uneven,
         )
 
     def _layer_costs(self, layers: list[nn.Module], example: Any, batch_size: int, seq_len: int) -> list[int] | None:

@@ -37,7 +37,7 @@ from lightning_parallel.distributed.pipeline.contract import replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
 from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, check_divisible_batch
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
-from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan
+from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan, UnevenStages
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims, resolve_schedule
@@ -105,8 +105,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         num_microbatches: Micro-batches per batch; ``"auto"`` is the number of stages (the minimum for 1F1B).
         stages_per_rank: Virtual stages per rank; ``"auto"`` is 2 for the multi-stage schedules (exactly 2 for the
             V-shaped ones), else 1.
-        partition: ``"compute"`` (forward FLOPs of an example batch), ``"measured"`` (timed on rank 0),
-            ``"parameters"``, or a list with the first layer index of every stage but the first.
+        partition: ``"flops"`` (forward FLOPs of an example batch; ``"compute"`` is its older name), ``"measured"``
+            (timed on rank 0), ``"parameters"``, or a list with the first layer index of every stage but the first.
+            Where a rank holds several stages, the automatic split balances the ranks (the sums of their stages).
+        first_stage_fewer_layers: Lighten the first stage of an automatic partition by this many layers' worth
+            (balanced as if it also held that many more layers of the median layer's cost; with uniform blocks it
+            holds that many fewer), e.g. for the 1F1B warm-up's activations on the first rank. ``0``: even.
+        last_stage_fewer_layers: The same for the last stage (the head, its loss and its optimizer state).
         verify_layers: Check on the first batch that ``pipeline_layers()`` applied in order gives ``forward``'s
             result (two forward passes of the whole model); ``False`` skips it.
         activation_checkpointing: Recompute blocks in backward on every stage: ``False``, ``True`` (every block), a
@@ -143,7 +148,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         schedule: str = "1F1B",
         num_microbatches: int | Literal["auto"] = "auto",
         stages_per_rank: int | Literal["auto"] = "auto",
-        partition: PartitionMethod | list[int] = "compute",
+        partition: PartitionMethod | list[int] = "flops",
+        first_stage_fewer_layers: int = 0,
+        last_stage_fewer_layers: int = 0,
         verify_layers: bool = True,
         activation_checkpointing: ActivationCheckpointing = False,
         checkpoint_format: CheckpointFormatName = "consolidated",
@@ -167,6 +174,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             num_microbatches=num_microbatches,
             stages_per_rank=stages_per_rank,
             partition=partition,
+            first_stage_fewer_layers=first_stage_fewer_layers,
+            last_stage_fewer_layers=last_stage_fewer_layers,
             verify_layers=verify_layers,
             checkpoint_format=checkpoint_format,
         )
@@ -195,6 +204,11 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._num_microbatches_arg = num_microbatches
         self._stages_per_rank_arg = stages_per_rank
         self.partition = partition
+        self.uneven_stages = UnevenStages(
+            first_stage_fewer_layers=first_stage_fewer_layers, last_stage_fewer_layers=last_stage_fewer_layers
+        )
+        """How many layers' worth the first and last stage are lightened by (``first_stage_fewer_layers``,
+        ``last_stage_fewer_layers``)."""
         self.verify_layers = verify_layers
         self._checkpoints: CheckpointFormat = CHECKPOINT_FORMATS[checkpoint_format]
         self.zero_stage = zero_stage
@@ -393,6 +407,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             layers=layers,
             call=call,
             partition=self.partition,
+            uneven=self.uneven_stages,
             verify_layers=self.verify_layers,
             mesh=self.device_mesh,
             zero_config=self.zero_config,

@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_parallel import _compat
 from lightning_parallel.choices import check_choice
+from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout, optimizer_layout
 from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch
 from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, check_divisible_batch
@@ -56,6 +57,8 @@ def check_arguments(
     num_microbatches: object,
     stages_per_rank: object,
     partition: object,
+    first_stage_fewer_layers: object,
+    last_stage_fewer_layers: object,
     verify_layers: object,
     checkpoint_format: object,
 ) -> None:
@@ -69,6 +72,17 @@ def check_arguments(
     if not isinstance(verify_layers, bool):
         raise TypeError(f"`verify_layers={verify_layers!r}` must be True or False.")
     validate_partition(partition)
+    uneven = UnevenStages(
+        first_stage_fewer_layers=first_stage_fewer_layers,  # type: ignore[arg-type]  # checked by UnevenStages
+        last_stage_fewer_layers=last_stage_fewer_layers,  # type: ignore[arg-type]
+    )
+    if not isinstance(partition, str) and not uneven.is_even:
+        first, last = uneven.first_stage_fewer_layers, uneven.last_stage_fewer_layers
+        raise ValueError(
+            f"`first_stage_fewer_layers={first}` / `last_stage_fewer_layers={last}` lighten the stages of an"
+            f" automatic partition, but `partition={partition!r}` (an explicit list) already fixes every stage."
+            " Move the boundaries in the list yourself, or pass `partition='flops'` or `'parameters'`."
+        )
     check_choice("checkpoint_format", checkpoint_format, CheckpointFormatName)
 
 

@@ -1,7 +1,8 @@
 """Pipeline parallelism building blocks on ``torch.distributed.pipelining``, importable without a Trainer.
 
 * :mod:`.partition`: ``pipeline_layers()`` -> balanced contiguous stages and the rank of each (``StagePlan``'s
-  placement); keep only the local stages' layers.
+  placement); keep only the local stages' layers. :mod:`.balance`: the balancing arithmetic (the first and last
+  stage lightened by ``UnevenStages``, per-rank refinement where a rank holds several stages).
 * :mod:`.schedule`: one descriptor per schedule (``ScheduleSpec``: torch class, stages per rank, placement, micro-batch
   rules), the ``data x pipeline`` rank layout, torch stages/schedules.
 * :mod:`.microbatch`: splitting batches into micro-batches, padding evaluation batches.
@@ -33,6 +34,7 @@ from lightning_parallel.distributed.pipeline.partition import (
     Placement,
     RemoteLayer,
     StagePlan,
+    UnevenStages,
     balanced_boundaries,
     layer_compute_costs,
     layer_parameter_costs,
@@ -79,6 +81,7 @@ __all__ = [
     "StagePlan",
     "SyncContext",
     "TiedShardSum",
+    "UnevenStages",
     "balanced_boundaries",
     "build_runtime",
     "check_layers_compose_to_forward",

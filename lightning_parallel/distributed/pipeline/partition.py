@@ -18,6 +18,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_parallel.distributed.pipeline.balance import UnevenStages, balance_ranks, balanced_boundaries
 from lightning_parallel.distributed.pipeline.flops import count_forward_flops, new_fake_mode
 from lightning_parallel.distributed.pipeline.side_inputs import accepted_side_inputs, call_layer, split_side_inputs
 
@@ -29,6 +30,7 @@ __all__ = [
     "RemoteLayer",
     "StageModule",
     "StagePlan",
+    "UnevenStages",
     "balanced_boundaries",
     "check_layer_output",
     "check_parameter_ownership",
@@ -44,7 +46,10 @@ __all__ = [
     "validate_partition",
 ]
 
-PartitionMethod = Literal["compute", "measured", "parameters"]
+PartitionMethod = Literal["flops", "compute", "measured", "parameters"]
+"""How the automatic split weighs a layer: ``"flops"`` (its forward FLOPs for an example batch; ``"compute"`` is the
+same, its older name), ``"measured"`` (its forward and backward timed), ``"parameters"`` (its parameter count)."""
+_FLOPS = ("flops", "compute")
 
 Placement = Literal["loop", "v"]
 """How a :class:`StagePlan` lays stages on pipeline ranks (see :attr:`StagePlan.placement`)."""
@@ -65,10 +70,10 @@ def validate_partition(partition: Any) -> None:
     is_int_list = isinstance(partition, list | tuple) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in partition
     )
-    if not (partition in ("compute", "measured", "parameters") or is_int_list):
+    if not (partition in ("flops", "compute", "measured", "parameters") or is_int_list):
         raise ValueError(
-            f"`partition={partition!r}` is invalid. Valid options: 'compute', 'measured', 'parameters', or a"
-            " list of the first layer index of every stage but the first."
+            f"`partition={partition!r}` is invalid. Valid options: 'flops' (or its older name 'compute'), 'measured',"
+            " 'parameters', or a list of the first layer index of every stage but the first."
         )
 
 
@@ -395,43 +400,6 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def balanced_boundaries(costs: Sequence[float], num_stages: int) -> list[int]:
-    """Cut ``costs`` into ``num_stages`` contiguous non-empty groups minimising the largest group's sum.
-
-    Returns the start index of each stage (``[0, ...]``). Ties go to the earliest cut, so every rank gets the same
-    answer from the same costs.
-
-    Raises:
-        ValueError: If there are fewer layers than stages.
-    """
-    n = len(costs)
-    if num_stages > n:
-        raise ValueError(
-            f"Cannot split {n} pipeline layers into {num_stages} stages: every stage needs at least one layer."
-            " Lower `pipeline_parallel_size` / `stages_per_rank`, or return finer layers from `pipeline_layers()`."
-        )
-    prefix = [0.0]
-    for cost in costs:
-        prefix.append(prefix[-1] + float(cost))
-    inf = float("inf")
-    # best[k][i]: the smallest possible maximum stage cost when the first i layers form k stages.
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    starts = []
-    i = n
-    for k in range(num_stages, 0, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
-
-
 @dataclass(frozen=True)
 class StagePlan:
     """Which layers form which stage, and which pipeline rank runs each stage.
@@ -499,16 +467,21 @@ def plan_stages(
     pipeline_parallel_size: int,
     boundaries: Sequence[int] | None = None,
     placement: Placement = "loop",
+    uneven: UnevenStages | None = None,
 ) -> StagePlan:
     """Plan stages from per-layer costs, or from explicit ``boundaries`` (start layer of every stage but the first),
     laid on ranks by ``placement`` (the schedule's: ``schedule_spec(name).placement``).
+
+    From costs (:mod:`.balance`): the split minimising the heaviest stage, the first and last stage lightened by
+    ``uneven``; where a rank holds several stages (``num_stages > pipeline_parallel_size``), refined so that the
+    heaviest *rank* (the sum of its stages) is as light as a one-layer move of a boundary can make it.
 
     Raises:
         ValueError: If there are more stages than layers or the boundaries are not increasing in ``(0, num_layers)``.
     """
     n = len(costs)
     if boundaries is None:
-        starts = balanced_boundaries(costs, num_stages)
+        starts = _balanced_starts(costs, num_stages, pipeline_parallel_size, placement, uneven or UnevenStages())
     else:
         starts = [0, *boundaries]
         valid = all(a < b for a, b in zip(starts, [*starts[1:], n], strict=True))
@@ -522,6 +495,26 @@ def plan_stages(
     )
 
 
+def _balanced_starts(
+    costs: Sequence[float], num_stages: int, pipeline_parallel_size: int, placement: Placement, uneven: UnevenStages
+) -> list[int]:
+    extra_first, extra_last = uneven.extra_costs(costs)
+    starts = balanced_boundaries(costs, num_stages, extra_first=extra_first, extra_last=extra_last)
+    if num_stages <= pipeline_parallel_size:
+        return starts  # one stage per rank: the heaviest stage is the heaviest rank
+    plan = StagePlan(
+        starts=tuple(starts), num_layers=len(costs), pipeline_parallel_size=pipeline_parallel_size, placement=placement
+    )
+    return balance_ranks(
+        costs,
+        starts,
+        rank_of_stage=plan.rank_of_stage,
+        num_ranks=pipeline_parallel_size,
+        extra_first=extra_first,
+        extra_last=extra_last,
+    )
+
+
 def plan_for_example(
     layers: Sequence[nn.Module],
     example: tuple[tuple[Any, ...], dict[str, Any]] | None,
@@ -532,25 +525,32 @@ def plan_for_example(
     measured: Sequence[float] | None = None,
     warn: Callable[[str], Any] = warnings.warn,
     placement: Placement = "loop",
+    uneven: UnevenStages | None = None,
 ) -> StagePlan:
     """Plan stages for ``layers`` given example inputs of the first layer (``(args, kwargs)``, or ``None``), laid on
-    ranks by ``placement`` (:attr:`StagePlan.placement`).
+    ranks by ``placement`` (:attr:`StagePlan.placement`), the first and last stage lightened by ``uneven``
+    (:class:`~.balance.UnevenStages`; not with an explicit list).
 
-    Only ``"compute"`` runs the layers, to count their FLOPs (:func:`layer_compute_costs`, with fake parameters);
-    ``"parameters"`` and an explicit list run nothing (the layers' outputs are checked by the layer check and at
-    run time), ``"measured"`` uses ``measured`` (per-layer times from :func:`measure_layer_times`, the same on every
-    rank). Without an example, or when a layer's FLOPs cannot be counted (``warn`` says which and why), the split
-    follows parameter counts. Every rank sees the same layers and example shapes, so every rank takes the same
+    Only ``"flops"`` (``"compute"``) runs the layers, to count their FLOPs (:func:`layer_compute_costs`, with fake
+    parameters); ``"parameters"`` and an explicit list run nothing (the layers' outputs are checked by the layer check
+    and at run time), ``"measured"`` uses ``measured`` (per-layer times from :func:`measure_layer_times`, the same on
+    every rank). Without an example, or when a layer's FLOPs cannot be counted (``warn`` says which and why), the
+    split follows parameter counts. Every rank sees the same layers and example shapes, so every rank takes the same
     decision and warns the same; pass a ``warn`` that is silent off rank 0.
+
+    What each method weighs: ``"parameters"`` counts every parameter of a layer (a weight tied between the embedding
+    and the head counts in both: each stage holding one keeps a copy), so it balances weights, gradients and
+    optimizer state, not activations; ``"flops"`` counts the forward FLOPs (the head's projection to the vocabulary
+    included), not the loss nor the optimizer step.
     """
     costs: Sequence[float] | None = None
-    if partition == "compute" and example is not None:
+    if partition in _FLOPS and example is not None:
         try:
             costs = layer_compute_costs(layers, *example)
         except _UncountableLayerError as error:
             warn(
-                f"{error}. `partition='compute'` splits by parameter counts instead. Pass `partition='measured'` to"
-                " time the layers, or the first layer of every stage but the first (`partition=[...]`)."
+                f"{error}. `partition={partition!r}` splits by parameter counts instead. Pass `partition='measured'`"
+                " to time the layers, or the first layer of every stage but the first (`partition=[...]`)."
             )
     elif partition == "measured":
         costs = measured
@@ -563,6 +563,7 @@ def plan_for_example(
         pipeline_parallel_size=pipeline_parallel_size,
         boundaries=boundaries,
         placement=placement,
+        uneven=uneven,
     )
 
 

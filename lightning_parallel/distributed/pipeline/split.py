@@ -19,6 +19,7 @@ from lightning_parallel.distributed.pipeline.partition import (
     PartitionMethod,
     Placement,
     StagePlan,
+    UnevenStages,
     measure_layer_times,
     plan_for_example,
 )
@@ -36,9 +37,11 @@ def plan_on_every_rank(
     global_rank: int,
     device: torch.device,
     placement: Placement = "loop",
+    uneven: UnevenStages | None = None,
 ) -> StagePlan:
     """:func:`plan_for_example` with ``partition="measured"`` timed on rank 0 and shared (a collective then); stages
-    laid on ranks by ``placement`` (the schedule's, ``schedule_spec(name).placement``)."""
+    laid on ranks by ``placement`` (the schedule's, ``schedule_spec(name).placement``), the first and last stage
+    lightened by ``uneven``."""
     measured = None
     if partition == "measured" and example is not None:
         # Timings differ between ranks: rank 0 measures, every rank uses its numbers.
@@ -57,6 +60,7 @@ def plan_on_every_rank(
         # Every rank plans from the same layers and example shapes and warns the same: say it once.
         warn=warnings.warn if global_rank == 0 else _silent,
         placement=placement,
+        uneven=uneven,
     )
 
 

@@ -45,6 +45,7 @@ from lightning_parallel.distributed.pipeline.partition import (
     Registration,
     RemoteLayer,
     StagePlan,
+    UnevenStages,
     check_parameter_ownership,
     layer_registrations,
     local_module_ids,
@@ -156,7 +157,8 @@ def split_into_stages(
     example: Example | None = None,
     layers: Sequence[nn.Module] | None = None,
     call: ModelCall | None = None,
-    partition: PartitionMethod | Sequence[int] = "compute",
+    partition: PartitionMethod | Sequence[int] = "flops",
+    uneven: UnevenStages | None = None,
     verify_layers: bool = True,
     mesh: DeviceMesh | None = None,
     zero_config: ZeroConfig | None = None,
@@ -184,10 +186,12 @@ def split_into_stages(
         num_stages: Stages in all (``pipeline_parallel_size x stages_per_rank``).
         schedule: Canonical schedule name (:func:`~.schedule.resolve_schedule`); evaluation runs forward-only.
         num_microbatches: Micro-batches per batch.
-        example: The model call's ``(args, kwargs)`` for a batch: plans ``"compute"``/``"measured"`` and verifies.
+        example: The model call's ``(args, kwargs)`` for a batch: plans ``"flops"``/``"measured"`` and verifies.
         layers: The pipeline layers in order; default ``module.pipeline_layers()`` (or a declared Hugging Face plan).
         call: The model call the pipeline answers; default the one that comes with the layers, else ``module(...)``.
-        partition: ``"compute"``, ``"measured"``, ``"parameters"`` or the first layer of every stage but the first.
+        partition: ``"flops"`` (or ``"compute"``), ``"measured"``, ``"parameters"`` or the first layer of every stage
+            but the first.
+        uneven: How many layers' worth the first and last stage are lightened by (automatic partitions only).
         verify_layers: Check the layers against ``forward`` on ``example`` (two forward passes, no side effects).
         mesh: The device mesh the sync shards over; default ``dims.mesh``.
         zero_config: ZeRO inside the pipeline over each stage's replicas (``None``: replicated).
@@ -226,6 +230,7 @@ def split_into_stages(
         global_rank=dims.global_rank,
         device=device,
         placement=schedule_spec(schedule).placement,  # which rank holds each stage: the schedule's
+        uneven=uneven,
     )
     zero_stage = zero_config.stage if zero_config is not None else 0
     sync_type = pipeline_sync_type(zero_stage, data_parallel_size=dims.data_parallel_size, keeps_masters=keeps_masters)
