@@ -250,9 +250,8 @@ def render(results: PipelineResults, *, command: str) -> str:
             " the bubble and timeline come from fits under `ParallelismMonitor` (it times every chunk).",
             *load_notes(results.outcomes.values()),
             "Bubble: the monitor's idle share of each rank's schedule, median over 3 steps after the warm-up, beside"
-            " the planner's prediction (`lightning-parallel plan`: equal blocks, free communication; for the"
-            " two-stages-per-rank schedules, zero-bubble and V-shaped included, the interleaved formula"
-            " (p-1)/(2m+p-1), an upper bound that ignores the split weight gradients filling the bubble)."
+            " the planner's prediction (`lightning-parallel plan`: torch's own order of the schedule's actions played"
+            " with equal blocks, F = I = W = 1 and free communication; planner/bubble.py)."
             " In-flight micro-batches bound the activations a rank holds; held: parameters + gradients + optimizer"
             " state of the largest rank; peak: the largest rank's peak memory (RSS on CPU), 1F1B vs ZBV at the same m.",
         ],

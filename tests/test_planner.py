@@ -24,6 +24,7 @@ from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 from lightning_parallel.monitor import ParallelismMonitor, ring_wire_bytes
 from lightning_parallel.planner import main, parse_memory, pipeline_bubble, plan
 from lightning_parallel.planner.activations import activation_bytes
+from lightning_parallel.planner.bubble import simulate_schedule
 from lightning_parallel.planner.estimate import (
     OPTIMIZER_STATES,
     PRECISION_BYTES,
@@ -253,10 +254,33 @@ def test_fsdp_units_and_roots_match_apply_fully_shard() -> None:
     assert covered == list(range(len(spec.params)))
 
 
-def test_pipeline_bubble_formulas() -> None:
-    assert pipeline_bubble("1F1B", pipeline_parallel_size=4, num_microbatches=8, stages_per_rank=1) == 3 / 11
-    assert pipeline_bubble("GPipe", pipeline_parallel_size=2, num_microbatches=2, stages_per_rank=1) == 1 / 3
-    assert pipeline_bubble("Interleaved1F1B", pipeline_parallel_size=4, num_microbatches=8, stages_per_rank=2) == 3 / 19
+def test_an_order_that_cannot_finish_is_an_error_not_a_hang() -> None:
+    # Rank 0 waits for stage 1's input gradient before its forward was ever sent to stage 1.
+    order = (((("B", 0, 0),), (("F", 0, 0),)), ((("F", 1, 0),), (("B", 1, 0),)))
+    with pytest.raises(RuntimeError, match="cannot finish"):
+        simulate_schedule(order)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("m", [8, 16, 32])
+def test_pipeline_bubble_plays_torchs_order_and_finds_the_formulas_where_they_hold(p: int, m: int) -> None:
+    def bubble(schedule: str, v: int = 1) -> float:
+        return pipeline_bubble(schedule, pipeline_parallel_size=p, num_microbatches=m, stages_per_rank=v)
+
+    assert bubble("GPipe") == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert bubble("1F1B") == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    for looped in ("Interleaved1F1B", "LoopedBFS"):  # Megatron's interleaved formula
+        assert bubble(looped, 2) == pytest.approx((p - 1) / (2 * m + p - 1), abs=1e-12), looped
+    # Zero bubble: the split weight gradients fill most of it (unit costs F = I = W); no textbook formula covers
+    # torch's orders, this is what playing them gives.
+    # ZBV and DualPipeV only from a micro-batch per stage on (DualPipeV refuses fewer; ZBV's V then runs half empty).
+    for zero_bubble in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        if m < 2 * p and zero_bubble != "InterleavedZeroBubble":
+            continue
+        assert bubble(zero_bubble, 2) == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12), zero_bubble
+        assert bubble(zero_bubble, 2) < bubble("Interleaved1F1B", 2)
+    if m < 2 * p:
+        assert (p - 1) / (6 * m + p - 1) < bubble("ZBVZeroBubble", 2) < bubble("1F1B")
     assert pipeline_bubble("1F1B", pipeline_parallel_size=1, num_microbatches=4, stages_per_rank=1) == 0.0
 
 

@@ -68,6 +68,7 @@ from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, find_tied_parameters
 from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, min_buckets, padded_numel
 from lightning_parallel.planner.activations import activation_bytes
+from lightning_parallel.planner.bubble import simulated_bubble
 from lightning_parallel.planner.spec import ModelSpec, ParamSpec
 
 __all__ = [
@@ -408,13 +409,16 @@ def estimate_zero3(
 def pipeline_bubble(
     schedule: str, *, pipeline_parallel_size: int, num_microbatches: int, stages_per_rank: int
 ) -> float:
-    """Idle fraction of a pipeline step: ``(p-1)/(m+p-1)`` (GPipe, 1F1B), ``(p-1)/(v*m+p-1)`` (interleaved)."""
-    p, m, v = pipeline_parallel_size, num_microbatches, stages_per_rank
-    if p == 1:
-        return 0.0
-    if schedule.lower().startswith("interleaved") or v > 1:
-        return (p - 1) / (v * m + p - 1)
-    return (p - 1) / (m + p - 1)
+    """Idle fraction of a pipeline step, from torch's own order of the schedule's actions played with unit costs
+    (:func:`~lightning_parallel.planner.bubble.simulated_bubble`): ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
+    ``(p-1)/(v*m+p-1)`` for the interleaved and looped ones, ``(p-1)/(3*v*m+p-1)`` for the zero-bubble and V-shaped
+    ones (their weight gradients fill the bubble) in torch 2.13's orders."""
+    return simulated_bubble(
+        schedule,
+        pipeline_parallel_size=pipeline_parallel_size,
+        num_microbatches=num_microbatches,
+        stages_per_rank=stages_per_rank,
+    )
 
 
 def estimate_pipeline(
