@@ -9,8 +9,8 @@
         --storage-path /shared/ray_results --preset gpt-125m --data text
 
 Ray starts one worker per ``--num-workers`` and the process group; each worker builds the Trainer with the strategy's
-Ray variant (``lightning_parallel.integrations.ray``), ``RayLightningEnvironment`` and ``RayTrainReportCallback``
-(a checkpoint reported to Ray at every epoch end). A worker that dies restarts the whole group (up to
+Ray variant (``lightning_parallel.integrations.ray``), ``RayLightningEnvironment`` and our ``RayTrainReportCallback``
+(Ray's, reporting a checkpoint after each epoch's last step, so that a restart resumes exactly). A worker that dies restarts the whole group (up to
 ``--max-failures`` times), and the run resumes from the last reported checkpoint. Prints the final loss.
 """
 
@@ -25,11 +25,16 @@ import lightning.pytorch as pl
 import ray
 import torch
 from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.lightning import RayLightningEnvironment, RayTrainReportCallback
+from ray.train.lightning import RayLightningEnvironment
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataModule, TextDataModule
-from lightning_parallel.integrations.ray import prepare_trainer, ray_strategy, resume_checkpoint_path
+from lightning_parallel.integrations.ray import (
+    RayTrainReportCallback,
+    prepare_trainer,
+    ray_strategy,
+    resume_checkpoint_path,
+)
 
 STRATEGY_OPTIONS = ("shard_size", "pipeline_parallel_size", "zero_stage")
 

@@ -23,10 +23,15 @@ import lightning.pytorch as pl
 import ray.train
 import torch
 from lightning.pytorch.callbacks import Callback
-from ray.train.lightning import RayLightningEnvironment, RayTrainReportCallback
+from ray.train.lightning import RayLightningEnvironment
 
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataModule
-from lightning_parallel.integrations.ray import prepare_trainer, ray_strategy, resume_checkpoint_path
+from lightning_parallel.integrations.ray import (
+    RayTrainReportCallback,
+    prepare_trainer,
+    ray_strategy,
+    resume_checkpoint_path,
+)
 
 GLOBAL_BATCH, SEQ_LEN = 8, 16
 EQUAL_STEPS = 3  # as tests/launch_helpers.py's reference_weights
@@ -46,7 +51,8 @@ class _RecordBatches(Callback):
 
 
 class _KillOnce(Callback):
-    """Rank ``KILL_RANK`` exits hard at the start of step ``KILL_STEP``, once (a marker file remembers it)."""
+    """Rank ``KILL_RANK`` exits hard at the start of step ``KILL_STEP``, once (a marker file remembers it), while
+    the other rank waits in that step's collectives."""
 
     def __init__(self, marker: Path) -> None:
         self.marker = marker
@@ -54,6 +60,9 @@ class _KillOnce(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_rank == KILL_RANK and trainer.global_step == KILL_STEP and not self.marker.exists():
             self.marker.touch()
+            # Die only once Ray's controller registered the checkpoints reported so far (public API, blocks until
+            # every report in flight is processed): the restart then resumes from the last one, deterministically.
+            ray.train.get_all_reported_checkpoints(timeout_s=120)
             os._exit(1)
 
 
