@@ -10,8 +10,9 @@
 
 Ray starts one worker per ``--num-workers`` and the process group; each worker builds the Trainer with the strategy's
 Ray variant (``lightning_parallel.integrations.ray``), ``RayLightningEnvironment`` and our ``RayTrainReportCallback``
-(Ray's, reporting a checkpoint after each epoch's last step, so that a restart resumes exactly). A worker that dies restarts the whole group (up to
-``--max-failures`` times), and the run resumes from the last reported checkpoint. Prints the final loss.
+(Ray's, reporting a checkpoint after each epoch's last step, so that a restart resumes exactly). A worker that dies
+restarts the whole group (up to ``--max-failures`` times), and the run resumes from the last reported checkpoint.
+Prints the final loss.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", default="zero2", help="data_parallel, zero1, zero2, zero3, pipeline, ...")
-    parser.add_argument("--num-workers", type=int, default=2, help="Ray workers (processes, one per GPU with --use-gpu)")
+    parser.add_argument("--num-workers", type=int, default=2, help="Ray workers (one per GPU with --use-gpu)")
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--shard-size", type=int, default=None, help="ZeRO: ranks per shard group (hybrid sharding)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=None, help="pipeline: stages per pipeline")

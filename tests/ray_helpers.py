@@ -94,7 +94,9 @@ def _fit(spec: dict[str, Any], *, steps: int, samples: int, callbacks: list[Call
     trainer = prepare_trainer(trainer)
     model = GPTLightningModule("tiny", block_size=SEQ_LEN, learning_rate=1e-3)
     batch_size = GLOBAL_BATCH // strategy.distributed_sampler_kwargs["num_replicas"]
-    trainer.fit(model, datamodule=RandomTokenDataModule(samples, seq_len=SEQ_LEN, batch_size=batch_size), ckpt_path=ckpt_path)
+    trainer.fit(
+        model, datamodule=RandomTokenDataModule(samples, seq_len=SEQ_LEN, batch_size=batch_size), ckpt_path=ckpt_path
+    )
     return trainer
 
 

@@ -47,9 +47,9 @@ from lightning_parallel.strategies.sharded_optimizer import ShardedOptimizerStra
 
 __all__ = [
     "RayDataParallelStrategy",
-    "RayTrainReportCallback",
     "RayPipelineParallelStrategy",
     "RayShardedOptimizerStrategy",
+    "RayTrainReportCallback",
     "prepare_trainer",
     "ray_strategy",
     "resume_checkpoint_path",
@@ -196,7 +196,7 @@ def prepare_trainer(trainer: pl.Trainer) -> pl.Trainer:
             f" `lightning_parallel.integrations.ray.{variant.__name__}` (same arguments) or `ray_strategy(name)`."
         )
     _check_ray_environment(strategy)
-    callbacks = trainer.callbacks
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set in Trainer.__init__
     if any(type(callback) is ray.train.lightning.RayTrainReportCallback for callback in callbacks):
         rank_zero_warn(
             "`ray.train.lightning.RayTrainReportCallback` saves in `on_train_epoch_end`, which Lightning resumes one"
