@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -89,6 +90,9 @@ def main() -> None:
     parser.add_argument("--address", default=None, help="an existing Ray cluster ('auto'); default: a local one")
     parser.add_argument("--storage-path", default=None, help="where Ray keeps checkpoints (shared on a cluster)")
     parser.add_argument("--max-failures", type=int, default=1, help="worker-group restarts Ray may do")
+    parser.add_argument(
+        "--name", default=None, help="Ray's run name; an existing run's name resumes it (default: a new name)"
+    )
     parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait (Ray's TorchConfig)")
     args = parser.parse_args()
 
@@ -116,7 +120,7 @@ def main() -> None:
         scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu),
         torch_config=TorchConfig(backend="nccl" if args.use_gpu else "gloo", timeout_s=args.timeout),
         run_config=RunConfig(
-            name=f"lightning_parallel_{args.strategy}",
+            name=args.name or f"lightning_parallel_{args.strategy}_{time.strftime('%Y%m%d_%H%M%S')}",
             storage_path=args.storage_path or os.path.join(tempfile.gettempdir(), "ray_results"),
             failure_config=FailureConfig(max_failures=args.max_failures),
         ),
