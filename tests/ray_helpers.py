@@ -4,7 +4,8 @@ workers' ``PYTHONPATH``), and what it leaves in its output folder for the test t
 One ``TorchTrainer`` run covers every check, since starting Ray's workers costs far more than training the tiny GPT:
 
 * first attempt: each strategy in ``config["runs"]`` trains ``EQUAL_STEPS`` steps and saves its consolidated weights
-  (``<label>.ckpt``) and the batches each rank read (``<label>_batches_rank<r>.json``); then the resumable run
+  (``<label>.ckpt``), the batches each rank read (``<label>_batches_rank<r>.json``) and how each Trainer was wired
+  (``wiring_rank<r>.json``: Ray's process group kept, no launcher); then the resumable run
   (``config["resumable"]``) trains with ``RayTrainReportCallback`` until rank ``KILL_RANK`` dies (``os._exit``) at
   step ``KILL_STEP``;
 * second attempt (Ray restarted the workers, ``FailureConfig``): the resumable run continues from Ray's latest
@@ -22,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import ray.train
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from ray.train.lightning import RayLightningEnvironment
 
@@ -104,6 +106,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     out = Path(config["out"])
     rank = ray.train.get_context().get_world_rank()
+    ray_group = dist.group.WORLD  # Ray created it before calling this function
+    wiring: dict[str, Any] = {}
     with resume_checkpoint_path() as ckpt_path:
         attempt = 0 if ckpt_path is None else 1
         if ckpt_path is None:
@@ -113,7 +117,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     spec, steps=EQUAL_STEPS, samples=GLOBAL_BATCH * EQUAL_STEPS, callbacks=[recorder], ckpt_path=None
                 )
                 trainer.save_checkpoint(out / f"{label}.ckpt")
+                wiring[label] = {
+                    "same_group": dist.group.WORLD is ray_group,
+                    # Lightning's script launcher starts children only where the environment did not start them.
+                    "external": trainer.strategy.cluster_environment.creates_processes_externally,
+                    "environment": type(trainer.strategy.cluster_environment).__name__,
+                    "world_size": trainer.world_size,
+                    "global_rank": trainer.global_rank,
+                }
                 (out / f"{label}_batches_rank{rank}.json").write_text(json.dumps(recorder.batches))
+            (out / f"wiring_rank{rank}.json").write_text(json.dumps(wiring))
         callbacks = [RayTrainReportCallback(), _KillOnce(out / "killed"), _RecordStart(out / "starts.txt", attempt)]
         steps = STEPS_PER_EPOCH * EPOCHS
         trainer = _fit(

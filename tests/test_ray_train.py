@@ -120,6 +120,17 @@ def test_each_strategy_in_ray_trains_like_one_device(ray_run, label):
 
 
 @pytest.mark.slow
+def test_every_strategy_joins_rays_process_group_and_launches_nothing(ray_run):
+    out, _ = ray_run
+    for rank in (0, 1):
+        wiring = json.loads((out / f"wiring_rank{rank}.json").read_text())
+        assert set(wiring) == set(RUNS)
+        for label, facts in wiring.items():
+            expected = {"same_group": True, "external": True, "environment": "RayLightningEnvironment"}
+            assert facts == {**expected, "world_size": 2, "global_rank": rank}, label
+
+
+@pytest.mark.slow
 def test_pipeline_stages_in_ray_read_the_same_batch(ray_run):
     out, _ = ray_run
     batches = [json.loads((out / f"pipeline_zero1_batches_rank{rank}.json").read_text()) for rank in (0, 1)]
