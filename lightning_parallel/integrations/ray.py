@@ -159,10 +159,11 @@ class RayTrainReportCallback(ray.train.lightning.RayTrainReportCallback):
     """Ray's ``RayTrainReportCallback`` (same arguments, same checkpoint layout: ``checkpoint.ckpt`` in the reported
     directory), reporting after the last training step of each epoch, and after the step that reaches ``max_steps``.
 
-    Ray's own reports in ``on_train_epoch_end``. Lightning 2.6 resumes a checkpoint saved there one batch off: the
-    restored loop starts the next epoch's data one batch late (measured: one device, 2 batches per epoch, resumed
-    from epoch 1's end, weights differ by 2e-3 from the uninterrupted run). A checkpoint saved at the end of the
-    epoch's last batch resumes exactly (``tests/test_ray_train.py``).
+    Ray's own reports in ``on_train_epoch_end``. Lightning 2.6 resumes a checkpoint saved there exactly under
+    ``max_epochs``, but one batch off under ``max_steps``: the restored loop starts the next epoch's data one batch
+    late (measured: one device, 2 batches per epoch, ``max_steps=8``, resumed from epoch 1's end: weights 2e-3 away
+    from the uninterrupted run's). A checkpoint saved at the end of the epoch's last batch resumes exactly under
+    both (``tests/test_ray_train.py`` kills a worker in a ``max_steps`` run).
     """
 
     @override
@@ -197,11 +198,13 @@ def prepare_trainer(trainer: pl.Trainer) -> pl.Trainer:
         )
     _check_ray_environment(strategy)
     callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set in Trainer.__init__
-    if any(type(callback) is ray.train.lightning.RayTrainReportCallback for callback in callbacks):
+    rays_callback = any(type(callback) is ray.train.lightning.RayTrainReportCallback for callback in callbacks)
+    if rays_callback and trainer.max_steps >= 0:
         rank_zero_warn(
             "`ray.train.lightning.RayTrainReportCallback` saves in `on_train_epoch_end`, which Lightning resumes one"
-            " batch off. Use `lightning_parallel.integrations.ray.RayTrainReportCallback` (same arguments) for"
-            " restarts that train exactly as an uninterrupted run."
+            f" batch off under `max_steps={trainer.max_steps}`. Use"
+            " `lightning_parallel.integrations.ray.RayTrainReportCallback` (same arguments) for restarts that train"
+            " exactly as an uninterrupted run."
         )
     return trainer
 
