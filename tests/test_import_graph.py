@@ -9,6 +9,9 @@ they run later, if ever), so it is exact and needs no process. Importing ``a.b.c
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +81,52 @@ def test_the_zero_building_blocks_load_no_pipeline_lightning_or_strategy_module(
 def test_the_zero_building_blocks_live_in_one_subpackage() -> None:
     loose = sorted(path.name for path in (PACKAGE / "distributed").glob("zero*.py"))
     assert not loose, f"ZeRO modules outside distributed/zero/: {loose}"
+
+
+def _imports_anywhere(tree: ast.Module) -> set[str]:
+    """Top-level names of every module imported anywhere in the file (functions and ``TYPE_CHECKING`` included)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+    return names
+
+
+RAY_MODULE = "lightning_parallel.integrations.ray"
+
+
+def test_only_the_ray_integration_imports_ray_and_nothing_imports_it() -> None:
+    """Issue 33: Ray is optional. Only ``integrations/ray.py`` imports it, and no module of the package imports that
+    one (users import it by name), so ``import lightning_parallel`` works, and loads nothing of Ray, without Ray."""
+    importing_ray = sorted(
+        _module_name(path) for path in PACKAGE.rglob("*.py") if "ray" in _imports_anywhere(ast.parse(path.read_text()))
+    )
+    assert importing_ray == [RAY_MODULE]
+    graph = _graph()
+    assert RAY_MODULE in graph, "the graph lost the Ray integration"
+    assert not sorted(module for module, imported in graph.items() if RAY_MODULE in imported)
+
+
+def test_the_package_imports_with_ray_missing() -> None:
+    """The package's entry points import in a fresh interpreter where ``import ray`` fails, as it does without Ray
+    installed (the static test above covers every other module); the integration then fails with Ray's ImportError."""
+    code = f"""
+import importlib, sys
+sys.modules["ray"] = None  # `import ray` raises ImportError, as when Ray is not installed
+import lightning_parallel
+for name in ("lightning_parallel.cli", "lightning_parallel.demos", "lightning_parallel.integrations"):
+    importlib.import_module(name)
+try:
+    importlib.import_module("{RAY_MODULE}")
+except ImportError as error:
+    assert "ray" in str(error), error
+else:
+    raise AssertionError("the Ray integration imported without Ray")
+assert sys.modules["ray"] is None and not [name for name in sys.modules if name.startswith("ray.")]
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent), "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

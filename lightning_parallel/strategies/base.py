@@ -100,6 +100,11 @@ class LightningParallelStrategy(DDPStrategy):
     launcher_type: ClassVar[type[ForkSafeLauncher]] = ForkSafeLauncher
     """The launcher for ``start_method="fork"``/``"spawn"``."""
 
+    layout_from_environment: ClassVar[bool] = False
+    """``True`` where the cluster environment alone says the world size and local ranks, so ``devices``/``num_nodes``
+    are not checked against it (Ray Train places its workers on nodes itself: ``lightning_parallel.integrations.ray``).
+    """
+
     def __init__(
         self,
         *,

@@ -173,12 +173,13 @@ def set_up_distributed_environment(strategy: Any, join_process_group: Callable[[
     ``join_process_group`` is the strategy's parent ``setup_environment`` (Lightning's, which creates the group).
     Returns the :class:`~lightning_parallel.strategies.failures.PeerTable` used to name a dead rank later.
     """
-    validate_launch_environment(
-        strategy.cluster_environment,
-        num_processes=strategy.num_processes,
-        num_nodes=strategy.num_nodes,
-        local_rank=strategy.cluster_environment.local_rank(),
-    )
+    if not strategy.layout_from_environment:
+        validate_launch_environment(
+            strategy.cluster_environment,
+            num_processes=strategy.num_processes,
+            num_nodes=strategy.num_nodes,
+            local_rank=strategy.cluster_environment.local_rank(),
+        )
     try:
         init_process_group_after_restart(strategy, strategy._get_process_group_backend())
         join_process_group()

@@ -227,7 +227,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         if self._config is not None:
             return self._config
         return PipelineConfig.resolve(
-            world_size=self.num_processes * self.num_nodes,
+            # The layout the Trainer was given, or the environment's where it alone says it (Ray Train).
+            world_size=self.world_size if self.layout_from_environment else self.num_processes * self.num_nodes,
             pipeline_parallel_size=self._pipeline_parallel_size_arg,
             schedule=self.schedule,
             stages_per_rank=self._stages_per_rank_arg,
