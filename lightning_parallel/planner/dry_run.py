@@ -174,7 +174,8 @@ class _ReplicatedBuckets:
     (the fresh gradient is freed); a full bucket is divided by the world size and all-reduced in place. DDP's C++
     reducer holds its buckets where no Python object names them, so a live-tensor measurement counts each from the
     first op that touches it in the measured step: the stand-in allocates each at that moment and drops it with the
-    step's ``zero_grad``.
+    step's ``zero_grad``. The first bucket is the exception: a real run holds it from the start of every step
+    (measured against DDP: live before backward's first gradient), so the stand-in holds it throughout.
     """
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float, group: dist.ProcessGroup | None = None) -> None:
@@ -199,6 +200,7 @@ class _ReplicatedBuckets:
                 self._slot[param] = (index, offset)
                 offset += param.numel()
         self._flat: list[Tensor | None] = [None] * len(self.buckets)
+        self._first = self._allocate(0) if self.buckets else None
         self._ready = [0] * len(self.buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
 
@@ -208,8 +210,7 @@ class _ReplicatedBuckets:
         bucket = self.buckets[index]
         flat = self._flat[index]
         if flat is None:
-            numel = sum(p.numel() for p in bucket)
-            flat = self._flat[index] = torch.empty(numel, dtype=param.dtype, device=param.device)
+            flat = self._flat[index] = self._allocate(index)
         view = flat[offset : offset + param.numel()].view_as(param)
         view.copy_(param.grad)
         param.grad = view
@@ -218,6 +219,12 @@ class _ReplicatedBuckets:
             self._ready[index] = 0
             flat.div_(self.world_size)
             dist.all_reduce(flat, group=self.group)
+
+    def _allocate(self, index: int) -> Tensor:
+        if index == 0 and getattr(self, "_first", None) is not None:
+            return self._first  # type: ignore[return-value]
+        bucket = self.buckets[index]
+        return torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
