@@ -5,7 +5,8 @@ real side, its bucket-for-bucket stand-in on the fake side; ZeRO-1/2 buckets; Ze
 and measure the peak with ``LiveTensorPeak``. Goal (issue 32): the dry run's peak within 3% of the real one. Models:
 the demo GPT, transformers' Llama and GPT-2 (tiny configs), a small hand-written ResNet-like conv net (torchvision's
 resnet18 cannot be installed beside the CPU torch here: PyPI's torchvision wheels are CUDA builds) and a user's own
-module (``LIGHTNING_PARALLEL_DRY_RUN_FULL=1``: every model under every strategy). The real ranks of every case run in one ``run_distributed`` call (one fork per world size).
+module (``LIGHTNING_PARALLEL_DRY_RUN_FULL=1``: every model under every strategy). The real ranks of every case run in
+one ``run_distributed`` call (one fork per world size).
 """
 
 from __future__ import annotations
@@ -174,3 +175,22 @@ def test_dry_run_layout_validates() -> None:
         DryRunLayout(strategy="pipeline", world_size=2)
     with pytest.raises(ValueError, match="shard_size=3"):
         DryRunLayout(strategy="zero2", world_size=4, shard_size=3)
+
+
+def test_plan_dry_run_rows_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan(dry_run=True)``: each data-parallel / ZeRO / hybrid row's peak is the dry run of rank 0 of its layout,
+    ``fits`` uses it; pipeline rows keep the formula, marked so in the table and by ``--dry-run`` on the CLI."""
+    from lightning_parallel.planner import main, plan
+
+    result = plan("tiny", world_size=4, num_nodes=2, batch_size=8, seq_len=64, dry_run=True,
+                  process_group_backend="gloo", device_memory=2**30)  # fmt: skip
+    zero2 = result.configuration("zero2 shard=2")
+    expected = dry_run(_workload("gpt"), _layout("zero2", 4, 2, 0)).peak_bytes
+    # The preset's registered builder (the demo's module) holds a few bytes the bare GPT above does not.
+    assert zero2.peak is not None and abs(zero2.peak - expected) < 0.01 * expected
+    assert zero2.max_total == zero2.peak and zero2.fits
+    pipeline = next(c for c in result.configurations if c.name.startswith("pipeline"))
+    assert pipeline.peak is None
+    assert "| formula |" in result.table() and "peak (dry run)" in result.table()
+    assert main(["tiny", "--world-size", "2", "--batch-size", "2", "--seq-len", "16", "--dry-run"]) == 0
+    assert "peak (dry run)" in capsys.readouterr().out

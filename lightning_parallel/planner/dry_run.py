@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,14 +38,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn import functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 # Private torch names: `FakeTensorMode` (tensors with shapes and storages but no memory, as torch.compile and
 # torchtitan's memory estimator use them), `FakeStore` (the store of the "fake" process-group backend that torch's
 # own tests and torchtitan use to act as one rank of any world), `TorchDispatchMode`, `_disable_current_modes` (a
 # device mesh computes its coordinates from a real tensor) and `tree_flatten`.
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
@@ -155,7 +156,7 @@ class _ControlScalars(TorchDispatchMode):
         if func.namespace != "c10d":
             return func(*args, **kwargs)
         kept = [
-            (t, t.constant)
+            (t, t.constant)  # type: ignore[attr-defined]
             for t in tree_flatten((args, kwargs))[0]
             if isinstance(t, Tensor) and getattr(t, "constant", None) is not None
         ]
@@ -313,7 +314,7 @@ class _StepRunner:
             self.replicated.end_step()
 
     def categories(self) -> dict[str, list[Tensor]]:
-        params = list(self.module.parameters())
+        params: list[Tensor] = list(self.module.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         if self.buckets is not None:
             grads += self.buckets.gradient_buffers()
@@ -387,7 +388,9 @@ def dry_run(workload: DryRunWorkload, layout: DryRunLayout, *, warmup_steps: int
         DryRunError: the model cannot run on fake tensors (the message holds the reason), or a process group is
             already initialised in this process.
     """
-    with _fake_world(layout.rank, layout.world_size):
+    with _fake_world(layout.rank, layout.world_size), warnings.catch_warnings():
+        # Code that compares data pointers (to skip a copy onto itself) reads 0 on every fake tensor: harmless.
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         try:
             with FakeTensorMode(allow_non_fake_inputs=True), _ControlScalars():
                 runner = _StepRunner(workload, layout, fake=True)
@@ -476,6 +479,8 @@ def materialise(meta_module: nn.Module) -> Callable[[], nn.Module]:
     empty storages: under ``FakeTensorMode``, fake ones."""
 
     def build() -> nn.Module:
-        return copy.deepcopy(meta_module).to_empty(device="cpu")
+        with _disable_current_modes():  # a copy of meta tensors, outside the fake mode
+            copied = copy.deepcopy(meta_module)
+        return copied.to_empty(device="cpu")
 
     return build
