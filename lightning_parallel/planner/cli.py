@@ -66,6 +66,15 @@ def _parser() -> argparse.ArgumentParser:
         help="attention kernel: flash (flash / memory-efficient SDPA, no s^2 scores stored; the default) or math"
         " (softmax(q k^T) v written out, transformers' eager: the s^2 probabilities stored)",
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="measure each data-parallel / ZeRO / hybrid row's peak by running one training step of the model on fake"
+        " tensors as one simulated rank (no memory, no data, no process group; seconds per row at any world size),"
+        " instead of the activation formula: the 'peak (dry run)' column, used for 'fits' and the recommendation."
+        " Pipeline rows, 16-bit precisions, parameter counts and models that cannot run on fake tensors keep the"
+        " formula ('formula' in that column). Needs transformers for a Hugging Face config.",
+    )
     return parser
 
 
@@ -87,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             bucket_cap_mb=args.bucket_cap_mb,
             activation_checkpointing=args.activation_checkpointing,
             attention=args.attention,
+            dry_run=args.dry_run,
         )
     except ValueError as error:
         print(f"lightning-parallel plan: error: {error}", file=sys.stderr)

@@ -150,9 +150,15 @@ class ConfigEstimate:
     """False where some traffic could not be predicted (pipeline P2P of a model without an example input)."""
     checkpointing: str = "none"
     """The activation-checkpointing mode its activations assume (``"none"``, ``"selective"``, ``"full"``)."""
+    peak: int | None = None
+    """The peak bytes of live tensors one training step reached in the planner's dry run (``plan(dry_run=True)``,
+    :mod:`lightning_parallel.planner.dry_run`); ``None``: not dry-run, :attr:`max_total` is the formula's total."""
 
     @property
     def max_total(self) -> int:
+        """The bytes a rank needs: the dry run's peak where there is one, else the formula's worst rank total."""
+        if self.peak is not None:
+            return self.peak
         return max(r.total for r in self.ranks)
 
     def wire_bytes(self, world_size: int) -> float:

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.planner.activations import check_attention, check_checkpointing, recompute_fraction
+from lightning_parallel.planner.dry_plan import dry_run_workload, measure_rows
 from lightning_parallel.planner.estimate import (
     OPTIMIZER_STATES,
     PRECISION_BYTES,
@@ -54,6 +55,8 @@ class Plan:
     """When no row fits: the row with the smallest per-rank total."""
     num_searched: int = 0
     """Layouts the search tried when no row fit (:mod:`lightning_parallel.planner.search`); 0: no search."""
+    dry_run: bool = False
+    """Whether the rows' peaks were measured by a dry run (:mod:`lightning_parallel.planner.dry_run`)."""
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -69,10 +72,11 @@ class Plan:
 
     def table(self) -> str:
         """A markdown table, one row per configuration, each value the worst rank's."""
+        peak = " peak (dry run) |" if self.dry_run else ""
         lines = [
             "| configuration | params | grads | optimizer state | activations (est.) | total | wire bytes/step |"
-            " bubble | fits |",
-            "|---|---|---|---|---|---|---|---|---|",
+            f" bubble |{peak} fits |",
+            "|---|---|---|---|---|---|---|---|---|" + ("---|" if self.dry_run else ""),
         ]
         for c in self.configurations:
             worst = max(c.ranks, key=lambda r: r.total)
@@ -85,6 +89,7 @@ class Plan:
                 format_bytes(worst.total),
                 _wire_cell(c, self.world_size),
                 "-" if c.bubble is None else f"{c.bubble:.2f}",
+                *([] if not self.dry_run else ["formula" if c.peak is None else format_bytes(c.peak)]),
                 "?" if c.fits is None else ("yes" if c.fits else "NO"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
@@ -186,6 +191,7 @@ def plan(
     attention: str | None = None,
     process_group_backend: str = "nccl",
     search_layouts: bool = True,
+    dry_run: bool = False,
 ) -> Plan:
     """Predict bytes held per rank and bytes communicated per step for every strategy configuration, and pick one.
 
@@ -232,6 +238,12 @@ def plan(
         search_layouts: with ``device_memory``, search every option for the cheapest layout that fits and recommend
             it; ``False`` keeps to the table's rows (:func:`~lightning_parallel.planner.largest_fitting` does, to
             stay fast).
+        dry_run: measure each data-parallel / ZeRO / hybrid row's peak by running one training step of the model on
+            fake tensors as rank 0 of ``world_size`` (:mod:`lightning_parallel.planner.dry_run`: activations,
+            temporaries and communication buffers as the code allocates them; seconds per row at any world size);
+            the "peak (dry run)" column, and "fits" and the recommendation use it. Pipeline rows, 16-bit precisions,
+            bare parameter counts and models that cannot run on fake tensors keep the formula (marked "formula").
+            The search's extra layouts stay on the formula.
 
     Raises:
         ValueError: for an unknown optimizer, precision, attention kernel or checkpointing mode, or a world size /
@@ -269,6 +281,12 @@ def plan(
     configs = _table(ctx, num_nodes=num_nodes, bucket_cap_mb=bucket_cap_mb, pipelines=pipelines)
     for config in configs:
         config.checkpointing = checkpointing
+    dry_notes: list[str] = []
+    if dry_run:
+        workload = dry_run_workload(model, spec, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
+                                    activation_checkpointing=checkpointing)  # fmt: skip
+        dry_notes = measure_rows(configs, workload, world_size=world_size, precision=precision,
+                                 bucket_cap_mb=bucket_cap_mb, backend=process_group_backend)  # fmt: skip
     _mark_fits(configs, device_memory)
     chosen = recommend(configs, num_nodes=num_nodes)
     table_fits = None if device_memory is None else any(c.fits for c in configs)
@@ -296,12 +314,14 @@ def plan(
         configurations=configs,
         recommended=chosen,
         trainer_line=line,
-        assumptions=_assumptions(spec, checkpointing=checkpointing, attention=attention, seq_len_defaulted=defaulted),
+        assumptions=_assumptions(spec, checkpointing=checkpointing, attention=attention, seq_len_defaulted=defaulted)
+        + dry_notes,
         checkpointing=checkpointing,
         attention=attention,
         table_fits=table_fits,
         closest=closest,
         num_searched=num_searched,
+        dry_run=dry_run,
     )
 
 

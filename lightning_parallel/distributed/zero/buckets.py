@@ -112,6 +112,12 @@ def _reduce_scatter(output: Tensor, full: Tensor, *, group: dist.ProcessGroup | 
 GradientReduction = Literal["reduce_scatter", "all_reduce"]
 
 
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` start at the same element of the same storage (``data_ptr`` equality, also for the
+    planner's fake tensors, whose data pointers are all 0)."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+
+
 def default_gradient_reduction(group: dist.ProcessGroup | None) -> GradientReduction:
     """The fastest way to average a gradient bucket into this rank's shard on ``group``'s backend.
 
@@ -334,7 +340,7 @@ class ShardedParameterBuckets:
         start_accumulation(bucket)
         assert param.grad is not None
         target = bucket.full_grads[segment.offset : segment.offset + segment.numel]
-        if self.stage == 1 and param.grad.data_ptr() == target.data_ptr():
+        if self.stage == 1 and _same_memory(param.grad, target):
             pass  # stage 1: `.grad` is a view into the persistent bucket and autograd accumulated in place
         else:
             target.add_(param.grad.reshape(-1))

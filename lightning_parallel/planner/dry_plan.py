@@ -1,0 +1,153 @@
+"""The planner's rows measured by a dry run (:mod:`.dry_run`) instead of the activation formula.
+
+:func:`dry_run_workload` turns what ``plan(model=...)`` accepts into one training step: a transformers config builds
+transformers' own model (``AutoModelForCausalLM.from_config``: the real attention, masks and loss path), a preset, a
+``GPTConfig`` or any module reporting a transformer shape runs on ``(batch, seq_len)`` token ids with a cross-entropy
+loss, another module on its ``example_input_array`` with the mean of its output as the loss. A bare parameter count
+has no module: the formula stays.
+
+:func:`measure_rows` runs rank 0 (the largest shard: padding falls on the last ranks) of each data-parallel / ZeRO /
+hybrid row and sets :attr:`~.estimate.ConfigEstimate.peak`; pipeline rows, 16-bit precisions and models the dry run
+cannot execute keep the formula, with a note saying why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_parallel.planner.dry_run import (
+    DryRunError,
+    DryRunLayout,
+    DryRunWorkload,
+    dry_run,
+    language_model_workload,
+    materialise,
+    module_workload,
+)
+from lightning_parallel.planner.estimate import ConfigEstimate
+from lightning_parallel.planner.hf import read_hf_config
+from lightning_parallel.planner.spec import ModelSpec
+
+__all__ = ["OPTIMIZERS", "dry_run_workload", "measure_rows"]
+
+OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-4),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-4),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-4),
+    "radam": lambda p: torch.optim.RAdam(p, lr=1e-4),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=1e-4),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    "sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    "sgd_no_momentum": lambda p: torch.optim.SGD(p, lr=1e-2),
+}
+"""The torch optimizer behind each of the planner's optimizer names (their state is what the step allocates)."""
+
+
+def dry_run_workload(
+    model: Any,
+    spec: ModelSpec,
+    *,
+    batch_size: int,
+    seq_len: int,
+    optimizer: str,
+    activation_checkpointing: str,
+) -> DryRunWorkload | str:
+    """One training step of ``model`` for the dry run, or the reason there is none (a sentence)."""
+    make_optimizer = OPTIMIZERS[optimizer.lower()]
+    checkpointing: bool | str = False if activation_checkpointing == "none" else activation_checkpointing
+    if checkpointing == "full":
+        checkpointing = True
+    config = read_hf_config(model) if not isinstance(model, nn.Module) else None
+    if config is not None:
+        try:
+            import transformers
+        except ImportError:
+            return "transformers is not installed (the dry run builds its model from the config)"
+        values = dict(config[0])
+        model_type = values.pop("model_type")
+        hf_config = transformers.AutoConfig.for_model(model_type, **values)
+        vocab = int(hf_config.vocab_size)
+        return language_model_workload(
+            lambda: transformers.AutoModelForCausalLM.from_config(hf_config),
+            batch_size=batch_size,
+            seq_len=seq_len,
+            vocab_size=vocab,
+            optimizer=make_optimizer,
+            activation_checkpointing=checkpointing,
+            description=spec.name,
+        )
+    if spec.module is None:
+        return "a parameter count has no module to run"
+    build = materialise(spec.module)
+    if spec.shape is not None:
+        return language_model_workload(
+            build,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            vocab_size=spec.shape.vocab_size,
+            optimizer=make_optimizer,
+            activation_checkpointing=checkpointing,
+            description=spec.name,
+        )
+    example = getattr(spec.module, "example_input_array", None)
+    examples = (example,) if isinstance(example, Tensor) else example
+    if not isinstance(examples, tuple) or not examples:
+        return "the module has neither a transformer shape nor an example_input_array to run on"
+
+    def make_inputs() -> tuple[Any, ...]:
+        return tuple(torch.empty(e.shape, dtype=e.dtype) if isinstance(e, Tensor) else e for e in examples)
+
+    return module_workload(
+        build, make_inputs, optimizer=make_optimizer, activation_checkpointing=checkpointing, description=spec.name
+    )
+
+
+def _layout(config: ConfigEstimate, *, world_size: int, bucket_cap_mb: float, backend: str) -> DryRunLayout | None:
+    """The dry-run layout of a table row, or ``None`` for a row the dry run does not execute (pipelines)."""
+    name = config.name
+    strategy, _, shard = name.partition(" shard=")
+    if strategy not in ("data_parallel", "zero1", "zero2", "zero3"):
+        return None
+    return DryRunLayout(
+        strategy=strategy,
+        world_size=world_size,
+        shard_size=int(shard) if shard else None,
+        bucket_cap_mb=bucket_cap_mb,
+        backend=backend,
+    )
+
+
+def measure_rows(
+    configs: list[ConfigEstimate],
+    workload: DryRunWorkload | str,
+    *,
+    world_size: int,
+    precision: str,
+    bucket_cap_mb: float,
+    backend: str,
+) -> list[str]:
+    """Set each dry-runnable row's :attr:`~.estimate.ConfigEstimate.peak`; return notes for the plan."""
+    if precision not in ("32-true", "32"):
+        return [f"Dry run: precision {precision} is not dry-run yet (fp32 only); every row keeps the formula."]
+    if isinstance(workload, str):
+        return [f"Dry run: not possible ({workload}); every row keeps the formula."]
+    notes = []
+    for config in configs:
+        layout = _layout(config, world_size=world_size, bucket_cap_mb=bucket_cap_mb, backend=backend)
+        if layout is None:
+            continue
+        try:
+            config.peak = dry_run(workload, layout).peak_bytes
+        except DryRunError as error:
+            for row in configs:
+                row.peak = None
+            return [f"Dry run failed, every row keeps the formula: {error}"]
+    if any(c.peak is None for c in configs):
+        notes.append("Dry run: pipeline rows keep the formula (marked 'formula' in the peak column).")
+    return notes
