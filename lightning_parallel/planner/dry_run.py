@@ -123,6 +123,10 @@ class DryRunWorkload:
     activation_checkpointing: bool | str = False
     """As the strategies' ``activation_checkpointing`` (``True``/``"full"`` or ``"selective"``)."""
     description: str = ""
+    pipeline_batch: Callable[[Any], tuple[tuple[Any, ...], Any]] | None = None
+    """A pipeline's view of a batch: ``(model inputs, target)``; the schedule cuts both into micro-batches."""
+    output_loss: Callable[[Any, Any], Tensor] | None = None
+    """``output_loss(output, target)``: a micro-batch's loss on the last stage (``None``: no pipeline dry run)."""
 
 
 @dataclass
@@ -437,6 +441,10 @@ def language_model_workload(
         del logits
         return value
 
+    def output_loss(logits: Any, targets: Tensor) -> Tensor:
+        logits = getattr(logits, "logits", logits)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
     extra = {} if optimizer is None else {"make_optimizer": optimizer}
     return DryRunWorkload(
         make_model=make_model,
@@ -444,6 +452,8 @@ def language_model_workload(
         loss=loss,
         activation_checkpointing=activation_checkpointing,
         description=description,
+        pipeline_batch=lambda batch: ((batch[0],), batch[1]),
+        output_loss=output_loss,
         **extra,
     )
 

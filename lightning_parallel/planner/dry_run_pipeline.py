@@ -1,0 +1,332 @@
+"""The dry run of a pipeline rank: torch's own schedule on the rank's own stages, on fake tensors.
+
+One process acts as rank ``r`` of a fake process group (as :mod:`.dry_run` does for data parallelism and ZeRO) and
+runs what a pipeline rank runs: ``split_into_stages`` (the stage plan, this rank's stages kept, the others replaced by
+placeholders, the sync over the stage's replicas, ZeRO inside the pipeline), torch's ``PipelineStage`` objects and
+schedule built by ``build_runtime``, one warm-up step and one measured step (``schedule.step`` with the loss on the
+last stage, the sync's gradient reduction, the optimizer step, ZeRO's parameter all-gather, ``zero_grad``). The peak
+is therefore what torch's schedule really holds: every micro-batch's saved activations until its backward, the
+receive buffers torch allocates for every micro-batch, the last stage's outputs kept for the step, the gradients
+sent back, weight-gradient closures of the zero-bubble schedules.
+
+What a fake process group cannot carry is answered locally, only while the dry run runs:
+
+* the plan agreement (``all_gather_object`` of the stage boundaries): every rank computes the same plan, so each
+  rank's entry is this rank's;
+* torch's metadata inference, which sends each stage's output shapes to the next stage and its input-gradient shapes
+  to the previous one by ``send_object_list``: before the split, the whole model's stages run once on fake tensors
+  and ``PipelineStage._recv_meta`` answers from their shapes (``_send_meta`` sends nothing).
+
+Received activations and gradients are fake tensors of the right shape (the fake group's receive writes nothing).
+:func:`measure_pipeline_step` runs the same step on real tensors in an initialised process group.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
+from torch.utils._python_dispatch import _disable_current_modes
+
+from lightning_parallel.accounting import LiveTensorPeak, optimizer_state_tensors
+from lightning_parallel.distributed.activation_checkpointing import apply_activation_checkpointing
+from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
+from lightning_parallel.distributed.pipeline.partition import StageModule, plan_for_example
+from lightning_parallel.distributed.pipeline.schedule import build_runtime, schedule_spec, validate_schedule_config
+from lightning_parallel.distributed.pipeline import stage_split
+from lightning_parallel.distributed.pipeline.stage_split import build_parallel_dims, split_into_stages
+from lightning_parallel.distributed.pipeline.zero import pipeline_zero_config
+from lightning_parallel.planner.dry_run import (
+    DryRunError,
+    DryRunWorkload,
+    StepPeak,
+    _ControlScalars,
+    _fake_world,
+)
+
+__all__ = ["PipelineLayout", "dry_run_pipeline", "measure_pipeline_step"]
+
+
+@dataclass(kw_only=True)
+class PipelineLayout:
+    """Where one pipeline rank stands: the world, the pipeline's size, schedule and counts, ZeRO inside it."""
+
+    world_size: int
+    pipeline_parallel_size: int
+    rank: int = 0
+    schedule: str = "1F1B"
+    num_microbatches: int | None = None
+    """Micro-batches per batch (``None``: one per stage)."""
+    stages_per_rank: int | None = None
+    """``None``: the schedule's default."""
+    zero_stage: int = 0
+    """ZeRO over each stage's data-parallel replicas (0: replicated)."""
+    partition: str = "flops"
+
+    def __post_init__(self) -> None:
+        spec = schedule_spec(self.schedule)
+        self.schedule = spec.name
+        if self.stages_per_rank is None:
+            self.stages_per_rank = spec.default_stages_per_rank if self.pipeline_parallel_size > 1 else 1
+        if self.num_microbatches is None:
+            self.num_microbatches = self.pipeline_parallel_size * self.stages_per_rank
+        if self.world_size % self.pipeline_parallel_size:
+            raise ValueError(
+                f"`pipeline_parallel_size={self.pipeline_parallel_size}` does not divide `world_size={self.world_size}`."
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"`rank={self.rank}` is outside the world of {self.world_size} ranks.")
+        validate_schedule_config(
+            self.schedule,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            stages_per_rank=self.stages_per_rank,
+            num_microbatches=self.num_microbatches,
+        )
+
+    @property
+    def num_stages(self) -> int:
+        assert self.stages_per_rank is not None
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+
+class _PipelineStepRunner:
+    """One pipeline rank's stages, sync, optimizer and torch schedule, and the training step."""
+
+    def __init__(self, workload: DryRunWorkload, layout: PipelineLayout, *, fake: bool) -> None:
+        if workload.pipeline_batch is None or workload.output_loss is None:
+            raise DryRunError(f"{workload.description or 'the workload'} has no pipeline loss (`output_loss`).")
+        self.workload, self.layout = workload, layout
+        module = workload.make_model()
+        if workload.activation_checkpointing:
+            apply_activation_checkpointing(module, workload.activation_checkpointing)
+        self.module = module
+        zero_config = pipeline_zero_config(layout.zero_stage, schedule=layout.schedule)
+        with _disable_current_modes():  # a device mesh computes its coordinates from real tensors
+            dims = build_parallel_dims(
+                layout.world_size,
+                layout.rank,
+                pipeline_parallel_size=layout.pipeline_parallel_size,
+                zero_config=zero_config,
+            )
+        self.dims = dims
+        args, _ = workload.pipeline_batch(workload.make_batch())
+        assert layout.num_microbatches is not None
+        rows = args[0].shape[0] // layout.num_microbatches
+        example = (tuple(a[:rows] for a in args), {})
+        del args
+        layers, _ = pipeline_layers_and_call(module)
+        self.metas = _stage_metas(layers, example, layout) if fake else None
+        device = torch.device("cpu")
+        with self._answered_locally():
+            self.run = split_into_stages(
+                module,
+                dims=dims,
+                device=device,
+                num_stages=layout.num_stages,
+                schedule=layout.schedule,
+                num_microbatches=layout.num_microbatches,
+                example=example,
+                partition=layout.partition,  # type: ignore[arg-type]
+                verify_layers=False,
+                zero_config=zero_config,
+            )
+        self.optimizer = workload.make_optimizer(module.parameters())
+        self.run.sync.setup_optimizers([self.optimizer])
+        assert self.run.engine is not None
+        self.runtime = build_runtime(
+            schedule=layout.schedule,
+            plan=self.run.plan,
+            layers=self.run.engine.layers,  # type: ignore[arg-type]  # only this rank's, never None, are read
+            dims=dims,
+            num_microbatches=layout.num_microbatches,
+            device=device,
+            loss_fn=self._loss,
+        )
+
+    @contextmanager
+    def _answered_locally(self) -> Iterator[None]:
+        """In a dry run: the object collectives a fake group cannot carry, answered as every rank would."""
+        if self.metas is None:
+            yield
+            return
+        metas = self.metas
+        saved = dist.all_gather_object, PipelineStage._recv_meta, PipelineStage._send_meta, stage_split.offload_layers
+        votes = PipelineStage._warmup_forward_vote, PipelineStage._warmup_backward_result
+        batch_p2p = schedules._batch_p2p
+
+        def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+            object_list[:] = [obj] * len(object_list)
+
+        def recv_meta(stage: PipelineStage, src_stage: int) -> Any:
+            if src_stage < stage.stage_index:
+                return _StageForwardMeta(forward_metas=metas[src_stage])
+            return _StageBackwardMeta(backward_metas=metas[stage.stage_index])
+
+        dist.all_gather_object = all_gather_object  # type: ignore[assignment]
+        PipelineStage._recv_meta = recv_meta  # type: ignore[method-assign]
+        PipelineStage._send_meta = lambda stage, meta, dst_stage: None  # type: ignore[method-assign]
+        stage_split.offload_layers = _offload_fake_layers
+        # torch's vote on static vs dynamic metadata: every stage is built without metadata (dynamic), so the vote is 0.
+        PipelineStage._warmup_forward_vote = _dynamic_vote  # type: ignore[method-assign]
+        PipelineStage._warmup_backward_result = _dynamic_vote  # type: ignore[method-assign]
+        schedules._batch_p2p = _holding(batch_p2p)
+        try:
+            yield
+        finally:
+            dist.all_gather_object = saved[0]  # type: ignore[assignment]
+            PipelineStage._recv_meta, PipelineStage._send_meta = saved[1], saved[2]  # type: ignore[method-assign]
+            stage_split.offload_layers = saved[3]
+            PipelineStage._warmup_forward_vote, PipelineStage._warmup_backward_result = votes  # type: ignore[method-assign]
+            schedules._batch_p2p = batch_p2p
+
+    def _loss(self, output: Any, target: Any) -> Tensor:
+        if not self.runtime_initialized():
+            outputs = output if isinstance(output, tuple) else (output,)
+            return sum(o.float().sum() for o in outputs) * 0.0  # type: ignore[return-value]
+        assert self.workload.output_loss is not None and self.layout.num_microbatches is not None
+        return self.workload.output_loss(output, target) / self.layout.num_microbatches
+
+    def runtime_initialized(self) -> bool:
+        from lightning_parallel.distributed.pipeline import _compat
+
+        runtime = getattr(self, "runtime", None)
+        return runtime is not None and _compat.schedule_backward_initialized(runtime.schedule)
+
+    def step(self, tracker: LiveTensorPeak | None = None) -> None:
+        def phase(name: str) -> None:
+            if tracker is not None:
+                tracker.phase = name
+
+        phase("schedule")
+        assert self.workload.pipeline_batch is not None
+        args, target = self.workload.pipeline_batch(self.workload.make_batch())
+        runtime = self.runtime
+        with self._answered_locally():
+            runtime.schedule.step(
+                *(args if runtime.has_first_stage else ()),
+                target=target if runtime.has_last_stage else None,
+            )
+        del args, target
+        phase("gradient_sync")
+        self.run.sync.reduce_gradients()
+        phase("optimizer_step")
+        self.optimizer.step()
+        self.run.sync.after_optimizer_step(self.optimizer)
+        self.optimizer.zero_grad()
+
+    def categories(self) -> dict[str, list[Tensor]]:
+        params: list[Tensor] = [p for p in self.module.parameters() if p.device.type != "meta"]
+        return {
+            "parameters": params,
+            "gradients": [p.grad for p in params if p.grad is not None],
+            "optimizer_state": list(optimizer_state_tensors(self.optimizer)),
+        }
+
+    def measure(self, warmup_steps: int) -> StepPeak:
+        for _ in range(warmup_steps):
+            self.step()
+        gc.collect()
+        with LiveTensorPeak(categories=self.categories) as tracker:
+            self.step(tracker)
+        return StepPeak.of(tracker.result())
+
+
+class _HeldWork:
+    """A fake group's P2P work holding its op's tensor as long as the work is referenced, as a real backend's work
+    does (gloo's and NCCL's keep the tensors they send or receive): torch's schedules keep the works of their sends
+    until they wait on them (the multi-stage ones until the end of the step), and with them the sent activations and
+    input gradients."""
+
+    def __init__(self, work: Any, tensors: list[Tensor]) -> None:
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.work.wait(*args, **kwargs)
+
+
+def _holding(batch_p2p: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    def held(p2p_ops: list[dist.P2POp], desc: str | None = None) -> list[Any]:
+        works = batch_p2p(p2p_ops, desc=desc)
+        tensors = [op.tensor for op in p2p_ops]
+        if len(works) == len(p2p_ops):
+            return [_HeldWork(work, [tensor]) for work, tensor in zip(works, tensors, strict=True)]
+        return [_HeldWork(work, tensors) for work in works]  # one coalesced work for the batch
+
+    return held
+
+
+def _dynamic_vote(stage: PipelineStage, *args: Any, **kwargs: Any) -> Tensor:
+    return torch.tensor([0], dtype=torch.int32)
+
+
+def _offload_fake_layers(layers: Sequence[nn.Module], indices: Sequence[int], *, keep: Collection[int] = ()) -> None:
+    """``offload_layers`` for fake tensors: another rank's layers on ``meta``. A fake tensor cannot be swapped in place
+    (torch's fake mode holds a weak reference to each), so each parameter and buffer is replaced by a ``meta`` one."""
+    for index in indices:
+        for submodule in layers[index].modules():
+            if id(submodule) in keep:
+                continue
+            for name, param in submodule._parameters.items():
+                if param is not None:
+                    submodule._parameters[name] = nn.Parameter(
+                        torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad
+                    )
+            for name, buffer in submodule._buffers.items():
+                if buffer is not None:
+                    submodule._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device="meta")
+
+
+def _stage_metas(layers: list[nn.Module], example: tuple[tuple[Any, ...], dict[str, Any]], layout: PipelineLayout) -> dict[int, Any]:
+    """Each stage's output metadata (what torch's metadata inference sends on), the whole model's stages run once
+    on fake tensors (also the input-gradient shapes sent back: the same as the previous stage's outputs)."""
+    assert layout.num_microbatches is not None
+    plan = plan_for_example(
+        layers,
+        example,
+        partition=layout.partition,  # type: ignore[arg-type]
+        num_stages=layout.num_stages,
+        pipeline_parallel_size=layout.pipeline_parallel_size,
+        warn=lambda message: None,
+        placement=schedule_spec(layout.schedule).placement,
+    )
+    metas = {}
+    args: tuple[Any, ...] = example[0]
+    for stage in range(plan.num_stages):  # with autograd on, as torch's inference runs for training: the activations
+        module = StageModule(  # sent on require grad, and so do the receive buffers made from their metadata
+            [layers[i] for i in plan.layers_of(stage)], is_first=stage == 0, is_last=stage == plan.num_stages - 1
+        )
+        output = module(*args)
+        args = tuple(a.detach().requires_grad_(a.requires_grad) for a in (output if isinstance(output, tuple) else (output,)))
+        metas[stage] = extract_tensor_metas(args)
+    return metas
+
+
+def dry_run_pipeline(workload: DryRunWorkload, layout: PipelineLayout, *, warmup_steps: int = 1) -> StepPeak:
+    """The peak bytes of live tensors of pipeline rank ``layout.rank`` over one training step, on fake tensors."""
+    with _fake_world(layout.rank, layout.world_size), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True), _ControlScalars():
+                runner = _PipelineStepRunner(workload, layout, fake=True)
+                return runner.measure(warmup_steps)
+        except DryRunError:
+            raise
+        except Exception as error:
+            raise DryRunError(f"{workload.description or 'the model'} cannot run on fake tensors: {error}") from error
+
+
+def measure_pipeline_step(workload: DryRunWorkload, layout: PipelineLayout, *, warmup_steps: int = 1) -> StepPeak:
+    """The same step as :func:`dry_run_pipeline` on real tensors, in this process's initialised process group."""
+    if not dist.is_initialized() or dist.get_world_size() != layout.world_size:
+        raise RuntimeError(f"measure_pipeline_step needs an initialised process group of {layout.world_size} ranks.")
+    return _PipelineStepRunner(workload, layout, fake=False).measure(warmup_steps)
