@@ -7,12 +7,15 @@ loss, another module on its ``example_input_array`` with the mean of its output 
 has no module: the formula stays.
 
 :func:`measure_rows` runs rank 0 (the largest shard: padding falls on the last ranks) of each data-parallel / ZeRO /
-hybrid row and sets :attr:`~.estimate.ConfigEstimate.peak`; pipeline rows, 16-bit precisions and models the dry run
-cannot execute keep the formula, with a note saying why.
+hybrid row, and every pipeline rank of the first replica of each pipeline row (:mod:`.dry_run_pipeline`: torch's
+schedule on the rank's stages; the row's peak is its largest), and sets :attr:`~.estimate.ConfigEstimate.peak`.
+Pipeline rows with ZeRO-2/3 inside or uneven stages, 16-bit precisions and models the dry run cannot execute keep the
+formula, with a note saying why.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,6 +31,7 @@ from lightning_parallel.planner.dry_run import (
     materialise,
     module_workload,
 )
+from lightning_parallel.planner.dry_run_pipeline import PIPELINE_ZERO_STAGES, PipelineLayout, dry_run_pipeline
 from lightning_parallel.planner.estimate import ConfigEstimate
 from lightning_parallel.planner.hf import read_hf_config
 from lightning_parallel.planner.spec import ModelSpec
@@ -109,7 +113,7 @@ def dry_run_workload(
 
 
 def _layout(config: ConfigEstimate, *, world_size: int, bucket_cap_mb: float, backend: str) -> DryRunLayout | None:
-    """The dry-run layout of a table row, or ``None`` for a row the dry run does not execute (pipelines)."""
+    """The dry-run layout of a data-parallel / ZeRO table row, or ``None`` for another row."""
     name = config.name
     strategy, _, shard = name.partition(" shard=")
     if strategy not in ("data_parallel", "zero1", "zero2", "zero3"):
@@ -121,6 +125,30 @@ def _layout(config: ConfigEstimate, *, world_size: int, bucket_cap_mb: float, ba
         bucket_cap_mb=bucket_cap_mb,
         backend=backend,
     )
+
+
+def _pipeline_layouts(config: ConfigEstimate, *, world_size: int, backend: str) -> list[PipelineLayout] | None:
+    """The dry-run layouts of a pipeline row's pipeline ranks (first replica), or ``None`` when the dry run does not
+    cover the row (ZeRO-2/3 inside the pipeline, uneven stages)."""
+    arguments = dict(re.findall(r"(\w+)=('[^']*'|\w+)", config.strategy))
+    if "first_stage_fewer_layers" in arguments or "last_stage_fewer_layers" in arguments:
+        return None
+    zero_stage = int(arguments.get("zero_stage", 0))
+    if zero_stage not in PIPELINE_ZERO_STAGES:
+        return None
+    p = int(arguments["pipeline_parallel_size"])
+    return [
+        PipelineLayout(
+            world_size=world_size,
+            pipeline_parallel_size=p,
+            rank=rank,
+            schedule=arguments.get("schedule", "'1F1B'").strip("'"),
+            num_microbatches=int(arguments["num_microbatches"]),
+            zero_stage=zero_stage,
+            backend=backend,
+        )
+        for rank in range(p)
+    ]
 
 
 def measure_rows(
@@ -139,6 +167,15 @@ def measure_rows(
         return [f"Dry run: not possible ({workload}); every row keeps the formula."]
     notes = []
     for config in configs:
+        if config.name.startswith("pipeline"):
+            pipeline = _pipeline_layouts(config, world_size=world_size, backend=backend)
+            if pipeline is None:
+                continue
+            try:
+                config.peak = max(dry_run_pipeline(workload, layout).peak_bytes for layout in pipeline)
+            except DryRunError as error:
+                notes.append(f"Dry run of {config.name} failed, the row keeps the formula: {error}")
+            continue
         layout = _layout(config, world_size=world_size, bucket_cap_mb=bucket_cap_mb, backend=backend)
         if layout is None:
             continue
@@ -149,5 +186,8 @@ def measure_rows(
                 row.peak = None
             return [f"Dry run failed, every row keeps the formula: {error}"]
     if any(c.peak is None for c in configs):
-        notes.append("Dry run: pipeline rows keep the formula (marked 'formula' in the peak column).")
+        notes.append(
+            "Dry run: pipeline rows with ZeRO-2/3 inside or uneven stages keep the formula (marked 'formula' in the"
+            " peak column)."
+        )
     return notes

@@ -247,8 +247,7 @@ def split_into_stages(
     held = set(canonical_names(module, aliases).values())
     if convert is not None:
         convert(module)
-    if any(t.device != device for t in (*module.parameters(), *module.buffers())):
-        module.to(device)  # (skipped when already there: the planner's dry run cannot move fake tensors in place)
+    module.to(device)
     # ZeRO-3: the local layers' sharded copies run the stages (the optimizers are built after this).
     sync = sync_type(
         SyncContext(
