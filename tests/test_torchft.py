@@ -9,6 +9,7 @@ torchft unless a run uses it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -28,6 +29,8 @@ WORKER = Path(__file__).resolve().parent / "torchft_worker.py"
 KILL_AT_STEP = 5
 DEADLINE = 150.0  # seconds for the whole run; every wait below is bounded by it
 STALL_LIMIT = 15.0  # a survivor that waited for a collective timeout (20 s here) would exceed it
+# A dead group's heartbeat expires after 2 s; the lighthouse waits up to 5 s for a heartbeating straggler.
+LIGHTHOUSE_TIMEOUTS = ("--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "2000")
 
 
 def test_config_is_validated_at_the_edge() -> None:
@@ -77,8 +80,7 @@ class _Run:
         lighthouse = Path(sys.executable).parent / "torchft_lighthouse"
         self.address = f"http://127.0.0.1:{port}"
         self._spawn(
-            [str(lighthouse), "--min_replicas", "1", "--bind", f"[::]:{port}"]
-            + ["--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "2000"],
+            [str(lighthouse), "--min_replicas", "1", "--bind", f"[::]:{port}", *LIGHTHOUSE_TIMEOUTS],
             out / "lighthouse.log",
         )
 
@@ -156,7 +158,7 @@ def test_a_killed_replica_group_leaves_the_others_training_and_rejoins(tmp_path:
 
     # The survivor never stalled: one step after another, each within seconds (the dead group's heartbeat
     # expires after 2 s; a wait for the 20 s collective timeout would show here).
-    gaps = [b["time"] - a["time"] for a, b in zip(first, first[1:])]
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(first)]
     assert max(gaps) < STALL_LIMIT, gaps
     assert [r["step"] for r in first] == list(range(1, len(first) + 1))  # no step lost or repeated
     alone = [r for r in first if r["participants"] == 1]

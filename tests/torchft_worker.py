@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_parallel import DataParallelStrategy  # noqa: E402
-from lightning_parallel.fault_tolerance import FaultTolerance  # noqa: E402
+from lightning_parallel import DataParallelStrategy
+from lightning_parallel.fault_tolerance import FaultTolerance
 
 FEATURES, WIDTH, CLASSES, GLOBAL_BATCH = 12, 32, 4, 8
 

@@ -52,7 +52,9 @@ class FaultTolerantReplicas:
         }
 
     # ------------------------------------------------------------------ lifecycle
-    def setup(self, trainer: Any, module: nn.Module, *, group_rank: int, group_world_size: int, store: tuple[str, int]) -> None:
+    def setup(
+        self, trainer: Any, module: nn.Module, *, group_rank: int, group_world_size: int, store: tuple[str, int]
+    ) -> None:
         """Local checks, then (cross-group) start the manager and, with ``start_together``, wait for the groups."""
         _check_supported(trainer, module)
         from lightning_parallel.fault_tolerance.replica_sync import ReplicaGroupSync  # torchft: only now
@@ -124,7 +126,9 @@ class FaultTolerantReplicas:
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         trainer = self._trainer
         trainer.lightning_module.load_state_dict(state["module"])
-        for optimizer, optimizer_state in zip(trainer.strategy.unwrapped_optimizers(), state["optimizers"], strict=True):
+        for optimizer, optimizer_state in zip(
+            trainer.strategy.unwrapped_optimizers(), state["optimizers"], strict=True
+        ):
             optimizer.load_state_dict(optimizer_state)
         for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(scheduler_state)
@@ -164,5 +168,3 @@ def _uncount_step(trainer: Any) -> None:
     progress = _step_progress(trainer)
     progress.ready -= 1
     progress.completed -= 1
-
-
