@@ -3,8 +3,9 @@
 ``python tests/torchft_worker.py --out DIR --group G --groups N --steps S [--kill-at-step K]``: trains a tiny MLP on
 one fixed global batch per step (group ``G`` reads its slice) with ``DataParallelStrategy(fault_tolerance=...)``
 and the lighthouse from ``$TORCHFT_LIGHTHOUSE``; after every step it appends ``{"step", "time", "weights",
-"participants", "loss"}`` to ``DIR/group{G}.jsonl``. ``--kill-at-step K`` SIGKILLs the process at the start of step
-``K``. ``--reference`` trains the same global batch on one device without the mode (``DIR/reference.jsonl``).
+"participants", "loss"}`` to ``DIR/group{G}.jsonl``. ``--kill-at-step K`` SIGKILLs the process in the middle of the
+step after ``K`` steps (after its backward, before the gradients are averaged over the groups). ``--reference``
+trains the same global batch on one device without the mode (``DIR/reference.jsonl``).
 """
 
 from __future__ import annotations
@@ -56,8 +57,12 @@ class Recorder(pl.Callback):
     def __init__(self, path: Path, kill_at_step: int, stop_file: Path | None, pace: float) -> None:
         self.path, self.kill_at_step, self.stop_file, self.pace = path, kill_at_step, stop_file, pace
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_after_backward(self, trainer, pl_module):
+        # Mid-step: this group joined the step's quorum, the others' all-reduce will find it gone.
         if trainer.global_step == self.kill_at_step:
+            # After the step's quorum set up the cross-group process group (a death during that set-up costs the
+            # others the collective timeout instead: docs/reliability.md).
+            trainer.strategy._replicas.sync.manager.wait_quorum()
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
