@@ -1,6 +1,6 @@
 """Fault tolerance without restarts (issue 34): replica groups that meet through torchft's lighthouse.
 
-The end-to-end test acts as the launcher of two replica groups (one process each, gloo) and of a lighthouse:
+The end-to-end tests act as the launcher of two replica groups (one or two processes each, gloo) and a lighthouse:
 without failures the groups' weights equal one device's on the same global batch; a group SIGKILLed at a chosen
 step leaves the other training, is restarted, and rejoins with its peer's weights; the run ends together. Every
 process has a timeout, so a hang fails the test. The cheap tests check the configuration and that nothing imports
@@ -184,3 +184,24 @@ def test_a_killed_replica_group_leaves_the_others_training_and_rejoins(tmp_path:
         torch.nn.utils.parameters_to_vector(fit_reference(first[-1]["step"]).parameters()).tolist()
     )
     assert abs(final - uninterrupted) < 0.05, (final, uninterrupted)
+
+
+def test_groups_of_two_processes_train_like_one_device(tmp_path: Path) -> None:
+    """Two replica groups of two processes each (DDP inside a group, torchft across): one device's weights."""
+    pytest.importorskip("torchft")
+    run = _Run(tmp_path)
+    try:
+        groups = [run.group(group, tmp_path, "--devices", "2", "--steps", "4") for group in range(2)]
+        for process in groups:
+            process.wait(timeout=run.remaining())
+            assert process.returncode == 0, run.logs()
+    finally:
+        run.close()
+    reference = torch.nn.utils.parameters_to_vector(fit_reference(4).parameters()).detach()
+    for group in range(2):
+        records = _records(tmp_path / f"group{group}.jsonl")  # both ranks of the group write here
+        assert sorted(r["step"] for r in records) == [1, 1, 2, 2, 3, 3, 4, 4]
+        assert all(r["participants"] == 2 for r in records)
+        for record in records:
+            if record["step"] == 4:
+                torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)

@@ -94,6 +94,7 @@ def main() -> TinyMLP:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--stop-file", type=Path, default=None, help="stop at the step written in this file")
+    parser.add_argument("--devices", type=int, default=1, help="processes in this replica group")
     parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -110,10 +111,10 @@ def main() -> TinyMLP:
             join_timeout=60.0,
         )
         strategy = DataParallelStrategy(fault_tolerance=config)
-        name, batch = f"group{args.group}", GLOBAL_BATCH // args.groups
+        name, batch = f"group{args.group}", GLOBAL_BATCH // (args.groups * args.devices)
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=1 if args.reference else args.devices,
         strategy=strategy,
         max_steps=args.steps,
         callbacks=[Recorder(args.out / f"{name}.jsonl", args.kill_at_step, args.stop_file, args.pace)],
