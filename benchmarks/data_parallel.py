@@ -62,7 +62,10 @@ class Config:
 
 
 PRESETS: dict[str, Config] = {
-    "tiny": Config(workload=Workload(preset="tiny", steps=4, warmup_steps=2, batch_size=4, seq_len=32), repeats=1),
+    "tiny": Config(
+        workload=Workload(preset="tiny", steps=4, warmup_steps=2, batch_size=4, seq_len=32, time_throughput=False),
+        repeats=1,
+    ),
     # The default (`make bench`): 20.5 M parameters, 2 CPU ranks of 8 x 128 tokens; a step takes ~1.5-3 s per rank.
     "medium": Config(workload=Workload(preset="gpt-20m", steps=8, warmup_steps=3)),
     "small": Config(workload=Workload(steps=20)),

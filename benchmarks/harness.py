@@ -81,6 +81,9 @@ class Workload:
     """Steps left out of every figure."""
     accelerator: str = "cpu"
     """``"cpu"`` (gloo) or ``"gpu"`` (NCCL, one process per GPU)."""
+    time_throughput: bool = True
+    """Time each repeat in a fit without the monitor (:func:`train`); ``False``: every repeat is one fit under the
+    monitor, its step times included (runs read for bytes only: the ZeRO scaling part, the test suite's presets)."""
 
     def __post_init__(self) -> None:
         GPTConfig.from_preset(self.preset, **self.overrides)  # raises for an unknown preset or field
@@ -287,6 +290,8 @@ def train(contender: Contender, workload: Workload, *, figures: Run | None = Non
         run = contender.run(workload)
         run.load = (start, os.getloadavg()[0])
         return run
+    if not workload.time_throughput:
+        return monitored_fit(contender, workload)
     if figures is None:
         figures = monitored_fit(contender, workload)
     start = os.getloadavg()[0]

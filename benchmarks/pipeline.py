@@ -68,7 +68,7 @@ class Config:
 
 PRESETS: dict[str, Config] = {
     "tiny": Config(
-        workload=Workload(preset="tiny", batch_size=8, seq_len=32, steps=6, warmup_steps=2),
+        workload=Workload(preset="tiny", batch_size=8, seq_len=32, steps=6, warmup_steps=2, time_throughput=False),
         bubble_microbatches=(4,),
         interleaved_microbatches=(4,),
         repeats=1,

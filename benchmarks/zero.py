@@ -161,8 +161,8 @@ class Config:
 
 PRESETS: dict[str, Config] = {
     "tiny": Config(
-        workload=Workload(preset="tiny", steps=4, warmup_steps=2, batch_size=4, seq_len=32),
-        scaling=Workload(preset="tiny", steps=2, warmup_steps=1, batch_size=2, seq_len=32),
+        workload=Workload(preset="tiny", steps=4, warmup_steps=2, batch_size=4, seq_len=32, time_throughput=False),
+        scaling=Workload(preset="tiny", steps=2, warmup_steps=1, batch_size=2, seq_len=32, time_throughput=False),
         world_sizes=(1, 2),
         repeats=1,
     ),
@@ -172,18 +172,36 @@ PRESETS: dict[str, Config] = {
         # page faults); with 6 steps and 2 warm-up their ratios spread over 0.83-1.17.
         workload=Workload(preset="gpt-20m", steps=10, warmup_steps=4),
         scaling=Workload(
-            preset="small", overrides={"n_layer": 4, "n_embd": 512}, steps=3, warmup_steps=1, batch_size=2
+            preset="small",
+            overrides={"n_layer": 4, "n_embd": 512},
+            steps=3,
+            warmup_steps=1,
+            batch_size=2,
+            time_throughput=False,  # bytes only
         ),
     ),
     "small": Config(
         workload=Workload(),
         scaling=Workload(
-            preset="small", overrides={"n_layer": 4, "n_embd": 512}, steps=3, warmup_steps=1, batch_size=2
+            preset="small",
+            overrides={"n_layer": 4, "n_embd": 512},
+            steps=3,
+            warmup_steps=1,
+            batch_size=2,
+            time_throughput=False,  # bytes only
         ),
     ),
     "large": Config(  # GPUs, not run by us yet
         workload=Workload(preset="gpt-125m", steps=30, warmup_steps=5, seq_len=1024, accelerator="gpu"),
-        scaling=Workload(preset="gpt-125m", steps=4, warmup_steps=2, batch_size=4, seq_len=1024, accelerator="gpu"),
+        scaling=Workload(
+            preset="gpt-125m",
+            steps=4,
+            warmup_steps=2,
+            batch_size=4,
+            seq_len=1024,
+            accelerator="gpu",
+            time_throughput=False,
+        ),
     ),
 }
 

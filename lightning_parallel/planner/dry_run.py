@@ -280,6 +280,7 @@ class _StepRunner:
                 gradient_reduction="all_reduce" if gloo else "reduce_scatter",
                 parameter_gather="broadcasts" if gloo else "all_gather",
             )
+            self.buckets.agree_on_launch_order = False  # one rank played: its own order is every rank's
             self.sharded = ShardedOptimizer(self.optimizer, self.buckets)
         else:  # zero3
             zero3.broadcast_from_rank0(module, device)

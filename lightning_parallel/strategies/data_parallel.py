@@ -34,10 +34,12 @@ from lightning_parallel.distributed.compression import (
 )
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
+from lightning_parallel.fault_tolerance.config import FaultTolerance
 from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.launch import StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
+from lightning_parallel.strategies.replica_groups import FaultTolerantReplicas
 
 __all__ = ["UNUSED_PARAMETERS_MESSAGE", "DataParallelStrategy", "UnevenInputs"]
 
@@ -96,6 +98,10 @@ class DataParallelStrategy(LightningParallelStrategy):
             ``"selective"``: every repeated block keeps every other matrix product's output and the attention's
             (torchtitan's per-op policy; ``SelectiveCheckpointing(blocks={Block})`` for chosen classes). Parameter
             names and checkpoints are unchanged; see docs/memory.md.
+        fault_tolerance: ``FaultTolerance(replica_group=..., num_replica_groups=..., lighthouse=...)`` makes this job
+            one replica group of a fault-tolerant run (torchft, an optional extra): gradients are averaged over the
+            groups alive at each step, a group that dies leaves the others training, and a restarted one fetches
+            the state from a live group and rejoins (docs/reliability.md). ``None``: off.
         track_communication: count the bytes of uncompressed all-reduces too (adds a Python hook per bucket);
             compressed runs always count. Read them from :attr:`communication_stats`.
         accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.
@@ -124,6 +130,7 @@ class DataParallelStrategy(LightningParallelStrategy):
         nonfinite_loss: NonFiniteLoss = "skip",
         track_communication: bool = False,
         activation_checkpointing: ActivationCheckpointing = False,
+        fault_tolerance: FaultTolerance | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -156,6 +163,8 @@ class DataParallelStrategy(LightningParallelStrategy):
         self.uneven_inputs = uneven_inputs
         self.track_communication = track_communication
         self._lockstep_batches: LockstepBatches | None = None
+        self.fault_tolerance = fault_tolerance
+        self._replicas = FaultTolerantReplicas(fault_tolerance) if fault_tolerance is not None else None
 
     @property
     def is_padding_step(self) -> bool:
@@ -170,6 +179,23 @@ class DataParallelStrategy(LightningParallelStrategy):
             check_layer_sync(self._layer_sync, self.strategy_name, self.root_device, supported=True)
         self._apply_activation_checkpointing(self.module)  # before DDP wraps the module
         super().setup(trainer)
+        if self._replicas is not None and trainer.state.fn == TrainerFn.FITTING:
+            environment = self.cluster_environment
+            assert environment is not None
+            self._replicas.setup(
+                trainer,
+                self.module,
+                group_rank=self.global_rank,
+                group_world_size=self.world_size,
+                store=(environment.main_address, environment.main_port),
+            )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._replicas is None:
+            return super().distributed_sampler_kwargs
+        return self._replicas.sampler_kwargs(group_rank=self.global_rank, group_world_size=self.world_size)
 
     @override
     def configure_ddp(self) -> None:
@@ -294,6 +320,8 @@ class DataParallelStrategy(LightningParallelStrategy):
         is_padding = self._lockstep_batches is not None and self._lockstep_batches.pop_is_padding()
         self._current_step_is_padding = is_padding
         self._follow_trainable_set()
+        if self._replicas is not None:
+            self._replicas.start_step()  # the quorum of replica groups, in the background during forward/backward
         with self._explaining_unused_parameters():
             output = super().training_step(*args, **kwargs)
         if is_padding:
@@ -328,6 +356,8 @@ class DataParallelStrategy(LightningParallelStrategy):
         super().post_backward(closure_loss)
         self._check_trainable_set_unchanged_in_step()
         self._drop_gradients_if_skipped()  # every rank decided the same: drop the (non-finite) averaged gradients
+        if self._replicas is not None:
+            self._replicas.finish_step()  # average over the replica groups; drops the gradients if not committed
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -357,6 +387,8 @@ class DataParallelStrategy(LightningParallelStrategy):
     @override
     def teardown(self) -> None:
         self._lockstep_batches = None
+        if self._replicas is not None:
+            self._replicas.teardown()
         super().teardown()
 
     @classmethod

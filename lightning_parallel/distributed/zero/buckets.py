@@ -211,6 +211,9 @@ class ShardedParameterBuckets:
         """Order in which complete buckets are reduce-scattered: their index (reverse registration) until the first
         sync, then the order in which rank 0's first backward completed them (:meth:`_settle_launch_order`)."""
         self._launch_order_settled = False
+        self.agree_on_launch_order = True
+        """Broadcast rank 0's launch order at the first sync; ``False`` keeps this rank's own (the planner's dry run,
+        which plays one rank on fake tensors whose broadcast carries no values)."""
         self._bucket_of: dict[nn.Parameter, tuple[FlatBucket, Segment]] = {
             segment.param: (bucket, segment) for bucket in self.buckets for segment in bucket.segments
         }
@@ -376,9 +379,11 @@ class ShardedParameterBuckets:
         """
         seen = dict.fromkeys(self._completed)  # first completion of each bucket, in order
         order = [*seen, *(i for i in range(len(self.buckets)) if i not in seen)]
-        agreed = torch.tensor(order, dtype=torch.int64, device=device)
-        dist.broadcast(agreed, group=self.group, group_src=0)
-        self.launch_order = agreed.tolist()
+        if self.agree_on_launch_order:
+            agreed = torch.tensor(order, dtype=torch.int64, device=device)
+            dist.broadcast(agreed, group=self.group, group_src=0)
+            order = agreed.tolist()
+        self.launch_order = order
         self._launch_order_settled = True
         self._completed.clear()
 

@@ -1,0 +1,173 @@
+"""``ReplicaGroupSync``: one replica group's side of torchft's per-step protocol, torch-only (no Lightning).
+
+Each step: :meth:`start_step` asks the lighthouse (through the group's torchft ``Manager``) for the quorum of groups
+alive, in the background while forward and backward run; :meth:`average_gradients` all-reduces this rank's gradients
+with the same rank of every other group in the quorum (one flat buffer, divided by the number of groups taking
+part); :meth:`should_commit` says whether the optimizer may step (every group of the quorum finished the step without
+an error). A group joining a run already under way is "healing": its gradients count as zeros, and before
+:meth:`should_commit` returns it loads the state a live group sent (``load_state_dict``), so its next optimizer step
+starts from the peers' weights.
+
+torchft is imported here only, when a ``ReplicaGroupSync`` is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ReduceOp
+
+from lightning_parallel.fault_tolerance.config import FaultTolerance
+
+__all__ = ["ReplicaGroupSync", "import_torchft"]
+
+TORCHFT_MISSING = (
+    "`FaultTolerance` needs torchft: `pip install 'lightning-parallel[torchft]'` (or `pip install torchft==0.2.0`)."
+)
+
+
+class _WaitingForGroups(RuntimeError):
+    """Reported to torchft so that a start-up round (no training) never commits."""
+
+
+def import_torchft() -> Any:
+    """The ``torchft`` module, or ``ModuleNotFoundError`` saying how to install it."""
+    try:
+        return importlib.import_module("torchft")
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(TORCHFT_MISSING) from error
+
+
+class ReplicaGroupSync:
+    """This rank's torchft ``Manager`` and the per-step calls the strategy makes on it.
+
+    Args:
+        config: the run's :class:`FaultTolerance`.
+        group_rank, group_world_size: this rank and the number of ranks inside its replica group.
+        store_host, store_port: the group's own ``TCPStore`` (its ``MASTER_ADDR``/``MASTER_PORT``), already running.
+        state_dict: returns what a healing group needs (weights, optimizer state, step); called on a torchft thread
+            while this group sends it to a peer.
+        load_state_dict: loads it, on this (the training) thread, inside :meth:`should_commit`.
+    """
+
+    def __init__(
+        self,
+        config: FaultTolerance,
+        *,
+        group_rank: int,
+        group_world_size: int,
+        store_host: str,
+        store_port: int,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+    ) -> None:
+        torchft = import_torchft()
+        self.config = config
+        timeout = timedelta(seconds=config.timeout)
+        self.manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=config.min_replica_groups,
+            use_async_quorum=True,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout),
+            connect_timeout=timeout,
+            rank=group_rank,
+            world_size=group_world_size,
+            store_addr=store_host,
+            store_port=store_port,
+            lighthouse_addr=config.lighthouse_address(),
+            replica_id=f"replica_group_{config.replica_group}",
+            # start_together gives every group the first group's weights itself (`wait_for_groups`); torchft's
+            # init_sync would also heal at the first real step, dropping the other groups' first gradients.
+            init_sync=not config.start_together,
+        )
+        self.steps_committed = 0
+        self.steps_given_up = 0
+
+    @property
+    def step(self) -> int:
+        """The number of steps committed by this run's quorum so far (torchft's step; a healed group takes its
+        peer's)."""
+        return int(self.manager.current_step())
+
+    def start_step(self) -> None:
+        """Local (starts the background quorum). Call once per optimizer step, before forward."""
+        self.manager.start_quorum()
+
+    def average_gradients(self, gradients: Sequence[Tensor]) -> None:
+        """Cross-group collective: replace ``gradients`` by their average over the groups in this step's quorum
+        (zeros from a healing group, which does not count). On a failed peer the values are unusable and
+        :meth:`should_commit` answers ``False``."""
+        if not gradients:
+            return
+        flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
+        self.manager.allreduce(flat).wait()
+        _copy_into(gradients, flat)
+
+    def should_commit(self) -> bool:
+        """Collective within the group: whether the optimizer may step. A healing group loads its peer's state here
+        first (``load_state_dict``)."""
+        committed = bool(self.manager.should_commit())
+        if committed:
+            self.steps_committed += 1
+        else:
+            self.steps_given_up += 1
+        return committed
+
+    def num_participants(self) -> int:
+        """Groups whose gradients the last step averaged."""
+        return int(self.manager.num_participants())
+
+    def wait_for_groups(self, parameters: Sequence[Tensor], *, sleep: Callable[[float], None] = time.sleep) -> None:
+        """Before the first step, with ``config.start_together``: take part in quorums without training (rounds that
+        never commit) until all ``num_replica_groups`` groups are in one, then give every group the ``parameters``
+        of the quorum's first group (a sum in which the others send zeros: exact); or until the run turns out to be
+        under way already (a restarted group: it healed from a peer in the round). Raises ``TimeoutError`` after
+        ``config.join_timeout`` seconds, naming how many groups came."""
+        deadline = time.monotonic() + self.config.join_timeout
+        expected = self.config.num_replica_groups
+        count = sum(parameter.numel() for parameter in parameters)
+        device = parameters[0].device if parameters else torch.device("cpu")
+        while True:
+            self.manager.start_quorum()
+            present = self.num_participants()
+            starting = self.step == 0 and present >= expected
+            if starting and self.manager.participating_rank() == 0:
+                flat = torch.cat([parameter.detach().reshape(-1) for parameter in parameters])
+            else:
+                flat = torch.zeros(count, device=device)
+            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+            if starting:
+                _copy_into([parameter.detach() for parameter in parameters], flat)
+            self.manager.report_error(_WaitingForGroups("waiting for the other replica groups"))
+            self.manager.should_commit()  # False; a healing group loads its peer's state here
+            if starting or self.step > 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"FaultTolerance(start_together=True): after {self.config.join_timeout:g} s only {present} of"
+                    f" num_replica_groups={expected} replica groups met at the lighthouse"
+                    f" {self.config.lighthouse_address()}. Start the other groups' jobs, lower `num_replica_groups`,"
+                    " or pass `start_together=False` to train with whichever groups are there."
+                )
+            sleep(0.05)
+
+    def shutdown(self) -> None:
+        """Local: stop the manager's servers and threads without waiting for peers."""
+        self.manager.shutdown(wait=False)
+
+
+def _copy_into(tensors: Sequence[Tensor], flat: Tensor) -> None:
+    offset = 0
+    for tensor in tensors:
+        count = tensor.numel()
+        tensor.copy_(flat[offset : offset + count].view_as(tensor))
+        offset += count

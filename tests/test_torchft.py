@@ -1,0 +1,207 @@
+"""Fault tolerance without restarts (issue 34): replica groups that meet through torchft's lighthouse.
+
+The end-to-end tests act as the launcher of two replica groups (one or two processes each, gloo) and a lighthouse:
+without failures the groups' weights equal one device's on the same global batch; a group SIGKILLed at a chosen
+step leaves the other training, is restarted, and rejoins with its peer's weights; the run ends together. Every
+process has a timeout, so a hang fails the test. The cheap tests check the configuration and that nothing imports
+torchft unless a run uses it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_harness import find_free_port
+from torchft_worker import fit_reference, global_loss
+
+from lightning_parallel.fault_tolerance import FaultTolerance
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "torchft_worker.py"
+KILL_AT_STEP = 5
+DEADLINE = 150.0  # seconds for the whole run; every wait below is bounded by it
+STALL_LIMIT = 15.0  # a survivor that waited for a collective timeout (20 s here) would exceed it
+# A dead group's heartbeat expires after 2 s; the lighthouse waits up to 5 s for a heartbeating straggler.
+LIGHTHOUSE_TIMEOUTS = ("--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "2000")
+
+
+def test_config_is_validated_at_the_edge() -> None:
+    with pytest.raises(ValueError, match="replica_group=2"):
+        FaultTolerance(replica_group=2, num_replica_groups=2)
+    with pytest.raises(ValueError, match="min_replica_groups=3"):
+        FaultTolerance(replica_group=0, num_replica_groups=2, min_replica_groups=3)
+    with pytest.raises(ValueError, match="lighthouse='host:29510'"):
+        FaultTolerance(replica_group=0, num_replica_groups=1, lighthouse="host:29510")
+    with pytest.raises(ValueError, match="timeout=0"):
+        FaultTolerance(replica_group=0, num_replica_groups=1, timeout=0)
+    with pytest.raises(TypeError, match="must be a `FaultTolerance"):
+        from lightning_parallel import DataParallelStrategy
+
+        DataParallelStrategy(fault_tolerance={"replica_group": 0})  # type: ignore[arg-type]
+
+
+def test_torchft_is_imported_only_by_a_fault_tolerant_run() -> None:
+    """Building the strategy with the mode imports nothing of torchft; without torchft, a run says how to get it."""
+    code = (
+        "import sys\n"
+        "import lightning_parallel\n"
+        "from lightning_parallel import DataParallelStrategy\n"
+        "from lightning_parallel.fault_tolerance import FaultTolerance\n"
+        "DataParallelStrategy(fault_tolerance=FaultTolerance(replica_group=0, num_replica_groups=2))\n"
+        "assert not any(name.split('.')[0] == 'torchft' for name in sys.modules), 'torchft imported'\n"
+        "sys.modules['torchft'] = None  # as if not installed\n"
+        "from lightning_parallel.fault_tolerance.replica_sync import import_torchft\n"
+        "try:\n"
+        "    import_torchft()\n"
+        "except ModuleNotFoundError as error:\n"
+        "    assert 'lightning-parallel[torchft]' in str(error), error\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+class _Run:
+    """The test as launcher: a lighthouse and replica-group processes, all killed at the end."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.processes, self.start = out, [], time.monotonic()
+        port = find_free_port()
+        lighthouse = Path(sys.executable).parent / "torchft_lighthouse"
+        self.address = f"http://127.0.0.1:{port}"
+        self._spawn(
+            [str(lighthouse), "--min_replicas", "1", "--bind", f"[::]:{port}", *LIGHTHOUSE_TIMEOUTS],
+            out / "lighthouse.log",
+        )
+
+    def _spawn(self, command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+        process = subprocess.Popen(command, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.processes.append(process)
+        return process
+
+    def group(self, group: int, out: Path, *extra: str) -> subprocess.Popen:
+        out.mkdir(exist_ok=True)
+        env = {**os.environ, "TORCHFT_LIGHTHOUSE": self.address, "MASTER_ADDR": "127.0.0.1"}
+        env.update(MASTER_PORT=str(find_free_port()), RUST_LOG="warn", PYTHONPATH=str(ROOT))
+        command = [sys.executable, str(WORKER), "--out", str(out), "--group", str(group), "--groups", "2"]
+        command += ["--steps", "1000", "--stop-file", str(self.out / "stop"), "--pace", "0.05", *extra]
+        return self._spawn(command, out / f"log{group}", env)
+
+    def remaining(self) -> float:
+        left = DEADLINE - (time.monotonic() - self.start)
+        assert left > 0, f"the run took longer than {DEADLINE} s:\n{self.logs()}"
+        return left
+
+    def wait_for(self, condition, what: str) -> None:
+        while not condition():
+            if self.remaining() < 1:
+                raise AssertionError(f"timed out waiting for {what}:\n{self.logs()}")
+            time.sleep(0.2)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted(self.out.rglob("log*")))
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=30)
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_a_killed_replica_group_leaves_the_others_training_and_rejoins(tmp_path: Path) -> None:
+    pytest.importorskip("torchft")
+    run = _Run(tmp_path)
+    try:
+        survivor = run.group(0, tmp_path / "first")
+        victim = run.group(1, tmp_path / "first", "--kill-at-step", str(KILL_AT_STEP))
+        victim.wait(timeout=run.remaining())
+        assert victim.returncode == -9, run.logs()
+        restarted = run.group(1, tmp_path / "restarted")  # the test is the group's launcher: start it again
+
+        rejoined = tmp_path / "restarted" / "group1.jsonl"
+        run.wait_for(lambda: sum(r["participants"] == 2 for r in _records(rejoined)) >= 3, "the restarted group")
+        last = max(r["step"] for r in _records(tmp_path / "first" / "group0.jsonl") + _records(rejoined))
+        (tmp_path / "stop").write_text(str(last + 3))  # both groups stop at the same step
+        for process in (survivor, restarted):
+            process.wait(timeout=run.remaining())
+            assert process.returncode == 0, run.logs()
+    finally:
+        run.close()
+
+    first = _records(tmp_path / "first" / "group0.jsonl")
+    killed = _records(tmp_path / "first" / "group1.jsonl")
+    again = _records(rejoined)
+    by_step: dict[int, dict] = {}
+    for record in first:
+        by_step.setdefault(record["step"], record)
+
+    # Without failures: both groups hold one device's weights after the same steps (fp32 rounding).
+    assert [r["step"] for r in killed] == list(range(1, KILL_AT_STEP + 1))
+    reference = torch.nn.utils.parameters_to_vector(fit_reference(KILL_AT_STEP).parameters()).detach()
+    for record in (by_step[KILL_AT_STEP], killed[-1]):
+        assert record["participants"] == 2
+        torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
+
+    # The survivor never stalled: one step after another, each within seconds (the dead group's heartbeat
+    # expires after 2 s; a wait for the 20 s collective timeout would show here).
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(first)]
+    assert max(gaps) < STALL_LIMIT, gaps
+    # The step the victim died in did not commit: the survivor's weights and step count stayed as they were (its
+    # record repeats once), then it trained alone until the restarted group joined.
+    steps = [r["step"] for r in first]
+    repeats = [a for a, b in itertools.pairwise(first) if a["step"] == b["step"]]
+    assert [r["step"] for r in repeats] == [KILL_AT_STEP], steps
+    assert first[steps.index(KILL_AT_STEP) + 1]["weights"] == repeats[0]["weights"]
+    assert sorted(set(steps)) == list(range(1, steps[-1] + 1))  # nothing else lost or repeated
+    assert any(r["participants"] == 1 for r in first), "the survivor never trained alone"
+
+    # The restarted group rejoined with the survivor's weights, equal at every step since (bit for bit).
+    joined = [r for r in again if r["participants"] == 2]
+    assert len(joined) >= 3
+    for record in joined:
+        assert record["weights"] == by_step[record["step"]]["weights"], record["step"]
+    assert again[-1]["step"] == first[-1]["step"]
+
+    # The run finished, with a loss on the global batch within noise of an uninterrupted run of as many steps.
+    final = global_loss(first[-1]["weights"])
+    uninterrupted = global_loss(
+        torch.nn.utils.parameters_to_vector(fit_reference(first[-1]["step"]).parameters()).tolist()
+    )
+    assert abs(final - uninterrupted) < 0.05, (final, uninterrupted)
+
+
+def test_groups_of_two_processes_train_like_one_device(tmp_path: Path) -> None:
+    """Two replica groups of two processes each (DDP inside a group, torchft across): one device's weights."""
+    pytest.importorskip("torchft")
+    run = _Run(tmp_path)
+    try:
+        groups = [run.group(group, tmp_path, "--devices", "2", "--steps", "4") for group in range(2)]
+        for process in groups:
+            process.wait(timeout=run.remaining())
+            assert process.returncode == 0, run.logs()
+    finally:
+        run.close()
+    reference = torch.nn.utils.parameters_to_vector(fit_reference(4).parameters()).detach()
+    for group in range(2):
+        records = _records(tmp_path / f"group{group}.jsonl")  # both ranks of the group write here
+        assert sorted(r["step"] for r in records) == [1, 1, 2, 2, 3, 3, 4, 4]
+        assert all(r["participants"] == 2 for r in records)
+        for record in records:
+            if record["step"] == 4:
+                torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,158 @@
+"""One replica group of a torchft run (tests/test_torchft.py starts these as its launcher), or the reference run.
+
+``python tests/torchft_worker.py --out DIR --group G --groups N --steps S [--kill-at-step K]``: trains a tiny MLP on
+one fixed global batch per step (group ``G`` reads its slice) with ``DataParallelStrategy(fault_tolerance=...)``
+and the lighthouse from ``$TORCHFT_LIGHTHOUSE``; after every step it appends ``{"step", "time", "weights",
+"participants", "loss"}`` to ``DIR/group{G}.jsonl``. ``--kill-at-step K`` SIGKILLs the process in the middle of the
+step after ``K`` steps (after its backward, before the gradients are averaged over the groups). ``--reference``
+trains the same global batch on one device without the mode (``DIR/reference.jsonl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_parallel import DataParallelStrategy
+from lightning_parallel.fault_tolerance import FaultTolerance
+
+FEATURES, WIDTH, CLASSES, GLOBAL_BATCH = 12, 32, 4, 8
+
+
+class TinyMLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, CLASSES))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.last_loss = float(loss.detach())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
+
+
+def global_batch() -> TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(GLOBAL_BATCH, FEATURES, generator=generator)
+    return TensorDataset(x, (x[:, :CLASSES] * 3).argmax(dim=1))
+
+
+class Recorder(pl.Callback):
+    """Records every step; SIGKILLs at ``kill_at_step``; stops at the step written in ``stop_file`` (if any)."""
+
+    def __init__(self, path: Path, kill_at_step: int, stop_file: Path | None, pace: float) -> None:
+        self.path, self.kill_at_step, self.stop_file, self.pace = path, kill_at_step, stop_file, pace
+
+    def on_after_backward(self, trainer, pl_module):
+        # Mid-step: this group joined the step's quorum, the others' all-reduce will find it gone.
+        if trainer.global_step == self.kill_at_step:
+            # After the step's quorum set up the cross-group process group (a death during that set-up costs the
+            # others the collective timeout instead: docs/reliability.md).
+            trainer.strategy._replicas.sync.manager.wait_quorum()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        replicas = getattr(trainer.strategy, "_replicas", None)
+        weights = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).tolist()
+        record = {
+            "step": trainer.global_step,
+            "time": time.time(),
+            "weights": weights,
+            "participants": replicas.sync.num_participants() if replicas is not None else 1,
+            "loss": pl_module.last_loss,
+        }
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+        if self.stop_file is not None and self.stop_file.exists():
+            text = self.stop_file.read_text().strip()
+            if text and trainer.global_step >= int(text):
+                trainer.should_stop = True
+        time.sleep(self.pace)
+
+
+def main() -> TinyMLP:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--group", type=int, default=0)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--kill-at-step", type=int, default=-1)
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--timeout", type=float, default=20.0)
+    parser.add_argument("--stop-file", type=Path, default=None, help="stop at the step written in this file")
+    parser.add_argument("--devices", type=int, default=1, help="processes in this replica group")
+    parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    model = TinyMLP()
+    if args.reference:
+        strategy, name, batch = "auto", "reference", GLOBAL_BATCH
+    else:
+        config = FaultTolerance(
+            replica_group=args.group,
+            num_replica_groups=args.groups,
+            timeout=args.timeout,
+            quorum_timeout=args.timeout,
+            join_timeout=60.0,
+        )
+        strategy = DataParallelStrategy(fault_tolerance=config)
+        name, batch = f"group{args.group}", GLOBAL_BATCH // (args.groups * args.devices)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1 if args.reference else args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        callbacks=[Recorder(args.out / f"{name}.jsonl", args.kill_at_step, args.stop_file, args.pace)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, DataLoader(global_batch(), batch_size=batch))
+    return model
+
+
+def fit_reference(steps: int) -> TinyMLP:
+    """The same global batch on one device without the mode, in this process; returns the trained module."""
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    model = TinyMLP()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, DataLoader(global_batch(), batch_size=GLOBAL_BATCH))
+    return model
+
+
+def global_loss(weights: list[float]) -> float:
+    """The loss of ``weights`` (flattened parameters) on the whole global batch."""
+    model = TinyMLP()
+    torch.nn.utils.vector_to_parameters(torch.tensor(weights), model.parameters())
+    x, y = global_batch().tensors
+    with torch.no_grad():
+        return float(nn.functional.cross_entropy(model.net(x), y))
+
+
+if __name__ == "__main__":
+    main()
