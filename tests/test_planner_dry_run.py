@@ -183,7 +183,8 @@ def test_dry_run_layout_validates() -> None:
 
 def test_plan_dry_run_rows_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
     """``plan(dry_run=True)``: each data-parallel / ZeRO / hybrid row's peak is the dry run of rank 0 of its layout,
-    ``fits`` uses it; pipeline rows keep the formula, marked so in the table and by ``--dry-run`` on the CLI."""
+    ``fits`` uses it; a pipeline row's is the largest of its pipeline ranks' dry runs (``dry_run_pipeline``); the CLI
+    shows the column with ``--dry-run``."""
     from lightning_parallel.planner import main, plan
 
     result = plan("tiny", world_size=2, batch_size=8, seq_len=64, dry_run=True, process_group_backend="gloo",
@@ -194,7 +195,7 @@ def test_plan_dry_run_rows_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert zero2.peak is not None and abs(zero2.peak - expected) < 0.01 * expected
     assert zero2.max_total == zero2.peak and zero2.fits
     pipeline = next(c for c in result.configurations if c.name.startswith("pipeline"))
-    assert pipeline.peak is None
-    assert "| formula |" in result.table() and "peak (dry run)" in result.table()
+    assert pipeline.peak is not None and pipeline.max_total == pipeline.peak
+    assert "| formula |" not in result.table() and "peak (dry run)" in result.table()
     assert main(["tiny", "--world-size", "1", "--batch-size", "2", "--seq-len", "16", "--dry-run"]) == 0
     assert "peak (dry run)" in capsys.readouterr().out

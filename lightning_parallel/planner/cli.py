@@ -69,10 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="measure each data-parallel / ZeRO / hybrid row's peak by running one training step of the model on fake"
+        help="measure each row's peak (a pipeline row: its largest pipeline rank, torch's schedule played) by running"
+        " one training step of the model on fake"
         " tensors as one simulated rank (no memory, no data, no process group; seconds per row at any world size),"
         " instead of the activation formula: the 'peak (dry run)' column, used for 'fits' and the recommendation."
-        " Pipeline rows, 16-bit precisions, parameter counts and models that cannot run on fake tensors keep the"
+        " Pipeline rows with ZeRO-3 inside or uneven stages, 16-bit precisions, parameter counts and models that"
+        " cannot run on fake tensors keep the"
         " formula ('formula' in that column). Needs transformers for a Hugging Face config.",
     )
     return parser

@@ -9,7 +9,7 @@ has no module: the formula stays.
 :func:`measure_rows` runs rank 0 (the largest shard: padding falls on the last ranks) of each data-parallel / ZeRO /
 hybrid row, and every pipeline rank of the first replica of each pipeline row (:mod:`.dry_run_pipeline`: torch's
 schedule on the rank's stages; the row's peak is its largest), and sets :attr:`~.estimate.ConfigEstimate.peak`.
-Pipeline rows with ZeRO-2/3 inside or uneven stages, 16-bit precisions and models the dry run cannot execute keep the
+Pipeline rows with ZeRO-3 inside or uneven stages, 16-bit precisions and models the dry run cannot execute keep the
 formula, with a note saying why.
 """
 
@@ -129,7 +129,7 @@ def _layout(config: ConfigEstimate, *, world_size: int, bucket_cap_mb: float, ba
 
 def _pipeline_layouts(config: ConfigEstimate, *, world_size: int, backend: str) -> list[PipelineLayout] | None:
     """The dry-run layouts of a pipeline row's pipeline ranks (first replica), or ``None`` when the dry run does not
-    cover the row (ZeRO-2/3 inside the pipeline, uneven stages)."""
+    cover the row (ZeRO-3 inside the pipeline, uneven stages)."""
     arguments = dict(re.findall(r"(\w+)=('[^']*'|\w+)", config.strategy))
     if "first_stage_fewer_layers" in arguments or "last_stage_fewer_layers" in arguments:
         return None
@@ -151,6 +151,20 @@ def _pipeline_layouts(config: ConfigEstimate, *, world_size: int, backend: str) 
     ]
 
 
+def _measure_pipeline_row(
+    config: ConfigEstimate, workload: DryRunWorkload, *, world_size: int, backend: str
+) -> list[str]:
+    """Set a pipeline row's peak to the largest of its pipeline ranks' dry runs; a note if the dry run failed."""
+    pipeline = _pipeline_layouts(config, world_size=world_size, backend=backend)
+    if pipeline is None:
+        return []
+    try:
+        config.peak = max(dry_run_pipeline(workload, layout).peak_bytes for layout in pipeline)
+    except DryRunError as error:
+        return [f"Dry run of {config.name} failed, the row keeps the formula: {error}"]
+    return []
+
+
 def measure_rows(
     configs: list[ConfigEstimate],
     workload: DryRunWorkload | str,
@@ -168,13 +182,7 @@ def measure_rows(
     notes = []
     for config in configs:
         if config.name.startswith("pipeline"):
-            pipeline = _pipeline_layouts(config, world_size=world_size, backend=backend)
-            if pipeline is None:
-                continue
-            try:
-                config.peak = max(dry_run_pipeline(workload, layout).peak_bytes for layout in pipeline)
-            except DryRunError as error:
-                notes.append(f"Dry run of {config.name} failed, the row keeps the formula: {error}")
+            notes += _measure_pipeline_row(config, workload, world_size=world_size, backend=backend)
             continue
         layout = _layout(config, world_size=world_size, bucket_cap_mb=bucket_cap_mb, backend=backend)
         if layout is None:
@@ -187,7 +195,7 @@ def measure_rows(
             return [f"Dry run failed, every row keeps the formula: {error}"]
     if any(c.peak is None for c in configs):
         notes.append(
-            "Dry run: pipeline rows with ZeRO-2/3 inside or uneven stages keep the formula (marked 'formula' in the"
+            "Dry run: pipeline rows with ZeRO-3 inside or uneven stages keep the formula (marked 'formula' in the"
             " peak column)."
         )
     return notes

@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 DRY_RUN_STRATEGIES = ("data_parallel", "zero1", "zero2", "zero3")
-"""The layouts the dry run executes (the pipeline keeps the formula)."""
+"""The layouts this module executes (the pipeline's: :mod:`.dry_run_pipeline`)."""
 
 _DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 """``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``: DDP's first bucket (the last parameters) is 1 MiB."""
@@ -446,7 +446,7 @@ def language_model_workload(
         logits = getattr(logits, "logits", logits)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-    extra = {} if optimizer is None else {"make_optimizer": optimizer}
+    extra: dict[str, Any] = {} if optimizer is None else {"make_optimizer": optimizer}
     return DryRunWorkload(
         make_model=make_model,
         make_batch=make_batch,
@@ -474,7 +474,7 @@ def module_workload(
         first = next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point())
         return first.float().mean()
 
-    extra = {} if optimizer is None else {"make_optimizer": optimizer}
+    extra: dict[str, Any] = {} if optimizer is None else {"make_optimizer": optimizer}
     return DryRunWorkload(
         make_model=make_model,
         make_batch=make_inputs,

@@ -241,8 +241,10 @@ def plan(
         dry_run: measure each data-parallel / ZeRO / hybrid row's peak by running one training step of the model on
             fake tensors as rank 0 of ``world_size`` (:mod:`lightning_parallel.planner.dry_run`: activations,
             temporaries and communication buffers as the code allocates them; seconds per row at any world size);
-            the "peak (dry run)" column, and "fits" and the recommendation use it. Pipeline rows, 16-bit precisions,
-            bare parameter counts and models that cannot run on fake tensors keep the formula (marked "formula").
+            the "peak (dry run)" column, and "fits" and the recommendation use it. A pipeline row runs torch's
+            schedule on each pipeline rank's stages (:mod:`lightning_parallel.planner.dry_run_pipeline`) and shows the
+            largest rank. Pipeline rows with ZeRO-3 inside or uneven stages, 16-bit precisions, bare parameter counts
+            and models that cannot run on fake tensors keep the formula (marked "formula").
             The search's extra layouts stay on the formula.
 
     Raises:
