@@ -29,15 +29,3 @@ def restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
-
-
-# The planner's dry-run tests run torch's fake process group and FakeTensorMode in this (the parent) process. After
-# them, one forked ZeRO-3 test (tests/test_zero.py, manual accumulation at stage 3) trained differently from one
-# device, every time, in the whole suite and in `pytest tests/test_planner_dry_run*.py tests/test_zero.py` alike; it
-# passes in any run without them. The state they leave behind is not found yet (see the session's closing note): until
-# it is, they run last, so that no forked test inherits it.
-_RUN_LAST = ("test_planner_dry_run.py", "test_planner_dry_run_pipeline.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name in _RUN_LAST)  # stable: every other test keeps its order

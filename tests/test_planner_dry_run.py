@@ -199,3 +199,17 @@ def test_plan_dry_run_rows_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "| formula |" not in result.table() and "peak (dry run)" in result.table()
     assert main(["tiny", "--world-size", "1", "--batch-size", "2", "--seq-len", "16", "--dry-run"]) == 0
     assert "peak (dry run)" in capsys.readouterr().out
+
+
+def test_a_zero3_fit_after_a_zero3_dry_run_equals_one_device() -> None:
+    """Plan, then train, in one process (a notebook): the dry run's fake mesh must not stay in DTensor's caches,
+    which match meshes by shape, not by process group. Before they were emptied, this fit (forked from the process
+    that had dry-run, clipping the sharded gradients' norm) clipped by each rank's local norm."""
+    from test_zero import TOLERANCE as FIT_TOLERANCE
+    from test_zero import _fit_manual
+    from training_helpers import assert_weights_close
+
+    dry_run(_workload("gpt"), _layout("zero3", 2, None, 1))
+    (reference,) = run_distributed(_fit_manual, 1, args=(0,), init_process_group=False, timeout=120)
+    results = run_distributed(_fit_manual, 2, args=(3,), init_process_group=False, timeout=120)
+    assert_weights_close(results[0], reference, **FIT_TOLERANCE["adamw"])

@@ -376,11 +376,31 @@ def _fake_world(rank: int, world_size: int) -> Iterator[None]:
             "The dry run acts as one rank of a fake process group, but a process group is already initialised in this"
             " process: plan before `init_process_group`, or in a separate process."
         )
+    _forget_cached_shardings()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_cached_shardings()
+
+
+def _forget_cached_shardings() -> None:
+    """Empty DTensor's process-wide caches keyed on a device mesh, before and after the fake world.
+
+    A ``DeviceMesh`` compares equal to any mesh of the same shape and names, whatever its process groups; so the
+    sharding propagator's caches (Python and C++), the redistribution planner's and ``MeshTopoInfo``'s would hand a
+    later real mesh of that shape the dry run's fake groups, whose collectives do nothing (measured: a ZeRO-3 fit
+    after a ZeRO-3 dry run in the same process clipped by the local gradient norm, also in processes forked from
+    it). Private torch functions, all of them only clear caches.
+    """
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def dry_run(workload: DryRunWorkload, layout: DryRunLayout, *, warmup_steps: int = 1) -> StepPeak:
