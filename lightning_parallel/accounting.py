@@ -53,6 +53,7 @@ __all__ = [
     "MemoryReport",
     "PeakMemory",
     "batch_inputs",
+    "dataset_tensors",
     "default_batch_size",
     "default_length",
     "module_memory_report",
@@ -228,6 +229,38 @@ def tensor_storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
         yield tensor.untyped_storage()
 
 
+def dataset_tensors(data: Any, *, max_depth: int = 5) -> list[Tensor]:
+    """The tensors a dataset or data loader (or a list or dict of them) holds in memory: its attributes' tensors, and
+    those of the containers and datasets it wraps (``DataLoader.dataset``, ``Subset.dataset``,
+    ``ConcatDataset.datasets``, lists, tuples and dicts of them), to ``max_depth`` levels.
+
+    What :class:`LiveTensorPeak`'s ``exclude`` leaves out of a training step's peak: a GPU run keeps its data set on the
+    host, and a data set's size is the user's choice, not what a strategy costs (the demo's 400 kB corpus, held as
+    int64 tokens, is 3 MiB: 2.5% of its data-parallel peak).
+    """
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, Tensor):
+            found.setdefault(id(value), value)
+            return
+        if depth > max_depth or id(value) in seen or isinstance(value, (str, bytes, int, float, bool, nn.Module)):
+            return
+        seen.add(id(value))
+        if isinstance(value, Mapping):
+            children: Iterable[Any] = value.values()
+        elif isinstance(value, (list, tuple)):
+            children = value
+        else:
+            children = getattr(value, "__dict__", {}).values()
+        for child in children:
+            visit(child, depth + 1)
+
+    visit(data, 0)
+    return list(found.values())
+
+
 class LiveTensorPeak(TorchDispatchMode):
     """Context manager: the peak bytes of live tensor storages while it is entered, exact and allocator-independent.
 
@@ -246,6 +279,8 @@ class LiveTensorPeak(TorchDispatchMode):
             ``"optimizer_state"``); the bytes of live storages in each are the :attr:`PeakMemory.breakdown` at the
             peak (a storage in several categories counts in the first). ``None``: no breakdown, no extra cost.
         device: a CUDA device also resets and reads its allocator's peak.
+        exclude: tensors whose storages never count, asked once at entry: the training data a dataset holds in memory
+            (:func:`dataset_tensors`), which a GPU run keeps on the host and which is not what a strategy costs.
 
     Set :attr:`phase` (``"forward"``, ``"backward"``, ``"optimizer_step"``, ...) while inside the region to learn
     in which phase the peak happened (:attr:`PeakMemory.phase`).
@@ -258,10 +293,18 @@ class LiveTensorPeak(TorchDispatchMode):
         print(peak.result().peak_bytes)
     """
 
-    def __init__(self, *, categories: TensorCategories | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        categories: TensorCategories | None = None,
+        device: torch.device | None = None,
+        exclude: Callable[[], Iterable[Tensor]] | None = None,
+    ) -> None:
         super().__init__()
         self.categories = categories
         self.device = device
+        self.exclude = exclude
+        self._excluded: set[int] = set()  # storage keys that never count
         self._live: dict[int, tuple[int, weakref.ref]] = {}  # storage key -> (bytes, weak reference)
         self._current = self._peak = self._start = 0
         self._breakdown: dict[str, int] = {}
@@ -275,6 +318,8 @@ class LiveTensorPeak(TorchDispatchMode):
     # ------------------------------------------------------------------ bookkeeping
     def _add(self, storage: torch.UntypedStorage, *, existed: bool) -> None:
         key = storage._cdata  # the StorageImpl's address: one per storage, whichever Python object wraps it
+        if key in self._excluded:
+            return
         nbytes = storage.nbytes()
         known = self._live.get(key)
         if known is not None:
@@ -349,6 +394,8 @@ class LiveTensorPeak(TorchDispatchMode):
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         gc.collect()
+        if self.exclude is not None:  # held for the whole region, so their keys stay theirs
+            self._excluded = {storage._cdata for tensor in self.exclude() for storage in tensor_storages(tensor)}
         self._scanning = True
         with warnings.catch_warnings():  # `isinstance` on some module objects warns (torch.distributed.reduce_op)
             warnings.simplefilter("ignore")
@@ -395,6 +442,7 @@ class LiveTensorPeak(TorchDispatchMode):
             phase=self._peak_phase,
         )
         self._live = {}  # dropping the weak references stops their callbacks: nothing counts after the region
+        self._excluded = set()
 
     def result(self) -> PeakMemory:
         """The region's :class:`PeakMemory`; available once the context has exited."""

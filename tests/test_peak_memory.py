@@ -22,7 +22,7 @@ from torch import nn
 from training_helpers import _loader_for, make_module, make_trainer
 
 from lightning_parallel import ShardedOptimizerStrategy
-from lightning_parallel.accounting import LiveTensorPeak, storage_bytes
+from lightning_parallel.accounting import LiveTensorPeak, dataset_tensors, storage_bytes
 from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
 from lightning_parallel.monitor import ParallelismMonitor
 
@@ -63,6 +63,28 @@ def test_live_tensor_peak_follows_storages_resized_in_place() -> None:
     assert peak.end_bytes - peak.start_bytes == (500 - 1000) * FLOAT
     assert torch.UntypedStorage.resize_ is original  # the wrapper is gone once the region ends
     assert other.numel() == 500
+
+
+def test_live_tensor_peak_leaves_out_the_training_data() -> None:
+    """A data set held in memory (a GPU run keeps it on the host) is not what a step costs: ``exclude`` with
+    ``dataset_tensors`` leaves its tensors out, however deeply the loader wraps them, and counts everything else."""
+    from torch.utils.data import ConcatDataset, DataLoader, Subset, TensorDataset
+
+    inputs, targets, other = torch.zeros(1000), torch.zeros(1000, dtype=torch.long), torch.zeros(300)
+    data = ConcatDataset([Subset(TensorDataset(inputs, targets), [0, 1]), TensorDataset(other)])
+    loader = DataLoader(data, batch_size=2)
+    found = dataset_tensors(loader)
+    assert {id(t) for t in found} == {id(inputs), id(targets), id(other)}
+    assert dataset_tensors({"train": [loader]}, max_depth=1) == []  # deeper than allowed: nothing
+    with LiveTensorPeak(exclude=lambda: dataset_tensors(loader)) as tracker:
+        batch = inputs[:10] * 2  # +40 bytes: a new storage counts; the data set's views do not
+        view = targets[5:]  # a view of the data: nothing
+    peak = tracker.result()
+    assert peak.peak_bytes == peak.start_bytes + 10 * FLOAT
+    with LiveTensorPeak() as unfiltered:
+        pass
+    assert unfiltered.result().start_bytes - peak.start_bytes >= 1000 * FLOAT + 1000 * 8 + 300 * FLOAT
+    assert batch.numel() == 10 and view.numel() == 995
 
 
 def test_live_tensor_peak_result_needs_the_block_to_end() -> None:

@@ -28,7 +28,13 @@ from torch import Tensor
 from typing_extensions import override
 
 # Re-exported: the demo's programs import these names from here.
-from lightning_parallel.accounting import LiveTensorPeak, batch_inputs, peak_memory_bytes, reset_peak_memory
+from lightning_parallel.accounting import (
+    LiveTensorPeak,
+    batch_inputs,
+    dataset_tensors,
+    peak_memory_bytes,
+    reset_peak_memory,
+)
 
 __all__ = ["STATS_PREFIX", "RunStats", "RunSummary", "batch_inputs", "peak_memory_bytes", "summarize"]
 
@@ -73,7 +79,8 @@ class RunSummary(TypedDict):
     """Peak memory in bytes of each rank, indexed by global rank (process RSS on CPU, allocated memory on CUDA)."""
     peak_tensors: list[float]
     """Peak bytes of live tensors of each rank over the last warm-up batch (``LiveTensorPeak``: exact, independent
-    of the allocator; NaN where that batch did not run)."""
+    of the allocator; the training data set's own tensors left out, as a GPU run keeps them on the host; NaN where
+    that batch did not run)."""
     comm_bytes_per_step: float | None
     """All-reduce payload bytes per optimizer step on one rank; ``None`` if the strategy counts no communication,
     NaN if it has counters but recorded nothing although several ranks trained (tracking was off)."""
@@ -139,7 +146,7 @@ class RunStats(Callback):
         # The last warm-up batch (the optimizer state exists from the first step on), so the tracker's cost per op
         # stays out of the measured window; the first batch when there is no warm-up.
         if self._batches_seen == max(self.warmup_steps - 1, 0):
-            self._peak_tracker = LiveTensorPeak().__enter__()
+            self._peak_tracker = LiveTensorPeak(exclude=lambda: dataset_tensors(trainer.train_dataloader)).__enter__()
         if self._batches_seen != self.warmup_steps:
             return
         stats = getattr(trainer.strategy, "communication_stats", None)

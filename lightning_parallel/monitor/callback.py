@@ -20,6 +20,7 @@ from lightning_parallel.accounting import (
     CommunicationStats,
     LiveTensorPeak,
     PeakMemory,
+    dataset_tensors,
     default_batch_size,
     default_length,
     module_memory_report,
@@ -125,7 +126,9 @@ class ParallelismMonitor(Callback):
             phase it happened in (``forward``, ``backward``, ``optimizer_step``; a pipeline's forward and backward
             both run in ``forward``, inside its schedule) and what held it then (``parameters``, ``gradients``,
             ``optimizer_state``, ``other``: activations, autograd's saved tensors, temporaries and communication
-            buffers such as ZeRO-2's full gradient buckets in flight). In the summary as ``peak_tensors`` per rank.
+            buffers such as ZeRO-2's full gradient buckets in flight). The training data set's own tensors are left out
+            (a GPU run keeps them on the host: :func:`~lightning_parallel.accounting.dataset_tensors`). In the summary
+            as ``peak_tensors`` per rank.
             It sees every op of that step through a Python dispatch mode: slower, so one step. ``None``: off.
     """
 
@@ -264,7 +267,11 @@ class ParallelismMonitor(Callback):
                 "optimizer_state": list(optimizer_state_tensors([unwrap_optimizer(o) for o in optimizers])),
             }
 
-        tracker = LiveTensorPeak(categories=categories, device=trainer.strategy.root_device)
+        tracker = LiveTensorPeak(
+            categories=categories,
+            device=trainer.strategy.root_device,
+            exclude=lambda: dataset_tensors(trainer.train_dataloader),
+        )
         tracker.phase = "forward"
         self._peak_tracker = tracker.__enter__()
 

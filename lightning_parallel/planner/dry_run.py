@@ -1,8 +1,8 @@
 """The planner's dry run: one real training step of the model on fake tensors, its peak measured per rank.
 
-Instead of a formula, the dry run executes a warm-up step and then one measured training step (forward, loss,
-backward, gradient sync, optimizer step, ZeRO's parameter all-gather, ``zero_grad``) of the model under the chosen
-layout, with the project's own building blocks: ``ShardedParameterBuckets`` + ``ShardedOptimizer`` at ZeRO-1/2 (hybrid
+Instead of a formula, the dry run executes a warm-up step and then one measured training step of the model, in
+Lightning's order (forward and loss, ``zero_grad``, backward, gradient sync, optimizer step, ZeRO's parameter
+all-gather: the last step's gradients live through the forward, as in a ``Trainer``) under the chosen layout, with the project's own building blocks: ``ShardedParameterBuckets`` + ``ShardedOptimizer`` at ZeRO-1/2 (hybrid
 through a shard and a replicate group), ``apply_fully_shard`` at ZeRO-3 (HSDP when hybrid) and a bucket-for-bucket
 stand-in of ``DistributedDataParallel``'s reducer for data parallelism (DDP's C++ reducer reads its tensors' data,
 which fake tensors have none of: :class:`_ReplicatedBuckets`). Every tensor is a ``FakeTensor`` (torch's
@@ -70,9 +70,6 @@ __all__ = [
 
 DRY_RUN_STRATEGIES = ("data_parallel", "zero1", "zero2", "zero3")
 """The layouts this module executes (the pipeline's: :mod:`.dry_run_pipeline`)."""
-
-_DDP_FIRST_BUCKET_BYTES = 1024 * 1024
-"""``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``: DDP's first bucket (the last parameters) is 1 MiB."""
 
 
 class DryRunError(RuntimeError):
@@ -174,7 +171,8 @@ class _ControlScalars(TorchDispatchMode):
 class _ReplicatedBuckets:
     """DDP's reducer with ``gradient_as_bucket_view=True`` (``DataParallelStrategy``'s default), bucket for bucket.
 
-    Parameters in reverse registration order fill flat buckets (the first 1 MiB, the others ``bucket_cap_mb``); as
+    Parameters in reverse registration order fill flat buckets of ``bucket_cap_mb`` (DDP's smaller 1 MiB first bucket
+    applies only when ``bucket_cap_mb`` is left unset, and ``DataParallelStrategy`` always sets it); as
     backward accumulates a parameter's gradient, it is copied into its slot and ``.grad`` becomes a view of the slot
     (the fresh gradient is freed); a full bucket is divided by the world size and all-reduced in place. DDP's C++
     reducer holds its buckets where no Python object names them, so a live-tensor measurement counts each from the
@@ -188,12 +186,10 @@ class _ReplicatedBuckets:
         self.world_size = dist.get_world_size(group)
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
-        cap, size = _DDP_FIRST_BUCKET_BYTES, 0
+        cap, size = int(bucket_cap_mb * 1024 * 1024), 0
         for param in reversed(params):
             nbytes = param.numel() * param.element_size()
             if not self.buckets or size + nbytes > cap or self.buckets[-1][0].dtype != param.dtype:
-                if self.buckets:
-                    cap = int(bucket_cap_mb * 1024 * 1024)
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(param)
@@ -303,6 +299,9 @@ class _StepRunner:
         batch = self.workload.make_batch()
         loss = self.workload.loss(self.model, batch)
         del batch
+        # Lightning's order: `training_step`, then `zero_grad`, then backward; the last step's gradients live
+        # through this forward (ZeRO-3's sharded ones, a pipeline's whole stage's: see `dry_run_pipeline`).
+        self.optimizer.zero_grad()
         phase("backward")
         loss.backward()
         del loss
@@ -314,7 +313,6 @@ class _StepRunner:
         if self.buckets is not None and self.sharded is not None:
             phase("parameter_all_gather")
             self.buckets.all_gather_parameters(self.sharded.bucket_indices)
-        self.optimizer.zero_grad()
         if self.replicated is not None:
             self.replicated.end_step()
 

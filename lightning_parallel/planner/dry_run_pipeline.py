@@ -235,18 +235,24 @@ class _PipelineStepRunner:
         assert self.workload.pipeline_batch is not None
         args, target = self.workload.pipeline_batch(self.workload.make_batch())
         runtime = self.runtime
+        # As `PipelineParallelStrategy.training_step` in Lightning's loop: the schedule runs with the last step's
+        # gradients set aside (Lightning zeroes them after `training_step`, before its backward), so they live
+        # through the whole schedule.
+        params = [p for p in self.module.parameters() if p.device.type != "meta"]
+        previous = [p.grad for p in params]
+        for param in params:
+            param.grad = None
         with self._answered_locally():
             runtime.schedule.step(
                 *(args if runtime.has_first_stage else ()),
                 target=target if runtime.has_last_stage else None,
             )
-            del args, target
+            del args, target, previous
             phase("gradient_sync")
             self.run.sync.reduce_gradients()
             phase("optimizer_step")
             self.optimizer.step()
             self.run.sync.after_optimizer_step(self.optimizer)
-            self.optimizer.zero_grad()
 
     def categories(self) -> dict[str, list[Tensor]]:
         params: list[Tensor] = [p for p in self.module.parameters() if p.device.type != "meta"]
