@@ -213,3 +213,67 @@ def test_a_zero3_fit_after_a_zero3_dry_run_equals_one_device() -> None:
     (reference,) = run_distributed(_fit_manual, 1, args=(0,), init_process_group=False, timeout=120)
     results = run_distributed(_fit_manual, 2, args=(3,), init_process_group=False, timeout=120)
     assert_weights_close(results[0], reference, **FIT_TOLERANCE["adamw"])
+
+
+_LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+
+
+def _llama_module() -> Any:
+    """A LightningModule holding a transformers Llama, as a user writes one (built lazily: Lightning's import)."""
+    import lightning.pytorch as pl
+
+    class LlamaModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_LLAMA))
+
+        def forward(self, inputs: Tensor) -> Tensor:
+            return self.model(inputs).logits
+
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            inputs, targets = batch
+            logits = self(inputs)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return LlamaModule()
+
+
+def _trainer_peaks(rank: int, world_size: int, strategies: tuple[str, ...]) -> dict[str, int]:
+    """Each strategy's peak tensor bytes on this rank in a real Trainer (the monitor's measure, step 1)."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from training_helpers import make_trainer
+
+    from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
+    from lightning_parallel.monitor import ParallelismMonitor
+
+    torch.set_num_threads(1)
+    data = TensorDataset(torch.randint(512, (32, 64)), torch.randint(512, (32, 64)))
+    peaks = {}
+    for name in strategies:
+        torch.manual_seed(0)
+        strategy = DataParallelStrategy() if name == "data_parallel" else ShardedOptimizerStrategy(stage=int(name[-1]))
+        monitor = ParallelismMonitor(peak_tensors_step=1, figure_path=False, summary_path=None)
+        trainer = make_trainer(strategy, devices=world_size, max_steps=2, callbacks=[monitor])
+        trainer.fit(_llama_module(), train_dataloaders=DataLoader(data, batch_size=4))
+        assert monitor.summary is not None
+        peaks[name] = next(r for r in monitor.summary["ranks"] if r["rank"] == rank)["peak_tensors"]["peak_bytes"]
+    return peaks
+
+
+def test_dry_run_of_a_lightning_module_with_a_hugging_face_model_predicts_the_trainer() -> None:
+    """Issue 32's measure: the peak of the strategy inside a Trainer (the monitor's), not only of a plain step. A
+    LightningModule holding transformers' Llama, 2 ranks, 4 x 64 tokens per rank: the dry run of the module (its
+    forward, as ``plan`` runs a LightningModule) within 3% on each rank."""
+    strategies = ("data_parallel", "zero3")
+    ranks = run_distributed(_trainer_peaks, 2, args=(strategies,), init_process_group=False, timeout=240)
+    workload = language_model_workload(_llama_module, batch_size=4, seq_len=64, vocab_size=512)
+    for name in strategies:
+        for rank, measured in enumerate(r[name] for r in ranks):
+            predicted = dry_run(workload, _layout(name, 2, None, rank)).peak_bytes
+            assert predicted == pytest.approx(measured, rel=TOLERANCE), (name, rank, predicted, measured)
