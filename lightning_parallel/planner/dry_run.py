@@ -2,8 +2,9 @@
 
 Instead of a formula, the dry run executes a warm-up step and then one measured training step of the model, in
 Lightning's order (forward and loss, ``zero_grad``, backward, gradient sync, optimizer step, ZeRO's parameter
-all-gather: the last step's gradients live through the forward, as in a ``Trainer``) under the chosen layout, with the project's own building blocks: ``ShardedParameterBuckets`` + ``ShardedOptimizer`` at ZeRO-1/2 (hybrid
-through a shard and a replicate group), ``apply_fully_shard`` at ZeRO-3 (HSDP when hybrid) and a bucket-for-bucket
+all-gather: the last step's gradients live through the forward, as in a ``Trainer``) under the chosen layout, with
+the project's own building blocks: ``ShardedParameterBuckets`` + ``ShardedOptimizer`` at ZeRO-1/2 (hybrid through a
+shard and a replicate group), ``apply_fully_shard`` at ZeRO-3 (HSDP when hybrid) and a bucket-for-bucket
 stand-in of ``DistributedDataParallel``'s reducer for data parallelism (DDP's C++ reducer reads its tensors' data,
 which fake tensors have none of: :class:`_ReplicatedBuckets`). Every tensor is a ``FakeTensor`` (torch's
 ``FakeTensorMode``): shapes, dtypes and storages of the right size, no memory, no data. Collectives go to torch's fake
@@ -33,7 +34,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -328,15 +329,7 @@ class _StepRunner:
         }
 
     def measure(self, warmup_steps: int) -> StepPeak:
-        try:
-            for _ in range(warmup_steps):  # the optimizer state exists from the first step on
-                self.step()
-            gc.collect()
-            with LiveTensorPeak(categories=self.categories) as tracker:
-                self.step(tracker)
-            return StepPeak.of(tracker.result())
-        finally:
-            self.close()
+        return measure_played_step(self, warmup_steps)
 
     def close(self) -> None:
         """Drop the gradient hooks: a hook held by a parameter in C++ keeps the whole step's state (buckets, model,
@@ -347,6 +340,30 @@ class _StepRunner:
             self.replicated.remove_hooks()
         for param in self.module.parameters():
             param.grad = None
+
+
+class PlayedStep(Protocol):
+    """One rank's training step set up to be played (here and in :mod:`.dry_run_pipeline`)."""
+
+    def step(self, tracker: LiveTensorPeak | None = None) -> None: ...
+
+    def categories(self) -> dict[str, list[Tensor]]: ...
+
+    def close(self) -> None: ...
+
+
+def measure_played_step(played: PlayedStep, warmup_steps: int) -> StepPeak:
+    """The peak of ``played``'s step after ``warmup_steps`` steps (the optimizer state exists from the first step
+    on); ``played`` is closed afterwards, also on an error."""
+    try:
+        for _ in range(warmup_steps):
+            played.step()
+        gc.collect()
+        with LiveTensorPeak(categories=played.categories) as tracker:
+            played.step(tracker)
+        return StepPeak.of(tracker.result())
+    finally:
+        played.close()
 
 
 def _groups(layout: MeshLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:

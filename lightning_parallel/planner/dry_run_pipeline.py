@@ -23,7 +23,6 @@ Received activations and gradients are fake tensors of the right shape (the fake
 
 from __future__ import annotations
 
-import gc
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -52,6 +51,7 @@ from lightning_parallel.planner.dry_run import (
     StepPeak,
     _ControlScalars,
     _fake_world,
+    measure_played_step,
 )
 
 __all__ = ["PIPELINE_ZERO_STAGES", "PipelineLayout", "dry_run_pipeline", "measure_pipeline_step"]
@@ -263,15 +263,7 @@ class _PipelineStepRunner:
         }
 
     def measure(self, warmup_steps: int) -> StepPeak:
-        try:
-            for _ in range(warmup_steps):  # the optimizer state exists from the first step on
-                self.step()
-            gc.collect()
-            with LiveTensorPeak(categories=self.categories) as tracker:
-                self.step(tracker)
-            return StepPeak.of(tracker.result())
-        finally:
-            self.close()
+        return measure_played_step(self, warmup_steps)
 
     def close(self) -> None:
         """Drop the sync's hooks and the gradients: what a hook holds stays alive in a cycle the garbage collector
