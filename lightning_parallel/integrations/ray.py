@@ -67,56 +67,36 @@ def _check_ray_environment(strategy: LightningParallelStrategy) -> None:
         )
 
 
-class RayDataParallelStrategy(DataParallelStrategy):
+class _InRayWorker(LightningParallelStrategy):
+    """What every Ray variant changes: the layout and device come from Ray, the cluster environment must be Ray's."""
+
+    layout_from_environment = True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return ray.train.torch.get_device()
+
+    @override
+    def setup_environment(self) -> None:
+        _check_ray_environment(self)
+        super().setup_environment()
+
+
+class RayDataParallelStrategy(_InRayWorker, DataParallelStrategy):
     """:class:`~lightning_parallel.DataParallelStrategy` in a Ray Train worker (same arguments); the process group
     and its backend and timeout are Ray's (``TorchConfig``). Use with ``RayLightningEnvironment``."""
 
-    layout_from_environment = True
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return ray.train.torch.get_device()
-
-    @override
-    def setup_environment(self) -> None:
-        _check_ray_environment(self)
-        super().setup_environment()
-
-
-class RayShardedOptimizerStrategy(ShardedOptimizerStrategy):
+class RayShardedOptimizerStrategy(_InRayWorker, ShardedOptimizerStrategy):
     """:class:`~lightning_parallel.ShardedOptimizerStrategy` (ZeRO-1/2/3, ``shard_size`` for hybrid sharding) in a
     Ray Train worker (same arguments); the process group is Ray's. Use with ``RayLightningEnvironment``."""
 
-    layout_from_environment = True
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return ray.train.torch.get_device()
-
-    @override
-    def setup_environment(self) -> None:
-        _check_ray_environment(self)
-        super().setup_environment()
-
-
-class RayPipelineParallelStrategy(PipelineParallelStrategy):
+class RayPipelineParallelStrategy(_InRayWorker, PipelineParallelStrategy):
     """:class:`~lightning_parallel.PipelineParallelStrategy` (with ``zero_stage``) in a Ray Train worker (same
     arguments); the process group is Ray's. Ranks ``r`` with the same data-parallel rank (one pipeline) read the
     same batch. Use with ``RayLightningEnvironment``."""
-
-    layout_from_environment = True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return ray.train.torch.get_device()
-
-    @override
-    def setup_environment(self) -> None:
-        _check_ray_environment(self)
-        super().setup_environment()
 
 
 _RAY_CLASSES: dict[type, type[LightningParallelStrategy]] = {
