@@ -255,20 +255,13 @@ class Run:
         )
 
 
-class StepClock(pl.Callback):
+class StepClock(UserTimingCallback):
     """Every rank's step times (``on_train_batch_start`` to ``on_train_batch_end``, the monitor's window), written to
     ``folder/steps-rank<r>.json`` at the end of the fit; nothing else (no dispatch mode, no collective)."""
 
     def __init__(self, folder: str) -> None:
+        super().__init__()
         self.folder = folder
-        self.started = 0.0
-        self.seconds: list[float] = []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.started = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.seconds.append(time.perf_counter() - self.started)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         Path(self.folder, f"steps-rank{trainer.global_rank}.json").write_text(json.dumps(self.seconds))
