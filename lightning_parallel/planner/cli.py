@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
         help="measure each row's peak (a pipeline row: its largest pipeline rank, torch's schedule played) by running"
         " one training step of the model on fake"
         " tensors as one simulated rank (no memory, no data, no process group; seconds per row at any world size),"
-        " instead of the activation formula: the 'peak (dry run)' column, used for 'fits' and the recommendation."
+        " instead of the activation formula: the 'peak (dry run)' column, used for 'fits' and the recommendation"
+        " (within 1%% of the peak measured inside a Trainer in the tests; the step is played in Lightning's order)."
         " Pipeline rows with ZeRO-3 inside or uneven stages, 16-bit precisions, parameter counts and models that"
         " cannot run on fake tensors keep the"
         " formula ('formula' in that column). Needs transformers for a Hugging Face config.",
