@@ -550,7 +550,7 @@ def _stage_sharding(
     buckets = planned_buckets(
         stage_spec, element_bytes=ctx.element_bytes, bucket_cap_mb=bucket_cap_mb, stage=zero_stage
     )
-    # The pipeline's ZeRO keeps no fp32 masters (it supports 32-true and bf16-mixed).
+    # Not modelled yet: the fp32 masters `PipelineParallelStrategy(master_weights="fp32")` keeps under bf16-true.
     params, grads, state, comm = _zero_sharded(
         ctx,
         buckets,
@@ -596,7 +596,7 @@ def _fully_sharded(
 ) -> tuple[int, int, int, dict[str, int]]:
     """Bytes of parameters, gradients and optimizer state, and FSDP2's communication per step, of replica
     ``shard[0]`` of ``shard[1]`` when ``stage``'s parameters are sharded as the pipeline's ZeRO-3 shards them (no
-    fp32 masters: the pipeline trains in 32-true or bf16-mixed)."""
+    fp32 masters: those the strategy keeps under bf16-true are not modelled yet)."""
     rank, ranks = shard
     e = ctx.element_bytes
     padded = sum(-(-(p.shape[0] if p.shape else 1) // ranks) * _row_numel(p) for p in stage.params)
