@@ -56,6 +56,7 @@ __all__ = [
     "dataset_tensors",
     "default_batch_size",
     "default_length",
+    "live_tensors",
     "module_memory_report",
     "optimizer_state_tensors",
     "peak_memory_bytes",
@@ -229,6 +230,25 @@ def tensor_storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
         yield tensor.untyped_storage()
 
 
+def live_tensors() -> list[Tensor]:
+    """Every tensor the garbage collector finds now, and the ``.grad`` of each leaf (what :class:`LiveTensorPeak`
+    counts as alive at entry)."""
+    found: list[Tensor] = []
+    with warnings.catch_warnings():  # `isinstance` on some module objects warns (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if not isinstance(obj, Tensor):
+                    continue
+                grad = obj.grad if obj.is_leaf else None  # a non-leaf's `.grad` warns and is None
+            except (RuntimeError, AttributeError, TypeError, NotImplementedError):
+                continue
+            found.append(obj)
+            if grad is not None:
+                found.append(grad)
+    return found
+
+
 def dataset_tensors(data: Any, *, max_depth: int = 5) -> list[Tensor]:
     """The tensors a dataset or data loader (or a list or dict of them) holds in memory: its attributes' tensors, and
     those of the containers and datasets it wraps (``DataLoader.dataset``, ``Subset.dataset``,
@@ -397,18 +417,12 @@ class LiveTensorPeak(TorchDispatchMode):
         if self.exclude is not None:  # held for the whole region, so their keys stay theirs
             self._excluded = {storage._cdata for tensor in self.exclude() for storage in tensor_storages(tensor)}
         self._scanning = True
-        with warnings.catch_warnings():  # `isinstance` on some module objects warns (torch.distributed.reduce_op)
-            warnings.simplefilter("ignore")
-            for obj in gc.get_objects():
-                try:
-                    if not isinstance(obj, Tensor):
-                        continue
-                    grad = obj.grad if obj.is_leaf else None  # a non-leaf's `.grad` warns and is None
-                    for tensor in (obj,) if grad is None else (obj, grad):
-                        for storage in tensor_storages(tensor):
-                            self._add(storage, existed=True)
-                except (RuntimeError, AttributeError, TypeError, NotImplementedError):
-                    continue  # a tensor without storage (sparse, functional or fake tensors)
+        for tensor in live_tensors():
+            try:
+                for storage in tensor_storages(tensor):
+                    self._add(storage, existed=True)
+            except (RuntimeError, AttributeError, TypeError, NotImplementedError):
+                continue  # a tensor without storage (sparse, functional or fake tensors)
         self._scanning = False
         self._result = None
         if self.categories is not None:

@@ -277,3 +277,13 @@ def test_dry_run_of_a_lightning_module_with_a_hugging_face_model_predicts_the_tr
         for rank, measured in enumerate(r[name] for r in ranks):
             predicted = dry_run(workload, _layout(name, 2, None, rank)).peak_bytes
             assert predicted == pytest.approx(measured, rel=TOLERANCE), (name, rank, predicted, measured)
+
+
+def test_the_dry_run_counts_only_its_own_step() -> None:
+    """What the process already holds (a notebook's data and models, earlier results) is not the planned step's: a
+    4 MiB tensor alive beside the dry run leaves its peak as it was, to the byte."""
+    layout = DryRunLayout(strategy="zero2", world_size=2)
+    without = dry_run(_workload("gpt"), layout)
+    ballast = torch.zeros(2**20)
+    with_ballast = dry_run(_workload("gpt"), layout)
+    assert with_ballast.peak_bytes == without.peak_bytes and ballast.numel() == 2**20

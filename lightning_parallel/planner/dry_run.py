@@ -51,7 +51,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from lightning_parallel.accounting import LiveTensorPeak, PeakMemory, optimizer_state_tensors
+from lightning_parallel.accounting import LiveTensorPeak, PeakMemory, live_tensors, optimizer_state_tensors
 from lightning_parallel.distributed.activation_checkpointing import apply_activation_checkpointing
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.zero import stage3 as zero3
@@ -328,8 +328,8 @@ class _StepRunner:
             "optimizer_state": list(optimizer_state_tensors(self.optimizer)),
         }
 
-    def measure(self, warmup_steps: int) -> StepPeak:
-        return measure_played_step(self, warmup_steps)
+    def measure(self, warmup_steps: int, existing: list[Tensor]) -> StepPeak:
+        return measure_played_step(self, warmup_steps, existing=existing)
 
     def close(self) -> None:
         """Drop the gradient hooks: a hook held by a parameter in C++ keeps the whole step's state (buckets, model,
@@ -352,14 +352,16 @@ class PlayedStep(Protocol):
     def close(self) -> None: ...
 
 
-def measure_played_step(played: PlayedStep, warmup_steps: int) -> StepPeak:
+def measure_played_step(played: PlayedStep, warmup_steps: int, *, existing: list[Tensor]) -> StepPeak:
     """The peak of ``played``'s step after ``warmup_steps`` steps (the optimizer state exists from the first step
-    on); ``played`` is closed afterwards, also on an error."""
+    on); ``played`` is closed afterwards, also on an error. ``existing``: the tensors alive before ``played`` was
+    built (:func:`~lightning_parallel.accounting.live_tensors`), whatever else the process holds (a notebook's data,
+    models, earlier results), which are not the step's and do not count."""
     try:
         for _ in range(warmup_steps):
             played.step()
         gc.collect()
-        with LiveTensorPeak(categories=played.categories) as tracker:
+        with LiveTensorPeak(categories=played.categories, exclude=lambda: existing) as tracker:
             played.step(tracker)
         return StepPeak.of(tracker.result())
     finally:
@@ -433,8 +435,9 @@ def dry_run(workload: DryRunWorkload, layout: DryRunLayout, *, warmup_steps: int
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         try:
             with FakeTensorMode(allow_non_fake_inputs=True), _ControlScalars():
+                existing = live_tensors()
                 runner = _StepRunner(workload, layout, fake=True)
-                return runner.measure(warmup_steps)
+                return runner.measure(warmup_steps, existing)
         except DryRunError:
             raise
         except Exception as error:  # any op without a fake kernel, data-dependent code, ...
@@ -446,7 +449,8 @@ def measure_step(workload: DryRunWorkload, layout: DryRunLayout, *, warmup_steps
     ``dist.get_rank()`` of ``layout.world_size``); what a real run holds, measured the same way."""
     if not dist.is_initialized() or dist.get_world_size() != layout.world_size:
         raise RuntimeError(f"measure_step needs an initialised process group of {layout.world_size} ranks.")
-    return _StepRunner(workload, layout, fake=False).measure(warmup_steps)
+    existing = live_tensors()
+    return _StepRunner(workload, layout, fake=False).measure(warmup_steps, existing)
 
 
 # ------------------------------------------------------------------------------------------------------ workloads

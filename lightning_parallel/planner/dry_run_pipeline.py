@@ -37,7 +37,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
 from torch.utils._python_dispatch import _disable_current_modes
 
-from lightning_parallel.accounting import LiveTensorPeak, optimizer_state_tensors
+from lightning_parallel.accounting import LiveTensorPeak, live_tensors, optimizer_state_tensors
 from lightning_parallel.distributed.activation_checkpointing import apply_activation_checkpointing
 from lightning_parallel.distributed.pipeline import _compat, stage_split
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
@@ -262,8 +262,8 @@ class _PipelineStepRunner:
             "optimizer_state": list(optimizer_state_tensors(self.optimizer)),
         }
 
-    def measure(self, warmup_steps: int) -> StepPeak:
-        return measure_played_step(self, warmup_steps)
+    def measure(self, warmup_steps: int, existing: list[Tensor]) -> StepPeak:
+        return measure_played_step(self, warmup_steps, existing=existing)
 
     def close(self) -> None:
         """Drop the sync's hooks and the gradients: what a hook holds stays alive in a cycle the garbage collector
@@ -370,8 +370,9 @@ def dry_run_pipeline(workload: DryRunWorkload, layout: PipelineLayout, *, warmup
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         try:
             with FakeTensorMode(allow_non_fake_inputs=True), _ControlScalars():
+                existing = live_tensors()
                 runner = _PipelineStepRunner(workload, layout, fake=True)
-                return runner.measure(warmup_steps)
+                return runner.measure(warmup_steps, existing)
         except DryRunError:
             raise
         except Exception as error:
@@ -382,4 +383,5 @@ def measure_pipeline_step(workload: DryRunWorkload, layout: PipelineLayout, *, w
     """The same step as :func:`dry_run_pipeline` on real tensors, in this process's initialised process group."""
     if not dist.is_initialized() or dist.get_world_size() != layout.world_size:
         raise RuntimeError(f"measure_pipeline_step needs an initialised process group of {layout.world_size} ranks.")
-    return _PipelineStepRunner(workload, layout, fake=False).measure(warmup_steps)
+    existing = live_tensors()
+    return _PipelineStepRunner(workload, layout, fake=False).measure(warmup_steps, existing)
