@@ -205,3 +205,105 @@ def test_groups_of_two_processes_train_like_one_device(tmp_path: Path) -> None:
         for record in records:
             if record["step"] == 4:
                 torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_hybrid_sharding_is_validated_at_the_edge() -> None:
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_parallel import ShardedOptimizerStrategy
+
+    config = FaultTolerance(replica_group=0, num_replica_groups=2)
+    with pytest.raises(ValueError, match=r"stage=3.*`stage=1` or `stage=2`.*DataParallelStrategy"):
+        ShardedOptimizerStrategy(3, fault_tolerance=config)
+    environment = LightningEnvironment()
+    environment.set_world_size(4)  # a job of four processes (the Trainer's `devices` x `num_nodes`)
+    strategy = ShardedOptimizerStrategy(2, shard_size=2, fault_tolerance=config, cluster_environment=environment)
+    with pytest.raises(ValueError, match=r"`shard_size=2` must equal the replica group's process count \(4\)"):
+        strategy.mesh_layout  # noqa: B018 (read by `setup_environment` before joining the group)
+    environment.set_world_size(1)
+    with pytest.raises(ValueError, match=r"one process.*DataParallelStrategy"):
+        strategy.mesh_layout  # noqa: B018
+
+
+def _zero_records(path: Path, rank: int = 0) -> list[dict]:
+    return [record for record in _records(path) if record["rank"] == rank]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_hybrid_sharding_across_replica_groups_trains_like_one_device(tmp_path: Path, stage: int) -> None:
+    """Two replica groups of two processes each, ZeRO inside a group (shard_size=2), torchft across groups."""
+    pytest.importorskip("torchft")
+    run = _Run(tmp_path)
+    try:
+        extra = ("--devices", "2", "--steps", "3", "--zero", str(stage), "--pace", "0")
+        groups = [run.group(group, tmp_path, *extra) for group in range(2)]
+        for process in groups:
+            process.wait(timeout=run.remaining())
+            assert process.returncode == 0, run.logs()
+    finally:
+        run.close()
+    reference = torch.nn.utils.parameters_to_vector(fit_reference(3).parameters()).detach()
+    for group in range(2):
+        records = _records(tmp_path / f"group{group}.jsonl")  # both ranks of the group write here
+        assert sorted((r["step"], r["rank"]) for r in records) == [(s, r) for s in (1, 2, 3) for r in (0, 1)]
+        assert all(r["participants"] == 2 for r in records)
+        for record in records:
+            if record["step"] == 3:
+                torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_hybrid_sharding_survives_a_killed_replica_group(tmp_path: Path) -> None:
+    """ZeRO-2 over two processes per group: one group SIGKILLed before its backward at a chosen step (both of its
+    ranks), the other keeps training; the restarted group's ranks heal their shards from the survivor's same ranks,
+    and its gathered weights equal the survivor's from then on."""
+    pytest.importorskip("torchft")
+    run = _Run(tmp_path)
+    zero = ("--devices", "2", "--zero", "2")
+    try:
+        survivor = run.group(0, tmp_path / "first", *zero)
+        victim = run.group(1, tmp_path / "first", *zero, "--kill-at-step", str(KILL_AT_STEP))
+        victim.wait(timeout=run.remaining())
+        assert victim.returncode == -9, run.logs()
+        restarted = run.group(1, tmp_path / "restarted", *zero)
+
+        rejoined = tmp_path / "restarted" / "group1.jsonl"
+        run.wait_for(lambda: sum(r["participants"] == 2 for r in _zero_records(rejoined)) >= 2, "the restarted group")
+        last = max(r["step"] for r in _records(tmp_path / "first" / "group0.jsonl") + _records(rejoined))
+        (tmp_path / "stop").write_text(str(last + 2))  # both groups stop at the same step
+        for process in (survivor, restarted):
+            process.wait(timeout=run.remaining())
+            assert process.returncode == 0, run.logs()
+    finally:
+        run.close()
+
+    killed = _zero_records(tmp_path / "first" / "group1.jsonl")
+    assert [r["step"] for r in killed] == list(range(1, KILL_AT_STEP + 1))  # killed in the step after these
+    reference = torch.nn.utils.parameters_to_vector(fit_reference(KILL_AT_STEP).parameters()).detach()
+    for rank in (0, 1):
+        first = _zero_records(tmp_path / "first" / "group0.jsonl", rank)
+        again = _zero_records(rejoined, rank)
+        by_step: dict[int, dict] = {}
+        for record in first:
+            by_step.setdefault(record["step"], record)
+        # Without failures: one device's weights (fp32 rounding), in both groups.
+        victim_record = _zero_records(tmp_path / "first" / "group1.jsonl", rank)[-1]
+        for record in (by_step[KILL_AT_STEP], victim_record):
+            assert record["participants"] == 2
+            torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
+        # The survivor: the step the victim died in did not commit (recorded twice, weights unchanged), no step
+        # lost or repeated otherwise, some trained alone, never a long stall.
+        steps = [r["step"] for r in first]
+        repeats = [a for a, b in itertools.pairwise(first) if a["step"] == b["step"]]
+        assert [r["step"] for r in repeats] == [KILL_AT_STEP], steps
+        assert first[steps.index(KILL_AT_STEP) + 1]["weights"] == repeats[0]["weights"]
+        assert sorted(set(steps)) == list(range(1, steps[-1] + 1))
+        assert any(r["participants"] == 1 for r in first), "the survivor never trained alone"
+        gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(first)]
+        assert max(gaps) < STALL_LIMIT, gaps
+        # The restarted group's rank healed its shard from the survivor's same rank; after the group's all-gather
+        # its whole weights equal the survivor's at every step since (bit for bit), to the last step.
+        joined = [r for r in again if r["participants"] == 2]
+        assert len(joined) >= 2
+        for record in joined:
+            assert record["weights"] == by_step[record["step"]]["weights"], (rank, record["step"])
+        assert again[-1]["step"] == first[-1]["step"]

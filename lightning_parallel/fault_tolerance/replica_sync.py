@@ -112,6 +112,25 @@ class ReplicaGroupSync:
         self.manager.allreduce(flat).wait()
         _copy_into(gradients, flat)
 
+    def average_shards(self, shards: Sequence[Tensor], used: Tensor | None) -> None:
+        """Cross-group collective (hybrid sharding: this rank's manager meets the same rank of every other group):
+        replace ``shards`` (this rank's reduced gradient shards) by their average over the groups in this step's
+        quorum, one flat all-reduce per dtype, and ``used`` (``uint8`` flags) by 1 where any group's is. A healing
+        group sends zeros, as in :meth:`average_gradients`."""
+        flags = used.to(torch.float32) if used is not None else None
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for tensor in [*shards, *([flags] if flags is not None else [])]:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        pending = []
+        for tensors in by_dtype.values():
+            flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+            pending.append((tensors, flat, self.manager.allreduce(flat)))
+        for tensors, flat, work in pending:
+            work.wait()
+            _copy_into(tensors, flat)
+        if used is not None and flags is not None:
+            used.copy_(flags > 0)
+
     def should_commit(self) -> bool:
         """Collective within the group: whether the optimizer may step. A healing group loads its peer's state here
         first (``load_state_dict``)."""
