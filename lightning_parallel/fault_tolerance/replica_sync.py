@@ -145,12 +145,22 @@ class ReplicaGroupSync:
         """Groups whose gradients the last step averaged."""
         return int(self.manager.num_participants())
 
-    def wait_for_groups(self, parameters: Sequence[Tensor], *, sleep: Callable[[float], None] = time.sleep) -> None:
+    def wait_for_groups(
+        self,
+        parameters: Sequence[Tensor],
+        *,
+        step_collective: Callable[[], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         """Before the first step, with ``config.start_together``: take part in quorums without training (rounds that
         never commit) until all ``num_replica_groups`` groups are in one, then give every group the ``parameters``
         of the quorum's first group (a sum in which the others send zeros: exact); or until the run turns out to be
         under way already (a restarted group: it healed from a peer in the round). Raises ``TimeoutError`` after
-        ``config.join_timeout`` seconds, naming how many groups came."""
+        ``config.join_timeout`` seconds, naming how many groups came.
+
+        In a round where this group heals, the live groups are in a training step: it then issues that step's
+        cross-group collective with zeros, ``step_collective`` (``None``: one all-reduce of as many elements as
+        ``parameters``, which is what a data-parallel step sends)."""
         deadline = time.monotonic() + self.config.join_timeout
         expected = self.config.num_replica_groups
         count = sum(parameter.numel() for parameter in parameters)
@@ -159,13 +169,17 @@ class ReplicaGroupSync:
             self.manager.start_quorum()
             present = self.num_participants()
             starting = self.step == 0 and present >= expected
-            if starting and self.manager.participating_rank() == 0:
-                flat = torch.cat([parameter.detach().reshape(-1) for parameter in parameters])
+            healing = not self.manager.is_participating()
+            if healing and step_collective is not None:
+                step_collective()
             else:
-                flat = torch.zeros(count, device=device)
-            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-            if starting:
-                _copy_into([parameter.detach() for parameter in parameters], flat)
+                if starting and self.manager.participating_rank() == 0:
+                    flat = torch.cat([parameter.detach().reshape(-1) for parameter in parameters])
+                else:
+                    flat = torch.zeros(count, device=device)
+                self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+                if starting:
+                    _copy_into([parameter.detach() for parameter in parameters], flat)
             self.manager.report_error(_WaitingForGroups("waiting for the other replica groups"))
             self.manager.should_commit()  # False; a healing group loads its peer's state here
             if starting or self.step > 0:

@@ -23,7 +23,7 @@ the number of optimizer steps taken (``trainer.global_step``), so it stops at ``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -89,10 +89,13 @@ class FaultTolerantReplicas:
         group_world_size: int,
         store: tuple[str, int],
         model_state: ModelState | None = None,
+        zero_gradients: Callable[[], tuple[list[Tensor], Tensor | None]] | None = None,
     ) -> None:
         """Local checks, then (cross-group) start the manager and, with ``start_together``, wait for the groups.
         ``model_state``: what a healing group receives of the model; ``None``: the module's ``state_dict`` and every
-        optimizer's (whole parameters and state on every rank, as in data parallel)."""
+        optimizer's (whole parameters and state on every rank, as in data parallel). ``zero_gradients``: hybrid
+        sharding, zeros shaped as what :meth:`reduce` receives in a step (a group healing while it waits for the
+        others must issue the step's collective)."""
         _check_supported(trainer, module, self.owner)
         from lightning_parallel.fault_tolerance.replica_sync import ReplicaGroupSync  # torchft: only now
 
@@ -109,7 +112,14 @@ class FaultTolerantReplicas:
             load_state_dict=self._load_state_dict,
         )
         if self.config.start_together:
-            self._sync.wait_for_groups(self._parameters)
+            sync = self._sync
+
+            def exchange_zeros() -> None:
+                assert zero_gradients is not None
+                sync.average_shards(*zero_gradients())
+
+            step_collective = exchange_zeros if zero_gradients is not None else None
+            sync.wait_for_groups(self._parameters, step_collective=step_collective)
 
     @property
     def sync(self) -> Any:

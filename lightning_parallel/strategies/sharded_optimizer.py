@@ -354,6 +354,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             group_world_size=self.world_size,
             store=(environment.main_address, environment.main_port),
             model_state=state,
+            zero_gradients=state.zero_gradients if state is not None else None,
         )
         if state is not None:
             state.settle()

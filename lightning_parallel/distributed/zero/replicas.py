@@ -119,6 +119,14 @@ class OwnedShardState:
         self.optimizer.load_state_dict(state["optimizer"])
         self.loaded = True
 
+    def zero_gradients(self) -> tuple[list[Tensor], Tensor | None]:
+        """Local. Zeros shaped as what the buckets hand their :class:`ReplicaReduction` in a step: each bucket's
+        reduced gradient shard and the "got a gradient" flags (``None`` without bucketed parameters)."""
+        shards = [torch.zeros_like(bucket.shard_grads) for bucket in self.buckets.buckets]
+        count = len(self.buckets.parameters)
+        used = torch.zeros(count, dtype=torch.uint8, device=self.buckets.device) if count else None
+        return shards, used
+
     def settle(self) -> None:
         """Collective in the group, once, after joining: if a peer's state was loaded outside a step, all-gather the
         parameters (each rank holds only its own shard of them); otherwise start the masters from the parameters
