@@ -229,13 +229,13 @@ def _zero_records(path: Path, rank: int = 0) -> list[dict]:
     return [record for record in _records(path) if record["rank"] == rank]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_hybrid_sharding_across_replica_groups_trains_like_one_device(tmp_path: Path, stage: int) -> None:
-    """Two replica groups of two processes each, ZeRO inside a group (shard_size=2), torchft across groups."""
+def test_hybrid_sharding_across_replica_groups_trains_like_one_device(tmp_path: Path) -> None:
+    """Two replica groups of two processes each, ZeRO-1 inside a group (shard_size=2), torchft across groups (ZeRO-2:
+    the steps before the kill in the next test)."""
     pytest.importorskip("torchft")
     run = _Run(tmp_path)
     try:
-        extra = ("--devices", "2", "--steps", "3", "--zero", str(stage), "--pace", "0")
+        extra = ("--devices", "2", "--steps", "3", "--zero", "1", "--pace", "0")
         groups = [run.group(group, tmp_path, *extra) for group in range(2)]
         for process in groups:
             process.wait(timeout=run.remaining())
