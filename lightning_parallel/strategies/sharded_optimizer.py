@@ -121,7 +121,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         fault_tolerance: stages 1-2: ``FaultTolerance(replica_group=..., num_replica_groups=..., lighthouse=...)``
             makes this job one replica group of a fault-tolerant run (torchft, an optional extra), sharding over all
             of its processes (``shard_size`` ``None`` or the job's world size, at least 2) and averaging the gradient
-            shards over the groups alive at each step; see above and docs/reliability.md. ``None``: off.
+            shards over the groups alive at each step (the class docstring, docs/reliability.md). ``None``: off.
         master_weights: with 16-bit parameters (``precision="bf16-true"`` or ``"16-true"``), ``"fp32"`` (default)
             keeps an fp32 master copy of this rank's shard that the optimizer steps, rounded to the 16-bit weights
             after each step, and reduces gradients in fp32; ``None`` steps the 16-bit parameters directly, as plain
