@@ -80,6 +80,11 @@ class FaultTolerantReplicas:
         }
 
     # ------------------------------------------------------------------ lifecycle
+    def check_supported(self, trainer: Any, module: nn.Module) -> None:
+        """Local: refuse what the mode does not handle (``setup`` checks it too), on every rank before any
+        collective."""
+        _check_supported(trainer, module, self.owner)
+
     def setup(
         self,
         trainer: Any,

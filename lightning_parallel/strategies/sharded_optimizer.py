@@ -328,7 +328,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             self._validate_optimizers()
             self._backend.setup_optimizers(self.unwrapped_optimizers())
             if self._replicas is not None:
-                self._join_replica_groups(trainer)
+                self._replicas.check_supported(trainer, self.module)  # local; the groups are joined at train start
         self._loan, self._reads_gradients = None, None
         self.precision_plugin = zero_precision(
             self._backend, self.precision_plugin, self.root_device, after_gradient_hooks=self._hand_back_gradients
@@ -337,10 +337,18 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
 
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._replicas is not None:
+            self._join_replica_groups(self.module.trainer)
+
     def _join_replica_groups(self, trainer: Any) -> None:
-        """Fitting with ``fault_tolerance``: start this rank's torchft manager (its peers are the same rank of the
-        other groups), wait for the groups (``start_together``), then make the group's parameters whole again if a
-        live group's shards were loaded while joining."""
+        """Fitting with ``fault_tolerance``, at train start (after Lightning restored a checkpoint, which this strategy
+        loads after ``setup``: a live group's state must win over this group's own older checkpoint): start this
+        rank's torchft manager (its peers are the same rank of the other groups), wait for the groups
+        (``start_together``), then make the group's parameters whole again if a live group's shards were loaded
+        while joining."""
         assert self._replicas is not None and self.cluster_environment is not None
         backend = self._backend
         assert isinstance(backend, FlatBucketBackend) and backend.buckets is not None  # stages 1-2, world size >= 2
