@@ -254,17 +254,20 @@ def test_hybrid_sharding_across_replica_groups_trains_like_one_device(tmp_path: 
 
 def test_hybrid_sharding_survives_a_killed_replica_group(tmp_path: Path) -> None:
     """ZeRO-2 over two processes per group: one group SIGKILLed before its backward at a chosen step (both of its
-    ranks), the other keeps training; the restarted group's ranks heal their shards from the survivor's same ranks,
-    and its gathered weights equal the survivor's from then on."""
+    ranks), the other keeps training; the restarted group resumes from its own older checkpoint (as under torchrun),
+    then its ranks heal their shards from the survivor's same ranks, and its gathered weights equal the survivor's
+    from then on."""
     pytest.importorskip("torchft")
     run = _Run(tmp_path)
     zero = ("--devices", "2", "--zero", "2")
+    checkpoints = ("--ckpt-dir", str(tmp_path / "group1_checkpoints"))
     try:
         survivor = run.group(0, tmp_path / "first", *zero)
-        victim = run.group(1, tmp_path / "first", *zero, "--kill-at-step", str(KILL_AT_STEP))
+        victim = run.group(1, tmp_path / "first", *zero, *checkpoints, "--kill-at-step", str(KILL_AT_STEP))
         victim.wait(timeout=run.remaining())
         assert victim.returncode == -9, run.logs()
-        restarted = run.group(1, tmp_path / "restarted", *zero)
+        assert (tmp_path / "group1_checkpoints" / "last.ckpt").exists()  # from before the kill: older than the peer
+        restarted = run.group(1, tmp_path / "restarted", *zero, *checkpoints)
 
         rejoined = tmp_path / "restarted" / "group1.jsonl"
         run.wait_for(lambda: sum(r["participants"] == 2 for r in _zero_records(rejoined)) >= 2, "the restarted group")

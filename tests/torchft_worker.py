@@ -8,7 +8,8 @@ step after ``K`` steps (after its backward, before the gradients are averaged ov
 trains with ``ShardedOptimizerStrategy(stage=STAGE, shard_size=--devices, fault_tolerance=...)`` instead (hybrid
 sharding: ZeRO inside the group, torchft across groups; every rank records, with its ``"rank"``; the kill comes
 before backward, since this strategy averages over the groups inside it). ``--reference`` trains the same global
-batch on one device without the mode (``DIR/reference.jsonl``).
+batch on one device without the mode (``DIR/reference.jsonl``). ``--ckpt-dir D`` saves ``D/last.ckpt`` every 2 steps
+and resumes from it (``ckpt_path="last"``), as a group restarted by torchrun would.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def main() -> TinyMLP:
     parser.add_argument("--stop-file", type=Path, default=None, help="stop at the step written in this file")
     parser.add_argument("--devices", type=int, default=1, help="processes in this replica group")
     parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
+    parser.add_argument("--ckpt-dir", type=Path, default=None, help="save every 2 steps; resume from last.ckpt")
     parser.add_argument("--zero", type=int, default=0, help="ZeRO stage (1 or 2) inside each group; 0: data parallel")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -131,18 +133,24 @@ def main() -> TinyMLP:
         else:
             strategy = DataParallelStrategy(fault_tolerance=config)
         name, batch = f"group{args.group}", GLOBAL_BATCH // (args.groups * args.devices)
+    callbacks: list[pl.Callback] = [
+        Recorder(args.out / f"{name}.jsonl", args.kill_at_step, args.stop_file, args.pace, bool(args.zero))
+    ]
+    if args.ckpt_dir is not None:
+        callbacks.append(pl.callbacks.ModelCheckpoint(args.ckpt_dir, every_n_train_steps=2, save_last=True))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1 if args.reference else args.devices,
         strategy=strategy,
         max_steps=args.steps,
-        callbacks=[Recorder(args.out / f"{name}.jsonl", args.kill_at_step, args.stop_file, args.pace, bool(args.zero))],
+        callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.ckpt_dir is not None,
     )
-    trainer.fit(model, DataLoader(global_batch(), batch_size=batch))
+    resume = "last" if args.ckpt_dir is not None else None
+    trainer.fit(model, DataLoader(global_batch(), batch_size=batch), ckpt_path=resume)
     return model
 
 
