@@ -310,3 +310,68 @@ def test_hybrid_sharding_survives_a_killed_replica_group(tmp_path: Path) -> None
         for record in joined:
             assert record["weights"] == by_step[record["step"]]["weights"], (rank, record["step"])
         assert again[-1]["step"] == first[-1]["step"]
+
+
+def _heal_shards(rank: int, world_size: int) -> dict:
+    """Two sets of bf16 buckets with fp32 masters on the same two ranks: the "live" one trains a step, the
+    "restarted" one (other weights, no optimizer state) loads each rank's shard state from it, then settles."""
+    from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+    from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
+    from lightning_parallel.distributed.zero.replicas import OwnedShardState
+
+    torch.set_num_threads(1)
+
+    def build(seed: int) -> tuple[torch.nn.Module, ShardedParameterBuckets, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        module = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 3)).bfloat16()
+        buckets = ShardedParameterBuckets(module, stage=2, master_dtype=torch.float32, bucket_cap_mb=64 / 2**20)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+        ShardedOptimizer(optimizer, buckets)
+        return module, buckets, optimizer
+
+    live, live_buckets, live_optimizer = build(0)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    live(x).float().square().mean().backward()
+    live_buckets.finish_gradient_sync()
+    live_optimizer.step()
+    live_buckets.all_gather_parameters()
+    sent = OwnedShardState(live_buckets, live, live_optimizer).state_dict()
+
+    restarted, buckets, optimizer = build(1)
+    differed = not torch.equal(live[0].weight, restarted[0].weight)
+    state = OwnedShardState(buckets, restarted, optimizer)
+    state.load_state_dict(sent)
+    state.settle()  # each rank loaded only its shard: the group all-gathers the rest
+    mismatch = ""
+    try:
+        state.load_state_dict({**sent, "layout": [world_size, 1]})
+    except RuntimeError as error:
+        mismatch = str(error)
+    return {
+        "weights_equal": all(
+            torch.equal(a, b) for a, b in zip(live.state_dict().values(), restarted.state_dict().values(), strict=True)
+        ),
+        "masters_equal": all(
+            torch.equal(a.master, b.master) for a, b in zip(live_buckets.buckets, buckets.buckets, strict=True)
+        ),
+        "state_equal": all(
+            torch.equal(live_optimizer.state[a]["exp_avg_sq"], optimizer.state[b]["exp_avg_sq"])
+            for a, b in zip(live_optimizer.param_groups[0]["params"], optimizer.param_groups[0]["params"], strict=True)
+        ),
+        "mismatch": mismatch,
+        "differed": differed,
+    }
+
+
+def test_a_healing_rank_takes_over_its_shard_of_a_live_rank() -> None:
+    """bf16 parameters with fp32 masters (the masters travel, not the rounded weights), buffers, sharded AdamW state;
+    a different layout is refused naming the settings that must agree."""
+    from distributed_harness import run_distributed
+
+    results = run_distributed(_heal_shards, 2)
+    assert len(results) == 2
+    for result in results:
+        assert result["differed"] and result["weights_equal"] and result["masters_equal"] and result["state_equal"], (
+            result
+        )
+        assert "shards differently" in result["mismatch"] and "bucket_cap_mb" in result["mismatch"]
