@@ -326,9 +326,9 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._validate_optimizers()
-            self._backend.setup_optimizers(self.unwrapped_optimizers())
             if self._replicas is not None:
                 self._replicas.check_supported(trainer, self.module)  # local; the groups are joined at train start
+            self._backend.setup_optimizers(self.unwrapped_optimizers())
         self._loan, self._reads_gradients = None, None
         self.precision_plugin = zero_precision(
             self._backend, self.precision_plugin, self.root_device, after_gradient_hooks=self._hand_back_gradients
