@@ -53,9 +53,10 @@ def test_torchft_is_imported_only_by_a_fault_tolerant_run() -> None:
     code = (
         "import sys\n"
         "import lightning_parallel\n"
-        "from lightning_parallel import DataParallelStrategy\n"
+        "from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy\n"
         "from lightning_parallel.fault_tolerance import FaultTolerance\n"
         "DataParallelStrategy(fault_tolerance=FaultTolerance(replica_group=0, num_replica_groups=2))\n"
+        "ShardedOptimizerStrategy(2, fault_tolerance=FaultTolerance(replica_group=0, num_replica_groups=2))\n"
         "assert not any(name.split('.')[0] == 'torchft' for name in sys.modules), 'torchft imported'\n"
         "sys.modules['torchft'] = None  # as if not installed\n"
         "from lightning_parallel.fault_tolerance.replica_sync import import_torchft\n"
