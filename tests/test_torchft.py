@@ -232,25 +232,31 @@ def _zero_records(path: Path, rank: int = 0) -> list[dict]:
 
 def test_hybrid_sharding_across_replica_groups_trains_like_one_device(tmp_path: Path) -> None:
     """Two replica groups of two processes each, ZeRO-1 inside a group (shard_size=2), torchft across groups (ZeRO-2:
-    the steps before the kill in the next test)."""
+    the steps before the kill in the next test). Then group 1's loss is NaN for one step: it sends zero shards and
+    steps with group 0's, so the groups' weights stay equal and finite."""
     pytest.importorskip("torchft")
     run = _Run(tmp_path)
     try:
-        extra = ("--devices", "2", "--steps", "3", "--zero", "1", "--pace", "0")
-        groups = [run.group(group, tmp_path, *extra) for group in range(2)]
+        extra = ("--devices", "2", "--steps", "4", "--zero", "1", "--pace", "0")
+        groups = [run.group(group, tmp_path, *extra, *(("--nan-at-step", "3") if group else ())) for group in range(2)]
         for process in groups:
             process.wait(timeout=run.remaining())
             assert process.returncode == 0, run.logs()
     finally:
         run.close()
     reference = torch.nn.utils.parameters_to_vector(fit_reference(3).parameters()).detach()
+    records = [_records(tmp_path / f"group{group}.jsonl") for group in range(2)]  # both ranks of a group write
     for group in range(2):
-        records = _records(tmp_path / f"group{group}.jsonl")  # both ranks of the group write here
-        assert sorted((r["step"], r["rank"]) for r in records) == [(s, r) for s in (1, 2, 3) for r in (0, 1)]
-        assert all(r["participants"] == 2 for r in records)
-        for record in records:
+        assert sorted((r["step"], r["rank"]) for r in records[group]) == [(s, r) for s in range(1, 5) for r in (0, 1)]
+        assert all(r["participants"] == 2 for r in records[group])
+        for record in records[group]:
             if record["step"] == 3:
                 torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
+    assert any(r["loss"] != r["loss"] for r in records[1])  # the NaN step happened
+    after = [{r["rank"]: r["weights"] for r in records[group] if r["step"] == 4} for group in range(2)]
+    assert after[0] == after[1]
+    assert all(torch.isfinite(torch.tensor(weights)).all() for weights in after[1].values())
+    assert after[0][0] != torch.nn.utils.parameters_to_vector(fit_reference(4).parameters()).tolist()
 
 
 def test_hybrid_sharding_survives_a_killed_replica_group(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ trains with ``ShardedOptimizerStrategy(stage=STAGE, shard_size=--devices, fault_
 sharding: ZeRO inside the group, torchft across groups; every rank records, with its ``"rank"``; the kill comes
 before backward, since this strategy averages over the groups inside it). ``--reference`` trains the same global
 batch on one device without the mode (``DIR/reference.jsonl``). ``--ckpt-dir D`` saves ``D/last.ckpt`` every 2 steps
-and resumes from it (``ckpt_path="last"``), as a group restarted by torchrun would.
+and resumes from it (``ckpt_path="last"``), as a group restarted by torchrun would. ``--nan-at-step S``: this group's
+loss is NaN in the step after ``S`` steps.
 """
 
 from __future__ import annotations
@@ -35,13 +36,16 @@ FEATURES, WIDTH, CLASSES, GLOBAL_BATCH = 12, 32, 4, 8
 
 
 class TinyMLP(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, nan_at_step: int = -1) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, CLASSES))
+        self.nan_at_step = nan_at_step
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.trainer.global_step == self.nan_at_step:
+            loss = loss * float("nan")  # this group skips the step (`nonfinite_loss="skip"`)
         self.last_loss = float(loss.detach())
         return loss
 
@@ -112,12 +116,13 @@ def main() -> TinyMLP:
     parser.add_argument("--stop-file", type=Path, default=None, help="stop at the step written in this file")
     parser.add_argument("--devices", type=int, default=1, help="processes in this replica group")
     parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
+    parser.add_argument("--nan-at-step", type=int, default=-1, help="this group's loss is NaN at this step")
     parser.add_argument("--ckpt-dir", type=Path, default=None, help="save every 2 steps; resume from last.ckpt")
     parser.add_argument("--zero", type=int, default=0, help="ZeRO stage (1 or 2) inside each group; 0: data parallel")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    model = TinyMLP()
+    model = TinyMLP(args.nan_at_step)
     if args.reference:
         strategy, name, batch = "auto", "reference", GLOBAL_BATCH
     else:
