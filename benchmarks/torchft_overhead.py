@@ -15,6 +15,10 @@ has a timeout. Not part of the test suite (it takes minutes)::
    down (it trains only its own half of each global batch), and the time from the kill until the restarted group
    trains again (torchrun's restart, Python and Lightning start-up, fetching the state from the survivor).
 
+Hybrid sharding across groups (``--strategy zero2 --nproc-per-group 2``): the one job is ``2 x 2`` processes of
+``ShardedOptimizerStrategy(2, shard_size=2)`` (a plain process group across the shard groups), the replica groups are
+two jobs of two processes each sharding among themselves, torchft across them.
+
 Prints a JSON summary and writes it to ``<out>/summary.json``.
 """
 
@@ -103,7 +107,11 @@ def _lighthouse(jobs: Jobs) -> str:
 def ddp_run(args: argparse.Namespace, jobs: Jobs, run: Path) -> float:
     run.mkdir(parents=True)
     record = run / "rank0.jsonl"
-    process = jobs.start([*_torchrun(2), *_train_args(args, run, record), "--strategy", "data_parallel"], "ddp.log")
+    strategy = ["--strategy", args.strategy]
+    if args.strategy != "data_parallel":
+        strategy += ["--shard-size", str(args.nproc_per_group)]
+    command = [*_torchrun(2 * args.nproc_per_group), *_train_args(args, run, record), *strategy]
+    process = jobs.start(command, "ddp.log")
     assert jobs.wait(process) == 0, f"the DDP job failed; see {jobs.out / 'ddp.log'}"
     return _median_step(_records(record), args.warmup)
 
@@ -113,10 +121,11 @@ def ft_run(args: argparse.Namespace, jobs: Jobs, run: Path, *, kill_at_step: int
     lighthouse = _lighthouse(jobs)
     groups = []
     for group in range(2):
-        extra = ["--replica-group", str(group), "--num-replica-groups", "2"]
+        extra = ["--replica-group", str(group), "--num-replica-groups", "2", "--strategy", args.strategy]
         if group == 1 and kill_at_step >= 0:
             extra += ["--kill-rank", "0", "--kill-at-step", str(kill_at_step)]
-        command = [*_torchrun(1, max_restarts=1), *_train_args(args, run, run / f"group{group}.jsonl"), *extra]
+        record = run / f"group{group}.jsonl"
+        command = [*_torchrun(args.nproc_per_group, max_restarts=1), *_train_args(args, run, record), *extra]
         groups.append(jobs.start(command, f"ft_group{group}.log", TORCHFT_LIGHTHOUSE=lighthouse))
     for process in groups:
         assert jobs.wait(process) == 0, f"a replica group failed; see {jobs.out}/ft_group*.log"
@@ -159,6 +168,8 @@ def main() -> None:
     parser.add_argument("--kill-at-step", type=int, default=10)
     parser.add_argument("--kill-steps", type=int, default=80, help="steps of the run with a failure")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one job may take")
+    parser.add_argument("--strategy", default="data_parallel", choices=["data_parallel", "zero1", "zero2"])
+    parser.add_argument("--nproc-per-group", type=int, default=1, help="processes per replica group")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=False)
     jobs = Jobs(args.out, args.timeout)

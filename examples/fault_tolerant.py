@@ -19,6 +19,15 @@ On a cluster: the lighthouse on one host (``--bind [::]:29510``), ``TORCHFT_LIGH
 every group, and each group its own job (its own SLURM job or torchrun with its own ``--rdzv-endpoint``; several
 processes per group train as ``DataParallelStrategy`` inside the group), with ``--replica-group`` 0..N-1.
 
+Hybrid sharding across groups: ``--strategy zero1`` or ``zero2`` with several processes per group shards the optimizer
+state (and gradients) over the group's processes and averages the shards across the groups through torchft
+(``ShardedOptimizerStrategy(stage, shard_size=<processes per group>, fault_tolerance=...)``)::
+
+    torchrun --nproc-per-node=2 --master-port=29600 --max-restarts=3 examples/fault_tolerant.py --dir runs/ft \
+        --strategy zero2 --replica-group 0 --num-replica-groups 2 &
+    torchrun --nproc-per-node=2 --master-port=29700 --max-restarts=3 examples/fault_tolerant.py --dir runs/ft \
+        --strategy zero2 --replica-group 1 --num-replica-groups 2 --kill-rank 0 --kill-at-step 50
+
 The recipe (works with every strategy of this package): a ``ModelCheckpoint`` with ``save_last=True`` and
 ``trainer.fit(..., ckpt_path="last")``. On the first start there is no ``last.ckpt`` and training starts fresh; after a
 restart, Lightning loads ``last.ckpt`` (model, optimizer, schedulers, loops) and continues. ``--kill-rank`` /
@@ -43,7 +52,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
-from lightning_parallel import DataParallelStrategy
+from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 from lightning_parallel.fault_tolerance import FaultTolerance
 
@@ -100,7 +109,13 @@ def _parent_of(stat: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="zero2", help="a registry name: data_parallel, zero1/2/3, pipeline, ...")
+    parser.add_argument(
+        "--strategy",
+        default=None,
+        help="a registry name: data_parallel, zero1/2/3, pipeline, ... (default zero2; torchft mode: data_parallel,"
+        " or zero1/zero2 for hybrid sharding across the groups)",
+    )
+    parser.add_argument("--shard-size", type=int, default=None, help="zero1/zero2 without torchft: hybrid sharding")
     parser.add_argument("--dir", required=True, help="checkpoint directory (shared by all restarts)")
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--every", type=int, default=20, help="save a checkpoint every N steps")
@@ -118,13 +133,22 @@ def main() -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    strategy = args.strategy
+    name = args.strategy or ("data_parallel" if fault_tolerant else "zero2")
+    strategy: str | pl.strategies.Strategy = name
+    if name in ("zero1", "zero2") and args.shard_size is not None:
+        strategy = ShardedOptimizerStrategy(int(name[-1]), shard_size=args.shard_size)
     directory = Path(args.dir)
     if fault_tolerant:
         # Each group checkpoints into its own folder: a restart of every group at once resumes from there; one
         # group restarted alone fetches the newer state from a live group instead.
         config = FaultTolerance(replica_group=args.replica_group, num_replica_groups=args.num_replica_groups)
-        strategy, directory = DataParallelStrategy(fault_tolerance=config), directory / f"group{args.replica_group}"
+        if name in ("zero1", "zero2"):  # shard inside the group (all of its processes), torchft across the groups
+            strategy = ShardedOptimizerStrategy(int(name[-1]), shard_size=world_size, fault_tolerance=config)
+        elif name == "data_parallel":
+            strategy = DataParallelStrategy(fault_tolerance=config)
+        else:
+            parser.error(f"--strategy {name} has no torchft mode: use data_parallel, zero1 or zero2")
+        directory = directory / f"group{args.replica_group}"
     saver = pl.callbacks.ModelCheckpoint(dirpath=directory, every_n_train_steps=args.every, save_last=True)
     watcher = FailOnce(args.kill_rank, args.kill_at_step)
     callbacks: list[pl.Callback] = [saver, watcher] + ([StepTimes(args.record)] if args.record else [])

@@ -53,9 +53,10 @@ def test_torchft_is_imported_only_by_a_fault_tolerant_run() -> None:
     code = (
         "import sys\n"
         "import lightning_parallel\n"
-        "from lightning_parallel import DataParallelStrategy\n"
+        "from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy\n"
         "from lightning_parallel.fault_tolerance import FaultTolerance\n"
         "DataParallelStrategy(fault_tolerance=FaultTolerance(replica_group=0, num_replica_groups=2))\n"
+        "ShardedOptimizerStrategy(2, fault_tolerance=FaultTolerance(replica_group=0, num_replica_groups=2))\n"
         "assert not any(name.split('.')[0] == 'torchft' for name in sys.modules), 'torchft imported'\n"
         "sys.modules['torchft'] = None  # as if not installed\n"
         "from lightning_parallel.fault_tolerance.replica_sync import import_torchft\n"
@@ -205,3 +206,179 @@ def test_groups_of_two_processes_train_like_one_device(tmp_path: Path) -> None:
         for record in records:
             if record["step"] == 4:
                 torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_hybrid_sharding_is_validated_at_the_edge() -> None:
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_parallel import ShardedOptimizerStrategy
+
+    config = FaultTolerance(replica_group=0, num_replica_groups=2)
+    with pytest.raises(ValueError, match=r"stage=3.*`stage=1` or `stage=2`.*DataParallelStrategy"):
+        ShardedOptimizerStrategy(3, fault_tolerance=config)
+    environment = LightningEnvironment()
+    environment.set_world_size(4)  # a job of four processes (the Trainer's `devices` x `num_nodes`)
+    strategy = ShardedOptimizerStrategy(2, shard_size=2, fault_tolerance=config, cluster_environment=environment)
+    with pytest.raises(ValueError, match=r"`shard_size=2` must equal the replica group's process count \(4\)"):
+        strategy.mesh_layout  # noqa: B018 (read by `setup_environment` before joining the group)
+    environment.set_world_size(1)
+    with pytest.raises(ValueError, match=r"one process.*DataParallelStrategy"):
+        strategy.mesh_layout  # noqa: B018
+
+
+def _zero_records(path: Path, rank: int = 0) -> list[dict]:
+    return [record for record in _records(path) if record["rank"] == rank]
+
+
+def test_hybrid_sharding_across_replica_groups_trains_like_one_device(tmp_path: Path) -> None:
+    """Two replica groups of two processes each, ZeRO-1 inside a group (shard_size=2), torchft across groups (ZeRO-2:
+    the steps before the kill in the next test). Then group 1's loss is NaN for one step: it sends zero shards and
+    steps with group 0's, so the groups' weights stay equal and finite."""
+    pytest.importorskip("torchft")
+    run = _Run(tmp_path)
+    try:
+        extra = ("--devices", "2", "--steps", "4", "--zero", "1", "--pace", "0")
+        groups = [run.group(group, tmp_path, *extra, *(("--nan-at-step", "3") if group else ())) for group in range(2)]
+        for process in groups:
+            process.wait(timeout=run.remaining())
+            assert process.returncode == 0, run.logs()
+    finally:
+        run.close()
+    reference = torch.nn.utils.parameters_to_vector(fit_reference(3).parameters()).detach()
+    records = [_records(tmp_path / f"group{group}.jsonl") for group in range(2)]  # both ranks of a group write
+    for group in range(2):
+        assert sorted((r["step"], r["rank"]) for r in records[group]) == [(s, r) for s in range(1, 5) for r in (0, 1)]
+        assert all(r["participants"] == 2 for r in records[group])
+        for record in records[group]:
+            if record["step"] == 3:
+                torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
+    assert any(r["loss"] != r["loss"] for r in records[1])  # the NaN step happened
+    after = [{r["rank"]: r["weights"] for r in records[group] if r["step"] == 4} for group in range(2)]
+    assert after[0] == after[1]
+    assert all(torch.isfinite(torch.tensor(weights)).all() for weights in after[1].values())
+    assert after[0][0] != torch.nn.utils.parameters_to_vector(fit_reference(4).parameters()).tolist()
+
+
+def test_hybrid_sharding_survives_a_killed_replica_group(tmp_path: Path) -> None:
+    """ZeRO-2 over two processes per group: one group SIGKILLed before its backward at a chosen step (both of its
+    ranks), the other keeps training; the restarted group resumes from its own older checkpoint (as under torchrun),
+    then its ranks heal their shards from the survivor's same ranks, and its gathered weights equal the survivor's
+    from then on."""
+    pytest.importorskip("torchft")
+    run = _Run(tmp_path)
+    zero = ("--devices", "2", "--zero", "2")
+    checkpoints = ("--ckpt-dir", str(tmp_path / "group1_checkpoints"))
+    try:
+        survivor = run.group(0, tmp_path / "first", *zero)
+        victim = run.group(1, tmp_path / "first", *zero, *checkpoints, "--kill-at-step", str(KILL_AT_STEP))
+        victim.wait(timeout=run.remaining())
+        assert victim.returncode == -9, run.logs()
+        assert (tmp_path / "group1_checkpoints" / "last.ckpt").exists()  # from before the kill: older than the peer
+        restarted = run.group(1, tmp_path / "restarted", *zero, *checkpoints)
+
+        rejoined = tmp_path / "restarted" / "group1.jsonl"
+        run.wait_for(lambda: sum(r["participants"] == 2 for r in _zero_records(rejoined)) >= 2, "the restarted group")
+        last = max(r["step"] for r in _records(tmp_path / "first" / "group0.jsonl") + _records(rejoined))
+        (tmp_path / "stop").write_text(str(last + 2))  # both groups stop at the same step
+        for process in (survivor, restarted):
+            process.wait(timeout=run.remaining())
+            assert process.returncode == 0, run.logs()
+    finally:
+        run.close()
+
+    killed = _zero_records(tmp_path / "first" / "group1.jsonl")
+    assert [r["step"] for r in killed] == list(range(1, KILL_AT_STEP + 1))  # killed in the step after these
+    reference = torch.nn.utils.parameters_to_vector(fit_reference(KILL_AT_STEP).parameters()).detach()
+    for rank in (0, 1):
+        first = _zero_records(tmp_path / "first" / "group0.jsonl", rank)
+        again = _zero_records(rejoined, rank)
+        by_step: dict[int, dict] = {}
+        for record in first:
+            by_step.setdefault(record["step"], record)
+        # Without failures: one device's weights (fp32 rounding), in both groups.
+        victim_record = _zero_records(tmp_path / "first" / "group1.jsonl", rank)[-1]
+        for record in (by_step[KILL_AT_STEP], victim_record):
+            assert record["participants"] == 2
+            torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
+        # The survivor: the step the victim died in did not commit (recorded twice, weights unchanged), no step
+        # lost or repeated otherwise, some trained alone, never a long stall.
+        steps = [r["step"] for r in first]
+        repeats = [a for a, b in itertools.pairwise(first) if a["step"] == b["step"]]
+        assert [r["step"] for r in repeats] == [KILL_AT_STEP], steps
+        assert first[steps.index(KILL_AT_STEP) + 1]["weights"] == repeats[0]["weights"]
+        assert sorted(set(steps)) == list(range(1, steps[-1] + 1))
+        assert any(r["participants"] == 1 for r in first), "the survivor never trained alone"
+        gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(first)]
+        assert max(gaps) < STALL_LIMIT, gaps
+        # The restarted group's rank healed its shard from the survivor's same rank; after the group's all-gather
+        # its whole weights equal the survivor's at every step since (bit for bit), to the last step.
+        joined = [r for r in again if r["participants"] == 2]
+        assert len(joined) >= 2
+        for record in joined:
+            assert record["weights"] == by_step[record["step"]]["weights"], (rank, record["step"])
+        assert again[-1]["step"] == first[-1]["step"]
+
+
+def _heal_shards(rank: int, world_size: int) -> dict:
+    """Two sets of bf16 buckets with fp32 masters on the same two ranks: the "live" one trains a step, the
+    "restarted" one (other weights, no optimizer state) loads each rank's shard state from it, then settles."""
+    from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
+    from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
+    from lightning_parallel.distributed.zero.replicas import OwnedShardState
+
+    torch.set_num_threads(1)
+
+    def build(seed: int) -> tuple[torch.nn.Module, ShardedParameterBuckets, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        module = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 3)).bfloat16()
+        buckets = ShardedParameterBuckets(module, stage=2, master_dtype=torch.float32, bucket_cap_mb=64 / 2**20)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+        ShardedOptimizer(optimizer, buckets)
+        return module, buckets, optimizer
+
+    live, live_buckets, live_optimizer = build(0)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    live(x).float().square().mean().backward()
+    live_buckets.finish_gradient_sync()
+    live_optimizer.step()
+    live_buckets.all_gather_parameters()
+    sent = OwnedShardState(live_buckets, live, live_optimizer).state_dict()
+
+    restarted, buckets, optimizer = build(1)
+    differed = not torch.equal(live[0].weight, restarted[0].weight)
+    state = OwnedShardState(buckets, restarted, optimizer)
+    state.load_state_dict(sent)
+    state.settle()  # each rank loaded only its shard: the group all-gathers the rest
+    mismatch = ""
+    try:
+        state.load_state_dict({**sent, "layout": [world_size, 1]})
+    except RuntimeError as error:
+        mismatch = str(error)
+    return {
+        "weights_equal": all(
+            torch.equal(a, b) for a, b in zip(live.state_dict().values(), restarted.state_dict().values(), strict=True)
+        ),
+        "masters_equal": all(
+            torch.equal(a.master, b.master) for a, b in zip(live_buckets.buckets, buckets.buckets, strict=True)
+        ),
+        "state_equal": all(
+            torch.equal(live_optimizer.state[a]["exp_avg_sq"], optimizer.state[b]["exp_avg_sq"])
+            for a, b in zip(live_optimizer.param_groups[0]["params"], optimizer.param_groups[0]["params"], strict=True)
+        ),
+        "mismatch": mismatch,
+        "differed": differed,
+    }
+
+
+def test_a_healing_rank_takes_over_its_shard_of_a_live_rank() -> None:
+    """bf16 parameters with fp32 masters (the masters travel, not the rounded weights), buffers, sharded AdamW state;
+    a different layout is refused naming the settings that must agree."""
+    from distributed_harness import run_distributed
+
+    results = run_distributed(_heal_shards, 2)
+    assert len(results) == 2
+    for result in results:
+        assert result["differed"] and result["weights_equal"] and result["masters_equal"] and result["state_equal"], (
+            result
+        )
+        assert "shards differently" in result["mismatch"] and "bucket_cap_mb" in result["mismatch"]

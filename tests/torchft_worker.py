@@ -4,8 +4,13 @@
 one fixed global batch per step (group ``G`` reads its slice) with ``DataParallelStrategy(fault_tolerance=...)``
 and the lighthouse from ``$TORCHFT_LIGHTHOUSE``; after every step it appends ``{"step", "time", "weights",
 "participants", "loss"}`` to ``DIR/group{G}.jsonl``. ``--kill-at-step K`` SIGKILLs the process in the middle of the
-step after ``K`` steps (after its backward, before the gradients are averaged over the groups). ``--reference``
-trains the same global batch on one device without the mode (``DIR/reference.jsonl``).
+step after ``K`` steps (after its backward, before the gradients are averaged over the groups). ``--zero STAGE``
+trains with ``ShardedOptimizerStrategy(stage=STAGE, shard_size=--devices, fault_tolerance=...)`` instead (hybrid
+sharding: ZeRO inside the group, torchft across groups; every rank records, with its ``"rank"``; the kill comes
+before backward, since this strategy averages over the groups inside it). ``--reference`` trains the same global
+batch on one device without the mode (``DIR/reference.jsonl``). ``--ckpt-dir D`` saves ``D/last.ckpt`` every 2 steps
+and resumes from it (``ckpt_path="last"``), as a group restarted by torchrun would. ``--nan-at-step S``: this group's
+loss is NaN in the step after ``S`` steps.
 """
 
 from __future__ import annotations
@@ -24,20 +29,23 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_parallel import DataParallelStrategy
+from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.fault_tolerance import FaultTolerance
 
 FEATURES, WIDTH, CLASSES, GLOBAL_BATCH = 12, 32, 4, 8
 
 
 class TinyMLP(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, nan_at_step: int = -1) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, CLASSES))
+        self.nan_at_step = nan_at_step
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.trainer.global_step == self.nan_at_step:
+            loss = loss * float("nan")  # this group skips the step (`nonfinite_loss="skip"`)
         self.last_loss = float(loss.detach())
         return loss
 
@@ -54,10 +62,21 @@ def global_batch() -> TensorDataset:
 class Recorder(pl.Callback):
     """Records every step; SIGKILLs at ``kill_at_step``; stops at the step written in ``stop_file`` (if any)."""
 
-    def __init__(self, path: Path, kill_at_step: int, stop_file: Path | None, pace: float) -> None:
+    def __init__(
+        self, path: Path, kill_at_step: int, stop_file: Path | None, pace: float, kill_before_backward: bool = False
+    ) -> None:
         self.path, self.kill_at_step, self.stop_file, self.pace = path, kill_at_step, stop_file, pace
+        self.kill_before_backward = kill_before_backward
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.kill_before_backward:
+            self._maybe_kill(trainer)
 
     def on_after_backward(self, trainer, pl_module):
+        if not self.kill_before_backward:
+            self._maybe_kill(trainer)
+
+    def _maybe_kill(self, trainer):
         # Mid-step: this group joined the step's quorum, the others' all-reduce will find it gone.
         if trainer.global_step == self.kill_at_step:
             # After the step's quorum set up the cross-group process group (a death during that set-up costs the
@@ -69,6 +88,7 @@ class Recorder(pl.Callback):
         replicas = getattr(trainer.strategy, "_replicas", None)
         weights = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).tolist()
         record = {
+            "rank": trainer.global_rank,
             "step": trainer.global_step,
             "time": time.time(),
             "weights": weights,
@@ -96,10 +116,13 @@ def main() -> TinyMLP:
     parser.add_argument("--stop-file", type=Path, default=None, help="stop at the step written in this file")
     parser.add_argument("--devices", type=int, default=1, help="processes in this replica group")
     parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
+    parser.add_argument("--nan-at-step", type=int, default=-1, help="this group's loss is NaN at this step")
+    parser.add_argument("--ckpt-dir", type=Path, default=None, help="save every 2 steps; resume from last.ckpt")
+    parser.add_argument("--zero", type=int, default=0, help="ZeRO stage (1 or 2) inside each group; 0: data parallel")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    model = TinyMLP()
+    model = TinyMLP(args.nan_at_step)
     if args.reference:
         strategy, name, batch = "auto", "reference", GLOBAL_BATCH
     else:
@@ -110,20 +133,29 @@ def main() -> TinyMLP:
             quorum_timeout=args.timeout,
             join_timeout=60.0,
         )
-        strategy = DataParallelStrategy(fault_tolerance=config)
+        if args.zero:
+            strategy = ShardedOptimizerStrategy(args.zero, shard_size=args.devices, fault_tolerance=config)
+        else:
+            strategy = DataParallelStrategy(fault_tolerance=config)
         name, batch = f"group{args.group}", GLOBAL_BATCH // (args.groups * args.devices)
+    callbacks: list[pl.Callback] = [
+        Recorder(args.out / f"{name}.jsonl", args.kill_at_step, args.stop_file, args.pace, bool(args.zero))
+    ]
+    if args.ckpt_dir is not None:
+        callbacks.append(pl.callbacks.ModelCheckpoint(args.ckpt_dir, every_n_train_steps=2, save_last=True))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1 if args.reference else args.devices,
         strategy=strategy,
         max_steps=args.steps,
-        callbacks=[Recorder(args.out / f"{name}.jsonl", args.kill_at_step, args.stop_file, args.pace)],
+        callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.ckpt_dir is not None,
     )
-    trainer.fit(model, DataLoader(global_batch(), batch_size=batch))
+    resume = "last" if args.ckpt_dir is not None else None
+    trainer.fit(model, DataLoader(global_batch(), batch_size=batch), ckpt_path=resume)
     return model
 
 

@@ -112,6 +112,25 @@ class ReplicaGroupSync:
         self.manager.allreduce(flat).wait()
         _copy_into(gradients, flat)
 
+    def average_shards(self, shards: Sequence[Tensor], used: Tensor | None) -> None:
+        """Cross-group collective (hybrid sharding: this rank's manager meets the same rank of every other group):
+        replace ``shards`` (this rank's reduced gradient shards) by their average over the groups in this step's
+        quorum, one flat all-reduce per dtype, and ``used`` (``uint8`` flags) by 1 where any group's is. A healing
+        group sends zeros, as in :meth:`average_gradients`."""
+        flags = used.to(torch.float32) if used is not None else None
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for tensor in [*shards, *([flags] if flags is not None else [])]:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        pending = []
+        for tensors in by_dtype.values():
+            flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+            pending.append((tensors, flat, self.manager.allreduce(flat)))
+        for tensors, flat, work in pending:
+            work.wait()
+            _copy_into(tensors, flat)
+        if used is not None and flags is not None:
+            used.copy_(flags > 0)
+
     def should_commit(self) -> bool:
         """Collective within the group: whether the optimizer may step. A healing group loads its peer's state here
         first (``load_state_dict``)."""
@@ -126,12 +145,22 @@ class ReplicaGroupSync:
         """Groups whose gradients the last step averaged."""
         return int(self.manager.num_participants())
 
-    def wait_for_groups(self, parameters: Sequence[Tensor], *, sleep: Callable[[float], None] = time.sleep) -> None:
+    def wait_for_groups(
+        self,
+        parameters: Sequence[Tensor],
+        *,
+        step_collective: Callable[[], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         """Before the first step, with ``config.start_together``: take part in quorums without training (rounds that
         never commit) until all ``num_replica_groups`` groups are in one, then give every group the ``parameters``
         of the quorum's first group (a sum in which the others send zeros: exact); or until the run turns out to be
         under way already (a restarted group: it healed from a peer in the round). Raises ``TimeoutError`` after
-        ``config.join_timeout`` seconds, naming how many groups came."""
+        ``config.join_timeout`` seconds, naming how many groups came.
+
+        In a round where this group heals, the live groups are in a training step: it then issues that step's
+        cross-group collective with zeros, ``step_collective`` (``None``: one all-reduce of as many elements as
+        ``parameters``, which is what a data-parallel step sends)."""
         deadline = time.monotonic() + self.config.join_timeout
         expected = self.config.num_replica_groups
         count = sum(parameter.numel() for parameter in parameters)
@@ -140,13 +169,17 @@ class ReplicaGroupSync:
             self.manager.start_quorum()
             present = self.num_participants()
             starting = self.step == 0 and present >= expected
-            if starting and self.manager.participating_rank() == 0:
-                flat = torch.cat([parameter.detach().reshape(-1) for parameter in parameters])
+            healing = not self.manager.is_participating()
+            if healing and step_collective is not None:
+                step_collective()
             else:
-                flat = torch.zeros(count, device=device)
-            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-            if starting:
-                _copy_into([parameter.detach() for parameter in parameters], flat)
+                if starting and self.manager.participating_rank() == 0:
+                    flat = torch.cat([parameter.detach().reshape(-1) for parameter in parameters])
+                else:
+                    flat = torch.zeros(count, device=device)
+                self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+                if starting:
+                    _copy_into([parameter.detach() for parameter in parameters], flat)
             self.manager.report_error(_WaitingForGroups("waiting for the other replica groups"))
             self.manager.should_commit()  # False; a healing group loads its peer's state here
             if starting or self.step > 0:

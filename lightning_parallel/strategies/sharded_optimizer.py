@@ -27,9 +27,11 @@ from lightning_parallel.distributed.averaged_copy import shard_whole_state
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
-from lightning_parallel.distributed.zero.backends import ZeroBackend, ZeroContext, backend_type
+from lightning_parallel.distributed.zero.backends import FlatBucketBackend, ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
 from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
+from lightning_parallel.distributed.zero.replicas import OwnedShardState
+from lightning_parallel.fault_tolerance.config import FaultTolerance
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
@@ -41,6 +43,7 @@ from lightning_parallel.strategies.parameter_callbacks import (
     TrainerParameterCallbacks,
     check_averaging_checkpoint_format,
 )
+from lightning_parallel.strategies.replica_groups import FaultTolerantReplicas
 from lightning_parallel.strategies.zero_precision import zero_precision
 
 __all__ = ["ShardedOptimizerStrategy"]
@@ -78,6 +81,13 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     bytes) across the groups, so gradients are averaged over every rank and training equals one device on the
     global batch. The layout is :attr:`device_mesh`'s ``("replicate", "shard")`` axes (``distributed/mesh.py``).
 
+    Fault-tolerant hybrid sharding (``fault_tolerance=FaultTolerance(...)``, stages 1-2, torchft): each replica group
+    is its own job of ``K`` processes sharding among themselves, and the replicate axis goes through torchft across
+    the groups alive at each step: rank ``i`` of every group averages its reduced gradient shard with rank ``i`` of
+    the others, the optimizer steps only if the step committed, a group that dies leaves the others training, and a
+    restarted group's rank ``i`` fetches its shard of parameters and optimizer state from rank ``i`` of a live group
+    (docs/reliability.md).
+
     Args:
         stage: 1, 2 or 3.
         shard_size: ranks per shard group (a divisor of the world size); ``None`` (default) shards over every rank.
@@ -108,6 +118,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             bucket (``distributed/zero/gather.py``), so a callback that reads no parameter keeps the overlap and one
             that does reads what it would without it. ``False`` waits at the end of the step. Checkpoints,
             evaluation and backward always see current parameters.
+        fault_tolerance: stages 1-2: ``FaultTolerance(replica_group=..., num_replica_groups=..., lighthouse=...)``
+            makes this job one replica group of a fault-tolerant run (torchft, an optional extra), sharding over all
+            of its processes (``shard_size`` ``None`` or the job's world size, at least 2) and averaging the gradient
+            shards over the groups alive at each step (the class docstring, docs/reliability.md). ``None``: off.
         master_weights: with 16-bit parameters (``precision="bf16-true"`` or ``"16-true"``), ``"fp32"`` (default)
             keeps an fp32 master copy of this rank's shard that the optimizer steps, rounded to the 16-bit weights
             after each step, and reduces gradients in fp32; ``None`` steps the 16-bit parameters directly, as plain
@@ -139,6 +153,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         activation_checkpointing: ActivationCheckpointing = False,
         master_weights: MasterWeights = "fp32",
         overlap_param_gather: bool | Literal["auto"] = "auto",
+        fault_tolerance: FaultTolerance | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -153,6 +168,15 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             overlap_param_gather=overlap_param_gather,
         )
         check_choice("checkpoint_format", checkpoint_format, CheckpointFormat)
+        if fault_tolerance is not None and stage == 3:
+            raise ValueError(
+                "`ShardedOptimizerStrategy(stage=3, fault_tolerance=...)` is not supported: fault tolerance across"
+                " replica groups works with ZeRO stages 1-2 (`stage=1` or `stage=2`), or with"
+                " `DataParallelStrategy(fault_tolerance=...)`."
+            )
+        replicas = None
+        if fault_tolerance is not None:
+            replicas = FaultTolerantReplicas(fault_tolerance, owner=f"ShardedOptimizerStrategy(stage={stage})")
         super().__init__(
             start_method=start_method,
             timeout=timeout,
@@ -177,6 +201,8 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self._reads_gradients: bool | None = None  # decided at the first backward of each fit
         self._syncs_gradients = True  # False inside `block_backward_sync` (accumulation)
         self._checks_group: dist.ProcessGroup | None = None
+        self.fault_tolerance = fault_tolerance
+        self._replicas = replicas
 
     # ------------------------------------------------------------------ settings (read from `zero_config`)
     @property
@@ -206,7 +232,33 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         """``(world_size / shard_size) x shard_size x 1``; ``shard_size=None``: ``1 x world_size x 1``. Raises
         ``ValueError`` (on every rank, before the group is joined) for a ``shard_size`` that does not divide the
         world size."""
+        if self._replicas is not None:
+            self._check_fault_tolerant_layout()
         return MeshLayout.for_sharding(self.world_size, self.shard_size)
+
+    def _check_fault_tolerant_layout(self) -> None:
+        """Local: with ``fault_tolerance`` the job is one replica group, whose processes form one shard group."""
+        owner = f"ShardedOptimizerStrategy(stage={self.stage}, fault_tolerance=...)"
+        if self.world_size < 2:
+            raise ValueError(
+                f"`{owner}` runs each replica group as one shard group of its processes, and this job has one process:"
+                " it would shard nothing. Start each group with 2 or more processes (devices), or use"
+                " `DataParallelStrategy(fault_tolerance=...)` for groups of one process."
+            )
+        if self.shard_size not in (None, self.world_size):
+            raise ValueError(
+                f"`{owner}`: `shard_size={self.shard_size}` must equal the replica group's process count"
+                f" ({self.world_size}): each replica group is its own job and one shard group; the replicate axis is"
+                f" the groups themselves (torchft). Pass `shard_size={self.world_size}` or `shard_size=None`, and run"
+                " more replica groups instead of several shard groups per job."
+            )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._replicas is None:
+            return super().distributed_sampler_kwargs
+        return self._replicas.sampler_kwargs(group_rank=self.global_rank, group_world_size=self.world_size)
 
     @property
     def is_sharding(self) -> bool:
@@ -258,6 +310,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             parameter_callbacks=TrainerParameterCallbacks(trainer.callbacks),
             warn=rank_zero_warn,
             sync_module_states=sync_module_states,
+            replicas=self._replicas if fitting else None,
         )
         self._backend = backend_type(self.stage, is_sharding=self.is_sharding)(self.zero_config, context)
         self._backend.convert_module(self.model, convert=self.precision_plugin.convert_module)
@@ -273,6 +326,8 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._validate_optimizers()
+            if self._replicas is not None:
+                self._replicas.check_supported(trainer, self.module)  # local; the groups are joined at train start
             self._backend.setup_optimizers(self.unwrapped_optimizers())
         self._loan, self._reads_gradients = None, None
         self.precision_plugin = zero_precision(
@@ -281,6 +336,36 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._replicas is not None:
+            self._join_replica_groups(self.module.trainer)
+
+    def _join_replica_groups(self, trainer: Any) -> None:
+        """Fitting with ``fault_tolerance``, at train start (after Lightning restored a checkpoint, which this strategy
+        loads after ``setup``: a live group's state must win over this group's own older checkpoint): start this
+        rank's torchft manager (its peers are the same rank of the other groups), wait for the groups
+        (``start_together``), then make the group's parameters whole again if a live group's shards were loaded
+        while joining."""
+        assert self._replicas is not None and self.cluster_environment is not None
+        backend = self._backend
+        assert isinstance(backend, FlatBucketBackend) and backend.buckets is not None  # stages 1-2, world size >= 2
+        optimizers = self.unwrapped_optimizers()
+        state = OwnedShardState(backend.buckets, self.module, optimizers[0]) if len(optimizers) == 1 else None
+        environment = self.cluster_environment
+        self._replicas.setup(
+            trainer,
+            self.module,
+            group_rank=self.global_rank,
+            group_world_size=self.world_size,
+            store=(environment.main_address, environment.main_port),
+            model_state=state,
+            zero_gradients=state.zero_gradients if state is not None else None,
+        )
+        if state is not None:
+            state.settle()
 
     @contextmanager
     def full_module(self) -> Generator[nn.Module, None, None]:
@@ -350,6 +435,8 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._check_same_trainable_parameters()  # every step: `requires_grad` may change between steps
         self.backend.wait_for_parameters(everywhere=False)  # the rest waits in the blocks' forward pre-hooks
+        if self._replicas is not None:
+            self._replicas.start_step()  # the quorum of replica groups, in the background during forward/backward
         output = super().training_step(*args, **kwargs)
         self._decide_skip_step(output)
         return output
@@ -370,14 +457,27 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        held = self.backend.reduce_gradients()
-        self._drop_gradients_if_skipped(held)  # every rank decided the same: no step on non-finite gradients
+        if self._replicas is not None and self._syncs_gradients:
+            self._reduce_over_replica_groups()
+        else:
+            held = self.backend.reduce_gradients()
+            self._drop_gradients_if_skipped(held)  # every rank decided the same: no step on non-finite gradients
         if self._gradients_are_read():
             self._loan = self.backend.lend_gradients(synced=self._syncs_gradients)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # `on_after_backward`
         if not self._syncs_gradients:  # accumulating: the next backward adds to the buckets, not to the loan
             self._hand_back_gradients()
         return closure_loss
+
+    def _reduce_over_replica_groups(self) -> None:
+        """``fault_tolerance``: the buckets' sync averages the gradient shards inside the group, then across the
+        groups (torchft); the optimizer steps only if the step committed. A group whose loss was non-finite sends
+        zeros and steps with the others' average, as a data-parallel group does, so the groups' weights stay equal."""
+        assert self._replicas is not None
+        check, self._finite_check = self._finite_check, None
+        self._replicas.send_zeros = check is not None and check.should_skip()
+        held = list(self.backend.reduce_gradients())
+        self._replicas.commit(held)
 
     def _gradients_are_read(self) -> bool:
         """Whether code may read ``.grad`` between backward and the step: manual optimization, or a module or user
@@ -537,6 +637,8 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     @override
     def teardown(self) -> None:
         self._loan = None  # dropped, not handed back: training is over (or failed)
+        if self._replicas is not None:
+            self._replicas.teardown()
         if self._backend is not None:  # setup may have failed before choosing it
             self._backend.teardown()
         super().teardown()

@@ -85,6 +85,7 @@ from lightning_parallel.distributed.zero.accumulation import (
 )
 from lightning_parallel.distributed.zero.flat_bucket import FlatBucket, Segment, ShardView
 from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, min_buckets, padded_numel
+from lightning_parallel.distributed.zero.replicas import ProcessGroupReplicas, ReplicaReduction
 
 __all__ = [
     "DEFAULT_BUCKETS_IN_FLIGHT",
@@ -147,6 +148,9 @@ class ShardedParameterBuckets:
             shard in the other shard groups (the mesh's ``replicate`` axis); each reduced gradient shard is then
             all-reduced across it (``1/K`` of the bucket's bytes), so gradients are averaged over every rank.
             ``None``: ``group`` is every rank there is.
+        replicas: instead of ``replicate_group``, any
+            :class:`~lightning_parallel.distributed.zero.replicas.ReplicaReduction` of the reduced shards across the
+            replicas (``FaultTolerance``: torchft's manager across replica groups, each its own job).
         bucket_cap_mb: bucket size in MiB; at stage 2 at most a sixteenth of the model
             (:data:`~lightning_parallel.distributed.zero.layout.STAGE2_MIN_BUCKETS`).
         frozen: parameters to bucket although ``requires_grad`` is off (those the optimizers hold, so unfreezing
@@ -175,6 +179,7 @@ class ShardedParameterBuckets:
         stage: int,
         group: dist.ProcessGroup | None = None,
         replicate_group: dist.ProcessGroup | None = None,
+        replicas: ReplicaReduction | None = None,
         bucket_cap_mb: float = 25.0,
         frozen: Iterable[nn.Parameter] = (),
         max_buckets_in_flight: int = DEFAULT_BUCKETS_IN_FLIGHT,
@@ -185,6 +190,8 @@ class ShardedParameterBuckets:
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"`stage={stage!r}` is invalid for ShardedParameterBuckets: use 1 or 2.")
+        if replicate_group is not None and replicas is not None:
+            raise ValueError("Pass `replicate_group` or `replicas` to ShardedParameterBuckets, not both.")
         if max_buckets_in_flight < 1:
             raise ValueError(f"`max_buckets_in_flight={max_buckets_in_flight!r}` is invalid: use 1 or more.")
         self.stage = stage
@@ -197,7 +204,11 @@ class ShardedParameterBuckets:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.replicate_group = replicate_group
-        self.replicate_size = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.replicas: ReplicaReduction | None = (
+            ProcessGroupReplicas(replicate_group) if replicate_group is not None else replicas
+        )
+        """Who averages the reduced shards across the replicas (hybrid sharding), or ``None``."""
+        self.replicate_size = self.replicas.divisor if self.replicas is not None else 1
         self.sync_gradients = True
         self.stats: CommunicationStats | None = None
         """Where to count collective bytes (``None``: not counted); see :class:`CommunicationStats`."""
@@ -490,23 +501,13 @@ class ShardedParameterBuckets:
         return lambda param: bool(used_anywhere[self._bucket_of[param][1].index])
 
     def _all_reduce_across_replicas(self, used: Tensor | None) -> None:
-        """Collective over :attr:`replicate_group` (hybrid sharding only): sum each bucket's freshly reduced shard
-        (already divided by every rank's count) and take the maximum of the "got a gradient" flags, in bucket order on
-        every rank. Each shard is ``1/K`` of its bucket: cheaper than an all-reduce of whole buckets over the world."""
-        if self.replicate_group is None:
+        """Collective across :attr:`replicas` (hybrid sharding only): combine each bucket's freshly reduced shard
+        (already divided by :attr:`replicate_size` times this group's ranks) and the "got a gradient" flags, in bucket
+        order on every rank. Each shard is ``1/K`` of its bucket: cheaper than an all-reduce of whole buckets."""
+        if self.replicas is None:
             return
-        works = []
-        for bucket in self.buckets:
-            fresh = bucket.shard_grads if bucket.pending_shard is None else bucket.pending_shard
-            if self.stats is not None:
-                self.stats.record("all_reduce", fresh.numel() * fresh.element_size())
-            works.append(dist.all_reduce(fresh, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True))
-        if used is not None:
-            if self.stats is not None:
-                self.stats.record("all_reduce", used.numel() * used.element_size())
-            works.append(dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.replicate_group, async_op=True))
-        for work in works:
-            work.wait()
+        fresh = [b.shard_grads if b.pending_shard is None else b.pending_shard for b in self.buckets]
+        self.replicas.reduce(fresh, used, self.stats)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

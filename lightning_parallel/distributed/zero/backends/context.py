@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_parallel.distributed.averaged_copy import CopyLayout, HeldCopy
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0
 from lightning_parallel.distributed.compression import CommunicationStats
+from lightning_parallel.distributed.zero.replicas import ReplicaReduction
 from lightning_parallel.instrumentation import StrategyEvents
 
 __all__ = ["NoParameterCallbacks", "ParameterCallbacks", "StageExtensions", "ZeroContext", "broadcast_on_its_device"]
@@ -106,3 +107,6 @@ class ZeroContext:
     ``DDPStrategy``'s); the default broadcasts tensor by tensor."""
     stage: StageExtensions | None = None
     """Set when the backend holds one stage of a pipeline (:class:`StageExtensions`); ``None``: a whole model."""
+    replicas: ReplicaReduction | None = None
+    """Stages 1-2: who averages the reduced gradient shards across replicas that are not in this job's mesh
+    (``FaultTolerance``: torchft across replica groups, each its own job). ``None``: the mesh's ``replicate`` axis."""

@@ -40,6 +40,7 @@ class FlatBucketBackend(ReplicatedBackend):
         super().__init__(config, context)
         self.stats = context.stats
         self.warn = context.warn
+        self.replicas = context.replicas
         self.buckets: ShardedParameterBuckets | None = None
         self.gather: OverlappedParameterGather | None = None  # fitting with `overlap_param_gather`
         self.sharded_optimizers: list[ShardedOptimizer] = []  # one per optimizer, in order
@@ -63,6 +64,7 @@ class FlatBucketBackend(ReplicatedBackend):
             stage=self.config.stage,
             group=shard_group,
             replicate_group=replicate_group,
+            replicas=self.replicas,
             bucket_cap_mb=self.config.bucket_cap_mb,
             frozen=held,
             master_dtype=torch.float32 if self.config.master_weights == "fp32" else None,

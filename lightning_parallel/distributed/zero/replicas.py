@@ -1,0 +1,140 @@
+"""The replicate axis of hybrid sharding (stages 1-2): how each reduced gradient shard is averaged across the shard
+groups, and what a replica needs to take over another's shard.
+
+Hybrid sharding (``ShardedOptimizerStrategy(shard_size=K)``) reduces each gradient bucket inside its shard group of
+``K`` ranks, then combines the ``1/K`` shard a rank holds with the same shard of the other groups. Who does the second
+step is a :class:`ReplicaReduction`:
+
+* :class:`ProcessGroupReplicas`: a plain process group over the ranks holding the same shard in every group (one job,
+  the mesh's ``replicate`` axis); the buckets divide by its size and it sums.
+* ``FaultTolerantReplicas`` (``strategies/replica_groups.py``): torchft's manager across replica groups that are
+  separate jobs; it averages over the groups alive at the step, so the buckets divide by the group's ranks only.
+
+:class:`OwnedShardState` is what a restarted replica group's rank ``i`` receives from rank ``i`` of a live one: its
+shard of every bucket (the fp32 master where there is one), the module's buffers and the optimizer's own (sharded)
+state dict. The two ranks shard alike (same model, ``shard_size`` and bucket size), so no layout is translated; the
+rest of each parameter arrives with the group's all-gather after its next step (or :meth:`OwnedShardState.settle`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_parallel.accounting import CommunicationStats
+
+__all__ = ["OwnedShardState", "ProcessGroupReplicas", "ReplicaReduction"]
+
+
+class ReplicaReduction(Protocol):
+    """Combines each rank's reduced gradient shards with the same shards of the other replicas (collective)."""
+
+    divisor: int
+    """What the buckets divide each gradient by beyond their own group's ranks before :meth:`reduce` (it sums): the
+    number of replicas, or 1 for a reduction that averages by itself."""
+
+    def reduce(self, shards: Sequence[Tensor], used: Tensor | None, stats: CommunicationStats | None) -> None:
+        """Collective across the replicas, in place: each of ``shards`` becomes its sum (or average, ``divisor=1``)
+        over them, in the same order on every replica; ``used`` (one ``uint8`` per bucketed parameter, or ``None``)
+        becomes 1 where any replica's is. ``stats``: where to count the bytes, or ``None``."""
+
+
+class ProcessGroupReplicas:
+    """:class:`ReplicaReduction` over a plain process group (one job's ``replicate`` mesh axis): sums, flags' MAX."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.divisor = dist.get_world_size(group)
+
+    def reduce(self, shards: Sequence[Tensor], used: Tensor | None, stats: CommunicationStats | None) -> None:
+        works = []
+        for shard in shards:
+            if stats is not None:
+                stats.record("all_reduce", shard.numel() * shard.element_size())
+            works.append(dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        if used is not None:
+            if stats is not None:
+                stats.record("all_reduce", used.numel() * used.element_size())
+            works.append(dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        for work in works:
+            work.wait()
+
+
+class OwnedShardState:
+    """What one rank of a replica group sends a restarted group's same rank, and how that rank loads it.
+
+    Args:
+        buckets: this rank's :class:`~lightning_parallel.distributed.zero.buckets.ShardedParameterBuckets`.
+        module: the module whose buffers travel too (parameters travel as the buckets' shards).
+        optimizer: the user's optimizer, stepping this rank's shard views (its own ``state_dict`` is sharded).
+    """
+
+    def __init__(self, buckets: Any, module: nn.Module, optimizer: Optimizer) -> None:
+        self.buckets = buckets
+        self.module = module
+        self.optimizer = optimizer
+        self.loaded = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Local (may run on another thread while this rank trains: it reads only what the optimizer step writes).
+        Copies of this rank's shard of every bucket, the buffers and the sharded optimizer state."""
+        shards = []
+        for bucket in self.buckets.buckets:
+            if bucket.master is not None:
+                shards.append(bucket.master.detach().clone())
+            else:
+                start = self.buckets.rank * bucket.shard_numel
+                shards.append(bucket.flat_params[start : start + bucket.shard_numel].detach().clone())
+        return {
+            "layout": self._layout(),
+            "shards": shards,
+            "buffers": {name: buffer.detach().clone() for name, buffer in self.module.named_buffers()},
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Local. Take over a peer's shard, buffers and optimizer state; the other ranks' pieces of each parameter
+        arrive with the group's next all-gather (after the step, or :meth:`settle`)."""
+        if state["layout"] != self._layout():
+            raise RuntimeError(
+                "ShardedOptimizerStrategy(fault_tolerance=...): the live replica group shards differently"
+                f" ({state['layout']} against this group's {self._layout()}: bucket sizes per rank and ranks per"
+                " group). Run every group with the same model, `shard_size`, `bucket_cap_mb` and processes per group."
+            )
+        for bucket, shard in zip(self.buckets.buckets, state["shards"], strict=True):
+            start = self.buckets.rank * bucket.shard_numel
+            owned = bucket.flat_params[start : start + bucket.shard_numel]
+            if bucket.master is not None:
+                bucket.master.copy_(shard)
+            owned.copy_(shard)  # rounded to the parameters' dtype beside a master
+        buffers = dict(self.module.named_buffers())
+        for name, value in state["buffers"].items():
+            buffers[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.loaded = True
+
+    def zero_gradients(self) -> tuple[list[Tensor], Tensor | None]:
+        """Local. Zeros shaped as what the buckets hand their :class:`ReplicaReduction` in a step: each bucket's
+        reduced gradient shard and the "got a gradient" flags (``None`` without bucketed parameters)."""
+        shards = [torch.zeros_like(bucket.shard_grads) for bucket in self.buckets.buckets]
+        count = len(self.buckets.parameters)
+        used = torch.zeros(count, dtype=torch.uint8, device=self.buckets.device) if count else None
+        return shards, used
+
+    def settle(self) -> None:
+        """Collective in the group, once, after joining: if a peer's state was loaded outside a step, all-gather the
+        parameters (each rank holds only its own shard of them); otherwise start the masters from the parameters
+        (which may have been replaced by the first group's)."""
+        if self.loaded:
+            self.buckets.all_gather_parameters()
+        else:
+            self.buckets.reset_master_weights()
+
+    def _layout(self) -> list[int]:
+        return [self.buckets.world_size, *(bucket.shard_numel for bucket in self.buckets.buckets)]
