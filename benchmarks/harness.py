@@ -341,9 +341,21 @@ def _fit(contender: Contender, workload: Workload, *, monitored: bool) -> Run:
 
 
 def one_line(error: BaseException) -> str:
-    """The last non-empty line of an error's message (a forked rank's traceback ends with its real error)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
+    """The last non-empty line of an error's message (a forked rank's traceback ends with its real error), and that
+    of the error it was raised while handling, if any (a rank that died first: the launcher's teardown error that
+    follows names only its own symptom)."""
+
+    def last_line(exception: BaseException) -> str:
+        lines = [line.strip() for line in str(exception).splitlines() if line.strip()]
+        return f"{type(exception).__name__}: {lines[-1] if lines else ''}"
+
+    first = error.__cause__ if error.__cause__ is not None else None
+    if first is None and not error.__suppress_context__:  # `raise ... from None` hides the context on purpose
+        first = error.__context__
+    text = last_line(error)
+    if first is not None:
+        text += f" (while handling {last_line(first)})"
+    return text[:300]
 
 
 @dataclass

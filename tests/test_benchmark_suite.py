@@ -142,6 +142,27 @@ def test_an_anchor_that_cannot_start_is_reported_and_ours_is_not_excused() -> No
         harness.run_interleaved([ours], workload, repeats=1)
 
 
+def test_an_error_raised_while_handling_another_names_both() -> None:
+    """A rank that died first (the launcher's error) and the teardown error that followed it: the line says both."""
+    try:
+        try:
+            raise ChildProcessError("process 0 terminated with signal SIGSEGV")
+        except ChildProcessError:
+            raise NotImplementedError("Cannot copy out of meta tensor; no data!") from None
+    except NotImplementedError as error:
+        assert harness.one_line(error) == "NotImplementedError: Cannot copy out of meta tensor; no data!"
+    try:
+        try:
+            raise ChildProcessError("traceback\nprocess 0 terminated with signal SIGSEGV")
+        except ChildProcessError:
+            raise NotImplementedError("Cannot copy out of meta tensor; no data!")  # noqa: B904 (the chain under test)
+    except NotImplementedError as error:
+        assert harness.one_line(error) == (
+            "NotImplementedError: Cannot copy out of meta tensor; no data! (while handling ChildProcessError: process 0"
+            " terminated with signal SIGSEGV)"
+        )
+
+
 class _RecordsMonitor(lightning.pytorch.Callback):
     """Appends, at the start of every fit, whether a ParallelismMonitor is among the Trainer's callbacks."""
 
