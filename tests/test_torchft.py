@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,15 @@ class _Run:
                 raise AssertionError(f"timed out waiting for {what}:\n{self.logs()}")
             time.sleep(0.2)
 
+    def finish_together(
+        self, processes: tuple[subprocess.Popen, ...], *, last_step: Callable[[], int], extra: int
+    ) -> None:
+        """Have every group stop at the same step (``extra`` after the last one seen) and wait for them to exit."""
+        (self.out / "stop").write_text(str(last_step() + extra))
+        for process in processes:
+            process.wait(timeout=self.remaining())
+            assert process.returncode == 0, self.logs()
+
     def logs(self) -> str:
         return "\n".join(f"--- {p}\n{p.read_text()[-2500:]}" for p in sorted(self.out.rglob("log*")))
 
@@ -125,6 +135,10 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _last_step(*paths: Path) -> int:
+    return max(r["step"] for path in paths for r in _records(path))
+
+
 def test_a_killed_replica_group_leaves_the_others_training_and_rejoins(tmp_path: Path) -> None:
     pytest.importorskip("torchft")
     run = _Run(tmp_path)
@@ -137,11 +151,8 @@ def test_a_killed_replica_group_leaves_the_others_training_and_rejoins(tmp_path:
 
         rejoined = tmp_path / "restarted" / "group1.jsonl"
         run.wait_for(lambda: sum(r["participants"] == 2 for r in _records(rejoined)) >= 3, "the restarted group")
-        last = max(r["step"] for r in _records(tmp_path / "first" / "group0.jsonl") + _records(rejoined))
-        (tmp_path / "stop").write_text(str(last + 3))  # both groups stop at the same step
-        for process in (survivor, restarted):
-            process.wait(timeout=run.remaining())
-            assert process.returncode == 0, run.logs()
+        seen = (tmp_path / "first" / "group0.jsonl", rejoined)
+        run.finish_together((survivor, restarted), last_step=lambda: _last_step(*seen), extra=3)
     finally:
         run.close()
 
@@ -278,11 +289,8 @@ def test_hybrid_sharding_survives_a_killed_replica_group(tmp_path: Path) -> None
 
         rejoined = tmp_path / "restarted" / "group1.jsonl"
         run.wait_for(lambda: sum(r["participants"] == 2 for r in _zero_records(rejoined)) >= 2, "the restarted group")
-        last = max(r["step"] for r in _records(tmp_path / "first" / "group0.jsonl") + _records(rejoined))
-        (tmp_path / "stop").write_text(str(last + 2))  # both groups stop at the same step
-        for process in (survivor, restarted):
-            process.wait(timeout=run.remaining())
-            assert process.returncode == 0, run.logs()
+        seen = (tmp_path / "first" / "group0.jsonl", rejoined)
+        run.finish_together((survivor, restarted), last_step=lambda: _last_step(*seen), extra=2)
     finally:
         run.close()
 
