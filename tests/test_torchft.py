@@ -29,7 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "torchft_worker.py"
 KILL_AT_STEP = 5
 DEADLINE = 150.0  # seconds for the whole run; every wait below is bounded by it
-STALL_LIMIT = 15.0  # a survivor that waited for a collective timeout (20 s here) would exceed it
 # A dead group's heartbeat expires after 2 s; the lighthouse waits up to 5 s for a heartbeating straggler.
 LIGHTHOUSE_TIMEOUTS = ("--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "2000")
 
@@ -170,10 +169,6 @@ def test_a_killed_replica_group_leaves_the_others_training_and_rejoins(tmp_path:
         assert record["participants"] == 2
         torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
 
-    # The survivor never stalled: one step after another, each within seconds (the dead group's heartbeat
-    # expires after 2 s; a wait for the 20 s collective timeout would show here).
-    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(first)]
-    assert max(gaps) < STALL_LIMIT, gaps
     # The step the victim died in did not commit: the survivor's weights and step count stayed as they were (its
     # record repeats once), then it trained alone until the restarted group joined.
     steps = [r["step"] for r in first]
@@ -182,6 +177,8 @@ def test_a_killed_replica_group_leaves_the_others_training_and_rejoins(tmp_path:
     assert first[steps.index(KILL_AT_STEP) + 1]["weights"] == repeats[0]["weights"]
     assert sorted(set(steps)) == list(range(1, steps[-1] + 1))  # nothing else lost or repeated
     assert any(r["participants"] == 1 for r in first), "the survivor never trained alone"
+    # How long the survivor waited around the kill is wall-clock, not asserted here: measured by
+    # benchmarks/torchft_overhead.py (2-3 s, the dead group's 2 s heartbeat expiry; docs/reliability.md).
 
     # The restarted group rejoined with the survivor's weights, equal at every step since (bit for bit).
     joined = [r for r in again if r["participants"] == 2]
@@ -309,15 +306,13 @@ def test_hybrid_sharding_survives_a_killed_replica_group(tmp_path: Path) -> None
             assert record["participants"] == 2
             torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
         # The survivor: the step the victim died in did not commit (recorded twice, weights unchanged), no step
-        # lost or repeated otherwise, some trained alone, never a long stall.
+        # lost or repeated otherwise, some trained alone.
         steps = [r["step"] for r in first]
         repeats = [a for a, b in itertools.pairwise(first) if a["step"] == b["step"]]
         assert [r["step"] for r in repeats] == [KILL_AT_STEP], steps
         assert first[steps.index(KILL_AT_STEP) + 1]["weights"] == repeats[0]["weights"]
         assert sorted(set(steps)) == list(range(1, steps[-1] + 1))
         assert any(r["participants"] == 1 for r in first), "the survivor never trained alone"
-        gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(first)]
-        assert max(gaps) < STALL_LIMIT, gaps
         # The restarted group's rank healed its shard from the survivor's same rank; after the group's all-gather
         # its whole weights equal the survivor's at every step since (bit for bit), to the last step.
         joined = [r for r in again if r["participants"] == 2]
