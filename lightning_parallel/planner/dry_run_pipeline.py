@@ -14,8 +14,10 @@ What a fake process group cannot carry is answered locally, only while the dry r
 * the plan agreement (``all_gather_object`` of the stage boundaries): every rank computes the same plan, so each
   rank's entry is this rank's;
 * torch's metadata inference, which sends each stage's output shapes to the next stage and its input-gradient shapes
-  to the previous one by ``send_object_list``: before the split, the whole model's stages run once on fake tensors
-  and ``PipelineStage._recv_meta`` answers from their shapes (``_send_meta`` sends nothing).
+  to the previous one: before the split, the whole model's stages run once on fake tensors and the receive answers
+  from their outputs, the send sends nothing (``PipelineStage._recv_meta`` / ``_send_meta`` on torch >= 2.12,
+  ``dist.recv_object_list`` / ``send_object_list`` inside ``_shape_inference`` on 2.11: see
+  :func:`lightning_parallel.distributed.pipeline._compat.local_metadata_inference`).
 
 Received activations and gradients are fake tensors of the right shape (the fake group's receive writes nothing).
 :func:`measure_pipeline_step` runs the same step on real tensors in an initialised process group.
@@ -33,8 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.pipelining import PipelineStage, schedules
-from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
+from torch.distributed.pipelining import schedules
 from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_parallel.accounting import LiveTensorPeak, live_tensors, optimizer_state_tensors
@@ -182,25 +183,13 @@ class _PipelineStepRunner:
         def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
             object_list[:] = [obj] * len(object_list)  # every rank computed the same plan
 
-        def recv_meta(stage: PipelineStage, src_stage: int) -> Any:
-            if src_stage < stage.stage_index:
-                return _StageForwardMeta(forward_metas=metas[src_stage])
-            return _StageBackwardMeta(backward_metas=metas[stage.stage_index])  # the gradients of its outputs
-
-        def send_meta(stage: PipelineStage, meta: Any, dst_stage: int) -> None:
-            """Nothing to send: the receiving stage's answer is computed locally."""
-
         def get_backend(group: Any = None) -> str:
             return backend  # the fake group says "fake"; ZeRO picks its collectives by the real run's backend
 
         replacements: list[tuple[Any, str, Any]] = [
             (dist, "all_gather_object", all_gather_object),
             (dist, "get_backend", get_backend),
-            (PipelineStage, "_recv_meta", recv_meta),
-            (PipelineStage, "_send_meta", send_meta),
-            # torch's vote on static vs dynamic metadata: every stage is built without metadata, so it is dynamic.
-            (PipelineStage, "_warmup_forward_vote", _dynamic_vote),
-            (PipelineStage, "_warmup_backward_result", _dynamic_vote),
+            *_compat.local_metadata_inference(metas.__getitem__),
             (schedules, "_batch_p2p", _holding(schedules._batch_p2p)),
             (stage_split, "offload_layers", _offload_fake_layers),
             (nn.Module, "to", _to_unless_there(nn.Module.to)),
@@ -314,10 +303,6 @@ def _to_unless_there(module_to: Callable[..., nn.Module]) -> Callable[..., nn.Mo
     return to
 
 
-def _dynamic_vote(stage: PipelineStage, *args: Any, **kwargs: Any) -> Tensor:
-    return torch.tensor([0], dtype=torch.int32)
-
-
 def _offload_fake_layers(layers: Sequence[nn.Module], indices: Sequence[int], *, keep: Collection[int] = ()) -> None:
     """``offload_layers`` for fake tensors: another rank's layers on ``meta``. A fake tensor cannot be swapped in place
     (torch's fake mode holds a weak reference to each), so each parameter and buffer is replaced by a ``meta`` one."""
@@ -360,8 +345,15 @@ def _stage_metas(
         args = tuple(
             a.detach().requires_grad_(a.requires_grad) for a in (output if isinstance(output, tuple) else (output,))
         )
-        metas[stage] = extract_tensor_metas(args)
+        metas[stage] = tuple(_on_meta(a) for a in args)  # shapes only: holds no bytes the peak would count
     return metas
+
+
+def _on_meta(value: Any) -> Any:
+    if not isinstance(value, Tensor):
+        return value
+    meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return meta.requires_grad_(value.requires_grad)
 
 
 def dry_run_pipeline(workload: DryRunWorkload, layout: PipelineLayout, *, warmup_steps: int = 1) -> StepPeak:

@@ -16,6 +16,14 @@ layer-sync flag) are in :mod:`lightning_parallel._compat`, so this package impor
   ``get_local_bwd_output`` / ``set_local_bwd_input`` (how torch's runtime hands an input gradient between two stages
   of one rank, the tip of a V): overridden to pass nothing when the schedule runs without backward (evaluation under
   a V schedule), where torch's would raise.
+* ``_get_init_p2p_neighbors_ops`` (torch <= 2.11's P2P warm-up, overridden by ``SideEffectFreePipelineStage`` to
+  drop a same-rank neighbour) and :func:`p2p_peer`, the group rank a ``P2POp`` talks to (``group_peer`` since torch
+  2.6, ``peer`` a global rank before).
+* Metadata inference answered locally (the planner's dry run, :func:`local_metadata_inference`): torch >= 2.12 sends
+  ``_StageForwardMeta`` / ``_StageBackwardMeta`` (``torch.distributed.pipelining._utils``) through
+  ``PipelineStage._recv_meta`` / ``_send_meta`` and votes on static metadata (``_warmup_forward_vote`` /
+  ``_warmup_backward_result``); torch 2.11 sends each stage's outputs as meta tensors with
+  ``dist.send_object_list`` / ``recv_object_list`` inside ``PipelineStage._shape_inference``.
 * ``FakeTensorMode`` (``torch._subclasses.fake_tensor``): :mod:`.flops` counts a layer's FLOPs with fake stand-ins
   for its parameters (shapes without memory that report their real device), as torch's own ``FlopCounterMode`` tests
   and ``torch.export`` do.
@@ -23,12 +31,23 @@ layer-sync flag) are in :mod:`lightning_parallel._compat`, so this package impor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import _utils as pipelining_utils
+from torch.utils._pytree import tree_map_only
 
-__all__ = ["FakeTensorMode", "schedule_backward_initialized", "stage_inference_method"]
+__all__ = [
+    "FakeTensorMode",
+    "local_metadata_inference",
+    "p2p_peer",
+    "schedule_backward_initialized",
+    "stage_inference_method",
+]
 
 _STAGE_INFERENCE_METHODS = ("_compute_outputs", "_shape_inference")
 
@@ -55,3 +74,74 @@ def stage_inference_method(stage_class: type) -> str:
         " lightning_parallel wraps so that torch's shape inference leaves BatchNorm statistics alone. Use a torch"
         " version this package supports, or report it."
     )
+
+
+def p2p_peer(op: dist.P2POp) -> int | None:
+    """The rank in ``op.group`` that ``op`` sends to or receives from."""
+    return getattr(op, "group_peer", None)
+
+
+Replacement = tuple[Any, str, Any]
+"""``(owner, attribute name, value)``: set for the length of a dry run, then restored."""
+
+
+def local_metadata_inference(stage_outputs: Callable[[int], tuple[Any, ...]]) -> list[Replacement]:
+    """What answers torch's metadata inference without messages, for this torch version.
+
+    ``stage_outputs(i)`` returns stage ``i``'s outputs (fake tensors, ``requires_grad`` as in training): what stage
+    ``i + 1`` receives, and the shapes of the gradients stage ``i`` receives back. Every rank can compute them, so
+    nothing is sent: the fake process group of the planner's dry run carries no objects.
+    """
+    if hasattr(PipelineStage, "_recv_meta"):  # torch >= 2.12
+        return _meta_message_answers(stage_outputs)
+    return _object_list_answers(stage_outputs)  # torch 2.11
+
+
+def _meta_message_answers(stage_outputs: Callable[[int], tuple[Any, ...]]) -> list[Replacement]:
+    def recv_meta(stage: PipelineStage, src_stage: int) -> Any:
+        metas: Any
+        if src_stage < stage.stage_index:
+            metas = pipelining_utils.extract_tensor_metas(stage_outputs(src_stage))
+            return pipelining_utils._StageForwardMeta(forward_metas=metas)
+        metas = pipelining_utils.extract_tensor_metas(stage_outputs(stage.stage_index))  # its outputs' gradients
+        return pipelining_utils._StageBackwardMeta(backward_metas=metas)
+
+    def send_meta(stage: PipelineStage, meta: Any, dst_stage: int) -> None:
+        """Nothing to send: the receiving stage's answer is computed locally."""
+
+    def dynamic_vote(stage: PipelineStage, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor([0], dtype=torch.int32)  # every stage is built without metadata: dynamic
+
+    replacements: list[Replacement] = [
+        (PipelineStage, "_recv_meta", recv_meta),
+        (PipelineStage, "_send_meta", send_meta),
+    ]
+    for name in ("_warmup_forward_vote", "_warmup_backward_result"):  # torch's static-vs-dynamic vote (>= 2.13)
+        if hasattr(PipelineStage, name):
+            replacements.append((PipelineStage, name, dynamic_vote))
+    return replacements
+
+
+def _object_list_answers(stage_outputs: Callable[[int], tuple[Any, ...]]) -> list[Replacement]:
+    inferring: list[PipelineStage] = []  # the stage whose `_shape_inference` runs (the receive does not name it)
+    shape_inference = getattr(PipelineStage, "_shape_inference")  # noqa: B009  (absent from newer torch's stubs)
+
+    def traced_shape_inference(stage: PipelineStage, *args: Any, **kwargs: Any) -> Any:
+        inferring.append(stage)
+        try:
+            return shape_inference(stage, *args, **kwargs)
+        finally:
+            inferring.pop()
+
+    def recv_object_list(objects: list[Any], *args: Any, **kwargs: Any) -> None:
+        received = stage_outputs(inferring[-1].stage_index - 1)
+        objects[0] = tuple(tree_map_only(torch.Tensor, lambda t: t.to("meta"), received))
+
+    def send_object_list(objects: list[Any], *args: Any, **kwargs: Any) -> None:
+        """Nothing to send: the receiving stage's answer is computed locally."""
+
+    return [
+        (PipelineStage, "_shape_inference", traced_shape_inference),
+        (dist, "recv_object_list", recv_object_list),
+        (dist, "send_object_list", send_object_list),
+    ]

@@ -401,6 +401,14 @@ class SideEffectFreePipelineStage(PipelineStage):
             return
         super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
+    # torch <= 2.11 warms up the P2P channels to both neighbouring stages at the first step, also to a neighbour on
+    # this same rank (a V placement's tip: stages p-1 and p), which gloo refuses ("Pair is not connected"; the
+    # ZBVZeroBubble and DualPipeV schedules failed at their first step). Same-rank stages hand tensors over locally,
+    # so their warm-up is dropped; later torch replaced this warm-up by a vote that skips them.
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        ops = super()._get_init_p2p_neighbors_ops()
+        return [op for op in ops if _compat.p2p_peer(op) != self.group_rank]
+
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._observed("F", super().forward_one_chunk, args, kwargs)
 

@@ -36,6 +36,7 @@ from torchmetrics import Metric
 from lightning_parallel.distributed.blocks import find_blocks
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0  # re-exported: the ZeRO-3 backend's
 from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, even_split, place_scalar_state
+from lightning_parallel.distributed.zero import stage3_compat
 
 __all__ = [
     "apply_fully_shard",
@@ -130,7 +131,7 @@ def refresh_gradient_dtypes(unit: nn.Module) -> None:
     if not isinstance(unit, FSDPModule):
         return
     try:
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
+        for group in stage3_compat.param_groups_of(unit):
             group._init_mp_dtypes()
     except AttributeError as error:  # pragma: no cover - only on a torch version that moved these fields
         raise RuntimeError(

@@ -7,7 +7,7 @@ communication context is created lazily); :func:`is_initialised_root` tells whic
 :func:`propagate_requires_grad` reads FSDP2's per-parameter records (``FSDPParam``), which have no public API.
 :func:`initialise_root` runs FSDP2's lazy initialisation of the root unit (``FSDPState._lazy_init``), which FSDP2 runs
 only at the first forward of whichever unit comes first and which has no public entry point. Checked against torch
-2.13: a version that renames these fields fails here with a named error, not silently.
+2.11 to 2.14: a version that renames these fields fails here with a named error, not silently.
 
 Also the one torch private of the stage 1-2 overlap (``distributed/zero/gather.py``): :func:`current_function_mode`
 (``torch.overrides._get_current_function_mode``), the innermost active ``TorchFunctionMode``. The overlap's
@@ -36,6 +36,7 @@ __all__ = [
     "has_all_reduce_hook",
     "initialise_root",
     "is_initialised_root",
+    "param_groups_of",
     "post_accumulate_grad_hooks",
     "propagate_requires_grad",
     "queue_at_end_of_backward",
@@ -52,6 +53,17 @@ def _moved(error: AttributeError, consequence: str) -> RuntimeError:
     )
 
 
+def param_groups_of(unit: FSDPModule) -> list[Any]:
+    """FSDP2's ``FSDPParamGroup`` records of ``unit``: a list ``_fsdp_param_groups`` since torch 2.12 (several groups
+    per unit), a single optional ``_fsdp_param_group`` in torch 2.11 and earlier."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group  # torch <= 2.11; AttributeError (named by the callers) if this moved too
+    return [] if group is None else [group]
+
+
 def current_function_mode() -> TorchFunctionMode | None:
     """The innermost active ``TorchFunctionMode`` of this thread, or ``None``."""
     return _get_current_function_mode()
@@ -60,7 +72,7 @@ def current_function_mode() -> TorchFunctionMode | None:
 def _saved_reshard_settings(unit: FSDPModule) -> tuple[Any, bool | None, list[tuple[Any, Any]]]:
     try:
         state = unit._get_fsdp_state()
-        groups = [(group, group.post_forward_mesh_info) for group in state._fsdp_param_groups]
+        groups = [(group, group.post_forward_mesh_info) for group in param_groups_of(unit)]
         return state, state._auto_reshard_after_forward, groups
     except AttributeError as error:  # pragma: no cover - only on a torch version that moved these fields
         raise _moved(error, "`ShardedOptimizerStrategy.full_module()` cannot keep parameters unsharded.") from error
@@ -121,7 +133,7 @@ def propagate_requires_grad(unit: FSDPModule) -> None:
     last one step. FSDP2 itself sets both equal when it registers the unsharded parameter, so a difference here is
     the user's change. Local; call before the unit's forward.
     """
-    for group in unit._get_fsdp_state()._fsdp_param_groups:
+    for group in param_groups_of(unit):
         for fsdp_param in group.fsdp_params:
             info = fsdp_param._module_info
             registered = getattr(info.module, info.param_name)
@@ -134,7 +146,7 @@ def sharded_gradient_params(unit: FSDPModule) -> list[Any]:
     """FSDP2's per-parameter records (``FSDPParam``) of ``unit``: what its reduction writes ``.grad`` of. Each has
     ``sharded_param`` (the DTensor the optimizer steps) and ``offload_to_cpu``."""
     try:
-        return [fsdp_param for group in unit._get_fsdp_state()._fsdp_param_groups for fsdp_param in group.fsdp_params]
+        return [fsdp_param for group in param_groups_of(unit) for fsdp_param in group.fsdp_params]
     except AttributeError as error:  # pragma: no cover - only on a torch version that moved these fields
         raise _moved(error, "ZeRO-3 cannot reduce gradients on gloo.") from error
 
@@ -151,7 +163,7 @@ def local_gradient(fsdp_param: Any) -> Tensor | None:
 
 def has_all_reduce_hook(unit: FSDPModule) -> bool:
     """Whether ``FSDPModule.set_all_reduce_hook`` gave ``unit`` a hook (it runs on the reduced shard at once)."""
-    groups = unit._get_fsdp_state()._fsdp_param_groups
+    groups = param_groups_of(unit)
     return any(getattr(group, "_all_reduce_hook", None) is not None for group in groups)
 
 
