@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_parallel.distributed.zero.stage3_compat import (
     is_initialised_root,
     propagate_requires_grad,
+    reset_iteration,
     reshard_after_forward_disabled,
 )
 
@@ -106,4 +107,4 @@ def reset_after_failure(units: Sequence[nn.Module]) -> None:
     for unit in units:
         # A non-root unit is reset by its root; one that never ran a forward holds nothing unsharded.
         if isinstance(unit, FSDPModule) and is_initialised_root(unit):
-            unit.reset_iter_state()
+            reset_iteration(unit)

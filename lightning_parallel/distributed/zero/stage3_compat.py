@@ -3,7 +3,10 @@
 ``FSDPModule.set_reshard_after_forward`` is public but has no getter and also clears the "auto" flag that lets FSDP2
 keep the root unit unsharded after forward; :func:`reshard_after_forward_disabled` restores both exactly.
 ``FSDPModule.reset_iter_state`` is public, but in torch 2.13 fails on a root unit that never ran a forward (its
-communication context is created lazily); :func:`is_initialised_root` tells which units to reset.
+communication context is created lazily); :func:`is_initialised_root` tells which units to reset. torch 2.11 has no
+``reset_iter_state``: :func:`reset_iteration` does the part teardown needs with FSDP2's ``TrainingState``.
+FSDP2 keeps one ``_fsdp_param_group`` per unit up to torch 2.11, a list ``_fsdp_param_groups`` since 2.12
+(:func:`param_groups_of`).
 :func:`propagate_requires_grad` reads FSDP2's per-parameter records (``FSDPParam``), which have no public API.
 :func:`initialise_root` runs FSDP2's lazy initialisation of the root unit (``FSDPState._lazy_init``), which FSDP2 runs
 only at the first forward of whichever unit comes first and which has no public entry point. Checked against torch
@@ -29,6 +32,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 __all__ = [
@@ -40,6 +44,7 @@ __all__ = [
     "post_accumulate_grad_hooks",
     "propagate_requires_grad",
     "queue_at_end_of_backward",
+    "reset_iteration",
     "reshard_after_forward_disabled",
     "sharded_gradient_params",
 ]
@@ -56,7 +61,28 @@ def _moved(error: AttributeError, consequence: str) -> RuntimeError:
 def param_groups_of(unit: FSDPModule) -> list[Any]:
     """FSDP2's ``FSDPParamGroup`` records of ``unit``: a list ``_fsdp_param_groups`` since torch 2.12 (several groups
     per unit), a single optional ``_fsdp_param_group`` in torch 2.11 and earlier."""
-    state = unit._get_fsdp_state()
+    return _state_param_groups(unit._get_fsdp_state())
+
+
+def reset_iteration(root: FSDPModule) -> None:
+    """Local. FSDP2's ``reset_iter_state()`` on an initialised root (torch >= 2.12); on torch 2.11, which has none,
+    the part of it teardown needs: every unit below ``root`` idle and resharded, the iteration's trackers cleared."""
+    reset = getattr(root, "reset_iter_state", None)
+    if reset is not None:
+        reset()
+        return
+    state = root._get_fsdp_state()
+    for unit_state in state._state_ctx.all_states:
+        unit_state._training_state = TrainingState.IDLE
+        for group in _state_param_groups(unit_state):
+            group._training_state = TrainingState.IDLE
+            group.reshard()
+    state._comm_ctx.post_forward_order.clear()
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
+
+
+def _state_param_groups(state: Any) -> list[Any]:
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
