@@ -18,7 +18,12 @@ space := $(empty) $(empty)
 sanitize = $(subst $(space),_,$(subst /,_,$(subst :,_,$(subst <,_,$(subst >,_,$(subst =,_,$(subst $(comma),-,$(1))))))))
 STAMP := $(VENV)/.installed-$(call sanitize,$(EXTRAS))-torch-$(call sanitize,$(TORCH_SPEC))
 
-.PHONY: setup demo test lint bench gpu-check clean
+# The compatibility pass (`make compat`): the tests marked `compat` (every strategy one short fit equal to one device,
+# the demo's tiny preset, checkpoint save and resume) in a venv of its own per torch release: the declared floor and the
+# newest installable. PyPI's builds (CUDA builds, which run on the CPU); `make test` keeps the pinned one.
+COMPAT_TORCH ?= 2.11.0 2.14.1
+
+.PHONY: setup demo test lint bench gpu-check compat clean
 
 setup: $(STAMP)
 
@@ -56,5 +61,19 @@ bench: $(STAMP)
 gpu-check: $(STAMP)
 	$(BIN)/python -m benchmarks.gpu_check
 
+compat: $(addprefix compat-,$(COMPAT_TORCH))
+
+# One venv per release (.venv-torch-X), installed once (stamp): torch first, then the package and the test extra.
+compat-%: .venv-torch-%/.installed
+	.venv-torch-$*/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$*', torch.__version__"
+	.venv-torch-$*/bin/python -m pytest -q -ra -m compat --durations=10 -p no:cacheprovider
+
+.venv-torch-%/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv .venv-torch-$*
+	.venv-torch-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-torch-$*/bin/python -m pip install --quiet "torch==$*"
+	.venv-torch-$*/bin/python -m pip install --quiet -e ".[test]"
+	touch $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-torch-* .pytest_cache .ruff_cache

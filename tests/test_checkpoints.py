@@ -24,6 +24,8 @@ from training_helpers import SEQ_LEN, assert_weights_close, make_module, make_tr
 from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 GLOBAL_BATCH = 8
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # AdamW (see test_data_parallel.TOLERANCE)
 

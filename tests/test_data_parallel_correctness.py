@@ -29,6 +29,8 @@ from lightning_parallel import DataParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync, check_sync_batchnorm
 from lightning_parallel.strategies.data_parallel import UNUSED_PARAMETERS_MESSAGE
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 TIMEOUT_S = 180  # generous: the 2 cores are shared with other tests
 FREEZE_CASES = [(1, {}), (2, {}), (1, {"static_graph": True, "gradient_as_bucket_view": False})]
 FINETUNE_EPOCH_STEPS = 2

@@ -16,6 +16,8 @@ import torch
 
 from lightning_parallel.demos import main as demo
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 
 def _table_rows(output: str) -> dict[str, list[str]]:
     """The demo table's rows by label, from the header line to the first line that is not a row, as stripped cells."""

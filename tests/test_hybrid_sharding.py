@@ -34,6 +34,8 @@ from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.monitor import ParallelismMonitor
 from lightning_parallel.planner import plan
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 WORLD_SIZE, SHARD_SIZE = 4, 2
 PER_DEVICE_BATCH, STEPS = 2, 3
 # Clipping (active: the norm is taken over one shard group's shards only, the replicas hold the same) and 2

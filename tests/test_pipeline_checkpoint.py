@@ -19,6 +19,8 @@ from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, S
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 from lightning_parallel.distributed.checkpoint import consolidate_checkpoint, is_sharded_checkpoint
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 GLOBAL_BATCH = 16
 LAYOUTS = {
     # name: (world size, strategy factory, per-rank batch)

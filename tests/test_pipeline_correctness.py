@@ -26,6 +26,8 @@ from training_helpers import assert_weights_close
 
 from lightning_parallel import PipelineParallelStrategy
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 

@@ -31,6 +31,8 @@ from lightning_parallel.distributed.pipeline.schedule import schedule_spec, vali
 from lightning_parallel.planner.cli import _parser
 from lightning_parallel.planner.plan import pipeline_schedule
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 ADAM_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # as tests/test_pipeline_zero.py
 TIED = ("embedding.weight", "head.weight")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")

@@ -15,6 +15,8 @@ from lightning_parallel.planner.dry_run import DryRunWorkload, language_model_wo
 from lightning_parallel.planner.dry_run_pipeline import PipelineLayout, dry_run_pipeline, measure_pipeline_step
 from tests.distributed_harness import run_distributed
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 0.03

@@ -24,6 +24,8 @@ from model_zoo import AuxHeadModel, FreezeScheduleModel, loader, trainer
 
 from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 EPOCH_STEPS = 3  # odd: the aux head's `step` (2 after one epoch) differs from the trunk's (3)
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 

@@ -31,6 +31,8 @@ from torch.distributed.tensor import DTensor
 
 import lightning_parallel  # noqa: F401  (registers "zero3")
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 WORLD_SIZE = 2
 CALLBACKS = {  # weight averaging works under zero3 (tests/test_weight_averaging_sharded.py); pruning is refused

@@ -33,6 +33,8 @@ from lightning_parallel.distributed.checkpoint import sharded_to_consolidated
 from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
 from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 EXACT = {"rtol": 1e-5, "atol": 1e-6}
 
 
