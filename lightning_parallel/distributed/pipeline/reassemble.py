@@ -82,7 +82,8 @@ def reassemble(
     """
     p = dims.pipeline_parallel_size
     local = {i for stage in plan.stages_of(dims.pipeline_rank) for i in plan.layers_of(stage)}
-    if p == 1:
+    if p == 1:  # nothing left this rank (ZeRO-3's restore already put the user's layers back, on the host)
+        module.cpu()
         return
     later_users = {user for t in tied for user in t.users[1:]}  # sent with the first user's layer instead
     mine = {i: _signatures(layers[i]) for i in sorted(local)}
