@@ -16,7 +16,12 @@ Placement of a storage, following what a GPU run does:
   returns a copy, as the GPU would;
 * unknown: created from no tensor (``torch.zeros(n, device=...)``: the CPU cannot tell ``device="cpu"`` from
   ``device=param.device``). ``copy_`` into such a buffer gives it the source's placement (a buffer allocated to
-  receive device data is on the device); in-place ops and views keep a storage's placement.
+  receive device data is on the device); in-place ops and views keep a storage's placement. With
+  ``factories_on_device=True`` a factory given ``device=`` as a ``torch.device`` is on the device instead (as
+  ``.to(device)``: how code allocates on the root device; a string ``"cpu"`` stays the host);
+* with ``object_buffers_on_device=True``, the byte buffers torch's object collectives hand to ``c10d`` ops are on the
+  device, as NCCL's are (``torch.cuda.current_device()``): an object collective over NCCL holds every rank's pickled
+  payload on the receiving device, which :meth:`DeviceSimulation.region` then counts.
 
 Checks, each failure kept in :attr:`DeviceSimulation.violations`:
 
@@ -126,6 +131,11 @@ def _targets_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     return any(isinstance(target, str) and torch.device(target).type == "cpu" for target in targets)
 
 
+def _allocates_on_a_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call creates a tensor from no tensor on a ``torch.device`` (``torch.empty(n, device=device)``)."""
+    return isinstance(kwargs.get("device"), torch.device) and not _tensors((args, kwargs))
+
+
 @dataclass
 class Region:
     """Device bytes over a region of code (:meth:`DeviceSimulation.region`)."""
@@ -155,9 +165,13 @@ class DeviceSimulation:
         root_device: torch.device,
         held: Callable[[], Iterable[Tensor]] | None = None,
         device_type_branches: tuple[str, ...] = (),
+        factories_on_device: bool = False,
+        object_buffers_on_device: bool = False,
     ) -> None:
         self.root_device = root_device
         self.held = held
+        self.factories_on_device = factories_on_device
+        self.object_buffers_on_device = object_buffers_on_device
         self.device_type_branches = device_type_branches
         """Modules whose object collectives' payloads are checked against the real device only: they move a tensor
         to the host only ``if tensor.device.type != "cpu"``, which the CPU cannot be made to take."""
@@ -258,6 +272,9 @@ class DeviceSimulation:
         collective = _object_collective_frame(frame)
         if collective is not None:
             self._check_payload(collective)
+            if self.object_buffers_on_device:
+                for tensor in tensors:
+                    self._mark(tensor, DEVICE)
         else:
             self.tensor_collectives += 1
         for tensor in tensors:
@@ -304,6 +321,11 @@ class _FunctionHook(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.simulation.factories_on_device and _allocates_on_a_device(args, kwargs):
+            out = func(*args, **kwargs)
+            for tensor in _tensors(out):
+                self.simulation._mark(tensor, DEVICE)
+            return out
         if not _targets_host(func, args, kwargs):
             return func(*args, **kwargs)
         self.simulation._moving_to_host += 1  # what the ops of the move create is on the host

@@ -11,7 +11,8 @@ would live if the root device were an accelerator and checks each collective (se
   host copies of the fused AdamW's ``step`` into its object collectives (as does ``gather_scalar_states``);
 * real ``Trainer.fit`` of ZeRO-1/2/3, data parallel and pipeline on 2 ranks (and ZeRO at world size 1), saving a
   checkpoint and resuming from it: every tensor collective gets tensors on the strategy's ``root_device`` and no host
-  copy, no object collective's payload holds a device tensor, and ZeRO-1/2's saved checkpoint none either.
+  copy, no object collective's payload holds a device tensor, and ZeRO-1/2's and the pipeline's saved checkpoints
+  none either (the pipeline's device bytes while saving: ``tests/test_pipeline_device_bytes.py``).
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def _fit_save_resume(rank: int, world_size: int, spec: str, directory: str) -> d
     simulation = DeviceSimulation(
         root_device=CPU, device_type_branches=("lightning_parallel.distributed.pipeline.engine",)
     )
-    watch = _Watch(simulation, check_saved=spec.startswith(("zero1", "zero2")))
+    watch = _Watch(simulation, check_saved=spec.startswith(("zero1", "zero2", "pipeline")))
     with simulation:
         for resume in (False, True):
             saver = ModelCheckpoint(dirpath=directory, filename="last", enable_version_counter=False)

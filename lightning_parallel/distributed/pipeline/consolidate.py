@@ -5,6 +5,10 @@ The interchange format shared with the other strategies of this package is what 
 follow the param_groups of the user's ``configure_optimizers`` on the *whole* model. A pipeline rank holds only its
 stage's parameters, so we record that whole-model layout (by parameter name) once before splitting and translate
 between it and each rank's local optimizer.
+
+The stages' parts reach pipeline rank 0 one rank and one tensor at a time (:func:`.transfer.gather_to_pipeline_root`),
+each copied to its host as it arrives: the consolidated state is the host's, and no accelerator holds more than one
+tensor beyond what training holds (an object collective would put every stage's pickled tensors on rank 0's GPU).
 """
 
 from __future__ import annotations
@@ -14,12 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_parallel.distributed.pipeline.microbatch import detached_cpu
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.transfer import gather_to_pipeline_root
 
 __all__ = [
     "OptimizerLayout",
@@ -47,16 +50,6 @@ def optimizer_layout(optimizer: Optimizer, names: Mapping[int, str]) -> Optimize
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
-def _gather_to_pipeline_root(obj: Any, dims: ParallelDims) -> list[Any] | None:
-    """``obj`` of every pipeline rank of this replica, on pipeline rank 0 (``None`` elsewhere)."""
-    if dims.pipeline_parallel_size == 1:
-        return [obj]
-    root = dims.pipeline_global_rank(0)
-    gathered: list[Any] | None = [None] * dims.pipeline_parallel_size if dims.pipeline_rank == 0 else None
-    dist.gather_object(obj, gathered, dst=root, group=dims.pipeline_group)
-    return gathered
-
-
 def consolidate_state_dict(
     module: nn.Module,
     full_keys: Sequence[str],
@@ -72,8 +65,8 @@ def consolidate_state_dict(
     same tensor, as in a single-device ``state_dict`` (so ``torch.save`` writes it once), whichever stages held it.
     ``local``: this rank's state dict with whole tensors (default ``module.state_dict()``; ZeRO-3 gathers its shards).
     """
-    local = detached_cpu(dict(module.state_dict() if local is None else local))
-    gathered = _gather_to_pipeline_root(local, dims)
+    local = dict(module.state_dict() if local is None else local)
+    gathered = gather_to_pipeline_root(local, dims)
     if gathered is None:
         return None
     merged: dict[str, Any] = {}
@@ -98,7 +91,8 @@ def local_optimizer_state(
     """This rank's optimizer state keyed by parameter name, with its param groups' settings.
 
     ``state_dict`` and ``group_params``: a plain state dict of this rank's parameters and the parameters it numbers,
-    for an optimizer that steps something else (ZeRO's shard views); default ``optimizer``'s own.
+    for an optimizer that steps something else (ZeRO's shard views); default ``optimizer``'s own. The tensors are
+    ``state_dict``'s own (no copy: :func:`consolidate_optimizer_state` moves them to the root's host one at a time).
     """
     if state_dict is None:
         state_dict = optimizer.state_dict()
@@ -111,12 +105,12 @@ def local_optimizer_state(
             index_to_name[index] = names[id(param)]
             index += 1
     local = {
-        "state": {index_to_name[i]: detached_cpu(s) for i, s in state_dict["state"].items()},
+        "state": {index_to_name[i]: dict(s) for i, s in state_dict["state"].items()},
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]],
     }
     masters = state_dict.get(MASTER_WEIGHTS)
     if masters:  # ZeRO's fp32 masters of 16-bit parameters (``zero_optimizer.py``), by name like the state
-        local[MASTER_WEIGHTS] = {index_to_name[int(i)]: detached_cpu(t) for i, t in masters.items()}
+        local[MASTER_WEIGHTS] = {index_to_name[int(i)]: t.detach() for i, t in masters.items()}
     return local
 
 
@@ -134,7 +128,7 @@ def consolidate_optimizer_state(
     """
     if local is None:
         local = local_optimizer_state(optimizer, names)
-    gathered = _gather_to_pipeline_root(local, dims)
+    gathered = gather_to_pipeline_root(local, dims)
     if gathered is None:
         return None
     state_by_name: dict[str, Any] = {}
@@ -239,8 +233,8 @@ class WholeOptimizerState:
 def consolidate_buffers(module: nn.Module, dims: ParallelDims) -> dict[str, Any] | None:
     """Every state entry that is not a parameter (buffers of all stages, metric states), on pipeline rank 0."""
     parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    local = {k: v for k, v in detached_cpu(dict(module.state_dict())).items() if k not in parameters}
-    gathered = _gather_to_pipeline_root(local, dims)
+    local = {k: v for k, v in module.state_dict().items() if k not in parameters}
+    gathered = gather_to_pipeline_root(local, dims)
     if gathered is None:
         return None
     merged: dict[str, Any] = {}

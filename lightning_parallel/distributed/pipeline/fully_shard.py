@@ -157,7 +157,11 @@ class PipelineFullyShard:
     @torch.no_grad()
     def restore(self) -> None:
         """Collective over the replicas. Gather every shard into the user's layers and put them back in the module
-        in place of the copies (the module is plain again; the optimizers still hold the sharded copies)."""
+        in place of the copies (the module is plain again; the optimizers still hold the sharded copies).
+
+        The user's layers come back on the host (:func:`full_tensors`: one whole tensor on the device at a time), where
+        the reassembly after the run leaves the whole module: a stage that fits only sharded never exists whole on the
+        device."""
         if self.is_restored:
             return
         for original, sharded in zip(self.originals, self.container.layers, strict=True):
@@ -255,7 +259,7 @@ class FullyShardSync(ReplicatedSync):
         local = local_optimizer_state(optimizer, names, state_dict=whole_optimizer_state(optimizer))
         if self.backend.compute_dtype is not None:  # the sharded parameters are the fp32 masters: whole, by name
             params = [param for group in optimizer.param_groups for param in group["params"]]
-            local[MASTER_WEIGHTS] = {names[id(p)]: host_copy(_whole(p.detach())) for p in params}
+            local[MASTER_WEIGHTS] = {names[id(p)]: _host_whole(p.detach()) for p in params}
         return local
 
     def load_stage_optimizer_state(self, optimizer: Optimizer, state: WholeOptimizerState) -> None:
@@ -287,13 +291,20 @@ class FullyShardSync(ReplicatedSync):
 
 # ---------------------------------------------------------------------- plain <-> sharded
 def full_tensors(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Collective over each DTensor's mesh (in ``state``'s order on every replica). ``state`` with every ``DTensor``
-    replaced by its whole value (a plain tensor); other values as they are."""
-    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
+    """Collective over each DTensor's mesh (in ``state``'s order on every replica). ``state`` with every tensor
+    replaced by a host copy of its whole value (a plain tensor; a ``DTensor`` gathered first); other values as they
+    are.
+
+    One tensor at a time: each ``DTensor`` is gathered whole on the device, copied to the host (ZeRO's
+    :func:`~lightning_parallel.distributed.checkpoint.host_copy`) and dropped before the next is gathered, as torch's
+    ``get_model_state_dict(..., cpu_offload=True)`` does; gathering them all first would need the whole stage on the
+    device at the moment of a save, which a stage that fits only sharded does not have."""
+    return {key: _host_whole(value) if isinstance(value, Tensor) else value for key, value in state.items()}
 
 
 def whole_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
-    """Collective over the replicas. ``optimizer.state_dict()`` with each sharded state gathered whole."""
+    """Collective over the replicas. ``optimizer.state_dict()`` with each state tensor a host copy of its whole value
+    (:func:`full_tensors`: one on the device at a time)."""
     state_dict = optimizer.state_dict()
     return {**state_dict, "state": {index: full_tensors(state) for index, state in state_dict["state"].items()}}
 
@@ -349,8 +360,9 @@ def _local_views(parameters: Sequence[Tensor]) -> list[Tensor]:
     return views
 
 
-def _whole(tensor: Tensor) -> Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+def _host_whole(tensor: Tensor) -> Tensor:
+    """Collective over a ``DTensor``'s mesh. A host copy of ``tensor``'s whole value (gathered, copied, dropped)."""
+    return host_copy(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
 
 
 def _local(tensor: Tensor) -> Tensor:

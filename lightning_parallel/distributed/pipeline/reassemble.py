@@ -6,6 +6,11 @@ freed, their structure and identity kept). At the end of ``fit``/``validate``/``
 receives each such layer's parameters and buffers from the rank that trained it and the original layer objects take
 the placeholders' places again, so the user's module is a normal, whole module on every rank: ``state_dict()`` has
 every key, ``model(x)`` works, and a new Trainer can load a checkpoint into it.
+
+The whole module is assembled on the host, where Lightning's ``Strategy.teardown`` moves every strategy's module
+after a run: each tensor passes through the device alone (:func:`.transfer.broadcast_tensor`) and is copied to the
+host as it arrives, and the rank's own layers follow. A model pipelined because it does not fit on one accelerator
+never exists whole on one.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch import Tensor, nn
 from lightning_parallel.distributed.pipeline.partition import Registration, RemoteLayer, StagePlan
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 from lightning_parallel.distributed.pipeline.tied import TiedParameter
+from lightning_parallel.distributed.pipeline.transfer import broadcast_tensor
 
 __all__ = ["TensorSignature", "mark_orphaned", "offload_layers", "reassemble"]
 
@@ -60,20 +66,24 @@ def reassemble(
     device: torch.device,
     tied: Sequence[TiedParameter] = (),
 ) -> None:
-    """Give every rank of the pipeline the whole model back (a collective over the pipeline group).
+    """Give every rank of the pipeline the whole model back, on the host (a collective over the pipeline group).
 
     ``layers`` are all pipeline layers: this rank's real ones and the others as left by :func:`offload_layers`.
     Each layer's owner first tells the others what it holds (one ``all_gather_object``), then broadcasts every
-    tensor; the receivers assign the tensors to the offloaded layer (``requires_grad`` as on the owner) and put
+    tensor through ``device`` (the device the pipeline group communicates on), one at a time; the receivers copy each
+    to the host as it arrives, assign the tensors to the offloaded layer (``requires_grad`` as on the owner) and put
     it back under each of its registrations in ``module``, replacing the :class:`RemoteLayer` placeholders (and
-    filling the empty slots of the tensors an adapter holds itself).
+    filling the empty slots of the tensors an adapter holds itself). Then ``module`` moves to the host (this rank's
+    own layers and whatever else it holds): afterwards no accelerator holds any of it, and during the exchange one
+    tensor beyond this rank's stage.
 
     A parameter of ``tied`` is sent once, with its first user's layer; afterwards every user holds one and the same
     ``nn.Parameter`` again: this rank's own copy where it held one, else the one received.
     """
     p = dims.pipeline_parallel_size
     local = {i for stage in plan.stages_of(dims.pipeline_rank) for i in plan.layers_of(stage)}
-    if p == 1:
+    if p == 1:  # nothing left this rank (ZeRO-3's restore already put the user's layers back, on the host)
+        module.cpu()
         return
     later_users = {user for t in tied for user in t.users[1:]}  # sent with the first user's layer instead
     mine = {i: _signatures(layers[i]) for i in sorted(local)}
@@ -84,25 +94,30 @@ def reassemble(
         source = dims.pipeline_global_rank(owner)
         signatures: list[TensorSignature] = gathered[owner][index]
         signatures = [s for s in signatures if (index, s.name) not in later_users]
-        if index in local:
-            tensors = _tensors(layer)
-            for signature in signatures:
-                if signature.alias_of is None:
-                    dist.broadcast(tensors[signature.name].detach().contiguous(), src=source, group=dims.pipeline_group)
-            continue
+        held = _tensors(layer) if index in local else None
         received = {}
-        for signature in signatures:
-            if signature.alias_of is None:
-                tensor = torch.empty(signature.shape, dtype=signature.dtype, device=device)
-                dist.broadcast(tensor, src=source, group=dims.pipeline_group)
+        for signature in (s for s in signatures if s.alias_of is None):
+            own = held[signature.name] if held is not None else None
+            tensor = broadcast_tensor(
+                own,
+                shape=signature.shape,
+                dtype=signature.dtype,
+                src=source,
+                group=dims.pipeline_group,
+                device=device,
+                keep=True,
+            )
+            if tensor is not None:
                 received[signature.name] = tensor
-        _assign(layer, signatures, received)
+        if held is None:
+            _assign(layer, signatures, received)
     for t in tied:
         _retie(layers, t, local)
     # After the ties: a tensor an adapter holds itself is registered as the adapter holds it now (a tied one, the
     # one parameter every user holds).
     for registration in (r for i, rs in enumerate(registrations) if i not in local for r in rs):
         registration.place(module)
+    module.cpu()  # this rank's own layers and what the module holds besides (the received layers are there already)
 
 
 def _retie(layers: Sequence[nn.Module], tied: TiedParameter, local: set[int]) -> None:

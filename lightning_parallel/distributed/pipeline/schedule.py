@@ -283,6 +283,15 @@ class ParallelDims:
         if self.layout.is_hybrid:
             self._mesh()["replicate", "shard"]._flatten("dp")  # torchtitan's way; no public API in torch 2.13
 
+    @property
+    def device(self) -> torch.device:
+        """The device this rank's groups take tensors on: the mesh's device type at the current index (this rank's
+        GPU under NCCL, the one torch's object collectives use), the CPU under gloo."""
+        device_type = self._mesh().device_type
+        if device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
     def _mesh(self) -> DeviceMesh:
         if self.mesh is None:
             raise RuntimeError("`ParallelDims` has no process groups before `build_groups` (a collective) ran.")

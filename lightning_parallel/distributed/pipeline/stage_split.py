@@ -20,7 +20,7 @@ A plain loop, on every rank of a joined process group (``tests/test_pipeline_tor
         optimizer.step()
         run.sync.after_optimizer_step(optimizer)  # ZeRO-1/2: all-gather the stepped shards
         optimizer.zero_grad()
-    run.reassemble(model, device=device)  # the whole model again on every rank
+    run.reassemble(model, device=device)  # the whole model again on every rank, on the CPU
     run.sync.teardown()
 """
 
