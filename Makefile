@@ -24,6 +24,7 @@ STAMP := $(VENV)/.installed-$(call sanitize,$(EXTRAS))-torch-$(call sanitize,$(T
 COMPAT_TORCH ?= 2.11.0 2.14.1
 
 .PHONY: setup demo test lint bench gpu-check compat clean
+.PRECIOUS: .venv-torch-%/.installed
 
 setup: $(STAMP)
 
