@@ -1,0 +1,234 @@
+"""Data as users load it, under the pipeline (issue 43): every rank of a pipeline trains on its first rank's batch.
+
+The two cases of the issue with the real libraries: a LitData ``StreamingDataset`` built in ``train_dataloader()``
+(it shards by torch.distributed's global rank: the two ranks of one pipeline read different samples) and Hugging
+Face's ``DataCollatorForLanguageModeling`` (it draws the masks while collating, differently on each rank). Plus the
+refusal of loaders of different lengths, and the replica's share read by LitData under 2 x 2 data x pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_harness import run_distributed
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+from training_helpers import SEED, assert_weights_close, make_trainer
+
+from lightning_parallel import DataParallelStrategy, ParallelismMonitor, PipelineParallelStrategy
+from lightning_parallel.distributed.pipeline.replica_batches import (
+    BatchBroadcast,
+    InconsistentBatchesError,
+    broadcast_batch,
+    replica_batches,
+)
+
+litdata = pytest.importorskip("litdata")
+transformers = pytest.importorskip("transformers")
+
+NUM_SAMPLES, WIDTH, BATCH = 64, 8, 8
+
+
+# ---------------------------------------------------------------------------------------------- the broadcast
+def _broadcast_rank(rank: int, world_size: int) -> dict[str, Any]:
+    exchange = BatchBroadcast(group=dist.group.WORLD, src=0, device=torch.device("cpu"))
+    batch = {"ids": torch.arange(6).view(2, 3) + rank, "text": ["a", rank], "mask": torch.ones(2, dtype=torch.bool)}
+    received, payload = broadcast_batch(batch, exchange)
+    same_length = [b.tolist() for b in replica_batches([torch.tensor([rank, i]) for i in range(3)], exchange)]
+    errors = []
+    for batches in ([torch.tensor([i]) for i in range(3 + rank)], iter([torch.tensor([i]) for i in range(3 + rank)])):
+        try:
+            list(replica_batches(batches, exchange))
+        except InconsistentBatchesError as error:
+            errors.append(str(error))
+    return {
+        "ids": received["ids"].tolist(),
+        "text": received["text"],
+        "mask": received["mask"].tolist(),
+        "payload": payload,
+        "batches": same_length,
+        "errors": errors,
+    }
+
+
+def test_a_batch_tree_is_the_first_ranks_on_every_rank_and_different_lengths_are_refused_on_every_rank():
+    for result in run_distributed(_broadcast_rank, 2):
+        assert result["ids"] == [[0, 1, 2], [3, 4, 5]] and result["text"] == ["a", 0] and result["mask"] == [True] * 2
+        assert result["payload"] == 6 * 8 + 2  # int64 ids and bool mask; the description is not counted
+        assert result["batches"] == [[0, 0], [0, 1], [0, 2]]
+        by_length, by_end = result["errors"]
+        assert "different lengths (rank 0: 3, rank 1: 4)" in by_length
+        assert "distributed_sampler_kwargs" in by_length  # the fix
+        assert "loader of global rank(s) [0] ended after 3 batches" in by_end  # an iterable without a length
+
+
+# ---------------------------------------------------------------------------------------------- LitData
+def _sample(index: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(index)
+    x = torch.randn(WIDTH, generator=g)
+    return {"index": index, "x": x, "y": torch.tanh(x @ torch.linspace(-1, 1, WIDTH)).unsqueeze(0)}
+
+
+@pytest.fixture(scope="module")
+def streaming_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """64 samples of a teacher regression, written by ``litdata.optimize`` (chunks of 16)."""
+    path = tmp_path_factory.mktemp("litdata") / "optimized"
+    litdata.optimize(fn=_sample, inputs=list(range(NUM_SAMPLES)), output_dir=str(path), chunk_size=16, num_workers=1)
+    return path
+
+
+class Regressor(pl.LightningModule):
+    """Builds its loader where LitData and Lightning say to: in ``train_dataloader()``."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__()
+        self.data_dir = data_dir
+        self.stem, self.hidden, self.head = nn.Linear(WIDTH, 16), nn.Tanh(), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.hidden(self.stem(x)))
+
+    def pipeline_layers(self):
+        return [self.stem, self.hidden, self.head]
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch["x"]), batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2)
+
+    def train_dataloader(self):
+        return litdata.StreamingDataLoader(litdata.StreamingDataset(str(self.data_dir)), batch_size=BATCH)
+
+
+class BatchRecorder(pl.Callback):
+    """Each rank's training batches (their sample indices or a fingerprint), as every rank's hooks see them."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if "index" in batch:
+            self.batches.append(batch["index"].tolist())
+        else:
+            digest = hashlib.sha256()
+            for key in ("input_ids", "labels"):
+                digest.update(batch[key].cpu().numpy().tobytes())
+            self.batches.append(digest.hexdigest())
+
+
+def _fit_regressor(rank: int, world_size: int, data_dir: Path, strategy_name: str, summary: Path | None) -> dict:
+    pl.seed_everything(SEED, verbose=False)
+    module, recorder = Regressor(data_dir), BatchRecorder()
+    strategy = {
+        "pipeline": lambda: PipelineParallelStrategy(num_microbatches=2, timeout=60),
+        "pipeline_2x2": lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=60),
+        "one_device": lambda: DataParallelStrategy(timeout=60),
+    }[strategy_name]()
+    callbacks: list[pl.Callback] = [recorder]
+    if summary is not None:
+        callbacks.append(ParallelismMonitor(summary_path=summary, figure_path=False))
+    trainer = make_trainer(strategy, devices=world_size, max_epochs=1, max_steps=-1, callbacks=callbacks)
+    trainer.fit(module)
+    state = {name: value.detach().clone() for name, value in module.state_dict().items()}
+    return {"state": state, "batches": recorder.batches, "steps": trainer.global_step}
+
+
+def test_litdata_streaming_dataset_trains_as_one_device_under_the_pipeline(streaming_dir: Path, tmp_path: Path):
+    """The issue's case 1: it used to train rank 0's samples 0-7 against rank 1's targets 32-39 (and half the data)."""
+    (reference,) = run_distributed(
+        _fit_regressor, 1, args=(streaming_dir, "one_device", None), init_process_group=False, timeout=120
+    )
+    summary = tmp_path / "summary.json"
+    results = run_distributed(
+        _fit_regressor, 2, args=(streaming_dir, "pipeline", summary), init_process_group=False, timeout=120
+    )
+    assert reference["steps"] == NUM_SAMPLES // BATCH
+    for result in results:
+        # Every rank trains the whole data set, one replica's share, in one device's order; weights as one device's.
+        assert result["batches"] == reference["batches"]
+        assert sorted(i for batch in result["batches"] for i in batch) == list(range(NUM_SAMPLES))
+        assert_weights_close(result["state"], reference["state"], rtol=1e-5, atol=1e-6)
+    # The batch's bytes (index int64, x fp32 8 x 8, y fp32 8 x 1) on both ranks, in every step that trains it.
+    ranks = json.loads(summary.read_text())["ranks"]
+    for measured in ranks:
+        broadcasts = [step["communication"].get("broadcast") for step in measured["steps"]]
+        assert broadcasts == [BATCH * 8 + BATCH * WIDTH * 4 + BATCH * 4] * (NUM_SAMPLES // BATCH)
+
+
+def test_litdata_reads_each_replicas_share_under_data_times_pipeline(streaming_dir: Path):
+    """2 x 2: LitData sees the data-parallel rank and size; the replicas' shares cover the data once."""
+    results = run_distributed(
+        _fit_regressor, 4, args=(streaming_dir, "pipeline_2x2", None), init_process_group=False, timeout=180
+    )
+    shares = [sorted(i for batch in result["batches"] for i in batch) for result in results]
+    assert shares[0] == shares[1] and shares[2] == shares[3]  # the ranks of a pipeline: global ranks 0-1 and 2-3
+    assert sorted(shares[0] + shares[2]) == list(range(NUM_SAMPLES))  # no sample twice, none missed
+    assert results[0]["batches"] == results[1]["batches"] and results[2]["batches"] == results[3]["batches"]
+
+
+# ---------------------------------------------------------------------------------------------- HF collator
+VOCAB = 32
+
+
+def _tokenizer() -> Any:
+    """A word-level tokenizer built in memory (no download): ids 0-3 are the special tokens."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, "[CLS]": 3, **{f"w{i}": i for i in range(4, VOCAB)}}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")),
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        mask_token="[MASK]",
+        cls_token="[CLS]",
+    )
+
+
+class MaskedLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.mixer, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mixer(self.embedding(ids))))
+
+    def pipeline_layers(self):
+        return [self.embedding, self.mixer, nn.Tanh(), self.head]
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["input_ids"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_masked_lm(rank: int, world_size: int, num_workers: int) -> list[str]:
+    pl.seed_everything(SEED, workers=True, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(4, VOCAB, (12,), generator=g).tolist()} for _ in range(56)]
+    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm_probability=0.3)
+    loader = DataLoader(samples, batch_size=BATCH, collate_fn=collator, num_workers=num_workers)
+    recorder = BatchRecorder()
+    strategy = PipelineParallelStrategy(num_microbatches=2, timeout=60)
+    trainer = make_trainer(strategy, devices=world_size, max_epochs=2, max_steps=-1, callbacks=[recorder])
+    trainer.fit(MaskedLM(), train_dataloaders=loader)
+    return recorder.batches
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_masked_lm_collator_batches_are_identical_on_every_stage(num_workers: int):
+    """The issue's case 2: the stages' masks agreed in 2 of 7 steps; now in every step (2 epochs of 7)."""
+    first, last = run_distributed(_fit_masked_lm, 2, args=(num_workers,), init_process_group=False, timeout=120)
+    assert len(first) == 14 and first == last
+    assert len(set(first)) == 14  # a different masking every step
