@@ -33,6 +33,8 @@ from lightning_parallel.distributed.pipeline.replica_batches import (
 
 litdata = pytest.importorskip("litdata")
 transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+split_dataset_by_node = pytest.importorskip("datasets.distributed").split_dataset_by_node
 
 NUM_SAMPLES, WIDTH, BATCH = 64, 8, 8
 
@@ -125,13 +127,28 @@ class BatchRecorder(pl.Callback):
             self.batches.append(digest.hexdigest())
 
 
-def _fit_regressor(rank: int, world_size: int, data_dir: Path, strategy_name: str, summary: Path | None) -> dict:
+class HuggingFaceRegressor(Regressor):
+    """The same samples as a Hugging Face streaming ``IterableDataset``, split with the documented line."""
+
+    def train_dataloader(self):
+        rows = [_sample(i) for i in range(NUM_SAMPLES)]
+        columns = {key: [row[key] for row in rows] for key in rows[0]}
+        dataset = datasets.Dataset.from_dict(columns).to_iterable_dataset().with_format("torch")
+        # The one line (docs/pipeline.md, "Data"): the data-parallel rank and size, under every strategy.
+        shard = self.trainer.distributed_sampler_kwargs
+        dataset = split_dataset_by_node(dataset, rank=shard["rank"], world_size=shard["num_replicas"])
+        return DataLoader(dataset, batch_size=BATCH)
+
+
+def _fit_regressor(rank: int, world_size: int, data_dir: Path | None, strategy_name: str, summary: Path | None) -> dict:
     pl.seed_everything(SEED, verbose=False)
-    module, recorder = Regressor(data_dir), BatchRecorder()
+    module = Regressor(data_dir) if data_dir is not None else HuggingFaceRegressor(Path())
+    recorder = BatchRecorder()
     strategy = {
         "pipeline": lambda: PipelineParallelStrategy(num_microbatches=2, timeout=60),
         "pipeline_2x2": lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=60),
         "one_device": lambda: DataParallelStrategy(timeout=60),
+        "data_parallel": lambda: DataParallelStrategy(timeout=60),
     }[strategy_name]()
     callbacks: list[pl.Callback] = [recorder]
     if summary is not None:
@@ -173,6 +190,24 @@ def test_litdata_reads_each_replicas_share_under_data_times_pipeline(streaming_d
     assert shares[0] == shares[1] and shares[2] == shares[3]  # the ranks of a pipeline: global ranks 0-1 and 2-3
     assert sorted(shares[0] + shares[2]) == list(range(NUM_SAMPLES))  # no sample twice, none missed
     assert results[0]["batches"] == results[1]["batches"] and results[2]["batches"] == results[3]["batches"]
+
+
+@pytest.mark.parametrize(
+    ("strategy_name", "world_size", "per_pipeline"), [("data_parallel", 2, 1), ("pipeline_2x2", 4, 2)]
+)
+def test_hugging_face_split_dataset_by_node_reads_each_replicas_share(
+    strategy_name: str, world_size: int, per_pipeline
+):
+    """``split_dataset_by_node(ds, rank=..., world_size=...)`` given ``trainer.distributed_sampler_kwargs``: under
+    data parallelism the global rank and world size, under 2 x 2 the replica's; each sample read once."""
+    results = run_distributed(
+        _fit_regressor, world_size, args=(None, strategy_name, None), init_process_group=False, timeout=180
+    )
+    shares = [sorted(i for batch in result["batches"] for i in batch) for result in results]
+    replicas = shares[::per_pipeline]
+    for first in range(0, world_size, per_pipeline):  # the ranks of one pipeline train on the same batches
+        assert all(results[first + k]["batches"] == results[first]["batches"] for k in range(per_pipeline))
+    assert sorted(i for share in replicas for i in share) == list(range(NUM_SAMPLES))
 
 
 # ---------------------------------------------------------------------------------------------- HF collator
