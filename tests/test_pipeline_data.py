@@ -267,3 +267,43 @@ def test_masked_lm_collator_batches_are_identical_on_every_stage(num_workers: in
     first, last = run_distributed(_fit_masked_lm, 2, args=(num_workers,), init_process_group=False, timeout=120)
     assert len(first) == 14 and first == last
     assert len(set(first)) == 14  # a different masking every step
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def _fit_and_resume(rank: int, world_size: int, data_dir: Path, checkpoints: Path, stop_at: int | None) -> dict:
+    """An uninterrupted epoch (``stop_at=None``), or one stopped after ``stop_at`` steps and resumed from there."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(max_steps: int, ckpt_path: Path | None, callbacks: list[pl.Callback]) -> BatchRecorder:
+        pl.seed_everything(SEED, verbose=False)
+        recorder = BatchRecorder()
+        strategy = PipelineParallelStrategy(num_microbatches=2, timeout=60)
+        trainer = make_trainer(
+            strategy,
+            devices=world_size,
+            max_epochs=1,
+            max_steps=max_steps,
+            callbacks=[recorder, *callbacks],
+            enable_checkpointing=bool(callbacks),
+        )
+        trainer.fit(Regressor(data_dir), ckpt_path=ckpt_path)
+        return recorder
+
+    if stop_at is None:
+        return {"batches": fit(-1, None, []).batches}
+    saver = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=stop_at, save_top_k=-1)
+    before = fit(stop_at, None, [saver]).batches
+    after = fit(-1, checkpoints / f"epoch=0-step={stop_at}.ckpt", []).batches
+    return {"batches": before + after, "before": before}
+
+
+def test_a_run_stopped_mid_epoch_resumes_litdata_at_the_next_unseen_samples(streaming_dir: Path, tmp_path: Path):
+    """LitData's ``StreamingDataLoader`` saves its position; under the pipeline a resumed run goes on with the next
+    unseen samples, on both ranks, exactly as the uninterrupted run."""
+    args = (streaming_dir, tmp_path / "checkpoints")
+    uninterrupted = run_distributed(_fit_and_resume, 2, args=(*args, None), init_process_group=False, timeout=120)
+    resumed = run_distributed(_fit_and_resume, 2, args=(*args, 3), init_process_group=False, timeout=120)
+    for whole, split in zip(uninterrupted, resumed, strict=True):
+        assert len(split["before"]) == 3
+        assert split["batches"] == whole["batches"]  # none skipped, none repeated
+        assert sorted(i for batch in split["batches"] for i in batch) == list(range(NUM_SAMPLES))
