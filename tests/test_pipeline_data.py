@@ -23,7 +23,12 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 from training_helpers import SEED, assert_weights_close, make_trainer
 
-from lightning_parallel import DataParallelStrategy, ParallelismMonitor, PipelineParallelStrategy
+from lightning_parallel import (
+    DataParallelStrategy,
+    ParallelismMonitor,
+    PipelineParallelStrategy,
+    ShardedOptimizerStrategy,
+)
 from lightning_parallel.distributed.pipeline.replica_batches import (
     BatchBroadcast,
     InconsistentBatchesError,
@@ -149,6 +154,7 @@ def _fit_regressor(rank: int, world_size: int, data_dir: Path | None, strategy_n
         "pipeline_2x2": lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=60),
         "one_device": lambda: DataParallelStrategy(timeout=60),
         "data_parallel": lambda: DataParallelStrategy(timeout=60),
+        "zero_hybrid": lambda: ShardedOptimizerStrategy(stage=2, shard_size=2, timeout=60),
     }[strategy_name]()
     callbacks: list[pl.Callback] = [recorder]
     if summary is not None:
@@ -181,15 +187,25 @@ def test_litdata_streaming_dataset_trains_as_one_device_under_the_pipeline(strea
         assert broadcasts == [BATCH * 8 + BATCH * WIDTH * 4 + BATCH * 4] * (NUM_SAMPLES // BATCH)
 
 
-def test_litdata_reads_each_replicas_share_under_data_times_pipeline(streaming_dir: Path):
-    """2 x 2: LitData sees the data-parallel rank and size; the replicas' shares cover the data once."""
+@pytest.mark.parametrize(
+    ("strategy_name", "world_size", "per_pipeline"),
+    [("data_parallel", 2, 1), ("zero_hybrid", 4, 1), ("pipeline_2x2", 4, 2)],
+)
+def test_litdata_reads_each_replicas_share(streaming_dir: Path, strategy_name: str, world_size: int, per_pipeline):
+    """Under data parallelism and ZeRO (``shard_size`` too) LitData's global rank is the data-parallel rank; under
+    2 x 2 the strategy tells it the replica's. The replicas' shares cover the data once."""
     results = run_distributed(
-        _fit_regressor, 4, args=(streaming_dir, "pipeline_2x2", None), init_process_group=False, timeout=180
+        _fit_regressor, world_size, args=(streaming_dir, strategy_name, None), init_process_group=False, timeout=180
     )
-    shares = [sorted(i for batch in result["batches"] for i in batch) for result in results]
-    assert shares[0] == shares[1] and shares[2] == shares[3]  # the ranks of a pipeline: global ranks 0-1 and 2-3
-    assert sorted(shares[0] + shares[2]) == list(range(NUM_SAMPLES))  # no sample twice, none missed
-    assert results[0]["batches"] == results[1]["batches"] and results[2]["batches"] == results[3]["batches"]
+    _assert_each_replica_reads_its_share(results, per_pipeline)
+
+
+def _assert_each_replica_reads_its_share(results: list[dict], per_pipeline: int) -> None:
+    """The ranks of one pipeline train on the same batches; the replicas' samples are the data set, each once."""
+    for first in range(0, len(results), per_pipeline):
+        assert all(results[first + k]["batches"] == results[first]["batches"] for k in range(per_pipeline))
+    samples = [i for result in results[::per_pipeline] for batch in result["batches"] for i in batch]
+    assert sorted(samples) == list(range(NUM_SAMPLES))
 
 
 @pytest.mark.parametrize(
@@ -203,11 +219,7 @@ def test_hugging_face_split_dataset_by_node_reads_each_replicas_share(
     results = run_distributed(
         _fit_regressor, world_size, args=(None, strategy_name, None), init_process_group=False, timeout=180
     )
-    shares = [sorted(i for batch in result["batches"] for i in batch) for result in results]
-    replicas = shares[::per_pipeline]
-    for first in range(0, world_size, per_pipeline):  # the ranks of one pipeline train on the same batches
-        assert all(results[first + k]["batches"] == results[first]["batches"] for k in range(per_pipeline))
-    assert sorted(i for share in replicas for i in share) == list(range(NUM_SAMPLES))
+    _assert_each_replica_reads_its_share(results, per_pipeline)
 
 
 # ---------------------------------------------------------------------------------------------- HF collator
