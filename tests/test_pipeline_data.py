@@ -319,3 +319,28 @@ def test_a_run_stopped_mid_epoch_resumes_litdata_at_the_next_unseen_samples(stre
         assert len(split["before"]) == 3
         assert split["batches"] == whole["batches"]  # none skipped, none repeated
         assert sorted(i for batch in split["batches"] for i in batch) == list(range(NUM_SAMPLES))
+
+
+# ---------------------------------------------------------------------------------------------- refusal
+class UnevenRegressor(Regressor):
+    """Each rank loads its own list of samples, rank 1 one batch more than rank 0 (an uneven split by the rank)."""
+
+    def train_dataloader(self):
+        rank = self.trainer.global_rank
+        return DataLoader([_sample(i) for i in range(4 * BATCH + rank * BATCH)], batch_size=BATCH)
+
+
+def _fit_uneven(rank: int, world_size: int) -> str:
+    strategy = PipelineParallelStrategy(num_microbatches=2, timeout=60)
+    trainer = make_trainer(strategy, devices=world_size, max_epochs=1, max_steps=-1, use_distributed_sampler=False)
+    try:
+        trainer.fit(UnevenRegressor(Path()))
+    except InconsistentBatchesError as error:
+        return f"{error} (after {trainer.global_step} steps)"
+    return "trained"
+
+
+def test_loaders_of_different_lengths_stop_every_rank_before_the_first_step():
+    for message in run_distributed(_fit_uneven, 2, init_process_group=False, timeout=120):
+        assert "different lengths (rank 0: 4, rank 1: 5)" in message
+        assert message.endswith("(after 0 steps)")

@@ -21,7 +21,7 @@ pre-forward hooks and over backward: it sees every ``c10d`` op (eager ``torch.di
 and counts those issued by FSDP2 (ZeRO-3: all-gather, reduce-scatter, and the all-reduce across replicas under
 HSDP); the issuer is read from the Python frame that made the call, so our own collectives, which we record
 ourselves, and the user's are never counted twice. Nothing in torch is replaced. Control messages of a fixed size
-(the one-element non-finite-loss flag, the pipeline's 8-byte "my loader has a batch" all-gather and the pickled
+(the one-element non-finite-loss flag, the pipeline's 16-byte "my loader has a batch" all-gather and the pickled
 description of each broadcast batch, the 16-byte ``requires_grad`` fingerprint of ``distributed/trainable.py``
 all-reduced every step, the broadcast of logged values, checkpoint gathers, torch pipelining's one-off shape and
 warm-up messages) are not counted: the ledger holds the traffic that scales with the model and the batch, and the

@@ -91,34 +91,51 @@ def broadcast_batch(batch: Any, exchange: BatchBroadcast) -> tuple[Any, int]:
     CPU for a loader's batch). The source keeps its own objects. Returns the batch and the bytes of its tensors
     (what the ledger counts: the description, pickled, is a control message).
     """
-    is_source = dist.get_rank() == exchange.src
-    tensors: list[Tensor] = []
+    described = _Described.of(batch) if dist.get_rank() == exchange.src else None
+    size = torch.tensor([described.size if described is not None else 0], dtype=torch.int64, device=exchange.device)
+    dist.broadcast(size, src=exchange.src, group=exchange.group)
+    return _send(batch, described, int(size.item()), exchange)
 
-    def slot(tensor: Tensor) -> _Slot:
-        tensors.append(tensor.detach())
-        return _Slot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype, tensor.device.type == "cpu")
 
-    skeleton = apply_to_collection(batch, Tensor, slot, allow_frozen=True) if is_source else None
-    skeleton = _broadcast_description(skeleton, exchange, is_source=is_source)
+@dataclass(frozen=True)
+class _Described:
+    """The source's side of a broadcast batch: its tensors, and the tree with each tensor replaced by a
+    :class:`_Slot`, pickled."""
+
+    tensors: list[Tensor]
+    description: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.description)
+
+    @classmethod
+    def of(cls, batch: Any) -> _Described:
+        tensors: list[Tensor] = []
+
+        def slot(tensor: Tensor) -> _Slot:
+            tensors.append(tensor.detach())
+            return _Slot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype, tensor.device.type == "cpu")
+
+        return cls(tensors, pickle.dumps(apply_to_collection(batch, Tensor, slot, allow_frozen=True)))
+
+
+def _send(batch: Any, described: _Described | None, size: int, exchange: BatchBroadcast) -> tuple[Any, int]:
+    """Collective: the description (``size`` bytes, known to every rank), then the tensors, one buffer per dtype.
+    ``described`` is the source's (``None`` elsewhere)."""
+    buffer = torch.empty(size, dtype=torch.uint8, device=exchange.device)
+    if described is not None:
+        buffer.copy_(torch.frombuffer(bytearray(described.description), dtype=torch.uint8))
+    dist.broadcast(buffer, src=exchange.src, group=exchange.group)
+    skeleton = pickle.loads(buffer.cpu().numpy().tobytes())
     slots: list[_Slot] = []
     apply_to_collection(skeleton, _Slot, slots.append, allow_frozen=True)
-    received = _broadcast_tensors(tensors, slots, exchange, is_source=is_source)
+    tensors = described.tensors if described is not None else []
+    received = _broadcast_tensors(tensors, slots, exchange, is_source=described is not None)
     payload = sum(s.dtype.itemsize * _numel(s.shape) for s in slots)
-    if is_source:
+    if described is not None:
         return batch, payload
     return apply_to_collection(skeleton, _Slot, lambda s: received[s.index], allow_frozen=True), payload
-
-
-def _broadcast_description(skeleton: Any, exchange: BatchBroadcast, *, is_source: bool) -> Any:
-    """The source's batch with its tensors replaced by :class:`_Slot`, pickled: its length, then its bytes."""
-    description = pickle.dumps(skeleton) if is_source else b""
-    size = torch.tensor([len(description)], dtype=torch.int64, device=exchange.device)
-    dist.broadcast(size, src=exchange.src, group=exchange.group)
-    buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=exchange.device)
-    if is_source:
-        buffer.copy_(torch.frombuffer(bytearray(description), dtype=torch.uint8))
-    dist.broadcast(buffer, src=exchange.src, group=exchange.group)
-    return skeleton if is_source else pickle.loads(buffer.cpu().numpy().tobytes())
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -178,10 +195,14 @@ class ReplicaBatches:
     def __iter__(self) -> Iterator[Any]:
         self._check_lengths()
         iterator = iter(self.loader)
+        is_source, source = dist.get_rank() == self.exchange.src, self.exchange.ranks.index(self.exchange.src)
         count = 0
         while True:
             batch = next(iterator, _END)
-            going_on = self._gather(0 if batch is _END else 1)
+            described = _Described.of(batch) if is_source and batch is not _END else None
+            # One all-gather per batch: whether each loader still had one, and the size of the source's description.
+            gathered = self._gather(0 if batch is _END else 1, described.size if described is not None else 0)
+            going_on = [more for more, _ in gathered]
             if not any(going_on):
                 return
             if not all(going_on):
@@ -191,7 +212,7 @@ class ReplicaBatches:
                     f" the other ranks of the same pipeline ({self.exchange.ranks}) went on: the stages of one"
                     f" pipeline would train on different batches.{_FIX}"
                 )
-            batch, payload = broadcast_batch(batch, self.exchange)
+            batch, payload = _send(batch, described, gathered[source][1], self.exchange)
             if self.on_batch is not None:
                 self.on_batch(payload)
             count += 1
@@ -202,7 +223,7 @@ class ReplicaBatches:
             length = len(self.loader)
         except TypeError:  # an iterable without a length: checked batch by batch
             length = -1
-        lengths = self._gather(length)
+        lengths = [n for n, _ in self._gather(length, 0)]
         if len(set(lengths)) > 1:
             described = ", ".join(
                 f"rank {rank}: {'no length' if n < 0 else n}"
@@ -214,12 +235,12 @@ class ReplicaBatches:
                 f" load.{_FIX}"
             )
 
-    def _gather(self, value: int) -> list[int]:
-        """Collective over the pipeline: every rank's ``value`` (8 bytes each; a control message, not counted)."""
-        mine = torch.tensor([value], dtype=torch.int64, device=self.exchange.device)
+    def _gather(self, *values: int) -> list[tuple[int, ...]]:
+        """Collective over the pipeline: every rank's ``values`` (8 bytes each; a control message, not counted)."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self.exchange.device)
         out = [torch.empty_like(mine) for _ in self.exchange.ranks]
         dist.all_gather(out, mine, group=self.exchange.group)
-        return [int(t.item()) for t in torch.cat(out).cpu()]
+        return [tuple(int(v) for v in t) for t in torch.stack(out).cpu()]
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":
