@@ -79,8 +79,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     stage, once per micro-batch, with ``self(...)`` answered by the pipeline's output for that micro-batch.
 
     Ranks form ``world_size / pipeline_parallel_size`` data-parallel replicas of the pipeline
-    (``global_rank = replica * pipeline_parallel_size + pipeline_rank``); the sampler shards data by replica, so
-    every rank of a replica loads the same batch, and gradients are averaged across the replicas of each stage.
+    (``global_rank = replica * pipeline_parallel_size + pipeline_rank``); the sampler shards data by replica, and every
+    rank of a replica trains on the batch of the rank holding the first stage, whatever its loader does (each rank
+    iterates its own loader; the first rank's batch is broadcast over the pipeline: ``docs/pipeline.md``, "Data").
+    Gradients are averaged across the replicas of each stage.
 
     Semantics (``docs/pipeline.md`` has the details):
 
