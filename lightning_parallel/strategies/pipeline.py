@@ -493,10 +493,17 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             dataloader = replica_batches(dataloader, exchange, self._batch_bytes.append if training else None)
         if not training:
             return dataloader
-        batches = divisible_batches(dataloader, self.num_microbatches, self._warn_skipped_batch)
+        self._batch_bytes.clear()  # a new training loader: a batch prefetched by an earlier fit never trains
+        batches = divisible_batches(dataloader, self.num_microbatches, self._skip_batch)
         if batches.known_partial_batch is not None:
             self._warn_skipped_batch(batches.known_partial_batch)
         return batches
+
+    def _skip_batch(self, size: int) -> None:
+        """A fetched training batch left out: its broadcast (the last one recorded) trains no step."""
+        if self._batch_bytes:
+            self._batch_bytes.pop()
+        self._warn_skipped_batch(size)
 
     def _warn_skipped_batch(self, size: int) -> None:
         if not self._skip_warned:
