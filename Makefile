@@ -9,6 +9,9 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # pip extras installed with the package; `make test EXTRAS=test,mpi` adds mpi4py (needs Open MPI installed).
 EXTRAS ?= test
+# LitData (tests/test_pipeline_data.py) without its dependencies: it requires torchvision, whose PyPI wheel pins the
+# newest torch (a CUDA build) over the pinned one; its pure-Python dependencies are in the `test` extra.
+LITDATA_SPEC ?= litdata==0.2.76
 BIN := $(VENV)/bin
 comma := ,
 empty :=
@@ -35,6 +38,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install --quiet --no-deps "$(LITDATA_SPEC)"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

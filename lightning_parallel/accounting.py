@@ -14,8 +14,8 @@ Every layer counts through this module: the torch-only building blocks (``distri
   of code, with what held them at that moment (:class:`PeakMemory`).
 * **Communication** (:class:`CommunicationStats`, :func:`ring_wire_bytes`): ``bytes`` of a collective is its *full*
   buffer on this rank (the all-reduced tensor, the unsharded input of a reduce-scatter, the gathered output of an
-  all-gather, the tensor of a P2P op); a ring algorithm puts ``2(N-1)/N`` of it on the wire for an all-reduce and
-  ``(N-1)/N`` for reduce-scatter and all-gather.
+  all-gather, the tensor of a P2P op, the tensors of a broadcast batch); a ring algorithm puts ``2(N-1)/N`` of it on
+  the wire for an all-reduce and ``(N-1)/N`` for reduce-scatter, all-gather and broadcast (a rank's average).
 * **Batches** (:data:`BatchSizeFn`, :func:`default_batch_size`, :func:`default_length`): samples and tokens of a batch,
   replaceable by the caller's own functions (as Lightning's ``ThroughputMonitor(batch_size_fn, length_fn)``).
 """
@@ -466,7 +466,7 @@ class LiveTensorPeak(TorchDispatchMode):
 
 
 # ------------------------------------------------------------------------------------------------- communication
-COLLECTIVES: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "send", "recv")
+COLLECTIVES: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "send", "recv", "broadcast")
 """The collective names the ledger uses."""
 
 

@@ -329,4 +329,6 @@ def test_planner_from_config_equals_monitor_of_a_transformers_fit(case: str) -> 
         process_group_backend="gloo",  # measured on gloo, where ZeRO-1/2 all-reduce their buckets
     ).configuration(STRATEGIES[case][1])
     assert len(summary["ranks"]) == world_size == len(predicted.ranks)
-    assert_monitor_equals_plan(summary["ranks"], predicted.ranks)
+    # Under the pipeline the first rank's batch, (inputs, targets) of int64 tokens, goes to the other rank.
+    batch_broadcast = 2 * BATCH * SEQ * 8 if case == "pipeline" else None
+    assert_monitor_equals_plan(summary["ranks"], predicted.ranks, batch_broadcast=batch_broadcast)

@@ -9,21 +9,23 @@ reduce-scatter + all-gather (ZeRO) moves the same wire bytes as one all-reduce (
 The definitions live in :mod:`lightning_parallel.accounting` (re-exported here); this module adds the tap and the
 per-step phase times.
 
-**Where the numbers come from.** Our own code records at each call it makes (``CommunicationStats.record``):
-DDP's gradient all-reduce through a communication hook (``DataParallelStrategy(track_communication=True)``), the
-ZeRO-1/2 buckets' reduce-scatter and all-gather and their "got a gradient" flags (one byte per parameter tensor,
-all-reduced at each sync), the pipeline replicas' gradient all-reduce, and the P2P sends and receives of the
-pipeline's stages (``SideEffectFreePipelineStage`` reports the ops it hands torch's schedules). For code we do not
-own, :class:`CollectiveTap` is a ``TorchDispatchMode`` the monitor enters during training batches around FSDP2's
+**Where the numbers come from.** Our own code records at each call it makes (``CommunicationStats.record``): DDP's
+gradient all-reduce through a communication hook (``DataParallelStrategy(track_communication=True)``), the ZeRO-1/2
+buckets' reduce-scatter and all-gather and their "got a gradient" flags (one byte per parameter tensor, all-reduced
+at each sync), the pipeline replicas' gradient all-reduce, the P2P sends and receives of the pipeline's stages
+(``SideEffectFreePipelineStage`` reports the ops it hands torch's schedules), and the pipeline's ``"broadcast"`` of
+each training batch from the first stage's rank to the other ranks of its pipeline (the batch's tensor bytes, on
+every rank of the pipeline, counted in the step that trains it; ``replica_batches.py``). For code we do not own,
+:class:`CollectiveTap` is a ``TorchDispatchMode`` the monitor enters during training batches around FSDP2's
 pre-forward hooks and over backward: it sees every ``c10d`` op (eager ``torch.distributed`` calls go through them)
 and counts those issued by FSDP2 (ZeRO-3: all-gather, reduce-scatter, and the all-reduce across replicas under
 HSDP); the issuer is read from the Python frame that made the call, so our own collectives, which we record
 ourselves, and the user's are never counted twice. Nothing in torch is replaced. Control messages of a fixed size
-(the one-element non-finite-loss flag, the 16-byte ``requires_grad`` fingerprint of ``distributed/trainable.py``
+(the one-element non-finite-loss flag, the pipeline's 16-byte "my loader has a batch" all-gather and the pickled
+description of each broadcast batch, the 16-byte ``requires_grad`` fingerprint of ``distributed/trainable.py``
 all-reduced every step, the broadcast of logged values, checkpoint gathers, torch pipelining's one-off shape and
 warm-up messages) are not counted: the ledger holds the traffic that scales with the model and the batch, and the
-planner predicts exactly that.
-"""
+planner predicts exactly that."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ the checkpoints.
 
 from __future__ import annotations
 
+from collections import deque
 from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
@@ -26,6 +27,7 @@ from typing_extensions import override
 from lightning_parallel import _compat
 from lightning_parallel.accounting import CommunicationStats, MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
+from lightning_parallel.distributed.data_shards import tell_data_parallel_rank
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.checkpoint_format import (
     CHECKPOINT_FORMATS,
@@ -35,10 +37,11 @@ from lightning_parallel.distributed.pipeline.checkpoint_format import (
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.contract import replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
-from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, check_divisible_batch
+from lightning_parallel.distributed.pipeline.microbatch import check_divisible_batch, divisible_batches
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
 from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan, UnevenStages
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned
+from lightning_parallel.distributed.pipeline.replica_batches import BatchBroadcast, broadcast_batch, replica_batches
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims, resolve_schedule
 from lightning_parallel.distributed.pipeline.stage_copy import StageCopyLayout
@@ -76,8 +79,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     stage, once per micro-batch, with ``self(...)`` answered by the pipeline's output for that micro-batch.
 
     Ranks form ``world_size / pipeline_parallel_size`` data-parallel replicas of the pipeline
-    (``global_rank = replica * pipeline_parallel_size + pipeline_rank``); the sampler shards data by replica, so
-    every rank of a replica loads the same batch, and gradients are averaged across the replicas of each stage.
+    (``global_rank = replica * pipeline_parallel_size + pipeline_rank``); the sampler shards data by replica, and every
+    rank of a replica trains on the batch of the rank holding the first stage, whatever its loader does (each rank
+    iterates its own loader; the first rank's batch is broadcast over the pipeline: ``docs/pipeline.md``, "Data").
+    Gradients are averaged across the replicas of each stage.
 
     Semantics (``docs/pipeline.md`` has the details):
 
@@ -218,6 +223,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._run: PipelineRun | None = None  # the last split's record (`distributed/pipeline/run.py`)
         self._skip_warned = False
         self._hook_windows = HookWindows()  # the whole model in the module's own hooks (`pipeline_hooks.py`)
+        self._batch_bytes: deque[int] = deque()  # each fetched training batch's broadcast, until its step starts
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -381,9 +387,6 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         """What the Trainer knows (the first batch, the optimizers' layout, the precision), then the torch split."""
         check_not_split(module)
         layers, call = pipeline_layers_and_call(module)
-        example = pipeline_setup.example_model_inputs(trainer, module, call, num_microbatches=self.num_microbatches)
-        # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
-        layouts = pipeline_setup.whole_model_optimizer_layouts(module, fitting=fitting)
         previous = self._run  # an earlier split's ranks and groups are reused (groups are created once)
         if previous is not None:
             dims = previous.dims
@@ -396,6 +399,12 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 zero_config=zero_config,
                 mesh=self.device_mesh,
             )
+        example = pipeline_setup.example_model_inputs(trainer, module, call, num_microbatches=self.num_microbatches)
+        if dims.pipeline_parallel_size > 1:  # planned from the first stage's batch on every rank, as it trains
+            first = dims.pipeline_global_rank(0)
+            example, _ = broadcast_batch(example, BatchBroadcast(dims.pipeline_group, first, self.root_device))
+        # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
+        layouts = pipeline_setup.whole_model_optimizer_layouts(module, fitting=fitting)
         precision = self.precision_plugin.precision
         self._run = split_into_stages(
             module,
@@ -460,17 +469,41 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._hook_windows.close()  # Lightning calls this right after the module's `on_train_batch_start`
+        # The batch came from the first pipeline rank during the fetch, before the step's window of the monitor (which
+        # opens in the callbacks' `on_train_batch_start`, just before this): its bytes are counted now.
+        payload = self._batch_bytes.popleft() if self._batch_bytes else None
+        if payload is not None and self.track_communication:
+            self.communication_stats.record("broadcast", payload)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        """Every loader: the first pipeline rank's batches on every rank of its pipeline (each rank still iterates
+        its own loader; a LitData ``StreamingDataset`` reads the replica's share). Training: batches not divisible by
+        ``num_microbatches`` left out."""
         trainer = self.module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        if trainer is None:
             return dataloader
-        batches = DivisibleBatches(dataloader, self.num_microbatches, self._warn_skipped_batch)
+        training = trainer.state.stage == RunningStage.TRAINING
+        if self._run is not None and self.pipeline_parallel_size > 1:
+            dims = self._run.dims
+            tell_data_parallel_rank(dataloader, rank=dims.data_parallel_rank, size=dims.data_parallel_size)
+            first = dims.pipeline_global_rank(self._run.plan.rank_of_stage(0))
+            exchange = BatchBroadcast(group=dims.pipeline_group, src=first, device=self.root_device)
+            dataloader = replica_batches(dataloader, exchange, self._batch_bytes.append if training else None)
+        if not training:
+            return dataloader
+        self._batch_bytes.clear()  # a new training loader: a batch prefetched by an earlier fit never trains
+        batches = divisible_batches(dataloader, self.num_microbatches, self._skip_batch)
         if batches.known_partial_batch is not None:
             self._warn_skipped_batch(batches.known_partial_batch)
         return batches
+
+    def _skip_batch(self, size: int) -> None:
+        """A fetched training batch left out: its broadcast (the last one recorded) trains no step."""
+        if self._batch_bytes:
+            self._batch_bytes.pop()
+        self._warn_skipped_batch(size)
 
     def _warn_skipped_batch(self, size: int) -> None:
         if not self._skip_warned:

@@ -6,6 +6,7 @@
 * :mod:`.schedule`: one descriptor per schedule (``ScheduleSpec``: torch class, stages per rank, placement, micro-batch
   rules), the ``data x pipeline`` rank layout, torch stages/schedules.
 * :mod:`.microbatch`: splitting batches into micro-batches, padding evaluation batches.
+* :mod:`.replica_batches`: every rank of a pipeline trains on its first rank's batch, whatever the loader does.
 * :mod:`.contract`: running a LightningModule's own step with ``self(...)`` answered by the pipeline.
 * :mod:`.consolidate`: stage state <-> the single-device (consolidated) checkpoint layout.
 * :mod:`.verify`: checks before the first step (``pipeline_layers()`` against ``forward``, closure-re-evaluating

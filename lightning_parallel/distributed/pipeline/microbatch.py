@@ -13,7 +13,18 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-__all__ = ["DivisibleBatches", "batch_size_of", "check_divisible_batch", "detached_cpu", "pad_batch", "slice_batch"]
+__all__ = [
+    "DivisibleBatches",
+    "ForwardsLoaderState",
+    "StatefulDivisibleBatches",
+    "batch_size_of",
+    "check_divisible_batch",
+    "detached_cpu",
+    "divisible_batches",
+    "pad_batch",
+    "saves_state",
+    "slice_batch",
+]
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -106,3 +117,33 @@ class DivisibleBatches:
         if name == "loader":
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+
+class ForwardsLoaderState:
+    """``state_dict`` / ``load_state_dict`` of the wrapped ``self.loader``, for wrappers of a loader that saves its
+    position (LitData's ``StreamingDataLoader``, torchdata's ``StatefulDataLoader``): Lightning saves and restores a
+    loader's position where it has both methods, and from Python 3.12 ``isinstance`` looks them up on the class,
+    not through a wrapper's ``__getattr__``."""
+
+    loader: Any
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state_dict)
+
+
+def saves_state(loader: Any) -> bool:
+    """Whether ``loader`` has ``state_dict`` and ``load_state_dict`` (Lightning's ``_Stateful`` protocol)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+class StatefulDivisibleBatches(ForwardsLoaderState, DivisibleBatches):
+    """:class:`DivisibleBatches` of a loader that saves its position."""
+
+
+def divisible_batches(loader: Any, num_microbatches: int, on_skip: Callable[[int], None]) -> DivisibleBatches:
+    """``loader`` wrapped in :class:`DivisibleBatches`, or :class:`StatefulDivisibleBatches` where it saves its
+    state."""
+    return (StatefulDivisibleBatches if saves_state(loader) else DivisibleBatches)(loader, num_microbatches, on_skip)

@@ -1,0 +1,43 @@
+"""Each data-parallel replica reads its own share: data libraries that shard by ``torch.distributed``'s global rank.
+
+Torch only (LitData is recognised by its attributes, never imported). Lightning's ``DistributedSampler`` is given the
+data-parallel rank and size by the strategy (``distributed_sampler_kwargs``). Streaming libraries shard an
+``IterableDataset`` themselves, by the global rank and world size they read from ``torch.distributed``. That is the
+data-parallel rank wherever every rank is its own replica (``DataParallelStrategy``, ``ShardedOptimizerStrategy``
+with or without ``shard_size``), but not under the pipeline, where the ``pipeline_parallel_size`` ranks of one
+replica must read one share: with the global rank they read ``pipeline_parallel_size`` shares, and the replicas
+together only a ``1 / pipeline_parallel_size`` part of the data (the first stage's).
+
+* LitData's ``StreamingDataset`` reads them once, in its ``__init__`` (the attribute ``distributed_env``:
+  ``world_size``, ``global_rank``, ``num_nodes``), and offers no argument to say "this rank is replica ``r`` of
+  ``R``": :func:`tell_data_parallel_rank` replaces that record, on the dataset of a loader the strategy is handed.
+* Hugging Face's ``split_dataset_by_node(ds, rank=..., world_size=...)`` takes them as arguments: pass
+  ``trainer.distributed_sampler_kwargs["rank"]`` and ``["num_replicas"]`` (docs/pipeline.md, "Data").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["tell_data_parallel_rank"]
+
+
+def tell_data_parallel_rank(loader: Any, *, rank: int, size: int) -> bool:
+    """Local. Make the LitData ``StreamingDataset`` of ``loader`` (if it is one) shard by data-parallel ``rank`` of
+    ``size`` instead of ``torch.distributed``'s global rank; returns whether it did.
+
+    Only a dataset whose record is still torch.distributed's (``world_size`` and ``global_rank`` equal to this
+    process's) is changed: one the user configured otherwise is left alone. ``num_nodes`` becomes 1 (LitData uses it
+    to group ranks by node for its cache; the replicas of one node need not be a block of ranks).
+    """
+    dataset: Any = getattr(loader, "dataset", None)
+    env = getattr(dataset, "distributed_env", None)
+    if not type(dataset).__module__.startswith("litdata.") or env is None or not dist.is_initialized():
+        return False
+    if (env.world_size, env.global_rank) != (dist.get_world_size(), dist.get_rank()) or env.world_size == size:
+        return False
+    # LitData's `_DistributedEnv(world_size, global_rank, num_nodes)`, built through the record's own class.
+    dataset.distributed_env = type(env)(world_size=size, global_rank=rank, num_nodes=1)
+    return True
