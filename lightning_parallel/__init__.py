@@ -5,6 +5,7 @@ works after ``import lightning_parallel``.
 """
 
 from lightning_parallel.distributed.activation_checkpointing import SelectiveCheckpointing
+from lightning_parallel.distributed.pipeline.random_draws import InconsistentDrawError
 from lightning_parallel.monitor import ParallelismMonitor
 from lightning_parallel.planner import plan
 from lightning_parallel.strategies import (
@@ -16,6 +17,7 @@ from lightning_parallel.strategies import (
 
 __all__ = [
     "DataParallelStrategy",
+    "InconsistentDrawError",
     "ParallelismMonitor",
     "PipelineParallelStrategy",
     "SelectiveCheckpointing",

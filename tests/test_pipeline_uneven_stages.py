@@ -66,6 +66,14 @@ def test_with_uniform_layers_the_lightened_stage_holds_that_many_fewer(first, la
     assert _sizes(plan) == sizes
 
 
+@pytest.mark.parametrize("name", ["first_stage_fewer_layers", "last_stage_fewer_layers"])
+def test_more_fewer_layers_than_the_model_has_is_refused(name):
+    """Up to the number of layers is planned (10 on 10 layers still leaves each stage a layer); more is a mistake."""
+    plan_stages([1.0] * 10, num_stages=2, pipeline_parallel_size=2, uneven=UnevenStages(**{name: 10}))
+    with pytest.raises(ValueError, match=f"`{name}=11` is larger than the model's 10 pipeline layers"):
+        plan_stages([1.0] * 10, num_stages=2, pipeline_parallel_size=2, uneven=UnevenStages(**{name: 11}))
+
+
 def test_uniform_blocks_with_an_embedding_and_a_head_as_torchtitan_splits_them():
     """8 blocks, embedding and head of a block's cost each, 4 stages: with one fewer on each end [emb, 1 block], [3],
     [3], [1 block, head] (torchtitan's split with ``input_weight=output_weight=2``); the even split leaves 2 blocks

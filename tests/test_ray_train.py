@@ -199,3 +199,13 @@ def test_prepare_trainer_names_the_ray_variant_and_the_environment():
     with pytest.raises(ValueError, match="RayLightningEnvironment"):
         prepare_trainer(without_environment)
     # With the environment, `prepare_trainer` passes the Trainer on: every fit of the Ray run goes through it.
+
+
+def test_the_ray_environment_outside_a_ray_worker_names_the_fix():
+    """In the driver (here: the pytest process, no Ray Train session) Ray's environment has no rank to give."""
+    from ray.train.lightning import RayLightningEnvironment
+
+    with pytest.raises(
+        RuntimeError, match=r"RayShardedOptimizerStrategy with `RayLightningEnvironment\(\)`.*not a Ray"
+    ):
+        pl.Trainer(strategy=ray_strategy("zero2"), plugins=[RayLightningEnvironment()], accelerator="cpu", devices=1)

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 
 from lightning_parallel.fault_tolerance.config import FaultTolerance
+from lightning_parallel.fault_tolerance.lighthouse import wait_for_lighthouse
 
 __all__ = ["ReplicaGroupSync", "import_torchft"]
 
@@ -68,6 +69,7 @@ class ReplicaGroupSync:
         load_state_dict: Callable[[dict[str, Any]], None],
     ) -> None:
         torchft = import_torchft()
+        wait_for_lighthouse(config)  # torchft's own connect error names neither `FaultTolerance` nor the setting
         self.config = config
         timeout = timedelta(seconds=config.timeout)
         self.manager = torchft.Manager(

@@ -67,10 +67,32 @@ def _check_ray_environment(strategy: LightningParallelStrategy) -> None:
         )
 
 
+def _check_in_ray_worker(strategy: LightningParallelStrategy) -> None:
+    """Local: with ``RayLightningEnvironment``, refuse to run outside a Ray Train worker (the driver, a plain script),
+    where Ray's environment cannot say a rank and Ray's own error names neither the strategy nor the fix."""
+    if not isinstance(strategy.cluster_environment, RayLightningEnvironment):
+        return  # `setup_environment` names the missing environment
+    try:
+        ray.train.get_context().get_world_size()
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"{type(strategy).__name__} with `RayLightningEnvironment()` reads its ranks from Ray Train, but this"
+            " process is not a Ray Train worker (the driver or a plain script). Build the Trainer inside the training"
+            " function you pass to `ray.train.torch.TorchTrainer(train_func, scaling_config=...)` and start it with"
+            ' `.fit()` (docs/running-on-a-cluster.md, "Ray Train"); to train without Ray, use the plain strategy'
+            f" ({', '.join(plain.__name__ for plain in _RAY_CLASSES)}) without `RayLightningEnvironment`."
+        ) from error
+
+
 class _InRayWorker(LightningParallelStrategy):
     """What every Ray variant changes: the layout and device come from Ray, the cluster environment must be Ray's."""
 
     layout_from_environment = True
+
+    @override
+    def set_world_ranks(self) -> None:  # Lightning reads the environment's ranks here, in `Trainer.__init__`
+        _check_in_ray_worker(self)
+        super().set_world_ranks()
 
     @property
     @override

@@ -13,10 +13,13 @@ adapter subclass created at run time that shares the plugin's attributes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from torch import Tensor
 from torch.optim import Optimizer
 
 __all__ = [
@@ -24,6 +27,7 @@ __all__ = [
     "ClippingHalfPrecision",
     "ClippingMixedPrecision",
     "ClippingPrecision",
+    "LentGradients",
     "with_clipping",
     "with_scaler",
 ]
@@ -31,24 +35,55 @@ __all__ = [
 ClipFunction = Callable[[Optimizer, float], None]
 
 
+@dataclass(frozen=True, kw_only=True)
+class LentGradients:
+    """How a strategy that lends whole gradients to the parameters' ``.grad`` between backward and the step
+    (``distributed/zero/hook_gradients.py``) lets the precision plugin act on them as on one device."""
+
+    hand_back: Callable[[], None]
+    """Local. End the loan: called after the ``on_before_optimizer_step`` hooks, before Lightning's clipping and the
+    optimizer's update, in automatic and manual optimization alike. No Lightning hook runs at that point, so the plugin
+    overrides ``_clip_gradients``, which Lightning calls there (``Precision._after_closure``) whatever the clipping
+    settings."""
+    parameters: Callable[[Optimizer], list[Tensor] | None]
+    """Local. While a loan is open, the module's parameters whose ``.grad`` hold the whole gradients ``optimizer``
+    steps (a clip by the user, ``self.clip_gradients(opt, ...)`` in manual optimization, clips these: the ``.grad``
+    read next is the clipped one, and what the loan's hand-back takes into the step); ``None`` when no loan is open."""
+    taken_back: Callable[[], AbstractContextManager[None]]
+    """Collective while a loan is open. A context in which the optimizer's own tensors hold the gradients (the loan
+    handed back on entry, lent again on exit): the grad scaler unscales in it (``16-mixed``), so that the hooks that
+    follow read unscaled gradients and a change they make is not taken back still scaled."""
+
+
 class _ClippingOverRanks:
-    """What the clipping plugins add to Lightning's: ``clip_grad_by_norm`` calls :attr:`clip_over_ranks`, and
-    :attr:`after_gradient_hooks` runs between the ``on_before_optimizer_step`` hooks and clipping."""
+    """What the clipping plugins add to Lightning's: ``clip_grad_by_norm`` calls :attr:`clip_over_ranks`, and the
+    plugin acts on the gradients lent to ``.grad`` while a strategy lends them (:attr:`lent`)."""
 
     clip_over_ranks: ClipFunction
     """``clip(optimizer, clip_val)``: the strategy's clipping over ranks."""
-    after_gradient_hooks: Callable[[], None] | None = None
-    """Called after the ``on_before_optimizer_step`` hooks and before clipping and the optimizer's update, in
-    automatic and manual optimization alike: where a strategy that lent whole gradients to the hooks takes them back
-    (``distributed/zero/hook_gradients.py``). No Lightning hook runs at that point, so we override the plugin's
-    ``_clip_gradients``, which Lightning calls there (``Precision._after_closure``) whatever the clipping settings."""
+    lent: LentGradients | None = None
+    """The strategy's loan of whole gradients to ``.grad``, if it lends them."""
+
+    def _lent_parameters(self, optimizer: Optimizer) -> list[Tensor] | None:
+        return None if self.lent is None else self.lent.parameters(optimizer)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:  # Lightning's `Precision` hook
-        self.clip_over_ranks(optimizer, float(clip_val))
+        lent = self._lent_parameters(optimizer)
+        if lent is None:
+            self.clip_over_ranks(optimizer, float(clip_val))
+        else:  # local: every rank holds every lent gradient whole (the same values), as one device does
+            torch.nn.utils.clip_grad_norm_(lent, float(clip_val))
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:  # Lightning's `Precision` hook
+        lent = self._lent_parameters(optimizer)
+        if lent is None:
+            cast(Any, super()).clip_grad_by_value(optimizer, clip_val)
+        else:
+            torch.nn.utils.clip_grad_value_(lent, float(clip_val))
 
     def _clip_gradients(self, model: Any, optimizer: Any, clip_val: Any = None, gradient_clip_algorithm: Any = None):
-        if self.after_gradient_hooks is not None:
-            self.after_gradient_hooks()
+        if self.lent is not None:
+            self.lent.hand_back()
         return cast(Any, super())._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)
 
 
@@ -84,11 +119,10 @@ class ClippingMixedPrecision(_ClippingOverRanks, MixedPrecision):
         self.clip_over_ranks = clip
 
 
-def with_clipping(
-    plugin: Precision, clip: ClipFunction, *, after_gradient_hooks: Callable[[], None] | None = None
-) -> Precision:
+def with_clipping(plugin: Precision, clip: ClipFunction, *, lent: LentGradients | None = None) -> Precision:
     """A plugin like ``plugin`` whose ``clip_grad_by_norm(optimizer, clip_val)`` calls ``clip(optimizer, clip_val)``
-    and that calls ``after_gradient_hooks()`` after the ``on_before_optimizer_step`` hooks (before clipping).
+    and that, with ``lent``, clips the gradients lent to ``.grad`` while they are lent and ends the loan after the
+    ``on_before_optimizer_step`` hooks (before Lightning's clipping).
 
     The Trainer's plugin object is left as it is; a ``"16-mixed"`` plugin's grad scaler is shared. Applied to a plugin
     it built before (a second fit on the same strategy), it returns it with the new ``clip``.
@@ -97,7 +131,7 @@ def with_clipping(
         plugin = _with_clipping(plugin, clip)
     assert isinstance(plugin, _ClippingOverRanks)
     plugin.clip_over_ranks = clip
-    plugin.after_gradient_hooks = after_gradient_hooks
+    plugin.lent = lent
     return plugin
 
 
@@ -126,7 +160,9 @@ def with_scaler(plugin: Precision, scaler: torch.amp.GradScaler) -> Precision:
     if type(plugin) is MixedPrecision:
         return MixedPrecision(cast(Any, plugin.precision), plugin.device, scaler)
     if type(plugin) is ClippingMixedPrecision:
-        return ClippingMixedPrecision(plugin.precision, plugin.device, scaler, clip=plugin.clip_over_ranks)
+        rebuilt = ClippingMixedPrecision(plugin.precision, plugin.device, scaler, clip=plugin.clip_over_ranks)
+        rebuilt.lent = plugin.lent
+        return rebuilt
     raise TypeError(
         f"The precision plugin `{type(plugin).__name__}` has a grad scaler, which must be torch's `ShardedGradScaler`"
         " when the gradients are sharded (each rank checks only its shard for inf/nan). Use"

@@ -36,6 +36,7 @@ from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import save_sharded
+from lightning_parallel.strategies.clipping import LentGradients
 from lightning_parallel.strategies.gradient_readers import reads_gradients
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
@@ -330,9 +331,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
                 self._replicas.check_supported(trainer, self.module)  # local; the groups are joined at train start
             self._backend.setup_optimizers(self.unwrapped_optimizers())
         self._loan, self._reads_gradients = None, None
-        self.precision_plugin = zero_precision(
-            self._backend, self.precision_plugin, self.root_device, after_gradient_hooks=self._hand_back_gradients
+        lent = LentGradients(
+            hand_back=self._hand_back_gradients, parameters=self._lent_parameters, taken_back=self._gradients_taken_back
         )
+        self.precision_plugin = zero_precision(self._backend, self.precision_plugin, self.root_device, lent=lent)
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -492,6 +494,24 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         loan, self._loan = self._loan, None
         if loan is not None:
             loan.hand_back()
+
+    def _lent_parameters(self, optimizer: Optimizer) -> list[Tensor] | None:
+        """Local. While gradients are lent: the module's parameters ``optimizer`` steps, whose ``.grad`` a clip by the
+        user (``self.clip_gradients``) must clip so that the ``.grad`` read next and the step both see it."""
+        if self._loan is None:
+            return None
+        return list(self.backend.parameters_stepped_by(unwrap_optimizer(optimizer)))
+
+    @contextmanager
+    def _gradients_taken_back(self) -> Generator[None, None, None]:
+        """Collective while gradients are lent (the loan again on exit: one all-gather of the gradients). The loan
+        ended for the length of the block, so that the optimizer's own tensors hold every change made to ``.grad``:
+        the grad scaler unscales them in it (``16-mixed``)."""
+        lent = self._loan is not None
+        self._hand_back_gradients()
+        yield
+        if lent:
+            self._loan = self.backend.lend_gradients(synced=self._syncs_gradients)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

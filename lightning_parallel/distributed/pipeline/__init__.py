@@ -43,6 +43,7 @@ from lightning_parallel.distributed.pipeline.partition import (
     plan_stages,
     resolve_pipeline_layers,
 )
+from lightning_parallel.distributed.pipeline.random_draws import InconsistentDrawError
 from lightning_parallel.distributed.pipeline.reassemble import reassemble
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import (
@@ -70,6 +71,7 @@ __all__ = [
     "ContractError",
     "FlatBucketSync",
     "FullyShardSync",
+    "InconsistentDrawError",
     "ParallelDims",
     "PipelineFullyShard",
     "PipelineRun",

@@ -41,6 +41,21 @@ class UnevenStages:
         for name in ("first_stage_fewer_layers", "last_stage_fewer_layers"):
             check_fewer_layers(name, getattr(self, name))
 
+    def check_layer_count(self, num_layers: int) -> None:
+        """Local. Refuse a count larger than the model's number of pipeline layers (it would lighten a stage by more
+        than the whole model, which the user surely did not mean).
+
+        Raises:
+            ValueError: Naming the argument, its value and the number of layers.
+        """
+        for name in ("first_stage_fewer_layers", "last_stage_fewer_layers"):
+            value = getattr(self, name)
+            if value > num_layers:
+                raise ValueError(
+                    f"`{name}={value}` is larger than the model's {num_layers} pipeline layers: it counts layers by"
+                    f" which that stage is lightened. Use a value from 0 to {num_layers} (typically 1 or 2)."
+                )
+
     @property
     def is_even(self) -> bool:
         """Nothing is lightened: the plain balanced split."""

@@ -477,7 +477,8 @@ def plan_stages(
     heaviest *rank* (the sum of its stages) is as light as a one-layer move of a boundary can make it.
 
     Raises:
-        ValueError: If there are more stages than layers or the boundaries are not increasing in ``(0, num_layers)``.
+        ValueError: If there are more stages than layers, the boundaries are not increasing in ``(0, num_layers)``,
+            or ``uneven`` lightens a stage by more layers than there are.
     """
     n = len(costs)
     if boundaries is None:
@@ -498,6 +499,7 @@ def plan_stages(
 def _balanced_starts(
     costs: Sequence[float], num_stages: int, pipeline_parallel_size: int, placement: Placement, uneven: UnevenStages
 ) -> list[int]:
+    uneven.check_layer_count(len(costs))
     extra_first, extra_last = uneven.extra_costs(costs)
     starts = balanced_boundaries(costs, num_stages, extra_first=extra_first, extra_last=extra_last)
     if num_stages <= pipeline_parallel_size:

@@ -131,6 +131,11 @@ class FlatBucketBackend(ReplicatedBackend):
         # `no_sync`); stage 2 keeps none, so lend views of its buckets.
         return LocalBucketGradientLoan(self.buckets) if self.buckets.stage == 2 else None
 
+    def parameters_stepped_by(self, optimizer: Optimizer) -> list[nn.Parameter]:
+        if self.buckets is None:  # not fitting: the optimizer steps the module's parameters themselves
+            return super().parameters_stepped_by(optimizer)
+        return [param for params in self.sharded_for(optimizer).group_params for param in params]
+
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         # The stepped optimizer's buckets: the same ones on every rank.
         indices = self.sharded_for(optimizer).bucket_indices

@@ -87,5 +87,9 @@ class ZeroBackend(GradientSync, Protocol):
         read, until the loan's ``hand_back()`` (``distributed/zero/hook_gradients.py``). Collective when ``synced``
         and sharding. ``None`` where ``.grad`` already is that."""
 
+    def parameters_stepped_by(self, optimizer: Optimizer) -> list[nn.Parameter]:
+        """Local. The module's parameters ``optimizer`` steps (the ones whose ``.grad`` a loan lends its gradients
+        through), in its order."""
+
     def full_module(self) -> AbstractContextManager[nn.Module]:
         """Collective on entry: the whole module on every rank until exit (also after ``teardown``)."""

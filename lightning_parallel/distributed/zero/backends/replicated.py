@@ -111,6 +111,9 @@ class ReplicatedBackend:
     def lend_gradients(self, *, synced: bool) -> GradientLoan | None:
         return None  # the parameters' own `.grad`, as on one device
 
+    def parameters_stepped_by(self, optimizer: Optimizer) -> list[nn.Parameter]:
+        return [param for group in optimizer.param_groups for param in group["params"]]
+
     def after_evaluation_step(self) -> None:
         pass
 
