@@ -107,9 +107,10 @@ class BucketGradientLoan:
             assert bucket.full_grads is not None
             whole = bucket.full_grads
         else:
-            dtype = bucket.flat_params.dtype
-            whole = bucket.full_grads if bucket.full_grads is not None and bucket.full_grads.dtype == dtype else None
-            if whole is None:
+            dtype, full = bucket.flat_params.dtype, bucket.full_grads
+            if full is not None and full.dtype == dtype:
+                whole = full
+            else:
                 whole = torch.empty(bucket.numel, dtype=dtype, device=bucket.shard_grads.device)
             start = buckets.rank * bucket.shard_numel
             whole[start : start + bucket.shard_numel].copy_(bucket.shard_grads)
