@@ -212,3 +212,19 @@ def test_reference_run_trains():
     """The single-device reference every multi-node run is compared with (cheap, in-process)."""
     weights = reference_weights()
     assert weights and all(tensor.isfinite().all() for tensor in weights.values())
+
+
+def test_gloo_takes_nccls_interface_where_only_nccls_is_set() -> None:
+    """Issue 42: an NCCL-only cluster sets `NCCL_SOCKET_IFNAME`; our gloo groups get the same interface (a pure
+    function of the environment and this host's interfaces: NCCL's exact names, prefixes and exclusions)."""
+    from lightning_parallel.strategies.launch import gloo_socket_ifname
+
+    host = ["lo", "docker0", "eth0", "eth1", "ib0"]
+    assert gloo_socket_ifname({"NCCL_SOCKET_IFNAME": "eth0"}, host) == "eth0"
+    assert gloo_socket_ifname({"NCCL_SOCKET_IFNAME": "eth"}, host) == "eth0"  # a prefix: the first match only
+    assert gloo_socket_ifname({"NCCL_SOCKET_IFNAME": "ib,eth"}, host) == "eth0"  # in the host's order
+    assert gloo_socket_ifname({"NCCL_SOCKET_IFNAME": "=eth1,ib0"}, host) == "eth1,ib0"  # exact names, as given
+    assert gloo_socket_ifname({"NCCL_SOCKET_IFNAME": "^docker,lo"}, host) is None  # no gloo equivalent
+    assert gloo_socket_ifname({"NCCL_SOCKET_IFNAME": "bond"}, host) is None  # nothing matches: gloo's default
+    assert gloo_socket_ifname({"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "ib0"}, host) is None  # yours
+    assert gloo_socket_ifname({}, host) is None

@@ -40,6 +40,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("strategies/replica_groups.py", "FaultTolerantReplicas._load_state_dict", "private"): "a replica group healed "
     "from a live peer takes its step count: Lightning restores this epoch-loop counter only from its own loop "
     "state_dict (a checkpoint), with no public setter",
+    ("strategies/launch.py", "_use_nccl_interface_for_gloo", "import"): "sets GLOO_SOCKET_IFNAME from "
+    "NCCL_SOCKET_IFNAME where only NCCL's is set, before the first gloo group: torch reads gloo's interface only from "
+    "this variable (its device options are private), and a value the user set is never changed",
     ("accounting.py", "LiveTensorPeak.__enter__", "import"): "wraps torch.UntypedStorage.resize_ for the region: no "
     "dispatcher op or hook reports FSDP2's storage resizes (torch's own MemTracker wraps it too)",
     ("accounting.py", "LiveTensorPeak.__exit__", "import"): "restores torch.UntypedStorage.resize_ (see __enter__)",

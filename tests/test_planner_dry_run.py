@@ -23,6 +23,7 @@ from lightning_parallel.planner.dry_run import (
     DryRunError,
     DryRunLayout,
     DryRunWorkload,
+    backend_device,
     dry_run,
     language_model_workload,
     measure_step,
@@ -149,6 +150,16 @@ def test_dry_run_peak_within_3_percent(
     predicted = dry_run(_workload(model), _layout(strategy, world_size, shard_size, world_size - 1)).peak_bytes
     measured = real_peaks[(model, strategy, world_size)]
     assert abs(predicted - measured) <= TOLERANCE * measured, (model, strategy, predicted, measured)
+
+
+def test_measure_step_runs_on_the_backends_device() -> None:
+    """Issue 42: `measure_step` put everything on the CPU, which an NCCL group refuses; it now takes the device of
+    the group's backend (the strategy's root device), unless told one."""
+    assert backend_device("gloo") == torch.device("cpu")
+    assert backend_device("nccl") == torch.device("cuda")
+    assert backend_device("cpu:gloo,cuda:nccl") == torch.device("cuda")
+    with pytest.raises(ValueError, match=r"backend='smoke'.*measure_step\(\.\.\., device=\.\.\.\)"):
+        backend_device("smoke")
 
 
 def test_dry_run_plans_a_large_world_with_one_rank() -> None:

@@ -48,6 +48,79 @@ def test_config_is_validated_at_the_edge() -> None:
         DataParallelStrategy(fault_tolerance={"replica_group": 0})  # type: ignore[arg-type]
 
 
+def test_cross_group_backend_follows_the_device() -> None:
+    """NCCL across groups for a CUDA model (gloo would copy every step's gradients to the host and back), gloo on the
+    CPU; an explicit choice is kept where it can run and refused, naming the fix, where it cannot."""
+    from lightning_parallel.fault_tolerance.replica_sync import TORCHFT_PROCESS_GROUPS, cross_group_backend
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 1)
+    assert cross_group_backend("auto", cpu) == "gloo"
+    assert cross_group_backend("auto", cuda) == "nccl"
+    assert cross_group_backend("baby_nccl", cuda) == "baby_nccl"
+    assert cross_group_backend("gloo", cuda) == "gloo"  # two groups sharing one GPU
+    with pytest.raises(ValueError, match=r"cross_group_backend='nccl'\)` needs the model on a CUDA device.*'gloo'"):
+        cross_group_backend("nccl", cpu)
+    with pytest.raises(ValueError, match=r"cross_group_backend='mpi'` is invalid.*'baby_nccl'"):
+        FaultTolerance(replica_group=0, num_replica_groups=1, cross_group_backend="mpi")  # type: ignore[arg-type]
+    torchft = pytest.importorskip("torchft")
+    assert all(hasattr(torchft, name) for name in TORCHFT_PROCESS_GROUPS.values())
+
+
+def _state_reads_wait_for_the_step(rank: int, world_size: int) -> dict:
+    """One replica group of one process with an in-process lighthouse: a peer's read of the state (what torchft's
+    quorum thread calls to send a checkpoint) started after the commit returns only after the next step started,
+    with what the optimizer step wrote, copied to the host."""
+    import threading
+
+    import torch.distributed as dist
+    from torchft.coordination import LighthouseServer
+
+    from lightning_parallel.fault_tolerance.replica_sync import ReplicaGroupSync
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    weight = torch.zeros(3)
+    config = FaultTolerance(replica_group=0, num_replica_groups=1, lighthouse=lighthouse.address(), timeout=20)
+    sync = ReplicaGroupSync(
+        config,
+        group_rank=0,
+        group_world_size=1,
+        store_host="127.0.0.1",
+        store_port=store.port,
+        state_dict=lambda: {"w": weight},
+        load_state_dict=lambda state: None,
+    )
+    try:
+        sync.start_step()
+        sync.average_gradients([torch.ones(3)])
+        committed = sync.should_commit()
+        sent: dict = {}
+        reader = threading.Thread(target=lambda: sent.update(sync.manager._manager_state_dict()["user"]["default"]))
+        reader.start()
+        weight.add_(1)  # the optimizer step, after the commit
+        sync.start_step()
+        reader.join(30)
+        return {
+            "backend": sync.backend,
+            "committed": committed,
+            "sent": sent["w"].tolist(),
+            "copied": sent["w"].data_ptr() != weight.data_ptr(),
+        }
+    finally:
+        sync.shutdown()
+        lighthouse.shutdown()
+
+
+def test_a_peer_reads_the_state_only_between_steps() -> None:
+    """torchft's `allow/disallow_state_dict_read` around the optimizer step (issue 42): a read that arrives after the
+    commit waits for the step and sends what it wrote, as a host copy (not the live tensor the next step changes)."""
+    pytest.importorskip("torchft")
+    from distributed_harness import run_distributed
+
+    [result] = run_distributed(_state_reads_wait_for_the_step, 1, init_process_group=False, timeout=90)
+    assert result == {"backend": "gloo", "committed": True, "sent": [1.0, 1.0, 1.0], "copied": True}
+
+
 def test_torchft_is_imported_only_by_a_fault_tolerant_run() -> None:
     """Building the strategy with the mode imports nothing of torchft; without torchft, a run says how to get it."""
     code = (
@@ -214,6 +287,30 @@ def test_groups_of_two_processes_train_like_one_device(tmp_path: Path) -> None:
         for record in records:
             if record["step"] == 4:
                 torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_true_groups_start_together_and_train_alike(tmp_path: Path) -> None:
+    """`bf16-true` (issue 42): the start-up exchange sends bf16 parameters from group 0 and bf16 zeros from group 1
+    (the same bytes; fp32 zeros made the sizes differ), then the groups train with equal weights, bit for bit, near
+    one device's bf16 run."""
+    pytest.importorskip("torchft")
+    run = _Run(tmp_path)
+    try:
+        extra = ("--steps", "3", "--pace", "0", "--precision", "bf16-true")
+        groups = [run.group(group, tmp_path, *extra) for group in range(2)]
+        for process in groups:
+            process.wait(timeout=run.remaining())
+            assert process.returncode == 0, run.logs()
+    finally:
+        run.close()
+    records = [_records(tmp_path / f"group{group}.jsonl") for group in range(2)]
+    for group in range(2):
+        assert [(r["step"], r["participants"]) for r in records[group]] == [(1, 2), (2, 2), (3, 2)]
+    assert [r["weights"] for r in records[0]] == [r["weights"] for r in records[1]]
+    model = fit_reference(3, precision="bf16-true")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    reference = torch.nn.utils.parameters_to_vector(model.parameters()).detach().float()
+    torch.testing.assert_close(torch.tensor(records[0][-1]["weights"]), reference, rtol=0, atol=2e-2)
 
 
 def test_hybrid_sharding_is_validated_at_the_edge() -> None:

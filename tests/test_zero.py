@@ -415,3 +415,32 @@ def test_tied_weights_stay_tied_and_train_like_single_device(tmp_path, stage):
     torch.testing.assert_close(results[0][head], results[0][token], rtol=0, atol=0)
     saved = sharded_to_consolidated(path)["state_dict"]
     assert_weights_close(saved, reference, **TOLERANCE["sgd"])
+
+
+def _fit_twice_across_a_new_world(rank: int, world_size: int, store: str) -> dict:
+    """Two fits of one Trainer, the world group destroyed and created again between them (a restart in the same
+    process): the second fit trains, with its gloo checks group built in the new world."""
+    import torch.distributed as dist
+
+    strategy = ShardedOptimizerStrategy(stage=2, timeout=30)
+    trainer = make_trainer(strategy, devices=world_size, max_steps=1)
+    module, loader = make_module("adamw"), _loader_for(world_size, 2)
+    trainer.fit(module, train_dataloaders=loader)
+    first = strategy._checks_group
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
+    trainer.fit_loop.epoch_loop.max_steps = 2
+    trainer.fit(module, train_dataloaders=loader)
+    second = strategy._checks_group
+    return {
+        "steps": trainer.global_step,
+        "rebuilt": second is not first,
+        "ranks": dist.get_process_group_ranks(second),  # registered in the new world (the destroyed one's is not)
+        "backend": dist.get_backend(second),
+    }
+
+
+def test_the_checks_group_is_rebuilt_when_the_world_group_is(tmp_path):
+    """Issue 42: the cached gloo group of the per-step trainable check belonged to the destroyed world group."""
+    results = run_distributed(_fit_twice_across_a_new_world, 2, args=(str(tmp_path / "store"),), timeout=120)
+    assert results == [{"steps": 2, "rebuilt": True, "ranks": [0, 1], "backend": "gloo"}] * 2

@@ -10,7 +10,7 @@ sharding: ZeRO inside the group, torchft across groups; every rank records, with
 before backward, since this strategy averages over the groups inside it). ``--reference`` trains the same global
 batch on one device without the mode (``DIR/reference.jsonl``). ``--ckpt-dir D`` saves ``D/last.ckpt`` every 2 steps
 and resumes from it (``ckpt_path="last"``), as a group restarted by torchrun would. ``--nan-at-step S``: this group's
-loss is NaN in the step after ``S`` steps.
+loss is NaN in the step after ``S`` steps. ``--precision P``: the Trainer's precision (e.g. ``bf16-true``).
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ def main() -> TinyMLP:
     parser.add_argument("--nan-at-step", type=int, default=-1, help="this group's loss is NaN at this step")
     parser.add_argument("--ckpt-dir", type=Path, default=None, help="save every 2 steps; resume from last.ckpt")
     parser.add_argument("--zero", type=int, default=0, help="ZeRO stage (1 or 2) inside each group; 0: data parallel")
+    parser.add_argument("--precision", default="32-true", help="the Trainer's precision (and the reference's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -145,6 +146,7 @@ def main() -> TinyMLP:
         callbacks.append(pl.callbacks.ModelCheckpoint(args.ckpt_dir, every_n_train_steps=2, save_last=True))
     trainer = pl.Trainer(
         accelerator="cpu",
+        precision=args.precision,
         devices=1 if args.reference else args.devices,
         strategy=strategy,
         max_steps=args.steps,
@@ -159,13 +161,14 @@ def main() -> TinyMLP:
     return model
 
 
-def fit_reference(steps: int) -> TinyMLP:
+def fit_reference(steps: int, precision: str = "32-true") -> TinyMLP:
     """The same global batch on one device without the mode, in this process; returns the trained module."""
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     model = TinyMLP()
     trainer = pl.Trainer(
         accelerator="cpu",
+        precision=precision,
         devices=1,
         max_steps=steps,
         logger=False,

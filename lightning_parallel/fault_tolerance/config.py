@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["LIGHTHOUSE_ENV", "FaultTolerance"]
+from lightning_parallel.choices import check_choice
+
+__all__ = ["LIGHTHOUSE_ENV", "CrossGroupBackend", "FaultTolerance"]
+
+CrossGroupBackend = Literal["auto", "gloo", "nccl", "baby_nccl"]
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """The environment variable torchft reads the lighthouse address from when ``lighthouse`` is not given."""
@@ -51,6 +56,13 @@ class FaultTolerance:
     join_timeout: float = 300.0
     """Seconds ``start_together`` waits for all groups to arrive before it raises."""
 
+    cross_group_backend: CrossGroupBackend = "auto"
+    """The process group the groups average gradients over (torchft's reconfigurable ones): ``"auto"`` picks
+    ``"nccl"`` when the model is on a CUDA device and ``"gloo"`` on the CPU (gloo on a GPU copies every step's
+    gradients to the host and back). ``"baby_nccl"`` runs NCCL in a child process (a hung collective is killed with
+    it, at ~1 GB more GPU memory for its CUDA context, and no overlap with compute); ``"gloo"`` is needed where two
+    groups share one GPU (NCCL refuses two ranks of one communicator on the same device)."""
+
     def __post_init__(self) -> None:
         for name in ("num_replica_groups", "min_replica_groups", "replica_group"):
             value = getattr(self, name)
@@ -72,6 +84,7 @@ class FaultTolerance:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"`FaultTolerance({name}={value!r})` must be a positive number of seconds.")
+        check_choice("FaultTolerance.cross_group_backend", self.cross_group_backend, CrossGroupBackend)
         if self.lighthouse is not None and not self.lighthouse.startswith(("http://", "https://")):
             raise ValueError(
                 f"`FaultTolerance(lighthouse={self.lighthouse!r})` must be the lighthouse's URL, e.g."

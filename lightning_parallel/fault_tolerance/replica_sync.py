@@ -8,6 +8,13 @@ an error). A group joining a run already under way is "healing": its gradients c
 :meth:`should_commit` returns it loads the state a live group sent (``load_state_dict``), so its next optimizer step
 starts from the peers' weights.
 
+What a healing group receives is read on torchft's quorum thread while this group trains. Reads are allowed from
+:meth:`ReplicaGroupSync.start_step` until :meth:`ReplicaGroupSync.should_commit` returns (torchft's
+``allow_state_dict_read`` / ``disallow_state_dict_read``, as its ``LocalSGD`` brackets the optimizer step), so the
+optimizer step, the parameter all-gather after it and anything else between two steps never runs beside a read; on
+an accelerator the read first waits for an event recorded at :meth:`~ReplicaGroupSync.start_step` (the host returns
+from the optimizer step before the device finished it), then copies every tensor to the host under the lock.
+
 torchft is imported here only, when a ``ReplicaGroupSync`` is built.
 """
 
@@ -23,10 +30,13 @@ import torch
 from torch import Tensor
 from torch.distributed import ReduceOp
 
-from lightning_parallel.fault_tolerance.config import FaultTolerance
+from lightning_parallel.fault_tolerance.config import CrossGroupBackend, FaultTolerance
 from lightning_parallel.fault_tolerance.lighthouse import wait_for_lighthouse
 
-__all__ = ["ReplicaGroupSync", "import_torchft"]
+__all__ = ["ReplicaGroupSync", "cross_group_backend", "import_torchft"]
+
+TORCHFT_PROCESS_GROUPS = {"gloo": "ProcessGroupGloo", "nccl": "ProcessGroupNCCL", "baby_nccl": "ProcessGroupBabyNCCL"}
+"""torchft's reconfigurable process group of each resolved ``FaultTolerance.cross_group_backend``."""
 
 TORCHFT_MISSING = (
     "`FaultTolerance` needs torchft: `pip install 'lightning-parallel[torchft]'` (or `pip install torchft==0.2.0`)."
@@ -45,6 +55,19 @@ def import_torchft() -> Any:
         raise ModuleNotFoundError(TORCHFT_MISSING) from error
 
 
+def cross_group_backend(choice: CrossGroupBackend, device: torch.device) -> str:
+    """The cross-group process group for ``FaultTolerance(cross_group_backend=choice)`` and a model on ``device``:
+    ``"auto"`` is ``"nccl"`` on CUDA and ``"gloo"`` elsewhere; NCCL on a CPU model raises ``ValueError``."""
+    if choice == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if choice != "gloo" and device.type != "cuda":
+        raise ValueError(
+            f"`FaultTolerance(cross_group_backend={choice!r})` needs the model on a CUDA device; it is on {device}."
+            " Use `cross_group_backend='gloo'` (or 'auto') on the CPU."
+        )
+    return choice
+
+
 class ReplicaGroupSync:
     """This rank's torchft ``Manager`` and the per-step calls the strategy makes on it.
 
@@ -52,9 +75,13 @@ class ReplicaGroupSync:
         config: the run's :class:`FaultTolerance`.
         group_rank, group_world_size: this rank and the number of ranks inside its replica group.
         store_host, store_port: the group's own ``TCPStore`` (its ``MASTER_ADDR``/``MASTER_PORT``), already running.
-        state_dict: returns what a healing group needs (weights, optimizer state, step); called on a torchft thread
-            while this group sends it to a peer.
+        state_dict: returns what a healing group needs (weights, optimizer state, step), may be references to the
+            live tensors: it is called on a torchft thread while this group sends it to a peer, only between
+            :meth:`start_step` and :meth:`should_commit`, and its tensors are copied to the host before the lock is
+            released.
         load_state_dict: loads it, on this (the training) thread, inside :meth:`should_commit`.
+        device: where the model is (``None``: the CPU): picks the cross-group process group
+            (``config.cross_group_backend``) and, off the CPU, the stream whose work a read waits for.
     """
 
     def __init__(
@@ -67,15 +94,22 @@ class ReplicaGroupSync:
         store_port: int,
         state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None],
+        device: torch.device | None = None,
     ) -> None:
+        device = device if device is not None else torch.device("cpu")
+        backend = cross_group_backend(config.cross_group_backend, device)  # local: raises before torchft starts
         torchft = import_torchft()
         wait_for_lighthouse(config)  # torchft's own connect error names neither `FaultTolerance` nor the setting
         self.config = config
+        self.device = device
+        self.backend = backend
+        self._state_dict = state_dict
+        self._written: Any = None  # an event after this group's last writes (accelerators), recorded at `start_step`
         timeout = timedelta(seconds=config.timeout)
         self.manager = torchft.Manager(
-            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            pg=getattr(torchft, TORCHFT_PROCESS_GROUPS[backend])(timeout=timeout),
             load_state_dict=load_state_dict,
-            state_dict=state_dict,
+            state_dict=self._host_copy,
             min_replica_size=config.min_replica_groups,
             use_async_quorum=True,
             timeout=timeout,
@@ -101,7 +135,11 @@ class ReplicaGroupSync:
         return int(self.manager.current_step())
 
     def start_step(self) -> None:
-        """Local (starts the background quorum). Call once per optimizer step, before forward."""
+        """Local (starts the background quorum). Call once per optimizer step, before forward: from here until
+        :meth:`should_commit` returns, a peer may read this group's state."""
+        if self.device.type != "cpu":  # the last optimizer step (and all-gather) may still run on the device
+            self._written = torch.accelerator.current_stream(self.device).record_event()
+        self.manager.allow_state_dict_read()  # before the quorum: its thread may wait for the lock
         self.manager.start_quorum()
 
     def average_gradients(self, gradients: Sequence[Tensor]) -> None:
@@ -110,7 +148,7 @@ class ReplicaGroupSync:
         :meth:`should_commit` answers ``False``."""
         if not gradients:
             return
-        flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
+        flat = _flatten(gradients)
         self.manager.allreduce(flat).wait()
         _copy_into(gradients, flat)
 
@@ -137,6 +175,7 @@ class ReplicaGroupSync:
         """Collective within the group: whether the optimizer may step. A healing group loads its peer's state here
         first (``load_state_dict``)."""
         committed = bool(self.manager.should_commit())
+        self.manager.disallow_state_dict_read()  # the optimizer steps next: waits for a read in progress
         if committed:
             self.steps_committed += 1
         else:
@@ -165,8 +204,6 @@ class ReplicaGroupSync:
         ``parameters``, which is what a data-parallel step sends)."""
         deadline = time.monotonic() + self.config.join_timeout
         expected = self.config.num_replica_groups
-        count = sum(parameter.numel() for parameter in parameters)
-        device = parameters[0].device if parameters else torch.device("cpu")
         while True:
             self.manager.start_quorum()
             present = self.num_participants()
@@ -175,10 +212,11 @@ class ReplicaGroupSync:
             if healing and step_collective is not None:
                 step_collective()
             else:
-                if starting and self.manager.participating_rank() == 0:
-                    flat = torch.cat([parameter.detach().reshape(-1) for parameter in parameters])
-                else:
-                    flat = torch.zeros(count, device=device)
+                # The parameters' own dtype on every group (bf16 under `bf16-true`): the first group's values, the
+                # others' zeros, the same bytes (a data-parallel step sends gradients of the same dtype).
+                flat = _flatten(parameters)
+                if not (starting and self.manager.participating_rank() == 0):
+                    flat.zero_()
                 self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
                 if starting:
                     _copy_into([parameter.detach() for parameter in parameters], flat)
@@ -197,7 +235,31 @@ class ReplicaGroupSync:
 
     def shutdown(self) -> None:
         """Local: stop the manager's servers and threads without waiting for peers."""
+        self.manager.allow_state_dict_read()  # a quorum thread waiting for the lock must not outlive the manager
         self.manager.shutdown(wait=False)
+
+    def _host_copy(self) -> dict[str, Any]:
+        """On torchft's quorum thread, under its state-dict lock: the state with every tensor copied to the host,
+        once the device finished this group's last step."""
+        if self._written is not None:
+            self._written.synchronize()
+        return _to_host(self._state_dict())
+
+
+def _to_host(value: Any) -> Any:
+    """``value`` (nested dicts, lists, tuples) with every tensor copied to the host; other leaves as they are."""
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_host(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_host(item) for item in value] if isinstance(value, list) else tuple(_to_host(i) for i in value)
+    return value
+
+
+def _flatten(tensors: Sequence[Tensor]) -> Tensor:
+    """One new 1-D tensor of ``tensors``' elements, in their dtype when they share one."""
+    return torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
 
 
 def _copy_into(tensors: Sequence[Tensor], flat: Tensor) -> None:

@@ -65,6 +65,7 @@ __all__ = [
     "DryRunError",
     "DryRunLayout",
     "DryRunWorkload",
+    "backend_device",
     "dry_run",
     "measure_step",
 ]
@@ -242,10 +243,17 @@ class _ReplicatedBuckets:
 class _StepRunner:
     """One rank's model, optimizer and wrappers for ``layout``, and the training step."""
 
-    def __init__(self, workload: DryRunWorkload, layout: DryRunLayout, *, fake: bool) -> None:
+    def __init__(
+        self, workload: DryRunWorkload, layout: DryRunLayout, *, fake: bool, device: torch.device | None = None
+    ) -> None:
         self.workload = workload
         self.layout = layout
+        # Where the rank's tensors live: the CPU on fake tensors, else the process group's device (NCCL: the GPU).
+        device = torch.device("cpu") if device is None else device
+        self.device = device
         module = workload.make_model()
+        if not fake:  # fake tensors are the CPU's (and `.to` on them would swap every parameter)
+            module.to(device)
         if workload.activation_checkpointing:
             apply_activation_checkpointing(module, workload.activation_checkpointing)
         self.module = module
@@ -254,7 +262,6 @@ class _StepRunner:
         self.sharded: ShardedOptimizer | None = None
         self.replicated: _ReplicatedBuckets | None = None
         mesh_layout = MeshLayout.for_sharding(layout.world_size, layout.shard_size)
-        device = torch.device("cpu")
         strategy = layout.strategy
         if strategy == "data_parallel":
             if fake:  # DDP's C++ reducer reads its parameters' data: the stand-in does what it does
@@ -264,7 +271,7 @@ class _StepRunner:
                                                      gradient_as_bucket_view=True)  # fmt: skip
             self.optimizer = workload.make_optimizer(module.parameters())
         elif strategy in ("zero1", "zero2"):
-            shard, replicate = _groups(mesh_layout)
+            shard, replicate = _groups(mesh_layout, device.type)
             zero3.broadcast_from_rank0(module, device)
             self.optimizer = workload.make_optimizer(module.parameters())
             gloo = layout.backend == "gloo"
@@ -281,7 +288,7 @@ class _StepRunner:
             self.sharded = ShardedOptimizer(self.optimizer, self.buckets)
         else:  # zero3
             zero3.broadcast_from_rank0(module, device)
-            mesh = _mesh(mesh_layout)
+            mesh = _mesh(mesh_layout, device.type)
             if not mesh_layout.is_hybrid:
                 mesh = mesh["shard"]
             units = zero3.apply_fully_shard(module, mesh)
@@ -297,7 +304,7 @@ class _StepRunner:
                 tracker.phase = name
 
         phase("forward")
-        batch = self.workload.make_batch()
+        batch = _to_device(self.workload.make_batch(), self.device)
         loss = self.workload.loss(self.model, batch)
         del batch
         # Lightning's order: `training_step`, then `zero_grad`, then backward; the last step's gradients live
@@ -368,21 +375,21 @@ def measure_played_step(played: PlayedStep, warmup_steps: int, *, existing: list
         played.close()
 
 
-def _groups(layout: MeshLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+def _groups(layout: MeshLayout, device_type: str) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """ZeRO's shard group and replicate group of this rank (``None``, ``None``: the whole world shards)."""
     if not layout.is_hybrid:
         return None, None
-    mesh = _mesh(layout)
+    mesh = _mesh(layout, device_type)
     return mesh.get_group("shard"), mesh.get_group("replicate")
 
 
-def _mesh(layout: MeshLayout) -> Any:
+def _mesh(layout: MeshLayout, device_type: str) -> Any:
     """The ``("replicate", "shard")`` device mesh of ``layout``, built on real tensors (also in a dry run)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with _disable_current_modes():
         shape = (layout.replicate_size, layout.shard_size)
-        return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 # ---------------------------------------------------------------------------------------------------- entry points
@@ -444,13 +451,41 @@ def dry_run(workload: DryRunWorkload, layout: DryRunLayout, *, warmup_steps: int
             raise DryRunError(f"{workload.description or 'the model'} cannot run on fake tensors: {error}") from error
 
 
-def measure_step(workload: DryRunWorkload, layout: DryRunLayout, *, warmup_steps: int = 1) -> StepPeak:
+def measure_step(
+    workload: DryRunWorkload, layout: DryRunLayout, *, warmup_steps: int = 1, device: torch.device | None = None
+) -> StepPeak:
     """The same step as :func:`dry_run` on real tensors, in this process's initialised process group (rank
-    ``dist.get_rank()`` of ``layout.world_size``); what a real run holds, measured the same way."""
+    ``dist.get_rank()`` of ``layout.world_size``); what a real run holds, measured the same way. The model, its
+    batches and the groups' tensors live on ``device``; ``None``: the device of the group's backend
+    (:func:`backend_device`: the current GPU under NCCL, which refuses CPU tensors; the CPU under gloo), as a
+    strategy's root device is."""
     if not dist.is_initialized() or dist.get_world_size() != layout.world_size:
         raise RuntimeError(f"measure_step needs an initialised process group of {layout.world_size} ranks.")
+    device = device if device is not None else backend_device(str(dist.get_backend()))
     existing = live_tensors()
-    return _StepRunner(workload, layout, fake=False).measure(warmup_steps, existing)
+    return _StepRunner(workload, layout, fake=False, device=device).measure(warmup_steps, existing)
+
+
+def backend_device(backend: str) -> torch.device:
+    """The device a process-group backend's collectives take tensors on, per torch's
+    ``Backend.default_device_backend_map``: ``"gloo"`` the CPU, ``"nccl"`` CUDA (its current device); a backend of
+    several devices (``"cpu:gloo,cuda:nccl"``) its accelerator. ``ValueError`` for a backend torch maps to none."""
+    if ":" in backend:
+        types = [part.split(":", 1)[0] for part in backend.split(",")]
+        return torch.device(next((t for t in types if t != "cpu"), "cpu"))
+    types = [t for t, name in dist.Backend.default_device_backend_map.items() if name == backend.lower()]
+    if not types:
+        raise ValueError(f"`backend={backend!r}`: no device is known for it; pass `measure_step(..., device=...)`.")
+    return torch.device("cpu" if "cpu" in types else types[0])
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, or tuples and lists of them: what the workloads make) on ``device``."""
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, tuple | list):
+        return type(batch)(_to_device(item, device) for item in batch)
+    return batch
 
 
 # ------------------------------------------------------------------------------------------------------ workloads

@@ -9,12 +9,14 @@ verdict before the first collective: a bad configuration raises on all ranks ins
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_parallel.choices import check_choice
 from lightning_parallel.strategies.failures import record_peers
@@ -27,6 +29,7 @@ __all__ = [
     "check_start_method_fits_launcher",
     "configure_launcher",
     "explain_unreachable_main",
+    "gloo_socket_ifname",
     "init_process_group_after_restart",
     "set_up_distributed_environment",
     "to_timeout",
@@ -167,6 +170,36 @@ def init_process_group_after_restart(strategy: Any, backend: str) -> None:
     )
 
 
+def gloo_socket_ifname(environment: Mapping[str, str], interfaces: Sequence[str]) -> str | None:
+    """The ``GLOO_SOCKET_IFNAME`` to set from NCCL's ``NCCL_SOCKET_IFNAME``, or ``None`` to leave it alone.
+
+    Our gloo groups (ZeRO's per-step checks, CPU worlds) need the interface NCCL-only clusters name only for NCCL;
+    without it gloo picks the address the hostname resolves to, which across nodes may be unreachable. Unset when
+    ``GLOO_SOCKET_IFNAME`` is set (yours wins) or ``NCCL_SOCKET_IFNAME`` is not. NCCL's syntax: ``=eth0,eth1`` exact
+    names (kept as they are), ``eth,ib`` prefixes (the first of ``interfaces`` matching one: gloo wants the same
+    number of interfaces on every node), ``^docker,lo`` an exclusion (no gloo equivalent: ``None``).
+
+    Args:
+        environment: the environment variables (``os.environ``).
+        interfaces: this host's network interface names in index order (``socket.if_nameindex()``).
+    """
+    nccl = environment.get("NCCL_SOCKET_IFNAME", "").strip()
+    if environment.get("GLOO_SOCKET_IFNAME") or not nccl or nccl.startswith("^"):
+        return None
+    if nccl.startswith("="):
+        return nccl[1:]
+    prefixes = [prefix for prefix in nccl.split(",") if prefix]
+    return next((name for name in interfaces if name.startswith(tuple(prefixes))), None)
+
+
+def _use_nccl_interface_for_gloo() -> None:
+    """Local, before the first gloo group: ``GLOO_SOCKET_IFNAME`` from ``NCCL_SOCKET_IFNAME`` where only that is set."""
+    value = gloo_socket_ifname(os.environ, [name for _, name in socket.if_nameindex()])
+    if value is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = value
+        rank_zero_info(f"GLOO_SOCKET_IFNAME={value} (from NCCL_SOCKET_IFNAME={os.environ['NCCL_SOCKET_IFNAME']}).")
+
+
 def set_up_distributed_environment(strategy: Any, join_process_group: Callable[[], None]) -> Any:
     """Every strategy's ``setup_environment``: check the launch, join the group, record where the peers run.
 
@@ -180,6 +213,7 @@ def set_up_distributed_environment(strategy: Any, join_process_group: Callable[[
             num_nodes=strategy.num_nodes,
             local_rank=strategy.cluster_environment.local_rank(),
         )
+    _use_nccl_interface_for_gloo()
     try:
         init_process_group_after_restart(strategy, strategy._get_process_group_backend())
         join_process_group()

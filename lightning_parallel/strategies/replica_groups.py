@@ -40,7 +40,8 @@ class ModelState(Protocol):
     """What a healing group loads besides the LR schedulers and the step: the model and its optimizer state."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Local; may run on a torchft thread while the training thread runs forward and backward."""
+        """Local; may run on a torchft thread while the training thread runs forward and backward (never beside the
+        optimizer step); may hold references to live tensors (copied to the host before the step may change them)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Local, on the training thread (inside ``should_commit``)."""
@@ -115,6 +116,7 @@ class FaultTolerantReplicas:
             store_port=store[1],
             state_dict=self._state_dict,
             load_state_dict=self._load_state_dict,
+            device=trainer.strategy.root_device,
         )
         if self.config.start_together:
             sync = self._sync

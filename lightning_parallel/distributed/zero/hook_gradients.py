@@ -12,8 +12,9 @@ gradient (collective: one all-gather of the gradient shards, the bytes of the gr
 ``None``) into the shard the optimizer steps, and frees the whole gradients. So a hook that changes ``.grad`` changes
 the step, as on one device. Costs, while lent: stages 1-2 all-gather each bucket's reduced shard (the gradient bytes,
 like the second half of DDP's all-reduce); stage 1 gathers into its full gradient bucket, which it holds anyway (no
-memory); stage 2 into a whole-gradient buffer (``Psi`` bytes until handed back); stage 3 all-gathers each
-``DTensor`` gradient (``Psi`` bytes until handed back).
+memory; with fp32 masters, its 16-bit one); stage 2 into a whole-gradient buffer in the parameters' dtype (``Psi``
+bytes, the parameters' bytes, until handed back: 2 bytes a parameter under ``bf16-true``, whose fp32 shards are
+rounded before the gather); stage 3 all-gathers each ``DTensor`` gradient (``Psi`` bytes until handed back).
 
 Why our own: DeepSpeed answers ``None`` for ``param.grad`` outside its ``safe_get_full_grad`` helper, FSDP2 hands the
 shard as a ``DTensor`` (whose norms Lightning's ``grad_norm`` cannot stack); neither lets a hook written for DDP run
@@ -95,14 +96,22 @@ class BucketGradientLoan:
         return [bool(flag) for flag in flags.tolist()]
 
     def _gather(self, bucket: FlatBucket) -> dist.Work | None:
-        """Collective (asynchronous): ``bucket``'s reduced shards into one whole buffer, in place where the shard is a
-        slice of the full gradient bucket (stage 1 without masters), else into a new buffer."""
+        """Collective (asynchronous): ``bucket``'s reduced shards into one whole buffer in the parameters' dtype, the
+        ``.grad`` the hooks get (views of it): in place where the shard is a slice of the full gradient bucket (stage
+        1 without masters), into the full 16-bit bucket stage 1 holds beside fp32 masters (zero since the sync), else
+        into a new buffer of the parameters' bytes (stage 2). Each rank rounds its fp32 shard to the parameters'
+        dtype before the gather: the values a gather in fp32 then a cast give, without the fp32 buffer and the
+        16-bit copies of it (6 bytes a parameter where the doc says 2)."""
         buckets = self.buckets
         if bucket.reduces_in_place:
             assert bucket.full_grads is not None
             whole = bucket.full_grads
         else:
-            whole = torch.empty(bucket.numel, dtype=bucket.shard_grads.dtype, device=bucket.shard_grads.device)
+            dtype, full = bucket.flat_params.dtype, bucket.full_grads
+            if full is not None and full.dtype == dtype:
+                whole = full
+            else:
+                whole = torch.empty(bucket.numel, dtype=dtype, device=bucket.shard_grads.device)
             start = buckets.rank * bucket.shard_numel
             whole[start : start + bucket.shard_numel].copy_(bucket.shard_grads)
         self._whole.append(whole)
@@ -152,6 +161,8 @@ def _restore_between_syncs(bucket: FlatBucket, whole: Tensor, *, rank: int, stag
                 segment.param.grad = whole[segment.offset : segment.offset + segment.numel].view_as(segment.param)
         return
     full = bucket.full_grads if stage == 1 else None  # stage 1 with masters: (zeroed) views of its 16-bit bucket
+    if full is not None and full is whole:  # it held the lent gradients: zero again for the next accumulation
+        full.zero_()
     for segment in bucket.segments:
         slot = None if full is None else full[segment.offset : segment.offset + segment.numel]
         segment.param.grad = None if slot is None else slot.view_as(segment.param)

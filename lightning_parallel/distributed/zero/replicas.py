@@ -81,19 +81,20 @@ class OwnedShardState:
         self.loaded = False
 
     def state_dict(self) -> dict[str, Any]:
-        """Local (may run on another thread while this rank trains: it reads only what the optimizer step writes).
-        Copies of this rank's shard of every bucket, the buffers and the sharded optimizer state."""
+        """Local. This rank's shard of every bucket (the fp32 master where there is one), the buffers and the sharded
+        optimizer state: views of the live tensors, which the caller copies before the next optimizer step (torchft's
+        quorum thread reads it only between a step's start and its commit: ``ReplicaGroupSync``)."""
         shards = []
         for bucket in self.buckets.buckets:
             if bucket.master is not None:
-                shards.append(bucket.master.detach().clone())
+                shards.append(bucket.master.detach())
             else:
                 start = self.buckets.rank * bucket.shard_numel
-                shards.append(bucket.flat_params[start : start + bucket.shard_numel].detach().clone())
+                shards.append(bucket.flat_params[start : start + bucket.shard_numel].detach())
         return {
             "layout": self._layout(),
             "shards": shards,
-            "buffers": {name: buffer.detach().clone() for name, buffer in self.module.named_buffers()},
+            "buffers": {name: buffer.detach() for name, buffer in self.module.named_buffers()},
             "optimizer": self.optimizer.state_dict(),
         }
 
