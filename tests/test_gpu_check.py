@@ -95,6 +95,12 @@ def test_rows_over_budget_are_skipped_not_failed(tmp_path: Path) -> None:
     check.fit_seconds = [9.0, 1.0, 2.0]  # the first (start-up included) is left out of the estimate
     assert check.fit_s() == 1.5
     assert not list(tmp_path.iterdir())  # nothing written for a skipped row
+    # What the watchdog writes when a row is still running past the budget: the rows so far and that one, failed.
+    check.running = Row("zero3 forced")
+    check.write(running="FAILED: still running")
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert [(r["name"], r["result"]) for r in rows] == [("zero3 forced", "FAILED: still running")]
+    assert "| zero3 forced | 1 | 32-true | FAILED: still running |" in (tmp_path / "gpu_check.md").read_text()
 
 
 def test_make_gpu_check_installs_nothing() -> None:
