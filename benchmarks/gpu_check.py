@@ -19,8 +19,10 @@ failed, 0 otherwise.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
+import signal
 import statistics
 import sys
 import threading
@@ -116,13 +118,15 @@ class Check:
 
     def run(self, rows: Sequence[Row]) -> list[Outcome]:
         """Every row in order; the table is rewritten after each (a stopped check leaves what it had)."""
-        for row in rows:
-            print(f"{row.name} x{row.world_size} {row.precision} ...", end=" ", flush=True)
-            outcome = self.run_row(row)
-            print(f"{outcome.result} ({outcome.seconds:.1f} s)", flush=True)
-            self.outcomes.append(outcome)
-            self.write()
-        shutil.rmtree(self.work, ignore_errors=True)
+        try:
+            for row in rows:
+                print(f"{row.name} x{row.world_size} {row.precision} ...", end=" ", flush=True)
+                outcome = self.run_row(row)
+                print(f"{outcome.result} ({outcome.seconds:.1f} s)", flush=True)
+                self.outcomes.append(outcome)
+                self.write()
+        finally:
+            shutil.rmtree(self.work, ignore_errors=True)
         return self.outcomes
 
     def run_row(self, row: Row) -> Outcome:
@@ -251,12 +255,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.init()  # the fork refusal's premise, whatever rows run before it
     settings = CheckSettings.for_device(args.device, preset=args.preset, steps=args.steps)
     quiet_lightning()
-    warnings.filterwarnings("ignore", ".*`weights_only` was not set.*")  # Lightning loading our own checkpoints
+    logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", ".*no `val_dataloader`.*")  # the demo module has a validation_step
     num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     device = f"{torch.cuda.get_device_name(0)} x{num_gpus}" if num_gpus else "CPU (stand-in, gloo)"
     device += f", torch {torch.__version__}, lightning {pl.__version__}"
     args.out.mkdir(parents=True, exist_ok=True)
     check = Check(settings, args.out, budget_s=args.budget_s, device=device)
+    # `timeout` and job schedulers send SIGTERM: unwind (the running row's `finally` deletes its files) and exit.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     timer = _stop_when_overdue(check)
     outcomes = check.run(plan(args.device, num_gpus=num_gpus))
     timer.cancel()

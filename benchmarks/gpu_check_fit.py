@@ -113,7 +113,10 @@ def configure_device(device: str) -> None:
     tolerances can stay far below the signal of a stale weight. Call before CUDA starts (child processes inherit
     the cuBLAS setting). On CPU, one intra-op thread."""
     if device != "cuda":
-        torch.set_num_threads(1)  # tiny fits: threads only contend with the other processes on a shared CPU
+        # Tiny fits: threads only contend with the other processes on a shared CPU. Through the environment too, or
+        # Lightning's launcher sets the count of the first strategy that is not a single device (and sums reorder).
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
         return
     # cuBLAS needs a fixed workspace for that; embedding backward's atomics give way to a deterministic kernel.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -51,9 +52,9 @@ def _free_port() -> int:
 def fit_replica_groups(settings: CheckSettings, precision: str, directory: Path, *, timeout: float) -> Fitted:
     """Fit two replica groups (child processes) to the end; raise ``RuntimeError`` with a group's last lines if one
     fails or ``timeout`` seconds pass (the groups are killed)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # read when torchft's Rust side loads: it logs every quorum at "info"
     from torchft.coordination import LighthouseServer
 
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at "info"
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10_000)
     processes = []
     try:
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_parallel.fault_tolerance import FaultTolerance
 
     quiet_lightning()
+    logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector").setLevel(logging.WARNING)
     config = FaultTolerance(
         replica_group=args.group,
         num_replica_groups=NUM_GROUPS,
