@@ -153,7 +153,10 @@ class Check:
     def _reference(self, key: str, directory: Path) -> Fitted:
         """The one-device run ``key`` (fitted once, then kept)."""
         if key not in self.references:
-            self.references[key] = fit(self.settings, reference_plan(key), directory)
+            try:
+                self.references[key] = fit(self.settings, reference_plan(key), directory)
+            except Exception as error:
+                raise RuntimeError(f"the one-device reference `{key}` failed: {one_line(error)}") from None
             self.fit_seconds.append(self.references[key].seconds)
         return self.references[key]
 
