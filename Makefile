@@ -16,7 +16,7 @@ BIN := $(VENV)/bin
 comma := ,
 empty :=
 space := $(empty) $(empty)
-# The stamp names the extras and the torch spec, so another `TORCH_SPEC` (e.g. `make gpu-check TORCH_SPEC=torch`)
+# The stamp names the extras and the torch spec, so another `TORCH_SPEC` (e.g. `make test TORCH_SPEC=torch`)
 # reinstalls torch instead of reusing the build already there; the same spec again installs nothing.
 sanitize = $(subst $(space),_,$(subst /,_,$(subst :,_,$(subst <,_,$(subst >,_,$(subst =,_,$(subst $(comma),-,$(1))))))))
 STAMP := $(VENV)/.installed-$(call sanitize,$(EXTRAS))-torch-$(call sanitize,$(TORCH_SPEC))
@@ -60,11 +60,14 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all --preset medium
 
-# On a machine with a CUDA GPU and a CUDA build of torch (`make gpu-check TORCH_SPEC=torch`): the sharded code paths
-# forced at world size 1 over NCCL (several GPUs: every strategy) against one device at fp32 and bf16, peak memory per
-# strategy and while saving a checkpoint; writes the gpu_check section of benchmarks/RESULTS.md.
-gpu-check: $(STAMP)
-	$(BIN)/python -m benchmarks.gpu_check
+# On a borrowed machine with one CUDA GPU (or more): runs with the python and packages already there (`$(PYTHON)`,
+# default python3; no venv, no pip, no network), inside GPU_CHECK_BUDGET seconds (default 480), and leaves only
+# gpu_check.md and gpu_check.json in GPU_CHECK_OUT (every checkpoint it writes is deleted). The same as
+# `PYTHONPATH=. python3 -m benchmarks.gpu_check --out DIR --budget-s 480`; the CPU stand-in: add `--device cpu`.
+GPU_CHECK_OUT ?= benchmarks/out/gpu_check
+GPU_CHECK_BUDGET ?= 480
+gpu-check:
+	PYTHONPATH=. $(PYTHON) -m benchmarks.gpu_check --out $(GPU_CHECK_OUT) --budget-s $(GPU_CHECK_BUDGET)
 
 compat: $(addprefix compat-,$(COMPAT_TORCH))
 

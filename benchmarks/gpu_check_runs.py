@@ -4,19 +4,20 @@
   sharded backends over NCCL (flat buckets, reduce-scatters, all-gathers, FSDP2, fp32 masters) where the plain
   strategy would fall back to the replicated backend; stages 1-2 also overlap the parameter all-gather with the next
   forward (the library turns the overlap off at world size 1: nothing to wait for there).
+  ``hybrid=True`` adds the all-reduce of the reduced shards across replicas (hybrid sharding's ``replicate`` axis).
 * :class:`ForcedDataParallelStrategy`: DDP wrapped at world size 1 too, so its gradient compression hook runs.
 * :class:`RoundedGradients`: the one-device reference of a compressed run (each gradient rounded to the
   compression dtype, which is what the hook does with one rank).
 * :class:`StaleForward`: the negative control, a one-device run whose forward reads the weights of the step before
   (a missed wait for an overlapped all-gather); the comparison must reject it.
-* :class:`Probe`: peak memory of the fit and of a checkpoint saved mid-run, and checkpoints at mid-run and at the end
-  whose weights are compared with the reference's.
+* :class:`Probe`: peak memory of the fit, of saving a checkpoint mid-run and of loading it (a resumed fit), and
+  checkpoints at mid-run and at the end whose weights are compared with the reference's.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -29,23 +30,37 @@ from typing_extensions import override
 from lightning_parallel.accounting import peak_memory_bytes, reset_peak_memory
 from lightning_parallel.distributed.zero.backends.flat_buckets import FlatBucketBackend
 from lightning_parallel.distributed.zero.gather import OverlappedParameterGather
+from lightning_parallel.distributed.zero.replicas import ProcessGroupReplicas
 from lightning_parallel.strategies import DataParallelStrategy, ShardedOptimizerStrategy
 
 __all__ = [
+    "PEAKS",
     "PROBE_PREFIX",
     "ForcedDataParallelStrategy",
     "ForcedShardingStrategy",
     "Probe",
     "RoundedGradients",
     "StaleForward",
-    "read_probe",
+    "read_peaks",
+    "read_states",
 ]
 
 PROBE_PREFIX = "gpu_check/"
 
 
 class ForcedShardingStrategy(ShardedOptimizerStrategy):
-    """ZeRO that shards at world size 1 too (a shard group of one rank), with the overlapped all-gather on."""
+    """ZeRO that shards at world size 1 too (a shard group of one rank), with the overlapped all-gather on.
+
+    ``hybrid=True`` (stages 1-2): the buckets also all-reduce their reduced shards over the mesh's ``replicate`` axis
+    (one rank here), the step hybrid sharding (``shard_size``) adds; the library takes that path only when the axis
+    has two ranks or more. Stage 3's hybrid form (HSDP over a 2-D mesh) needs a ``replicate`` axis of two ranks.
+    """
+
+    def __init__(self, stage: Literal[1, 2, 3], *, hybrid: bool = False) -> None:
+        if hybrid and stage == 3:
+            raise ValueError("`ForcedShardingStrategy(3, hybrid=True)`: HSDP needs 2+ replicas; use stage 1 or 2.")
+        super().__init__(stage, overlap_param_gather=True)
+        self.hybrid = hybrid
 
     @property
     @override
@@ -56,12 +71,18 @@ class ForcedShardingStrategy(ShardedOptimizerStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         backend = self.backend
-        overlap = self.overlap_param_gather is not False and trainer.state.fn == "fit"
-        if isinstance(backend, FlatBucketBackend) and backend.gather is None and overlap:
+        if not isinstance(backend, FlatBucketBackend) or trainer.state.fn != "fit":
+            return
+        assert backend.buckets is not None
+        if backend.gather is None:
             # What `FlatBucketBackend.setup_optimizers` does at world size > 1 (`ZeroConfig.overlaps_param_gather`).
             backend.gather = OverlappedParameterGather(
                 backend.buckets, backend.held, waiting=lambda: backend.events.timed("exposed_communication")
             )
+        if self.hybrid:  # what `ShardedParameterBuckets(replicate_group=...)` builds for a replicate axis of 2+
+            group = self.device_mesh.get_group("replicate")
+            backend.buckets.replicate_group = group
+            backend.buckets.replicas = ProcessGroupReplicas(group)
 
 
 class ForcedDataParallelStrategy(DataParallelStrategy):
@@ -114,24 +135,35 @@ class StaleForward(Callback):
 
 
 class Probe(Callback):
-    """Peak memory of the fit and of saving a checkpoint at ``save_at`` steps; checkpoints there and at the end.
+    """Peak memory of the fit, of saving a checkpoint and of loading one; checkpoints mid-run and at the end.
 
-    The peaks are per rank: ``torch.cuda.max_memory_allocated`` on CUDA (peak RSS on CPU). The fit's peak leaves the
-    save out (the window is reset around it). Checkpoints go to ``directory/mid.ckpt`` and ``directory/end.ckpt``
-    (written by the strategy's ``save_checkpoint``, collective). Results go to ``trainer.callback_metrics``, gathered
-    to every rank, so the parent of a spawned run reads them with :func:`read_probe`.
+    The peaks are per rank: ``torch.cuda.max_memory_allocated`` on CUDA (peak RSS on CPU), each over its own window:
+    ``load`` from the callback's ``setup`` to ``on_train_start`` (the strategy's set-up and, when the fit resumes
+    from a checkpoint, restoring it), ``save`` around saving ``directory/mid.ckpt`` after ``save_at`` steps, ``fit``
+    the rest. Checkpoints are written by the strategy's ``save_checkpoint`` (collective): ``mid.ckpt``
+    (``save_at=None``: none) and ``end.ckpt``. The peaks go to ``trainer.callback_metrics``, gathered to every rank,
+    so the parent of a spawned run reads them with :func:`read_peaks`.
     """
 
-    def __init__(self, directory: Path, *, save_at: int) -> None:
+    def __init__(self, directory: Path, *, save_at: int | None) -> None:
         self.directory = directory
         self.save_at = save_at
-        self._fit_peak = 0
-        self._save_peak = 0
+        self._peaks = {"fit": 0, "save": 0, "load": 0}
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        reset_peak_memory(trainer.strategy.root_device)
+        self._peaks = {"fit": 0, "save": 0, "load": 0}
+
+    def _window(self, trainer: pl.Trainer, name: str) -> None:
+        """Close the current peak window into ``name`` (keeping the largest) and start the next."""
+        device = trainer.strategy.root_device
+        self._peaks[name] = max(self._peaks[name], peak_memory_bytes(device))
+        reset_peak_memory(device)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        reset_peak_memory(trainer.strategy.root_device)
-        self._fit_peak = self._save_peak = 0
+        self._window(trainer, "load")
 
     @override
     def on_train_batch_end(
@@ -139,33 +171,39 @@ class Probe(Callback):
     ) -> None:
         if trainer.global_step != self.save_at:
             return
-        device = trainer.strategy.root_device
-        self._fit_peak = max(self._fit_peak, peak_memory_bytes(device))
-        reset_peak_memory(device)
+        self._window(trainer, "fit")
         trainer.save_checkpoint(self.directory / "mid.ckpt")  # mid-run: in-flight all-gathers must be waited for
-        self._save_peak = peak_memory_bytes(device)
-        reset_peak_memory(device)
+        self._window(trainer, "save")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fit_peak = max(self._fit_peak, peak_memory_bytes(trainer.strategy.root_device))
+        self._window(trainer, "fit")
         trainer.save_checkpoint(self.directory / "end.ckpt")
-        local = [self._fit_peak, self._save_peak]
+        local = [self._peaks[name] for name in PEAKS]
         gathered: list[Any] = [local]
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             gathered = [None] * trainer.world_size
             dist.all_gather_object(gathered, local)  # plain numbers: any backend, any device
-        for key, column in (("fit_peak", 0), ("save_peak", 1)):
+        for column, name in enumerate(PEAKS):
             values = [float(entry[column]) for entry in gathered]
-            trainer.callback_metrics[PROBE_PREFIX + key] = torch.tensor(values, dtype=torch.float64)
+            trainer.callback_metrics[PROBE_PREFIX + name] = torch.tensor(values, dtype=torch.float64)
 
 
-def read_probe(trainer: pl.Trainer, directory: Path) -> tuple[list[int], list[int], dict[str, dict[str, Tensor]]]:
-    """Per-rank fit and save peaks, and the ``state_dict`` of the ``mid`` and ``end`` checkpoints (fp32, on CPU)."""
-    metrics = trainer.callback_metrics
-    peaks = [[int(v) for v in metrics[PROBE_PREFIX + key].reshape(-1).tolist()] for key in ("fit_peak", "save_peak")]
+PEAKS = ("fit", "save", "load")
+"""The peak-memory windows of :class:`Probe`, in the order :func:`read_probe` returns them."""
+
+
+def read_peaks(metrics: dict[str, Tensor]) -> dict[str, list[int]]:
+    """Per-rank peaks of :class:`Probe` by window name, from ``trainer.callback_metrics``."""
+    return {name: [int(v) for v in metrics[PROBE_PREFIX + name].reshape(-1).tolist()] for name in PEAKS}
+
+
+def read_states(directory: Path, names: tuple[str, ...] = ("mid", "end")) -> dict[str, dict[str, Tensor]]:
+    """The ``state_dict`` of the checkpoints ``directory/<name>.ckpt`` that exist (fp32, on CPU)."""
     states = {}
-    for name in ("mid", "end"):
-        checkpoint = torch.load(directory / f"{name}.ckpt", map_location="cpu", weights_only=False)
-        states[name] = {k: v.float() for k, v in checkpoint["state_dict"].items() if isinstance(v, Tensor)}
-    return peaks[0], peaks[1], states
+    for name in names:
+        path = directory / f"{name}.ckpt"
+        if path.exists():
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+            states[name] = {k: v.float() for k, v in checkpoint["state_dict"].items() if isinstance(v, Tensor)}
+    return states
