@@ -5,7 +5,8 @@
 ``DataParallelStrategy(fault_tolerance=FaultTolerance(replica_group=G, num_replica_groups=2))`` on its half of every
 global batch, with :class:`~benchmarks.gpu_check_runs.Probe` saving checkpoints into its own folder. It returns the
 global losses (the mean of the two groups') and group 0's checkpoints, to compare with one device. On one GPU both
-groups share it, each its own CUDA context and (one-rank) process group; torchft joins them across.
+groups share it, each its own CUDA context and (one-rank) process group; torchft joins them across over gloo (NCCL
+refuses two ranks on one device).
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         timeout=60.0,
         quorum_timeout=60.0,
         join_timeout=120.0,
+        # Both groups share the one GPU, and NCCL refuses two ranks on one device: "auto" would pick NCCL on CUDA.
+        cross_group_backend="gloo",
     )
     strategy = DataParallelStrategy(fault_tolerance=config)
     fitted = fit(settings, FitPlan(strategy=strategy, precision=args.precision, replicas=NUM_GROUPS), args.dir)
