@@ -395,6 +395,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 pipeline_parallel_size=p,
                 zero_config=zero_config,
                 mesh=self.device_mesh,
+                host_data_parallel_group=self.host_groups.data_parallel if self.world_size > 1 else None,
             )
         precision = self.precision_plugin.precision
         self._run = split_into_stages(
@@ -444,7 +445,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         assert module is not None
         engine, run = self.engine, self._current_run
         run.sync.wait_for_parameters(everywhere=False)  # ZeRO-1/2 overlapped: what no forward pre-hook waits for
-        run.check_same_trainable_parameters(module, device=self.root_device, owner="PipelineParallelStrategy")
+        if self.world_size > 1:  # on the host group: no device sync
+            run.check_same_trainable_parameters(module, group=self.host_groups.world, owner="PipelineParallelStrategy")
         with self.precision_plugin.train_step_context():
             model_inputs, size = engine.capture_inputs("training_step", args, kwargs)
             check_divisible_batch(size, engine.num_microbatches)
