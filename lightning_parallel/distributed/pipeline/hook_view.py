@@ -213,17 +213,22 @@ class WholeModelView:
         own = self._own_tensors()
         own_grads, own_has_grad = self._own_gradients(own, held[dims.pipeline_rank], grads, cost)
         values: dict[tuple[str, str], list[Tensor]] = {}
+        flags: dict[tuple[str, str], list[Tensor | bool]] = {}  # on the host where this rank knows them
         for rank, segments in enumerate(self._segments(held, grads)):
             if rank == dims.pipeline_rank:
-                received = self._own_values(segments, own, own_grads, own_has_grad)
+                received, known = self._own_values(segments, own, own_grads, own_has_grad)
             else:
-                received = self._broadcast_from(rank, segments, cost)
+                received, known = self._broadcast_from(rank, segments, cost), [None] * len(segments)
             if rank == dims.pipeline_rank and segments:
                 self._broadcast_own(segments, received, cost)
-            for segment, value in zip(segments, received, strict=True):
-                values.setdefault((segment.name, segment.kind), []).append(value)
+            for segment, value, flag in zip(segments, received, known, strict=True):
+                key = (segment.name, segment.kind)
+                if segment.kind in ("requires_grad", "has_grad"):
+                    flags.setdefault(key, []).append(value if flag is None else flag)
+                else:
+                    values.setdefault(key, []).append(value)
         view = OpenView(cost=cost, _module=self.module)
-        self._install(view, own, values, _read_flags(values), grads)
+        self._install(view, own, values, _read_flags(flags), grads)
         stats = self.stats()
         if stats is not None and cost.sent_bytes:
             stats.record("broadcast", cost.sent_bytes)
@@ -263,25 +268,31 @@ class WholeModelView:
         own: dict[str, Tensor],
         own_grads: dict[str, Tensor | None],
         own_has_grad: dict[str, Tensor | bool],
-    ) -> list[Tensor]:
-        """What this rank sends: its tensors, its gradients (zeros for none) and its flags, the host flags moved to
-        the device in one copy that does not wait for the stream."""
-        host_flags = [
-            float(own[s.name].requires_grad) if s.kind == "requires_grad" else float(own_has_grad[s.name])
-            for s in segments
-            if s.kind == "requires_grad" or (s.kind == "has_grad" and not isinstance(own_has_grad[s.name], Tensor))
-        ]
-        moved = iter(_on_device(host_flags, self.device).unbind() if host_flags else ())
+    ) -> tuple[list[Tensor], list[bool | None]]:
+        """What this rank sends (its tensors, its gradients or zeros, its flags) and, for each, the flag where the host
+        knows it (``None`` for the rest). The host's flags go to the device in one copy that does not wait for the
+        stream; they are sent, never read back."""
+        known: list[bool | None] = [None] * len(segments)
+        for index, segment in enumerate(segments):
+            if segment.kind == "requires_grad":
+                known[index] = own[segment.name].requires_grad
+            elif segment.kind == "has_grad" and not isinstance(has_grad := own_has_grad[segment.name], Tensor):
+                known[index] = has_grad
+        host = [float(flag) for flag in known if flag is not None]
+        moved = iter(_on_device(host, self.device).unbind() if host else ())
         result = []
-        for segment in segments:
+        for segment, flag in zip(segments, known, strict=True):
             if segment.kind == "weight":
                 result.append(own[segment.name].detach())
             elif segment.kind == "grad":
                 result.append(_or_zeros(own_grads.get(segment.name), own[segment.name]).detach())
-            else:
-                flag = own_has_grad.get(segment.name) if segment.kind == "has_grad" else None
-                result.append(flag if isinstance(flag, Tensor) else next(moved))
-        return result
+            elif flag is not None:
+                result.append(next(moved))
+            else:  # "has_grad" reduced over the replicas, on the device
+                reduced = own_has_grad[segment.name]
+                assert isinstance(reduced, Tensor)
+                result.append(reduced)
+        return result, known
 
     def _broadcast_own(self, segments: list[_Segment], values: list[Tensor], cost: HookCost) -> None:
         for dtype, indices in _by_dtype(segments).items():
@@ -318,7 +329,7 @@ class WholeModelView:
                 shown[name] = own[name]
                 continue
             (value,) = values[(name, "weight")]
-            if (name, "requires_grad") in values:  # a parameter
+            if (name, "requires_grad") in flags:  # a parameter
                 shown[name] = nn.Parameter(value, requires_grad=flags[(name, "requires_grad")][0])
             elif value.is_floating_point() or value.is_complex():
                 shown[name] = value
@@ -398,13 +409,14 @@ def _on_device(flags: list[float], device: torch.device) -> Tensor:
     return torch.tensor(flags, dtype=torch.float32).to(device, non_blocking=True)
 
 
-def _read_flags(values: dict[tuple[str, str], list[Tensor]]) -> dict[tuple[str, str], list[bool]]:
-    """Every flag of an open (``requires_grad``, "has a gradient": float32 scalars, received or this rank's) on the
-    host, in one read: on a GPU each read waits for the device, so one per open instead of one per parameter."""
-    keys = [(key, len(tensors)) for key, tensors in values.items() if key[1] in ("requires_grad", "has_grad")]
-    flat = [tensor.reshape(()) for key, _ in keys for tensor in values[key]]
-    read = iter(torch.stack(flat).tolist() if flat else ())
-    return {key: [bool(next(read)) for _ in range(count)] for key, count in keys}
+def _read_flags(flags: dict[tuple[str, str], list[Tensor | bool]]) -> dict[tuple[str, str], list[bool]]:
+    """Every flag of an open (``requires_grad``, "has a gradient") on the host: those this rank knows as they are,
+    the others (received, or reduced over the replicas: float32 scalars on the device) in one read. On a GPU each read
+    waits for everything queued on the device, so one per open instead of one per parameter (none when every flag is
+    this rank's own)."""
+    on_device = [flag.reshape(()) for values in flags.values() for flag in values if isinstance(flag, Tensor)]
+    read = iter(torch.stack(on_device).tolist() if on_device else ())
+    return {key: [bool(next(read)) if isinstance(f, Tensor) else f for f in values] for key, values in flags.items()}
 
 
 def _or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:
