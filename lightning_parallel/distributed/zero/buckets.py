@@ -173,8 +173,8 @@ class ShardedParameterBuckets:
             split weight gradients): it lets backward fill ``.grad``, then calls :meth:`add_gradients`.
         flags_group: a CPU (gloo) group of the ranks of ``group`` and of ``replicate_group``
             (``HostGroups.data_parallel``): the "got a gradient" flags are all-reduced there, on the host, with no
-            device sync. ``None``: over ``group`` (and ``replicate_group``) on the buckets' device, which copies them
-            there and reads the result back (two waits of the host for the device per sync).
+            device sync. ``None``: over ``group`` (and ``replicate_group``) on the buckets' device, and read back
+            (one wait of the host for the device per sync).
     """
 
     def __init__(
@@ -511,7 +511,9 @@ class ShardedParameterBuckets:
         if self.flags_group is not None:
             used = torch.frombuffer(bytearray(self._used), dtype=torch.uint8)
             return used, dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.flags_group, async_op=True)
-        used = torch.frombuffer(self._used, dtype=torch.uint8).to(device, copy=True)
+        # A copy to the device from pageable memory is staged before it returns: `non_blocking` spares the wait for
+        # the stream, and the hooks' bytes may be reset at once.
+        used = torch.frombuffer(self._used, dtype=torch.uint8).to(device, copy=True, non_blocking=True)
         return used, dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def _used_across_replicas(self, used: Tensor | None) -> list[int]:
@@ -525,7 +527,7 @@ class ShardedParameterBuckets:
             return used.tolist() if used is not None else []  # a host tensor: no device sync
         # Replica groups that are other jobs (torchft) combine the flags with the shards, on the shards' device: the
         # one sync left (the cross-job reduction takes device tensors, and no host group spans the jobs).
-        on_device = used.to(self.device)
+        on_device = used.to(self.device, non_blocking=True)
         self._all_reduce_across_replicas(on_device)
         return on_device.tolist()
 
