@@ -200,8 +200,8 @@ class LightningParallelStrategy(DDPStrategy):
         return {"num_replicas": layout.data_parallel_size, "rank": layout.data_parallel_rank(self.global_rank)}
 
     def _build_device_mesh(self, layout: MeshLayout) -> None:
-        """Collective (every rank, after joining): the mesh of ``layout``; kept for a later ``fit`` of the same
-        layout in the same process group (new process groups on every fit would pile up)."""
+        """Collective (every rank, after joining): the mesh of ``layout`` and its :attr:`host_groups`; kept for a later
+        ``fit`` of the same layout in the same process group (new process groups on every fit would pile up)."""
         # A process group re-created after a restart needs new subgroups: compared by identity (the reference kept
         # here means a new group can never reuse the old one's `id`).
         world = dist.group.WORLD
