@@ -272,9 +272,6 @@ class DeviceSimulation:
             elif collective is None and self.placement(tensor) == HOST:
                 self._violation(f"(a) {func} from {where}: a host copy {tuple(tensor.shape)} (NCCL needs the device)")
 
-    def _observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Every op and every function call the modes see, before it runs (a subclass counts what it needs)."""
-
     def _check_payload(self, frame: FrameType) -> None:
         if frame.f_code in _RECEIVES:
             return
@@ -310,7 +307,6 @@ class _FunctionHook(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        self.simulation._observe(func, args, kwargs)
         if not _targets_host(func, args, kwargs):
             return func(*args, **kwargs)
         self.simulation._moving_to_host += 1  # what the ops of the move create is on the host
@@ -338,7 +334,6 @@ class _DispatchHook(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         simulation = self.simulation
-        simulation._observe(func, args, kwargs)
         inputs = _tensors((args, kwargs))
         if func.namespace == "c10d":
             simulation._check_collective(func, inputs, sys._getframe(1))
@@ -387,8 +382,22 @@ class HostReads(DeviceSimulation):
         super().__init__(root_device=root_device)
         self.host_groups = host_groups
         self.by_caller: dict[str, int] = {}
+        self._read_modes = (_ReadFunctions(self), _ReadOps(self))  # entered last: each sees a call first
+
+    def __enter__(self) -> HostReads:
+        super().__enter__()
+        for mode in self._read_modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for mode in reversed(self._read_modes):
+            mode.__exit__(*exc)
+        super().__exit__(*exc)
 
     def _observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before ``func`` runs: count it if it reads a device tensor on the host; seed what it hands to a collective
+        of a device group."""
         if func is torch.ops.aten._local_scalar_dense.default or func in _READS or _targets_host(func, args, kwargs):
             if isinstance(args[0], Tensor) and self.placement(args[0]) == DEVICE:
                 where = package_frame(sys._getframe(2))
@@ -399,6 +408,32 @@ class HostReads(DeviceSimulation):
     def _on_host_group(self, args: tuple[Any, ...]) -> bool:
         hosts = {id(group) for group in self.host_groups()}
         return any(id(group) in hosts for group in map(_process_group, args))
+
+
+class _ReadFunctions(TorchFunctionMode):
+    """Shows :class:`HostReads` every function call (``.tolist()``, ``.cpu()``), before it runs."""
+
+    def __init__(self, reads: HostReads) -> None:
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.reads._observe(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _ReadOps(TorchDispatchMode):
+    """Shows :class:`HostReads` every op (``_local_scalar_dense``, the ``c10d`` ones), before it runs."""
+
+    def __init__(self, reads: HostReads) -> None:
+        super().__init__()
+        self.reads = reads
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.reads._observe(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 def _process_group(arg: Any) -> dist.ProcessGroup | None:
