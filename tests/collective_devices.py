@@ -34,6 +34,9 @@ Checks, each failure kept in :attr:`DeviceSimulation.violations`:
 and :meth:`DeviceSimulation.device_tensors` lists what a result (a consolidated state dict) still holds on the device.
 :meth:`DeviceSimulation.region` measures the peak bytes of device storages above the region's start.
 
+:class:`HostReads` also counts the host reads of device storages (each one, on a GPU, a wait for everything queued on
+the device before it), telling the device's groups from the CPU groups of host facts.
+
 Both a ``TorchFunctionMode`` (to see ``.cpu()`` calls the CPU turns into no-ops) and a ``TorchDispatchMode`` (every
 op, including the ``c10d`` ones eager collectives go through, as ``monitor/ledger.py`` uses) are entered; nothing
 of torch is replaced.
@@ -61,7 +64,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_parallel.accounting import tensor_storages
 
-__all__ = ["DeviceSimulation", "Region"]
+__all__ = ["DeviceSimulation", "HostReads", "Region", "package_frame"]
 
 DEVICE, HOST = "device", "host"
 
@@ -375,3 +378,102 @@ class _DispatchHook(TorchDispatchMode):
                 if storage._cdata not in existing:  # new storage; in place ops and views keep theirs
                     simulation._set(storage, placement)
         return out
+
+
+_READS = (Tensor.tolist, Tensor.numpy)
+
+
+class HostReads(DeviceSimulation):
+    """A :class:`DeviceSimulation` that counts, by the innermost frame of ``lightning_parallel`` that issued it, each
+    host read of a tensor a GPU run would hold on the device: ``.item()``/``bool()``/``int()``/``float()``
+    (``aten._local_scalar_dense``), ``.tolist()``, ``.numpy()``, ``.cpu()``/``.to("cpu")``. On a GPU each one waits for
+    everything queued on the device before it. (The CPU alone cannot tell them apart from reads of host tensors:
+    ``.tolist()`` and ``.cpu()`` dispatch no read there.)
+
+    Beyond the placements of :class:`DeviceSimulation`, every tensor handed to a collective of a device group is on the
+    device (NCCL takes nothing else): of every group but ``host_groups()``, the CPU (gloo) groups of host facts.
+
+    Args:
+        root_device: as :class:`DeviceSimulation`'s.
+        host_groups: the process groups whose tensors stay on the host (asked at each collective).
+    """
+
+    def __init__(
+        self, *, root_device: torch.device, host_groups: Callable[[], Iterable[dist.ProcessGroup]] = tuple
+    ) -> None:
+        super().__init__(root_device=root_device)
+        self.host_groups = host_groups
+        self.by_caller: dict[str, int] = {}
+        self._read_modes = (_ReadFunctions(self), _ReadOps(self))  # entered last: each sees a call first
+
+    def __enter__(self) -> HostReads:
+        super().__enter__()
+        for mode in self._read_modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for mode in reversed(self._read_modes):
+            mode.__exit__(*exc)
+        super().__exit__(*exc)
+
+    def _observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before ``func`` runs: count it if it reads a device tensor on the host; seed what it hands to a collective
+        of a device group."""
+        if func is torch.ops.aten._local_scalar_dense.default or func in _READS or _targets_host(func, args, kwargs):
+            if isinstance(args[0], Tensor) and self.placement(args[0]) == DEVICE:
+                where = package_frame(sys._getframe(2))
+                self.by_caller[where] = self.by_caller.get(where, 0) + 1
+        elif getattr(func, "namespace", None) == "c10d" and not self._on_host_group(args):
+            self.seed(_tensors((args, kwargs)))
+
+    def _on_host_group(self, args: tuple[Any, ...]) -> bool:
+        hosts = {id(group) for group in self.host_groups()}
+        return any(id(group) in hosts for group in map(_process_group, args))
+
+
+class _ReadFunctions(TorchFunctionMode):
+    """Shows :class:`HostReads` every function call (``.tolist()``, ``.cpu()``), before it runs."""
+
+    def __init__(self, reads: HostReads) -> None:
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.reads._observe(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _ReadOps(TorchDispatchMode):
+    """Shows :class:`HostReads` every op (``_local_scalar_dense``, the ``c10d`` ones), before it runs."""
+
+    def __init__(self, reads: HostReads) -> None:
+        super().__init__()
+        self.reads = reads
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.reads._observe(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _process_group(arg: Any) -> dist.ProcessGroup | None:
+    """The process group a ``c10d`` op's argument boxes (a ``ScriptObject``; others box a ``ReduceOp``), or ``None``."""
+    if not isinstance(arg, torch.ScriptObject):
+        return None
+    try:
+        return dist.ProcessGroup.unbox(arg)
+    except RuntimeError:
+        return None
+
+
+def package_frame(frame: FrameType | None) -> str:
+    """``path:function`` (the path below ``lightning_parallel/``) of the innermost frame of the package, or
+    ``"elsewhere"`` (Lightning's or torch's own reads)."""
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/lightning_parallel/" in path and "/tests/" not in path:
+            return f"{path.split('/lightning_parallel/')[-1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "elsewhere"

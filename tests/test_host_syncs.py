@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
 import model_zoo as zoo
 import torch
+from collective_devices import package_frame
 from distributed_harness import run_distributed
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,13 +46,7 @@ class _ScalarReads(TorchDispatchMode):
 
 
 def _issuer() -> str:
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        if "/lightning_parallel/" in path and "/tests/" not in path:
-            return f"{path.split('/lightning_parallel/')[-1]}:{frame.f_code.co_name}"
-        frame = frame.f_back
-    return "elsewhere"
+    return package_frame(sys._getframe(2))
 
 
 class _CountReads(pl.Callback):

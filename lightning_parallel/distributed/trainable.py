@@ -10,6 +10,12 @@ reduce-scatters gradients of different layouts, and a rank may wait for a collec
 all-reduce of two integers); only when they differ does it gather the names, so the error can say which parameters
 are trainable on which ranks. Every rank raises the same error at the same point, before any collective that
 depends on the flags.
+
+The flags are host facts, so the check runs on the host: over a CPU (gloo) group of CPU tensors
+(``distributed/host_groups.py``), it never waits for the device (over NCCL it would copy the fingerprint to the GPU
+and read the result back, waiting twice for everything queued before it). It still runs every step: a rank that
+alone changed its flags cannot know whether the others did without asking them, and skipping the exchange when the
+local flags are unchanged would leave the ranks that changed them waiting in a collective the others never start.
 """
 
 from __future__ import annotations
@@ -30,8 +36,7 @@ def check_same_trainable_parameters(
     module: nn.Module,
     *,
     owner: str,
-    device: torch.device,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup,
     flags: Sequence[bool] | None = None,
 ) -> None:
     """Collective over ``group``. Raise ``RuntimeError`` on every rank when the ranks disagree on which of
@@ -40,8 +45,8 @@ def check_same_trainable_parameters(
     Args:
         module: the module every rank trains (its parameter names must be the same on every rank).
         owner: how the error names the caller (``"DataParallelStrategy"``).
-        device: where the fingerprint tensor lives (the rank's CUDA device under NCCL).
-        group: the ranks that average gradients together (``None``: every rank).
+        group: a CPU (gloo) group of the ranks that average gradients together (``HostGroups``); the fingerprint
+            travels as a CPU tensor, so no device is waited for.
         flags: ``requires_grad`` of ``module.parameters()`` in order, if the caller already read them (a caller that
             checks every step keeps the parameters in a tuple instead of walking the module each time).
     """
@@ -50,9 +55,9 @@ def check_same_trainable_parameters(
     fingerprint = _fingerprint(flags)
     # The maximum of the fingerprint and of its negation (= minus the minimum): equal on every rank only if the
     # fingerprints all are (two integers; the names travel only when they differ).
-    extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    highest, negated_lowest = extremes.tolist()
+    highest, negated_lowest = extremes.tolist()  # a host tensor: no device sync
     if highest == -negated_lowest:
         return
     layouts: list[list[tuple[str, bool]] | None] = [None] * dist.get_world_size(group)
@@ -66,26 +71,27 @@ def check_same_trainable_parameters_within(
     *,
     cohorts: Sequence[int],
     owner: str,
-    device: torch.device,
+    group: dist.ProcessGroup,
     flags: Sequence[bool] | None = None,
 ) -> None:
-    """Collective over every rank. Raise ``RuntimeError`` on every rank when the ranks of one cohort (those with
-    the same ``cohorts[rank]``: the data-parallel replicas of one pipeline stage, which hold the same parameters and
-    average their gradients) disagree on which of ``module``'s parameters require grad.
+    """Collective over ``group``, a CPU (gloo) group of every rank. Raise ``RuntimeError`` on every rank when the
+    ranks of one cohort (those with the same ``cohorts[rank]``: the data-parallel replicas of one pipeline stage,
+    which hold the same parameters and average their gradients) disagree on which of ``module``'s parameters require
+    grad.
 
     The check spans every rank, not only each cohort, so that the ranks of the other stages raise too instead of
-    waiting in the pipeline's schedule for a stage that left. One all-gather of one integer per rank; the names
-    travel only when a cohort disagrees.
+    waiting in the pipeline's schedule for a stage that left. One all-gather of one integer per rank, on the host;
+    the names travel only when a cohort disagrees.
     """
     if flags is None:
         flags = [param.requires_grad for param in module.parameters()]
-    world_size = dist.get_world_size()
+    world_size = dist.get_world_size(group)
     if len(cohorts) != world_size:
         raise ValueError(f"`cohorts` names {len(cohorts)} ranks; the world has {world_size}.")
-    mine = torch.tensor([_fingerprint(flags)], dtype=torch.int64, device=device)
+    mine = torch.tensor([_fingerprint(flags)], dtype=torch.int64)
     gathered = [torch.zeros_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine)
-    fingerprints = torch.cat(gathered).tolist()  # one host read, not one per rank
+    dist.all_gather(gathered, mine, group=group)
+    fingerprints = torch.cat(gathered).tolist()  # host tensors: no device sync
     members: dict[int, list[int]] = {}
     for rank, cohort in enumerate(cohorts):
         members.setdefault(cohort, []).append(rank)
@@ -93,7 +99,8 @@ def check_same_trainable_parameters_within(
     if not disagreeing:
         return
     layouts: list[list[tuple[str, bool]] | None] = [None] * world_size
-    dist.all_gather_object(layouts, [(name, param.requires_grad) for name, param in module.named_parameters()])
+    named = [(name, param.requires_grad) for name, param in module.named_parameters()]
+    dist.all_gather_object(layouts, named, group=group)
     messages = [
         disagreement_message([layouts[rank] or [] for rank in ranks], owner=owner, ranks=ranks) for ranks in disagreeing
     ]

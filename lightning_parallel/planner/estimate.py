@@ -335,7 +335,8 @@ def estimate_zero12(
 ) -> ConfigEstimate:
     """ZeRO-1/2 (ours). ``master_weights``: fp32 masters of 16-bit parameters; ``None``: when they are 16-bit.
     ``shard_size``: hybrid sharding over groups of that many ranks (``None``: every rank); each rank then also
-    all-reduces its reduced gradient shards and the flags across the replica groups."""
+    all-reduces its reduced gradient shards across the replica groups (the flags travel once, over every
+    data-parallel rank: the host group, ``distributed/host_groups.py``)."""
     layout = MeshLayout.for_sharding(ctx.world_size, shard_size)
     n = layout.shard_size
     ranks = []
@@ -348,7 +349,7 @@ def estimate_zero12(
             ctx, buckets, num_params, stage=stage, rank=layout.shard_rank(rank), ranks=n, master_weights=master_weights
         )
         shard_bytes = _reduced_shard_bytes(buckets, n, master_weights)
-        across = _across_replicas(comm, layout, shard_bytes + num_params * GRADIENT_FLAG_BYTES)
+        across = _across_replicas(comm, layout, shard_bytes)
         ranks.append(RankEstimate(params, grads, optimizer, comm, act, other_groups=across))
     return ConfigEstimate(*_zero_name(ctx, stage, shard_size, layout), ranks)
 

@@ -53,6 +53,7 @@ from lightning_parallel.distributed.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
+from lightning_parallel.distributed.host_groups import HostGroups
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.instrumentation import Instrumentation, StrategyEvents
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format
@@ -148,6 +149,7 @@ class LightningParallelStrategy(DDPStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._device_mesh_key: MeshLayout | None = None
         self._device_mesh_world: Any = None
+        self._host_groups: HostGroups | None = None
 
     # ------------------------------------------------------------------ launch
     @property
@@ -198,15 +200,28 @@ class LightningParallelStrategy(DDPStrategy):
         return {"num_replicas": layout.data_parallel_size, "rank": layout.data_parallel_rank(self.global_rank)}
 
     def _build_device_mesh(self, layout: MeshLayout) -> None:
-        """Collective (every rank, after joining): the mesh of ``layout``; kept for a later ``fit`` of the same
-        layout in the same process group (new process groups on every fit would pile up)."""
+        """Collective (every rank, after joining): the mesh of ``layout`` and its :attr:`host_groups`; kept for a later
+        ``fit`` of the same layout in the same process group (new process groups on every fit would pile up)."""
         # A process group re-created after a restart needs new subgroups: compared by identity (the reference kept
         # here means a new group can never reuse the old one's `id`).
         world = dist.group.WORLD
         if self._device_mesh is not None and self._device_mesh_key == layout and self._device_mesh_world is world:
             return
         self._device_mesh = layout.build(self.root_device.type)
+        self._host_groups = HostGroups.build(layout, timeout=self.timeout) if layout.world_size > 1 else None
         self._device_mesh_key, self._device_mesh_world = layout, world
+
+    @property
+    def host_groups(self) -> HostGroups:
+        """Gloo groups of this run's ranks for the per-step checks of host facts (``distributed/host_groups.py``:
+        no device sync, no wait behind the device group's collectives), built with :attr:`device_mesh` (rebuilt with
+        it for a new process group). Raises ``RuntimeError`` before ``setup_environment`` or at world size 1."""
+        if self._host_groups is None:
+            raise RuntimeError(
+                f"`{type(self).__name__}.host_groups` exist at world size > 1 once `setup_environment` joined the"
+                " processes; they were read before that or at world size 1."
+            )
+        return self._host_groups
 
     @override
     def setup_environment(self) -> None:

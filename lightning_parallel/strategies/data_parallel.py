@@ -250,9 +250,10 @@ class DataParallelStrategy(LightningParallelStrategy):
     def _check_same_trainable_parameters(self, flags: tuple[bool, ...] | None = None) -> None:
         """Collective (every step, and before the first wrap): the ranks agree on which parameters require grad, or
         every rank raises naming them. A rank that alone changed them would re-wrap DDP alone, and its collectives
-        would meet the others' all-reduces (one all-reduce of two integers; names travel only on a mismatch).
-        ``flags``: the parameters' ``requires_grad`` in order, if already read."""
-        check_same_trainable_parameters(self.module, owner="DataParallelStrategy", device=self.root_device, flags=flags)
+        would meet the others' all-reduces (one all-reduce of two integers on the host group, no device sync; names
+        travel only on a mismatch). ``flags``: the parameters' ``requires_grad`` in order, if already read."""
+        group = self.host_groups.world
+        check_same_trainable_parameters(self.module, owner="DataParallelStrategy", group=group, flags=flags)
 
     def _check_trainable_set_unchanged_in_step(self) -> None:
         """Automatic optimization: refuse a ``requires_grad`` change made after the step's forward started."""

@@ -13,6 +13,15 @@ decision:
 * ``"ignore"``: no check, no collective (the behaviour of plain DDP).
 
 Applies to automatic optimization; under manual optimization check ``torch.isfinite(loss)`` yourself.
+
+Cost: ``"skip"`` and ``"stop"`` read one value on the host per step, as torch's ``GradScaler`` does under fp16
+(``_maybe_opt_step``'s ``found_inf.item()``): dropping the gradients, so that any torch optimizer leaves the parameters
+and its state alone, is a decision of the host, and the device cannot take it (zeroing the gradients with
+``torch.where`` would still decay momentum, apply weight decay and count the step). On CUDA the read does not drain
+the device's queue: the verdict is copied to pinned host memory on a side stream right after the forward (the copy
+waits only for the loss and its all-reduce), and the host, after backward, waits for that copy's event, which the GPU
+passed long before (backward keeps running, and the host goes on queueing the optimizer step). Elsewhere (CPU) the
+read is of a tensor already on the host. ``"ignore"`` reads nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from lightning_parallel.choices import check_choice
 
 __all__ = [
     "FiniteCheck",
+    "HostCopy",
     "NonFiniteLoss",
     "drop_gradients",
     "start_finite_check",
@@ -71,14 +81,23 @@ class FiniteCheck:
     all_finite: Tensor
     """The MIN over ranks once :attr:`work` completed (the same tensor as ``finite_here`` at world size 1)."""
     work: Any = None
+    on_host: HostCopy | None = None
+    """CUDA: ``[all_finite, finite_here]`` being copied to pinned host memory (see the module docstring)."""
 
     def should_skip(self) -> bool:
-        """Wait for the all-reduce; whether every rank drops this step. Raises ``FloatingPointError`` for ``"stop"``."""
-        if self.work is not None:
-            self.work.wait()
-        if bool(self.all_finite.item()):
+        """Wait for the all-reduce; whether every rank drops this step. Raises ``FloatingPointError`` for ``"stop"``.
+
+        The one host read of the step (module docstring: the decision is the host's); on CUDA of a host copy made
+        right after the forward, so it does not wait for backward."""
+        if self.on_host is not None:
+            all_finite, finite_here = self.on_host.read()
+        else:
+            if self.work is not None:
+                self.work.wait()
+            all_finite, finite_here = torch.cat([self.all_finite, self.finite_here]).tolist()
+        if all_finite:
             return False
-        where = "this rank" if not bool(self.finite_here.item()) else "another rank"
+        where = "this rank" if not finite_here else "another rank"
         if self.policy == "stop":
             raise FloatingPointError(
                 f"The training loss at step {self.step} is NaN or infinite on {where}; every rank stops here"
@@ -88,6 +107,29 @@ class FiniteCheck:
             f"The training loss at step {self.step} is NaN or infinite on some rank: every rank skips this step."
         )
         return True
+
+
+class HostCopy:
+    """CUDA: ``values`` (int32, on the device) copied to pinned host memory on a side stream once ``work`` (an
+    asynchronous NCCL collective that wrote them, or ``None``) completed, without making the current stream wait for
+    anything; :meth:`read` waits for that copy only, not for what the current stream queued after it."""
+
+    def __init__(self, values: list[Tensor], *, work: Any) -> None:
+        device = values[0].device
+        stream = torch.cuda.Stream(device)  # one of torch's pooled side streams: nothing is created per step
+        stream.wait_stream(torch.cuda.current_stream(device))  # the loss and its flag are computed first
+        self.host = torch.empty(len(values), dtype=torch.int32, pin_memory=True)
+        with torch.cuda.stream(stream):
+            if work is not None:
+                work.wait()  # NCCL: the side stream (the current one here) waits for the all-reduce, the host does not
+            self.host.copy_(torch.cat(values), non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record(stream)
+        # `values` stay referenced by the check until `read`, which follows the event: their memory is not reused first.
+
+    def read(self) -> list[int]:
+        self.done.synchronize()
+        return self.host.tolist()
 
 
 def start_finite_check(
@@ -102,11 +144,12 @@ def start_finite_check(
         finite = torch.ones(1, dtype=torch.int32, device=device)
     else:
         finite = torch.isfinite(loss.detach()).all().to(device=device, dtype=torch.int32).reshape(1)
-    if world_size == 1:
-        return FiniteCheck(policy=policy, step=step, finite_here=finite, all_finite=finite)
-    all_finite = finite.clone()
-    work = dist.all_reduce(all_finite, op=dist.ReduceOp.MIN, async_op=True)
-    return FiniteCheck(policy=policy, step=step, finite_here=finite, all_finite=all_finite, work=work)
+    all_finite, work = finite, None
+    if world_size > 1:
+        all_finite = finite.clone()
+        work = dist.all_reduce(all_finite, op=dist.ReduceOp.MIN, async_op=True)
+    on_host = HostCopy([all_finite, finite], work=work) if finite.device.type == "cuda" else None
+    return FiniteCheck(policy=policy, step=step, finite_here=finite, all_finite=all_finite, work=work, on_host=on_host)
 
 
 def drop_gradients(tensors: Any) -> None:

@@ -398,6 +398,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 pipeline_parallel_size=p,
                 zero_config=zero_config,
                 mesh=self.device_mesh,
+                host_data_parallel_group=self.host_groups.data_parallel if self.world_size > 1 else None,
             )
         example = pipeline_setup.example_model_inputs(trainer, module, call, num_microbatches=self.num_microbatches)
         if dims.pipeline_parallel_size > 1:  # planned from the first stage's batch on every rank, as it trains
@@ -453,7 +454,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         assert module is not None
         engine, run = self.engine, self._current_run
         run.sync.wait_for_parameters(everywhere=False)  # ZeRO-1/2 overlapped: what no forward pre-hook waits for
-        run.check_same_trainable_parameters(module, device=self.root_device, owner="PipelineParallelStrategy")
+        if self.world_size > 1:  # on the host group: no device sync
+            run.check_same_trainable_parameters(module, group=self.host_groups.world, owner="PipelineParallelStrategy")
         with self.precision_plugin.train_step_context():
             model_inputs, size = engine.capture_inputs("training_step", args, kwargs)
             check_divisible_batch(size, engine.num_microbatches)

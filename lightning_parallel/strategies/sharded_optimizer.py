@@ -201,8 +201,6 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         """Whole averaged gradients lent to the parameters' ``.grad`` from backward until the step (hooks read them)."""
         self._reads_gradients: bool | None = None  # decided at the first backward of each fit
         self._syncs_gradients = True  # False inside `block_backward_sync` (accumulation)
-        self._checks_group: dist.ProcessGroup | None = None
-        self._checks_group_world: Any = None  # the world group `_checks_group` was made in
         self.fault_tolerance = fault_tolerance
         self._replicas = replicas
 
@@ -313,6 +311,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             warn=rank_zero_warn,
             sync_module_states=sync_module_states,
             replicas=self._replicas if fitting else None,
+            host_group=self.host_groups.data_parallel if self.is_sharding else None,
         )
         self._backend = backend_type(self.stage, is_sharding=self.is_sharding)(self.zero_config, context)
         self._backend.convert_module(self.model, convert=self.precision_plugin.convert_module)
@@ -421,23 +420,8 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if self.is_sharding:
             assert self.model is not None
             owner = f"ShardedOptimizerStrategy(stage={self.stage})"
-            cpu = torch.device("cpu")
-            check_same_trainable_parameters(self.model, owner=owner, device=cpu, group=self._host_checks_group())
-
-    def _host_checks_group(self) -> dist.ProcessGroup:
-        """A gloo group of every rank for the per-step trainable check (created at its first use, in ``setup``, on
-        every rank, and again after the world group was re-created). Issued on the shard group, the check would queue
-        behind the parameter all-gathers launched after the last step (NCCL and gloo complete one group's collectives
-        in order) and its host read would wait for all of them before the first forward, cancelling the overlap; on
-        its own CPU group it waits for nothing but itself, and reads its two integers without a device sync. Across
-        nodes gloo needs ``GLOO_SOCKET_IFNAME`` where NCCL has ``NCCL_SOCKET_IFNAME`` (``strategies/launch.py``)."""
-        # A world group re-created since (a restart in the same process, a second `fit` after
-        # `destroy_process_group`) destroyed this one with it: built again, compared by identity as the mesh is.
-        world = dist.group.WORLD
-        if self._checks_group is None or self._checks_group_world is not world:
-            self._checks_group = dist.new_group(backend="gloo", timeout=self.timeout)
-            self._checks_group_world = world
-        return self._checks_group
+            # On the host group: no device sync, no wait behind the parameter all-gathers of the shard group.
+            check_same_trainable_parameters(self.model, owner=owner, group=self.host_groups.world)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -25,7 +25,9 @@ Cost per open, ``W`` the whole model's bytes (parameters and buffers) and ``p`` 
 broadcasts what it owns over the pipeline group (``p`` broadcasts per dtype), every rank receives ``W`` minus its own
 share, and holds it until the view closes; gradients add the parameters' bytes again (plus, with ``grads="local"``
 and data parallelism, one all-reduce of the stage's gradients over its replicas). The first open also gathers what
-each rank holds (one ``all_gather_object``), kept for the run.
+each rank holds (one ``all_gather_object``), kept for the run. The flags that travel with the values (``requires_grad``,
+"has a gradient") are read on the host once per open, all of them in one read (on a GPU each read waits for everything
+queued before it; one read per parameter would wait as many times).
 """
 
 from __future__ import annotations
@@ -209,19 +211,24 @@ class WholeModelView:
         dims, cost = self.dims, HookCost()
         held = self._held_by_rank()
         own = self._own_tensors()
-        own_grads = self._own_gradients(own, held[dims.pipeline_rank], grads, cost)
+        own_grads, own_has_grad = self._own_gradients(own, held[dims.pipeline_rank], grads, cost)
         values: dict[tuple[str, str], list[Tensor]] = {}
+        flags: dict[tuple[str, str], list[Tensor | bool]] = {}  # on the host where this rank knows them
         for rank, segments in enumerate(self._segments(held, grads)):
             if rank == dims.pipeline_rank:
-                received = [_own_value(s, own, own_grads) for s in segments]
+                received, known = self._own_values(segments, own, own_grads, own_has_grad)
             else:
-                received = self._broadcast_from(rank, segments, cost)
+                received, known = self._broadcast_from(rank, segments, cost), [None] * len(segments)
             if rank == dims.pipeline_rank and segments:
                 self._broadcast_own(segments, received, cost)
-            for segment, value in zip(segments, received, strict=True):
-                values.setdefault((segment.name, segment.kind), []).append(value)
+            for segment, value, flag in zip(segments, received, known, strict=True):
+                key = (segment.name, segment.kind)
+                if segment.kind in ("requires_grad", "has_grad"):
+                    flags.setdefault(key, []).append(value if flag is None else flag)
+                else:
+                    values.setdefault(key, []).append(value)
         view = OpenView(cost=cost, _module=self.module)
-        self._install(view, own, values, grads)
+        self._install(view, own, values, _read_flags(flags), grads)
         stats = self.stats()
         if stats is not None and cost.sent_bytes:
             stats.record("broadcast", cost.sent_bytes)
@@ -229,28 +236,63 @@ class WholeModelView:
 
     def _own_gradients(
         self, own: dict[str, Tensor], entries: list[_Held], grads: GradientMode, cost: HookCost
-    ) -> dict[str, Tensor | None]:
-        """This rank's gradients as it sends them; with ``grads="local"`` averaged over the replicas first (one flat
-        all-reduce of copies, the stage's own ``.grad`` untouched)."""
+    ) -> tuple[dict[str, Tensor | None], dict[str, Tensor | bool]]:
+        """This rank's gradients as it sends them, and whether each is one (a host fact, or a device flag where the
+        replicas' flags were reduced: read with the others in :func:`_read_flags`); with ``grads="local"`` averaged
+        over the replicas first (one flat all-reduce of copies, the stage's own ``.grad`` untouched)."""
         if grads == "none":
-            return {}
+            return {}, {}
         result: dict[str, Tensor | None] = {e.name: own[e.name].grad for e in entries if e.is_parameter}
+        has_grad: dict[str, Tensor | bool] = {name: grad is not None for name, grad in result.items()}
         if grads == "reduced" or self.dims.data_parallel_size == 1:
-            return result
+            return result, has_grad
         names = list(result)
         parts: list[Tensor] = [_or_zeros(result[n], own[n]) for n in names]
-        flags = torch.tensor([float(result[n] is not None) for n in names], device=self.device)
+        flags = _on_device([float(has_grad[n]) for n in names], self.device)
         flat = torch.cat([*(p.reshape(-1).to(flags.dtype) for p in parts), flags]) if names else flags
         dist.all_reduce(flat, group=self.dims.data_parallel_group)
         cost.collectives += 1
         cost.sent_bytes += flat.numel() * flat.element_size()
         flat[: flat.numel() - len(names)] /= self.dims.data_parallel_size
-        offset, has_grad = 0, flat[flat.numel() - len(names) :] > 0
+        offset, reduced = 0, (flat[flat.numel() - len(names) :] > 0).to(torch.float32)
         for index, (name, part) in enumerate(zip(names, parts, strict=True)):
-            averaged = flat[offset : offset + part.numel()].view_as(part).to(part.dtype)
+            # Zeros where no replica had a gradient (each sent zeros): what is sent then, as for `None`.
+            result[name] = flat[offset : offset + part.numel()].view_as(part).to(part.dtype)
+            has_grad[name] = reduced[index]
             offset += part.numel()
-            result[name] = averaged if bool(has_grad[index]) else None
-        return result
+        return result, has_grad
+
+    def _own_values(
+        self,
+        segments: list[_Segment],
+        own: dict[str, Tensor],
+        own_grads: dict[str, Tensor | None],
+        own_has_grad: dict[str, Tensor | bool],
+    ) -> tuple[list[Tensor], list[bool | None]]:
+        """What this rank sends (its tensors, its gradients or zeros, its flags) and, for each, the flag where the host
+        knows it (``None`` for the rest). The host's flags go to the device in one copy that does not wait for the
+        stream; they are sent, never read back."""
+        known: list[bool | None] = [None] * len(segments)
+        for index, segment in enumerate(segments):
+            if segment.kind == "requires_grad":
+                known[index] = own[segment.name].requires_grad
+            elif segment.kind == "has_grad" and not isinstance(has_grad := own_has_grad[segment.name], Tensor):
+                known[index] = has_grad
+        host = [float(flag) for flag in known if flag is not None]
+        moved = iter(_on_device(host, self.device).unbind() if host else ())
+        result = []
+        for segment, flag in zip(segments, known, strict=True):
+            if segment.kind == "weight":
+                result.append(own[segment.name].detach())
+            elif segment.kind == "grad":
+                result.append(_or_zeros(own_grads.get(segment.name), own[segment.name]).detach())
+            elif flag is not None:
+                result.append(next(moved))
+            else:  # "has_grad" reduced over the replicas, on the device
+                reduced = own_has_grad[segment.name]
+                assert isinstance(reduced, Tensor)
+                result.append(reduced)
+        return result, known
 
     def _broadcast_own(self, segments: list[_Segment], values: list[Tensor], cost: HookCost) -> None:
         for dtype, indices in _by_dtype(segments).items():
@@ -274,7 +316,12 @@ class WholeModelView:
 
     # ------------------------------------------------------------------ install
     def _install(
-        self, view: OpenView, own: dict[str, Tensor], values: dict[tuple[str, str], list[Tensor]], grads: GradientMode
+        self,
+        view: OpenView,
+        own: dict[str, Tensor],
+        values: dict[tuple[str, str], list[Tensor]],
+        flags: dict[tuple[str, str], list[bool]],
+        grads: GradientMode,
     ) -> None:
         shown: dict[str, Tensor] = {}  # canonical name -> what the module shows (one object per tied parameter)
         for name in {n for n, kind in values if kind == "weight"}:
@@ -282,15 +329,15 @@ class WholeModelView:
                 shown[name] = own[name]
                 continue
             (value,) = values[(name, "weight")]
-            if (name, "requires_grad") in values:  # a parameter
-                shown[name] = nn.Parameter(value, requires_grad=bool(values[(name, "requires_grad")][0]))
+            if (name, "requires_grad") in flags:  # a parameter
+                shown[name] = nn.Parameter(value, requires_grad=flags[(name, "requires_grad")][0])
             elif value.is_floating_point() or value.is_complex():
                 shown[name] = value
             else:
                 shown[name] = value.clone()  # integer buffers: a view of the flat message would be fine too
             view.cost.held_bytes += value.numel() * value.element_size()
         if grads != "none":
-            self._show_gradients(view, own, shown, values, grads)
+            self._show_gradients(view, own, shown, values, flags, grads)
         for index, registrations in enumerate(self.registrations):
             if index in self.local:
                 continue
@@ -311,13 +358,14 @@ class WholeModelView:
         own: dict[str, Tensor],
         shown: dict[str, Tensor],
         values: dict[tuple[str, str], list[Tensor]],
+        flags: dict[tuple[str, str], list[bool]],
         grads: GradientMode,
     ) -> None:
         for name, parameter in shown.items():
             contributions = values.get((name, "grad"))
             if contributions is None:
                 continue
-            has_grad = any(bool(flag) for flag in values[(name, "has_grad")])
+            has_grad = any(flags[(name, "has_grad")])
             summed = contributions[0]
             for term in contributions[1:]:  # in pipeline-rank order: the same bits on every rank
                 summed = summed + term
@@ -355,16 +403,20 @@ class WholeModelView:
             submodule.register_buffer(leaf, value, persistent=persistent)
 
 
-def _own_value(segment: _Segment, own: dict[str, Tensor], own_grads: dict[str, Tensor | None]) -> Tensor:
-    tensor = own[segment.name]
-    if segment.kind == "weight":
-        return tensor.detach()
-    if segment.kind == "requires_grad":
-        return torch.tensor(float(tensor.requires_grad), device=tensor.device)
-    grad = own_grads.get(segment.name)
-    if segment.kind == "has_grad":
-        return torch.tensor(float(grad is not None), device=tensor.device)
-    return _or_zeros(grad, tensor).detach()
+def _on_device(flags: list[float], device: torch.device) -> Tensor:
+    """Host flags as a float32 tensor on ``device``: one copy, which does not wait for the device's stream (a copy
+    to the device from pageable memory is staged at once; without ``non_blocking`` torch also waits for the stream)."""
+    return torch.tensor(flags, dtype=torch.float32).to(device, non_blocking=True)
+
+
+def _read_flags(flags: dict[tuple[str, str], list[Tensor | bool]]) -> dict[tuple[str, str], list[bool]]:
+    """Every flag of an open (``requires_grad``, "has a gradient") on the host: those this rank knows as they are,
+    the others (received, or reduced over the replicas: float32 scalars on the device) in one read. On a GPU each read
+    waits for everything queued on the device, so one per open instead of one per parameter (none when every flag is
+    this rank's own)."""
+    on_device = [flag.reshape(()) for values in flags.values() for flag in values if isinstance(flag, Tensor)]
+    read = iter(torch.stack(on_device).tolist() if on_device else ())
+    return {key: [bool(next(read)) if isinstance(f, Tensor) else f for f in values] for key, values in flags.items()}
 
 
 def _or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -152,12 +153,13 @@ class PipelineRun:
         for optimizer, state, layout in zip(optimizers, states, self.optimizer_layouts, strict=True):
             self.sync.load_stage_optimizer_state(optimizer, WholeOptimizerState(state, layout))
 
-    def check_same_trainable_parameters(self, module: nn.Module, *, device: torch.device, owner: str) -> None:
-        """Collective with data parallelism (every rank), else nothing. The replicas of a stage average its
-        gradients, so they must agree on which parameters require grad (user code may change ``requires_grad``
-        between steps); a disagreement raises on every rank, naming the parameters and ranks."""
+    def check_same_trainable_parameters(self, module: nn.Module, *, group: dist.ProcessGroup, owner: str) -> None:
+        """Collective over ``group`` (a CPU group of every rank: ``HostGroups.world``) with data parallelism, else
+        nothing. The replicas of a stage average its gradients, so they must agree on which parameters require grad
+        (user code may change ``requires_grad`` between steps); a disagreement raises on every rank, naming the
+        parameters and ranks. On the host: no device sync."""
         if self.dims.data_parallel_size == 1:
             return
         layout = self.dims.layout
         cohorts = [layout.pipeline_rank(rank) for rank in range(self.dims.world_size)]
-        check_same_trainable_parameters_within(module, cohorts=cohorts, owner=owner, device=device)
+        check_same_trainable_parameters_within(module, cohorts=cohorts, owner=owner, group=group)

@@ -254,6 +254,9 @@ class ParallelDims:
     """The strategy's mesh, axes ``("replicate", "shard", "pp")``; with both data axes larger than one also the
     flattened ``"dp"`` axis (:meth:`flatten_data_axes`); ``None`` before :meth:`build_groups` or before the strategy
     handed its own."""
+    host_data_parallel_group: Any = field(default=None, repr=False)
+    """A CPU (gloo) group of :attr:`data_parallel_group`'s ranks (``HostGroups.data_parallel``), for the per-step
+    agreements on host facts (ZeRO's "got a gradient" flags) with no device sync; ``None``: they go over the device."""
 
     @property
     def layout(self) -> MeshLayout:

@@ -104,11 +104,20 @@ def build_parallel_dims(
     zero_config: ZeroConfig | None = None,
     mesh: DeviceMesh | None = None,
     device_type: str = "cpu",
+    host_data_parallel_group: Any = None,
 ) -> ParallelDims:
     """Collective (every rank, once). This rank's :class:`~.schedule.ParallelDims` on ``mesh`` (the
-    :func:`pipeline_mesh_layout`'s, built on ``device_type`` when not given) with the groups a split needs."""
+    :func:`pipeline_mesh_layout`'s, built on ``device_type`` when not given) with the groups a split needs
+    (``host_data_parallel_group``: see :attr:`~.schedule.ParallelDims.host_data_parallel_group`)."""
     layout = pipeline_mesh_layout(world_size, pipeline_parallel_size=pipeline_parallel_size, zero_config=zero_config)
-    dims = ParallelDims(world_size, global_rank, pipeline_parallel_size, shard_size=layout.shard_size, mesh=mesh)
+    dims = ParallelDims(
+        world_size,
+        global_rank,
+        pipeline_parallel_size,
+        shard_size=layout.shard_size,
+        mesh=mesh,
+        host_data_parallel_group=host_data_parallel_group,
+    )
     if mesh is None:
         dims.build_groups(device_type)
     dims.flatten_data_axes()  # hybrid sharding: one group of every replica of the stage (a collective)

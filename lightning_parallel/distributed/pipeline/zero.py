@@ -254,6 +254,7 @@ class FlatBucketSync(ReplicatedSync):
                 warn=context.warn,
                 sync_module_states=lambda module: None,  # the split started every stage from rank 0's weights
                 stage=extensions,
+                host_group=dims.host_data_parallel_group,
             ),
         )
         backend.setup_module(self.module, context.device)

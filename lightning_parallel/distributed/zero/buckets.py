@@ -22,9 +22,10 @@ Layout (Megatron's distributed optimizer / DeepSpeed ZeRO):
   parameter; a view gets ``.grad`` only if its parameter got one on some rank (average ``sum / N``, as DDP) or
   still holds one (no ``zero_grad`` since). Frozen parameters the optimizer holds are bucketed too, so unfreezing
   needs no new layout. The flags are one byte per bucketed parameter per sync, counted in ``stats`` as an
-  all-reduce (as the planner counts them). ``toggle_optimizer`` switches ``requires_grad`` of the views (the
-  optimizer's tensors): a view switched off keeps its ``.grad`` through a sync, as a frozen parameter does on one
-  device.
+  all-reduce (as the planner counts them). They are host facts (set by the backward hooks): given a CPU group
+  (``flags_group``) they are all-reduced there, so a sync reads nothing back from the device. ``toggle_optimizer``
+  switches ``requires_grad`` of the views (the optimizer's tensors): a view switched off keeps its ``.grad`` through
+  a sync, as a frozen parameter does on one device.
 
 Stage 1 keeps the full flat gradient buffers (``Psi`` bytes) between steps and reduce-scatters each one *in place*:
 the reduced shard is rank r's own slice of its full buffer (NCCL and gloo both allow an output that is the input's
@@ -170,6 +171,10 @@ class ShardedParameterBuckets:
         gradient_hooks: take each gradient into its bucket as backward produces it (a post-accumulate-grad hook per
             parameter); ``False`` for a caller whose backward bypasses autograd's accumulation (a pipeline schedule's
             split weight gradients): it lets backward fill ``.grad``, then calls :meth:`add_gradients`.
+        flags_group: a CPU (gloo) group of the ranks of ``group`` and of ``replicate_group``
+            (``HostGroups.data_parallel``): the "got a gradient" flags are all-reduced there, on the host, with no
+            device sync. ``None``: over ``group`` (and ``replicate_group``) on the buckets' device, and read back
+            (one wait of the host for the device per sync).
     """
 
     def __init__(
@@ -187,6 +192,7 @@ class ShardedParameterBuckets:
         gradient_reduction: GradientReduction | None = None,
         parameter_gather: ParameterGather | None = None,
         gradient_hooks: bool = True,
+        flags_group: dist.ProcessGroup | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"`stage={stage!r}` is invalid for ShardedParameterBuckets: use 1 or 2.")
@@ -209,6 +215,9 @@ class ShardedParameterBuckets:
         )
         """Who averages the reduced shards across the replicas (hybrid sharding), or ``None``."""
         self.replicate_size = self.replicas.divisor if self.replicas is not None else 1
+        self.flags_group = flags_group
+        self._flags_cross_jobs = replicas is not None
+        """The flags must also cross replica groups that are other jobs (torchft), which no host group reaches."""
         self.sync_gradients = True
         self.stats: CommunicationStats | None = None
         """Where to count collective bytes (``None``: not counted); see :class:`CommunicationStats`."""
@@ -471,10 +480,7 @@ class ShardedParameterBuckets:
         self._launch_ready_buckets(flush=True)
         self._in_flight.clear()  # waited for below
         device = self.buckets[0].flat_params.device if self.buckets else torch.device("cpu")
-        used = torch.frombuffer(self._used, dtype=torch.uint8).to(device, copy=True) if self._used else None
-        used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True) if self._used else None
-        if self.stats is not None and used is not None:  # one byte per bucketed parameter (the planner counts it)
-            self.stats.record("all_reduce", used.numel() * used.element_size())
+        used, used_work = self._launch_used_flags(device)
         for bucket in self.buckets:
             if bucket.work is not None:
                 self._complete(bucket)
@@ -483,8 +489,7 @@ class ShardedParameterBuckets:
             bucket.launched = False
         if used_work is not None:
             used_work.wait()
-        self._all_reduce_across_replicas(used)
-        got_gradient = self._got_gradient_anywhere(used.tolist() if used is not None else [])
+        got_gradient = self._got_gradient_anywhere(self._used_across_replicas(used))
         for bucket in self.buckets:
             take_reduced(bucket, got_gradient=got_gradient)
             if bucket.reduces_in_place:
@@ -495,6 +500,36 @@ class ShardedParameterBuckets:
         self._used[:] = bytes(len(self._used))
         if not self._launch_order_settled and self.buckets:
             self._settle_launch_order(device)
+
+    def _launch_used_flags(self, device: torch.device) -> tuple[Tensor | None, dist.Work | None]:
+        """Collective (asynchronous). Launch the MAX over the ranks of the "got a gradient" flags: on the host over
+        :attr:`flags_group` (a copy of the hooks' bytes), else on ``device`` over :attr:`group`."""
+        if not self._used:
+            return None, None
+        if self.stats is not None:  # one byte per bucketed parameter (the planner counts it)
+            self.stats.record("all_reduce", len(self._used))
+        if self.flags_group is not None:
+            used = torch.frombuffer(bytearray(self._used), dtype=torch.uint8)
+            return used, dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.flags_group, async_op=True)
+        # A copy to the device from pageable memory is staged before it returns: `non_blocking` spares the wait for
+        # the stream, and the hooks' bytes may be reset at once.
+        used = torch.frombuffer(self._used, dtype=torch.uint8).to(device, copy=True, non_blocking=True)
+        return used, dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def _used_across_replicas(self, used: Tensor | None) -> list[int]:
+        """Collective across the replicas (hybrid sharding; their shards are reduced here too): the flags of every
+        rank averaging these gradients, on the host."""
+        if self.flags_group is None:
+            self._all_reduce_across_replicas(used)
+            return used.tolist() if used is not None else []  # a device read: no host group was given
+        if not self._flags_cross_jobs or used is None:
+            self._all_reduce_across_replicas(None)  # `flags_group` spans the replicas of this job's mesh already
+            return used.tolist() if used is not None else []  # a host tensor: no device sync
+        # Replica groups that are other jobs (torchft) combine the flags with the shards, on the shards' device: the
+        # one sync left (the cross-job reduction takes device tensors, and no host group spans the jobs).
+        on_device = used.to(self.device, non_blocking=True)
+        self._all_reduce_across_replicas(on_device)
+        return on_device.tolist()
 
     def _got_gradient_anywhere(self, used_anywhere: list[int]) -> Callable[[nn.Parameter], bool]:
         """Whether a bucketed parameter got a gradient on some rank, from the all-reduced flags."""

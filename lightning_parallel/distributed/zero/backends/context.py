@@ -110,3 +110,6 @@ class ZeroContext:
     replicas: ReplicaReduction | None = None
     """Stages 1-2: who averages the reduced gradient shards across replicas that are not in this job's mesh
     (``FaultTolerance``: torchft across replica groups, each its own job). ``None``: the mesh's ``replicate`` axis."""
+    host_group: Any = None
+    """Stages 1-2: a CPU (gloo) group of the mesh's ``replicate`` x ``shard`` ranks (``HostGroups.data_parallel``),
+    where the buckets' "got a gradient" flags are all-reduced with no device sync; ``None``: on the device."""

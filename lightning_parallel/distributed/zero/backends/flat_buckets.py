@@ -41,6 +41,7 @@ class FlatBucketBackend(ReplicatedBackend):
         self.stats = context.stats
         self.warn = context.warn
         self.replicas = context.replicas
+        self.host_group = context.host_group
         self.buckets: ShardedParameterBuckets | None = None
         self.gather: OverlappedParameterGather | None = None  # fitting with `overlap_param_gather`
         self.sharded_optimizers: list[ShardedOptimizer] = []  # one per optimizer, in order
@@ -70,6 +71,7 @@ class FlatBucketBackend(ReplicatedBackend):
             master_dtype=torch.float32 if self.config.master_weights == "fp32" else None,
             # A pipeline stage: the schedule leaves the gradients in `.grad`, taken in `reduce_gradients`.
             gradient_hooks=self.stage_extensions is None or not self.stage_extensions.reduce_after_backward,
+            flags_group=self.host_group,
         )
         if self.stats is not None:
             self.buckets.stats = self.stats
