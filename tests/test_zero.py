@@ -426,12 +426,12 @@ def _fit_twice_across_a_new_world(rank: int, world_size: int, store: str) -> dic
     trainer = make_trainer(strategy, devices=world_size, max_steps=1)
     module, loader = make_module("adamw"), _loader_for(world_size, 2)
     trainer.fit(module, train_dataloaders=loader)
-    first = strategy._checks_group
+    first = strategy.host_groups.world
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
     trainer.fit_loop.epoch_loop.max_steps = 2
     trainer.fit(module, train_dataloaders=loader)
-    second = strategy._checks_group
+    second = strategy.host_groups.world
     return {
         "steps": trainer.global_step,
         "rebuilt": second is not first,
