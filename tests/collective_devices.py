@@ -29,7 +29,8 @@ Checks, each failure kept in :attr:`DeviceSimulation.violations`:
     (NCCL refuses CPU tensors), except the byte buffers torch's object collectives make themselves;
 (b) no tensor in the payload of an object collective (``all_gather_object``, ``gather_object``,
     ``broadcast_object_list``, ``scatter_object_list``, ``send_object_list``) is off the CPU or on the simulated
-    device (the training tensors of ``held`` are re-seeded first, so a live ``step`` counter is caught);
+    device (the training tensors of ``held`` are re-seeded first, so a live ``step`` counter is caught); a ``meta``
+    tensor (shapes only: torch 2.11's pipeline shape inference sends its outputs so) is not a violation;
 
 and :meth:`DeviceSimulation.device_tensors` lists what a result (a consolidated state dict) still holds on the device.
 :meth:`DeviceSimulation.region` measures the peak bytes of device storages above the region's start.
@@ -299,6 +300,8 @@ class DeviceSimulation:
         where = _issuer(frame.f_back)
         simulated = not where.startswith(self.device_type_branches) if self.device_type_branches else True
         for tensor in _payload_tensors(frame.f_locals.get(_PAYLOADS[frame.f_code])):
+            if tensor.device.type == "meta":  # shapes only, no bytes: torch 2.11's pipeline shape inference sends them
+                continue
             if tensor.device.type != "cpu":
                 self._violation(f"(b) {name} from {where}: a tensor on {tensor.device} in the payload")
             elif simulated and self.placement(tensor) == DEVICE:

@@ -16,6 +16,7 @@ import model_zoo as zoo
 import pytest
 import torch
 from distributed_harness import run_distributed
+from pipeline_helpers import needs_integer_activations
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from training_helpers import assert_weights_close
@@ -129,6 +130,7 @@ def _pipeline_rank(rank: int, world_size: int) -> dict[str, dict[str, torch.Tens
     }
 
 
+@needs_integer_activations
 def test_side_inputs_reach_every_stage_and_train_like_one_device() -> None:
     (reference,) = run_distributed(_reference_rank, 1, init_process_group=False, timeout=120)
     # The mask matters: without it the same data trains other weights.

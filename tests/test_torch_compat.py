@@ -50,3 +50,19 @@ def test_object_list_answer_is_the_previous_stage_outputs_on_meta() -> None:
 def test_stage_class_wraps_this_torch_s_inference_method() -> None:
     name = _compat.stage_inference_method(PipelineStage)
     assert name in SideEffectFreePipelineStage.__dict__
+
+
+def test_integer_side_inputs_are_refused_by_name_only_where_torch_cannot_send_them() -> None:
+    side = {
+        "attention_mask": torch.ones(2, 4, dtype=torch.bool),
+        "scale": torch.ones(2),
+        "position_ids": torch.arange(4),
+    }
+    if torch.__version__ >= _compat.INTEGER_ACTIVATIONS_SINCE:
+        _compat.refuse_integer_side_inputs(side)  # sent between stages as they are
+        return
+    with pytest.raises(
+        RuntimeError, match=r"`attention_mask` \(torch.bool\), `position_ids` \(torch.int64\) are not"
+    ) as e:
+        _compat.refuse_integer_side_inputs(side)
+    assert "torch >= 2.12" in str(e.value) and "scale" not in str(e.value)

@@ -19,6 +19,10 @@ layer-sync flag) are in :mod:`lightning_parallel._compat`, so this package impor
 * ``_get_init_p2p_neighbors_ops`` (torch <= 2.11's P2P warm-up, overridden by ``SideEffectFreePipelineStage`` to
   drop a same-rank neighbour) and :func:`p2p_peer`, the group rank a ``P2POp`` talks to (``group_peer`` since torch
   2.6, ``peer`` a global rank before).
+* Receive buffers: torch <= 2.11 makes every tensor a stage receives require grad, which an integer tensor cannot
+  (``RuntimeError: only Tensors of floating point dtype can require gradients`` at the first step), and expects a
+  gradient back for each; torch >= 2.12 does so for floating tensors only. :func:`refuse_integer_side_inputs` turns
+  that into a clear error before the first step.
 * Metadata inference answered locally (the planner's dry run, :func:`local_metadata_inference`): torch >= 2.12 sends
   ``_StageForwardMeta`` / ``_StageBackwardMeta`` (``torch.distributed.pipelining._utils``) through
   ``PipelineStage._recv_meta`` / ``_send_meta`` and votes on static metadata (``_warmup_forward_vote`` /
@@ -45,6 +49,7 @@ __all__ = [
     "FakeTensorMode",
     "local_metadata_inference",
     "p2p_peer",
+    "refuse_integer_side_inputs",
     "schedule_backward_initialized",
     "stage_inference_method",
 ]
@@ -74,6 +79,29 @@ def stage_inference_method(stage_class: type) -> str:
         " lightning_parallel wraps so that torch's shape inference leaves BatchNorm statistics alone. Use a torch"
         " version this package supports, or report it."
     )
+
+
+INTEGER_ACTIVATIONS_SINCE = "2.12"
+"""The first torch release whose stages receive integer tensors (side inputs such as masks and position ids)."""
+
+
+def refuse_integer_side_inputs(side: dict[str, Any]) -> None:
+    """Local. Raise if this torch cannot send the non-floating tensors of ``side`` (name: value) between stages.
+
+    Raises:
+        RuntimeError: On torch < 2.12 with a non-floating tensor among ``side``, naming it and the fix.
+    """
+    if torch.__version__ >= INTEGER_ACTIVATIONS_SINCE:
+        return
+    integers = [f"`{name}` ({value.dtype})" for name, value in sorted(side.items()) if not value.is_floating_point()]
+    if integers:
+        raise RuntimeError(
+            f"The pipeline sends the model call's tensor keyword arguments to every stage, and {', '.join(integers)}"
+            f" {'is' if len(integers) == 1 else 'are'} not floating point: torch {torch.__version__} makes every"
+            " tensor a stage receives require grad, which an integer tensor cannot. Use torch >="
+            f" {INTEGER_ACTIVATIONS_SINCE} (`pip install 'torch>={INTEGER_ACTIVATIONS_SINCE}'`), or compute these"
+            " inside the model instead of passing them (e.g. leave out an all-ones `attention_mask`)."
+        )
 
 
 def p2p_peer(op: dist.P2POp) -> int | None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.contract import (
     PIPELINE_INPUTS_HOOK,
     ContractError,
@@ -48,7 +49,7 @@ from lightning_parallel.distributed.pipeline.schedule import (
     PipelineRuntime,
     build_runtime,
 )
-from lightning_parallel.distributed.pipeline.side_inputs import side_input_names
+from lightning_parallel.distributed.pipeline.side_inputs import side_input_names, split_side_inputs
 
 __all__ = ["PipelineEngine", "StepOutcome"]
 
@@ -331,6 +332,8 @@ class PipelineEngine:
         # batch, a smaller last batch) gets its own stages and schedule instead of corrupting the old ones.
         key = (mode, _signature(model_inputs))
         if key not in self._runtimes:
+            if self.dims.pipeline_parallel_size > 1:  # every rank of the pipeline holds the same batch: all raise
+                _compat.refuse_integer_side_inputs(split_side_inputs(model_inputs[1])[0])
             self._runtimes[key] = build_runtime(
                 schedule=self.schedule,
                 plan=self.plan,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from lightning_parallel.distributed.pipeline._compat import FakeTensorMode
@@ -56,10 +57,27 @@ def count_forward_flops(
     tensors = [*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)]
     state: dict[str, Tensor] = {name: fake_mode.from_tensor(tensor) for name, tensor in tensors}
     # from_tensor remembers each tensor: tied parameters get one stand-in, so functional_call keeps them tied.
+    device = next((tensor.device for _, tensor in tensors), torch.device("cpu"))
+    call_args, call_kwargs = _fake_for_meta((tuple(args), dict(kwargs or {})), fake_mode, device)
     counting = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
     with _attributes_restored(layer), torch.no_grad(), counting as counter:
-        output = torch.func.functional_call(layer, state, tuple(args), dict(kwargs or {}))
+        output = torch.func.functional_call(layer, state, call_args, call_kwargs)
     return output, int(counter.get_total_flops())
+
+
+def _fake_for_meta(inputs: Any, fake_mode: FakeTensorMode, device: torch.device) -> Any:
+    """``inputs`` with each ``meta`` tensor (a shape-only example, as the planner passes) replaced by a fake one on
+    the layer's ``device``: torch 2.11's fake mode refuses to mix a ``meta`` input with fake parameters that report a
+    real device (``found two different devices cpu, meta``); later torch accepts it. A meta tensor has no values, so
+    nothing real is lost."""
+
+    def fake(tensor: Tensor) -> Tensor:
+        if tensor.device.type != "meta":
+            return tensor
+        with fake_mode:
+            return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+
+    return tree_map_only(Tensor, fake, inputs)
 
 
 @contextmanager
