@@ -46,7 +46,14 @@ def reference() -> dict[int, dict]:
     }
 
 
-@pytest.mark.parametrize("strategy", ["data_parallel", "zero2", "zero3"])
+ZERO3_COMPILED_TEARDOWN = pytest.mark.skipif(
+    torch.__version__ < "2.12",
+    reason="torch 2.11: Lightning's teardown (`module.cpu()`) cannot swap FSDP2's parameters of a compiled module"
+    " ('Cannot swap t1 because it has weakref associated with it'); known limit, docs/zero.md",
+)
+
+
+@pytest.mark.parametrize("strategy", ["data_parallel", "zero2", pytest.param("zero3", marks=ZERO3_COMPILED_TEARDOWN)])
 def test_compiled_model_trains_like_one_uncompiled_device(strategy: str, reference: dict[int, dict]) -> None:
     args = (strategy, "model", GLOBAL_BATCH // 2)
     weights, graphs = run_distributed(_fit, 2, args=args, init_process_group=False, timeout=300)[0]
