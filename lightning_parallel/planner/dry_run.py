@@ -39,16 +39,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-
-# Private torch names: `FakeTensorMode` (tensors with shapes and storages but no memory, as torch.compile and
-# torchtitan's memory estimator use them), `FakeStore` (the store of the "fake" process-group backend that torch's
-# own tests and torchtitan use to act as one rank of any world), `TorchDispatchMode`, `_disable_current_modes` (a
-# device mesh computes its coordinates from a real tensor) and `tree_flatten`.
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_parallel.accounting import LiveTensorPeak, PeakMemory, live_tensors, optimizer_state_tensors
@@ -59,6 +52,7 @@ from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
 from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
 from lightning_parallel.distributed.zero.stage3_compat import initialise_root
 from lightning_parallel.distributed.zero.stage3_gloo import GlooAllGather, GlooGradientReduction
+from lightning_parallel.planner._compat import FakeStore, FakeTensorMode, disable_current_modes, forget_cached_shardings
 
 __all__ = [
     "DRY_RUN_STRATEGIES",
@@ -387,7 +381,7 @@ def _mesh(layout: MeshLayout, device_type: str) -> Any:
     """The ``("replicate", "shard")`` device mesh of ``layout``, built on real tensors (also in a dry run)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    with _disable_current_modes():
+    with disable_current_modes():
         shape = (layout.replicate_size, layout.shard_size)
         return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
 
@@ -400,31 +394,13 @@ def _fake_world(rank: int, world_size: int) -> Iterator[None]:
             "The dry run acts as one rank of a fake process group, but a process group is already initialised in this"
             " process: plan before `init_process_group`, or in a separate process."
         )
-    _forget_cached_shardings()
+    forget_cached_shardings()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        _forget_cached_shardings()
-
-
-def _forget_cached_shardings() -> None:
-    """Empty DTensor's process-wide caches keyed on a device mesh, before and after the fake world.
-
-    A ``DeviceMesh`` compares equal to any mesh of the same shape and names, whatever its process groups; so the
-    sharding propagator's caches (Python and C++), the redistribution planner's and ``MeshTopoInfo``'s would hand a
-    later real mesh of that shape the dry run's fake groups, whose collectives do nothing (measured: a ZeRO-3 fit
-    after a ZeRO-3 dry run in the same process clipped by the local gradient norm, also in processes forked from
-    it). Private torch functions, all of them only clear caches.
-    """
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    clear_redistribute_planner_cache()
-    MeshTopoInfo.build_from_mesh.cache_clear()
+        forget_cached_shardings()
 
 
 def dry_run(workload: DryRunWorkload, layout: DryRunLayout, *, warmup_steps: int = 1) -> StepPeak:
@@ -564,7 +540,7 @@ def materialise(meta_module: nn.Module) -> Callable[[], nn.Module]:
     empty storages: under ``FakeTensorMode``, fake ones."""
 
     def build() -> nn.Module:
-        with _disable_current_modes():  # a copy of meta tensors, outside the fake mode
+        with disable_current_modes():  # a copy of meta tensors, outside the fake mode
             copied = copy.deepcopy(meta_module)
         return copied.to_empty(device="cpu")
 

@@ -34,9 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import schedules
-from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_parallel.accounting import LiveTensorPeak, live_tensors, optimizer_state_tensors
 from lightning_parallel.distributed.activation_checkpointing import apply_activation_checkpointing
@@ -46,6 +44,7 @@ from lightning_parallel.distributed.pipeline.partition import StageModule, plan_
 from lightning_parallel.distributed.pipeline.schedule import build_runtime, schedule_spec, validate_schedule_config
 from lightning_parallel.distributed.pipeline.stage_split import build_parallel_dims, split_into_stages
 from lightning_parallel.distributed.pipeline.zero import pipeline_zero_config
+from lightning_parallel.planner._compat import FakeTensorMode, disable_current_modes
 from lightning_parallel.planner.dry_run import (
     DryRunError,
     DryRunWorkload,
@@ -126,7 +125,7 @@ class _PipelineStepRunner:
             apply_activation_checkpointing(module, workload.activation_checkpointing)
         self.module = module
         zero_config = pipeline_zero_config(layout.zero_stage, schedule=layout.schedule)
-        with _disable_current_modes():  # a device mesh computes its coordinates from real tensors
+        with disable_current_modes():  # a device mesh computes its coordinates from real tensors
             dims = build_parallel_dims(
                 layout.world_size,
                 layout.rank,
