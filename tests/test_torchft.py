@@ -482,3 +482,54 @@ def test_a_healing_rank_takes_over_its_shard_of_a_live_rank() -> None:
             result
         )
         assert "shards differently" in result["mismatch"] and "bucket_cap_mb" in result["mismatch"]
+
+
+# Groups configured differently (issue 44): each case as a user started it, the three runs side by side (own
+# lighthouse each). Every process must stop with the error naming the difference, before any step.
+MISMATCHES = {
+    "width": ((), ("--width", "16"), ["parameter `net.0.weight` has shape (32, 12) in replica group 0 and (16, 12)"]),
+    "shard_size": (
+        ("--zero", "2", "--devices", "2"),
+        ("--zero", "2", "--devices", "3"),
+        ["`processes_per_group` is 2 in replica group 0, 3 in replica group 1", "`shard_size` is 2 in replica group 0"],
+    ),
+    "precision": (
+        (),
+        ("--precision", "bf16-true"),
+        ["`precision` is '32-true' in replica group 0, 'bf16-true' in replica group 1", "dtype float32"],
+    ),
+}
+
+
+def test_replica_groups_configured_differently_refuse_together(tmp_path: Path) -> None:
+    """Before: widths differing aborted one group in gloo (exit -6) and shard_size 2 vs 3 timed one out with a nameless
+    `TimeoutError`, while the other trained alone and exited 0. Now every process of both groups raises
+    `ReplicaGroupMismatchError` naming the difference (the third process of the 3-process group, which has no peer in
+    the other group, learns it from its own group), and no group records a step."""
+    pytest.importorskip("torchft")
+    runs: dict[str, tuple[_Run, list[subprocess.Popen]]] = {}
+    try:
+        for case, (first, second) in ((case, spec[:2]) for case, spec in MISMATCHES.items()):
+            out = tmp_path / case
+            out.mkdir()
+            run = _Run(out)
+            common = ("--steps", "3", "--pace", "0", "--timeout", "10")
+            runs[case] = (run, [run.group(g, out, *common, *extra) for g, extra in enumerate((first, second))])
+        for run, processes in runs.values():
+            for process in processes:
+                process.wait(timeout=run.remaining())
+    finally:
+        for run, _ in runs.values():
+            run.close()
+    for case, (run, processes) in runs.items():
+        logs = run.logs()
+        assert [p.returncode for p in processes] == [1, 1], (case, logs)
+        for group in range(2):
+            log = (tmp_path / case / f"log{group}").read_text()
+            processes_in_group = 3 if case == "shard_size" and group == 1 else (2 if case == "shard_size" else 1)
+            # Each of the group's processes (one log) raised it.
+            raised = log.count("ReplicaGroupMismatchError: FaultTolerance: the replica groups that met")
+            assert raised == processes_in_group, (case, group, raised, log[-3000:])
+            for expected in MISMATCHES[case][2]:
+                assert expected in log, (case, group, expected, log[-3000:])
+            assert _records(tmp_path / case / f"group{group}.jsonl") == [], (case, group)  # no step trained
