@@ -6,10 +6,10 @@ out with a nameless ``TimeoutError``, and the other group trains on alone. Inste
 a few named fields (:class:`GroupLayout`), and the groups of a new quorum compare them in two fixed-size collectives
 (:func:`compare_layouts`):
 
-1. one ``MAX`` all-reduce of ``2 * (2 * F) + 1`` int64: every field hashed separately (63 bits), once counting only the
-   groups that hold the run's state (participating) and once every group, each also as ``M - hash`` so that the
-   maximum of both gives the minimum as well (a group that does not count sends zeros, neutral for ``MAX``), and the
-   longest description's length;
+1. one ``MAX`` all-reduce of ``4 * F + 1`` int64 (``F = len(FIELDS)``): every field hashed separately (62 bits),
+   once counting only the groups that hold the run's state (participating) and once every group, each also as
+   ``M - hash`` so that the maximum of both gives the minimum as well (a group that does not count sends zeros,
+   neutral for ``MAX``), and the longest description's length;
 2. only when some field differs: a ``SUM`` all-reduce of one row of bytes per group (its readable description, at
    its rank in the quorum), so every group can name the difference.
 
@@ -36,7 +36,10 @@ FIELDS = (
     "shard_size",
     "bucket_shards",
     "precision",
+    "gradient_clipping",
     "num_replica_groups",
+    "min_replica_groups",
+    "start_together",
     "parameters",
 )
 """The compared fields, in their order in the exchanged tensor (the same on every group running this code)."""
@@ -69,10 +72,15 @@ class GroupLayout:
         processes_per_group: int,
         precision: str,
         num_replica_groups: int,
+        min_replica_groups: int = 1,
+        start_together: bool = True,
+        gradient_clipping: str | None = None,
         shard_size: int | None = None,
         bucket_shards: Sequence[int] = (),
     ) -> GroupLayout:
-        """Local. The layout of ``module``'s trainable parameters (name, shape, dtype) and of the settings given."""
+        """Local. The layout of ``module``'s trainable parameters (name, shape, dtype) and of the settings given
+        (each group's commit decision depends on ``min_replica_groups``; a group with ``start_together`` exchanges
+        parameters while one without it sends gradients; clipping the same average differently splits the weights)."""
         parameters = [
             [name, list(parameter.shape), str(parameter.dtype).removeprefix("torch.")]
             for name, parameter in module.named_parameters()
@@ -84,7 +92,10 @@ class GroupLayout:
             "shard_size": shard_size,
             "bucket_shards": list(bucket_shards),
             "precision": precision,
+            "gradient_clipping": gradient_clipping,
             "num_replica_groups": num_replica_groups,
+            "min_replica_groups": min_replica_groups,
+            "start_together": start_together,
             "parameters": parameters,
         }
         return cls(replica_group, fields)

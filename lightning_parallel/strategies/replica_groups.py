@@ -130,6 +130,9 @@ class FaultTolerantReplicas:
                 processes_per_group=group_world_size,
                 precision=str(trainer.precision),
                 num_replica_groups=self.config.num_replica_groups,
+                min_replica_groups=self.config.min_replica_groups,
+                start_together=self.config.start_together,
+                gradient_clipping=_clipping(trainer),
                 shard_size=group_world_size if bucket_shards else None,
                 bucket_shards=bucket_shards,
             ),
@@ -255,6 +258,12 @@ def _check_supported(trainer: Any, module: nn.Module, owner: str) -> None:
             f"`{owner}(fault_tolerance=...)` supports one optimizer; configure_optimizers returned"
             f" {len(trainer.optimizers)}."
         )
+
+
+def _clipping(trainer: Any) -> str | None:
+    """The Trainer's gradient clipping, as the groups compare it (``None``: off)."""
+    value, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+    return None if value is None else f"{value} by {getattr(algorithm, 'value', algorithm) or 'norm'}"
 
 
 def _step_progress(trainer: Any) -> Any:
