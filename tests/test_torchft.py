@@ -482,3 +482,127 @@ def test_a_healing_rank_takes_over_its_shard_of_a_live_rank() -> None:
             result
         )
         assert "shards differently" in result["mismatch"] and "bucket_cap_mb" in result["mismatch"]
+
+
+# Groups configured differently (issue 44): each case as a user started it, the three runs side by side (own
+# lighthouse each). Every process must stop with the error naming the difference, before any step.
+MISMATCHES = {
+    "width": ((), ("--width", "16"), ["parameter `net.0.weight` has shape (32, 12) in replica group 0 and (16, 12)"]),
+    "shard_size": (
+        ("--zero", "2", "--devices", "2"),
+        ("--zero", "2", "--devices", "3"),
+        ["`processes_per_group` is 2 in replica group 0, 3 in replica group 1", "`shard_size` is 2 in replica group 0"],
+    ),
+    "precision": (
+        (),
+        ("--precision", "bf16-true"),
+        ["`precision` is '32-true' in replica group 0, 'bf16-true' in replica group 1", "dtype float32"],
+    ),
+}
+
+
+def test_replica_groups_configured_differently_refuse_together(tmp_path: Path) -> None:
+    """Before: widths differing aborted one group in gloo (exit -6) and shard_size 2 vs 3 timed one out with a nameless
+    `TimeoutError`, while the other trained alone and exited 0. Now every process of both groups raises
+    `ReplicaGroupMismatchError` naming the difference (the third process of the 3-process group, which has no peer in
+    the other group, learns it from its own group), and no group records a step."""
+    pytest.importorskip("torchft")
+    runs: dict[str, tuple[_Run, list[subprocess.Popen]]] = {}
+    try:
+        for case, (first, second) in ((case, spec[:2]) for case, spec in MISMATCHES.items()):
+            out = tmp_path / case
+            out.mkdir()
+            run = _Run(out)
+            common = ("--steps", "3", "--pace", "0", "--timeout", "10")
+            runs[case] = (run, [run.group(g, out, *common, *extra) for g, extra in enumerate((first, second))])
+        for run, processes in runs.values():
+            for process in processes:
+                process.wait(timeout=run.remaining())
+    finally:
+        for run, _ in runs.values():
+            run.close()
+    for case, (run, processes) in runs.items():
+        logs = run.logs()
+        assert [p.returncode for p in processes] == [1, 1], (case, logs)
+        for group in range(2):
+            log = (tmp_path / case / f"log{group}").read_text()
+            processes_in_group = 3 if case == "shard_size" and group == 1 else (2 if case == "shard_size" else 1)
+            # Each of the group's processes (one log) raised it.
+            raised = log.count("ReplicaGroupMismatchError: FaultTolerance: the replica groups that met")
+            assert raised == processes_in_group, (case, group, raised, log[-3000:])
+            for expected in MISMATCHES[case][2]:
+                assert expected in log, (case, group, expected, log[-3000:])
+            assert _records(tmp_path / case / f"group{group}.jsonl") == [], (case, group)  # no step trained
+
+
+def _compare_three_groups(rank: int, world_size: int) -> list:
+    """Three ranks of a plain gloo group play three replica groups meeting in one quorum (torch-only, no torchft)."""
+    import torch.distributed as dist
+
+    from lightning_parallel.fault_tolerance.agreement import GroupLayout, compare_layouts
+
+    def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        dist.all_reduce(tensor, op=op)
+
+    def layout(width: int, precision: str = "32-true") -> GroupLayout:
+        module = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2))
+        return GroupLayout.of(
+            module,
+            replica_group=rank,
+            strategy="DataParallelStrategy",
+            processes_per_group=1,
+            precision=precision,
+            num_replica_groups=3,
+        )
+
+    def compare(mine: GroupLayout, counts: bool) -> tuple[str | None, bool]:
+        return compare_layouts(mine, counts=counts, rank=rank, size=3, all_reduce=all_reduce)
+
+    return [
+        compare(layout(8), True),  # all alike: nothing more is exchanged
+        compare(layout(8 if rank < 2 else 16), rank < 2),  # group 2 heals with another width: only it stops
+        compare(layout(8, "bf16-mixed" if rank == 1 else "32-true"), True),  # groups that count disagree: all stop
+    ]
+
+
+def test_layout_comparison_stops_the_groups_that_differ() -> None:
+    """The comparison itself, over three ranks of a plain gloo group: groups alike exchange one fixed-size summary and
+    go on; a healing group unlike the live ones is refused while they go on (warned); groups that both count and
+    disagree are all refused; every message names the field and each group's value."""
+    from distributed_harness import run_distributed
+
+    results = run_distributed(_compare_three_groups, 3)
+    assert [result[0] for result in results] == [(None, False)] * 3
+    healing = [result[1] for result in results]
+    assert [refused for _, refused in healing] == [False, False, True]
+    assert {message for message, _ in healing} == {healing[0][0]}  # the same message on every group
+    assert "parameter `0.weight` has shape (8, 4) in replica group 0 and (16, 4) in replica group 2" in healing[0][0]
+    starting = [result[2] for result in results]
+    assert [refused for _, refused in starting] == [True, True, True]
+    assert (
+        "`precision` is '32-true' in replica group 0, 'bf16-mixed' in replica group 1, '32-true' in replica group 2"
+        in starting[0][0]
+    )
+    assert "parameter" not in starting[0][0]  # only what differs is named
+
+
+def test_a_mismatch_names_parameters_by_name_and_count() -> None:
+    from lightning_parallel.fault_tolerance.agreement import GroupLayout, describe_mismatch
+
+    def layout(group: int, module: torch.nn.Module) -> GroupLayout:
+        return GroupLayout.of(
+            module,
+            replica_group=group,
+            strategy="DataParallelStrategy",
+            processes_per_group=1,
+            precision="32-true",
+            num_replica_groups=2,
+        )
+
+    one, two = torch.nn.Linear(3, 3), torch.nn.Sequential(torch.nn.Linear(3, 3))
+    assert "trainable parameter #0 is `weight` in replica group 0 and `0.weight` in replica group 1" in (
+        describe_mismatch([layout(1, two), layout(0, one)])
+    )
+    assert "replica group 0 has 2 trainable parameters and replica group 1 has 1" in describe_mismatch(
+        [layout(0, one), layout(1, torch.nn.Linear(3, 3, bias=False))]
+    )

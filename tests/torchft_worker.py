@@ -11,6 +11,7 @@ before backward, since this strategy averages over the groups inside it). ``--re
 batch on one device without the mode (``DIR/reference.jsonl``). ``--ckpt-dir D`` saves ``D/last.ckpt`` every 2 steps
 and resumes from it (``ckpt_path="last"``), as a group restarted by torchrun would. ``--nan-at-step S``: this group's
 loss is NaN in the step after ``S`` steps. ``--precision P``: the Trainer's precision (e.g. ``bf16-true``).
+``--width W``: the hidden layer's width (a group configured unlike the others).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ FEATURES, WIDTH, CLASSES, GLOBAL_BATCH = 12, 32, 4, 8
 
 
 class TinyMLP(pl.LightningModule):
-    def __init__(self, nan_at_step: int = -1) -> None:
+    def __init__(self, nan_at_step: int = -1, width: int = WIDTH) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, CLASSES))
+        self.net = nn.Sequential(nn.Linear(FEATURES, width), nn.Tanh(), nn.Linear(width, CLASSES))
         self.nan_at_step = nan_at_step
 
     def training_step(self, batch, batch_idx):
@@ -120,10 +121,11 @@ def main() -> TinyMLP:
     parser.add_argument("--ckpt-dir", type=Path, default=None, help="save every 2 steps; resume from last.ckpt")
     parser.add_argument("--zero", type=int, default=0, help="ZeRO stage (1 or 2) inside each group; 0: data parallel")
     parser.add_argument("--precision", default="32-true", help="the Trainer's precision (and the reference's)")
+    parser.add_argument("--width", type=int, default=WIDTH, help="the hidden layer's width")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    model = TinyMLP(args.nan_at_step)
+    model = TinyMLP(args.nan_at_step, args.width)
     if args.reference:
         strategy, name, batch = "auto", "reference", GLOBAL_BATCH
     else:

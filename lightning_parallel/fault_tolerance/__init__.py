@@ -4,6 +4,7 @@ Importing this package never imports torchft: only :mod:`lightning_parallel.faul
 a strategy configured with :class:`FaultTolerance` starts training.
 """
 
+from lightning_parallel.fault_tolerance.agreement import ReplicaGroupMismatchError
 from lightning_parallel.fault_tolerance.config import FaultTolerance
 
-__all__ = ["FaultTolerance"]
+__all__ = ["FaultTolerance", "ReplicaGroupMismatchError"]

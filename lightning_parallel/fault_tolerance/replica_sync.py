@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import importlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
-from torch.distributed import ReduceOp
+from torch.distributed import AllreduceOptions, ReduceOp
 
+from lightning_parallel.fault_tolerance.agreement import GroupLayout, ReplicaGroupMismatchError, compare_layouts
 from lightning_parallel.fault_tolerance.config import CrossGroupBackend, FaultTolerance
 from lightning_parallel.fault_tolerance.lighthouse import wait_for_lighthouse
 
@@ -82,6 +85,9 @@ class ReplicaGroupSync:
         load_state_dict: loads it, on this (the training) thread, inside :meth:`should_commit`.
         device: where the model is (``None``: the CPU): picks the cross-group process group
             (``config.cross_group_backend``) and, off the CPU, the stream whose work a read waits for.
+        layout: what this group compares with the other groups of every new quorum before its first cross-group
+            collective of parameters or gradients (:mod:`~lightning_parallel.fault_tolerance.agreement`); ``None``:
+            nothing is compared.
     """
 
     def __init__(
@@ -95,6 +101,7 @@ class ReplicaGroupSync:
         state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None],
         device: torch.device | None = None,
+        layout: GroupLayout | None = None,
     ) -> None:
         device = device if device is not None else torch.device("cpu")
         backend = cross_group_backend(config.cross_group_backend, device)  # local: raises before torchft starts
@@ -105,9 +112,13 @@ class ReplicaGroupSync:
         self.backend = backend
         self._state_dict = state_dict
         self._written: Any = None  # an event after this group's last writes (accelerators), recorded at `start_step`
+        self.layout = layout
+        self.group_rank = group_rank
+        self._checked = 0  # the process group's configuration whose groups compared their layouts
         timeout = timedelta(seconds=config.timeout)
+        self.process_group = _counting(getattr(torchft, TORCHFT_PROCESS_GROUPS[backend]))(timeout=timeout)
         self.manager = torchft.Manager(
-            pg=getattr(torchft, TORCHFT_PROCESS_GROUPS[backend])(timeout=timeout),
+            pg=self.process_group,
             load_state_dict=load_state_dict,
             state_dict=self._host_copy,
             min_replica_size=config.min_replica_groups,
@@ -148,6 +159,7 @@ class ReplicaGroupSync:
         :meth:`should_commit` answers ``False``."""
         if not gradients:
             return
+        self.check_layouts()
         flat = _flatten(gradients)
         self.manager.allreduce(flat).wait()
         _copy_into(gradients, flat)
@@ -157,6 +169,7 @@ class ReplicaGroupSync:
         replace ``shards`` (this rank's reduced gradient shards) by their average over the groups in this step's
         quorum, one flat all-reduce per dtype, and ``used`` (``uint8`` flags) by 1 where any group's is. A healing
         group sends zeros, as in :meth:`average_gradients`."""
+        self.check_layouts()
         flags = used.to(torch.float32) if used is not None else None
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for tensor in [*shards, *([flags] if flags is not None else [])]:
@@ -206,10 +219,13 @@ class ReplicaGroupSync:
         expected = self.config.num_replica_groups
         while True:
             self.manager.start_quorum()
+            message, refused = self._compare_layouts()  # before anything sized by the layout crosses the groups
             present = self.num_participants()
             starting = self.step == 0 and present >= expected
             healing = not self.manager.is_participating()
-            if healing and step_collective is not None:
+            if refused:
+                pass
+            elif healing and step_collective is not None:
                 step_collective()
             else:
                 # The parameters' own dtype on every group (bf16 under `bf16-true`): the first group's values, the
@@ -218,8 +234,12 @@ class ReplicaGroupSync:
                 if not (starting and self.manager.participating_rank() == 0):
                     flat.zero_()
                 self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-                if starting:
+                if starting and self.manager.errored() is None:  # a failed exchange left zeros or a part sum
                     _copy_into([parameter.detach() for parameter in parameters], flat)
+            # Every rank of the group decides alike: refused if any rank was (a rank with no peer in the other
+            # groups learns why here), started only if every rank's exchange went through.
+            exchanged = self._agree_in_group(message, refused, exchanged=self.manager.errored() is None)
+            starting = starting and exchanged
             self.manager.report_error(_WaitingForGroups("waiting for the other replica groups"))
             self.manager.should_commit()  # False; a healing group loads its peer's state here
             if starting or self.step > 0:
@@ -233,6 +253,63 @@ class ReplicaGroupSync:
                 )
             sleep(0.05)
 
+    def check_layouts(self) -> None:
+        """Cross-group, once per new quorum (the process group was configured again): compare this group's ``layout``
+        with every other group's in it (:func:`~lightning_parallel.fault_tolerance.agreement.compare_layouts`).
+        Raises :class:`ReplicaGroupMismatchError` naming the differences where this group must stop; a live group
+        that a healing group differs from warns and goes on without it (the healing group stops)."""
+        message, refused = self._compare_layouts()
+        if refused:
+            raise ReplicaGroupMismatchError(message)
+        if message is not None and self.group_rank == 0:
+            warnings.warn(f"{message} (replica group {self.config.replica_group} goes on without it)", stacklevel=2)
+
+    def _compare_layouts(self) -> tuple[str | None, bool]:
+        """``(message, refused)`` of :func:`compare_layouts`, or ``(None, False)`` in a quorum already checked, of one
+        group, or whose process group could not be set up (torchft reports that error: the step does not commit)."""
+        self.manager.wait_quorum()
+        generation = self.process_group.generation
+        if self.layout is None or generation == self._checked:
+            return None, False
+        self._checked = generation
+        if self.manager.errored() is not None or self.process_group.quorum_size < 2:
+            return None, False
+
+        def all_reduce(tensor: Tensor, op: ReduceOp.RedOpType) -> None:
+            # On the process group itself: torchft's `Manager.allreduce` zeroes a healing group's tensor.
+            options = AllreduceOptions()
+            options.reduceOp = op  # type: ignore[assignment]  # torch stubs: ReduceOp, accepts its RedOpType
+            self.process_group.allreduce([tensor], options).wait()
+
+        try:
+            return compare_layouts(
+                self.layout,
+                counts=self.manager.is_participating(),
+                rank=self.process_group.quorum_rank,
+                size=self.process_group.quorum_size,
+                all_reduce=all_reduce,
+                device=self.device,
+            )
+        except Exception as error:  # a peer failed: torchft gives the step up, as for a failed gradient all-reduce
+            self.manager.report_error(error)
+            return None, False
+
+    def _agree_in_group(self, message: str | None, refused: bool, *, exchanged: bool) -> bool:
+        """Collective within the group (while the groups wait for each other): raise on every rank if any rank's
+        comparison refused this group (a rank with no peer in the other groups, as in a group of more processes,
+        learns it here from the ranks that have one); else whether every rank's ``exchanged``."""
+        results: list[Any] = [(message, refused, exchanged)]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            results = [None] * dist.get_world_size()
+            dist.all_gather_object(results, (message, refused, exchanged))
+        for message, refused, _ in results:
+            if refused:
+                raise ReplicaGroupMismatchError(message)
+        warn = next((message for message, _, _ in results if message is not None), None)
+        if warn is not None and self.group_rank == 0:
+            warnings.warn(f"{warn} (replica group {self.config.replica_group} goes on without it)", stacklevel=3)
+        return all(exchanged for _, _, exchanged in results)
+
     def shutdown(self) -> None:
         """Local: stop the manager's servers and threads without waiting for peers."""
         self.manager.allow_state_dict_read()  # a quorum thread waiting for the lock must not outlive the manager
@@ -244,6 +321,24 @@ class ReplicaGroupSync:
         if self._written is not None:
             self._written.synchronize()
         return _to_host(self._state_dict())
+
+
+def _counting(process_group: type) -> type:
+    """``process_group`` (a torchft reconfigurable process group class) counting its configurations in
+    ``generation`` and keeping this group's ``quorum_rank`` and ``quorum_size``: torchft configures it again for
+    every new quorum, which is when groups may have joined."""
+
+    class Counting(process_group):
+        generation = 0
+        quorum_rank, quorum_size = 0, 1  # this group's place in the quorum (torchft's wrappers keep no `rank()`)
+
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, *args: Any, **kwargs: Any):
+            self.generation += 1  # before: a configuration that fails (a rank with no peer) is a new quorum too
+            self.quorum_rank, self.quorum_size = rank, world_size
+            super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
+
+    Counting.__name__ = Counting.__qualname__ = f"Counting{process_group.__name__}"
+    return Counting
 
 
 def _to_host(value: Any) -> Any:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel.accounting import CommunicationStats
+from lightning_parallel.fault_tolerance.agreement import GroupLayout
 from lightning_parallel.fault_tolerance.config import FaultTolerance
 from lightning_parallel.strategies.nonfinite import drop_gradients
 
@@ -96,12 +97,17 @@ class FaultTolerantReplicas:
         store: tuple[str, int],
         model_state: ModelState | None = None,
         zero_gradients: Callable[[], tuple[list[Tensor], Tensor | None]] | None = None,
+        bucket_shards: Sequence[int] = (),
     ) -> None:
         """Local checks, then (cross-group) start the manager and, with ``start_together``, wait for the groups.
+        Before a new quorum's first cross-group collective the groups compare their layouts (trainable parameters'
+        names, shapes and dtypes, strategy, processes per group, shard layout, precision, ``num_replica_groups``) and
+        raise :class:`~lightning_parallel.fault_tolerance.agreement.ReplicaGroupMismatchError` naming what differs.
         ``model_state``: what a healing group receives of the model; ``None``: the module's ``state_dict`` and every
         optimizer's (whole parameters and state on every rank, as in data parallel). ``zero_gradients``: hybrid
         sharding, zeros shaped as what :meth:`reduce` receives in a step (a group healing while it waits for the
-        others must issue the step's collective)."""
+        others must issue the step's collective). ``bucket_shards``: hybrid sharding, the elements of each bucket's
+        shard per rank."""
         _check_supported(trainer, module, self.owner)
         from lightning_parallel.fault_tolerance.replica_sync import ReplicaGroupSync  # torchft: only now
 
@@ -117,6 +123,19 @@ class FaultTolerantReplicas:
             state_dict=self._state_dict,
             load_state_dict=self._load_state_dict,
             device=trainer.strategy.root_device,
+            layout=GroupLayout.of(
+                module,
+                replica_group=self.config.replica_group,
+                strategy=self.owner,
+                processes_per_group=group_world_size,
+                precision=str(trainer.precision),
+                num_replica_groups=self.config.num_replica_groups,
+                min_replica_groups=self.config.min_replica_groups,
+                start_together=self.config.start_together,
+                gradient_clipping=_clipping(trainer),
+                shard_size=group_world_size if bucket_shards else None,
+                bucket_shards=bucket_shards,
+            ),
         )
         if self.config.start_together:
             sync = self._sync
@@ -239,6 +258,12 @@ def _check_supported(trainer: Any, module: nn.Module, owner: str) -> None:
             f"`{owner}(fault_tolerance=...)` supports one optimizer; configure_optimizers returned"
             f" {len(trainer.optimizers)}."
         )
+
+
+def _clipping(trainer: Any) -> str | None:
+    """The Trainer's gradient clipping, as the groups compare it (``None``: off)."""
+    value, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+    return None if value is None else f"{value} by {getattr(algorithm, 'value', algorithm) or 'norm'}"
 
 
 def _step_progress(trainer: Any) -> Any:

@@ -365,6 +365,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             store=(environment.main_address, environment.main_port),
             model_state=state,
             zero_gradients=state.zero_gradients if state is not None else None,
+            bucket_shards=[bucket.shard_numel for bucket in backend.buckets.buckets],
         )
         if state is not None:
             state.settle()
