@@ -106,7 +106,9 @@ def test_rows_over_budget_are_skipped_not_failed(tmp_path: Path) -> None:
 def test_make_gpu_check_installs_nothing() -> None:
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    proc = subprocess.run(["make", "-n", "gpu-check"], capture_output=True, text=True, cwd=_REPO_ROOT, timeout=30)
+    proc = subprocess.run(
+        ["make", "-n", "--no-print-directory", "gpu-check"], capture_output=True, text=True, cwd=_REPO_ROOT, timeout=30
+    )
     assert proc.stdout.strip() == (
         "PYTHONPATH=. python3 -m benchmarks.gpu_check --out benchmarks/out/gpu_check --budget-s 480"
     ), proc.stdout + proc.stderr

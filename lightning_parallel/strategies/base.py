@@ -208,18 +208,21 @@ class LightningParallelStrategy(DDPStrategy):
         if self._device_mesh is not None and self._device_mesh_key == layout and self._device_mesh_world is world:
             return
         self._device_mesh = layout.build(self.root_device.type)
-        self._host_groups = HostGroups.build(layout, timeout=self.timeout) if layout.world_size > 1 else None
+        # At world size 1 only where a process group runs (code paths forced to shard over it, `benchmarks/gpu_check`).
+        joined = layout.world_size > 1 or (dist.is_available() and dist.is_initialized())
+        self._host_groups = HostGroups.build(layout, timeout=self.timeout) if joined else None
         self._device_mesh_key, self._device_mesh_world = layout, world
 
     @property
     def host_groups(self) -> HostGroups:
         """Gloo groups of this run's ranks for the per-step checks of host facts (``distributed/host_groups.py``:
         no device sync, no wait behind the device group's collectives), built with :attr:`device_mesh` (rebuilt with
-        it for a new process group). Raises ``RuntimeError`` before ``setup_environment`` or at world size 1."""
+        it for a new process group). Raises ``RuntimeError`` before ``setup_environment``, or at world size 1 without a
+        process group."""
         if self._host_groups is None:
             raise RuntimeError(
-                f"`{type(self).__name__}.host_groups` exist at world size > 1 once `setup_environment` joined the"
-                " processes; they were read before that or at world size 1."
+                f"`{type(self).__name__}.host_groups` exist once `setup_environment` joined the processes (at world"
+                " size 1 only with a process group); they were read before that or without one."
             )
         return self._host_groups
 
