@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from distributed_harness import run_distributed
 from torch.utils.data import DataLoader, DistributedSampler
@@ -105,11 +104,3 @@ class StageRecorder(pl.Callback):
             "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
             "optimizer_bytes": optimizer_bytes,
         }
-
-
-needs_integer_activations = pytest.mark.skipif(
-    torch.__version__ < "2.12",
-    reason=f"torch {torch.__version__} cannot send integer side inputs between stages: the pipeline refuses them"
-    " (tests/test_torch_compat.py checks the refusal)",
-)
-"""For a test whose model call passes integer tensors by keyword (masks, position ids) under a pipeline."""

@@ -22,7 +22,6 @@ import lightning.pytorch as pl
 import torch
 from distributed_harness import run_distributed
 from lightning.pytorch.demos.transformer import Transformer
-from pipeline_helpers import needs_integer_activations
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from training_helpers import assert_weights_close, make_trainer
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -121,7 +120,6 @@ def _pipeline(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
     return result
 
 
-@needs_integer_activations
 def test_the_adapters_of_the_guide_train_gpt2_and_the_demo_transformer_like_one_device(tmp_path):
     adapters()  # before forking: the ranks inherit the classes
     checkpoint = tmp_path / "gpt2.ckpt"

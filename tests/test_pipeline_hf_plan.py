@@ -26,7 +26,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed_harness import run_distributed
-from pipeline_helpers import needs_integer_activations
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from training_helpers import assert_weights_close
@@ -208,7 +207,6 @@ def _two_ranks(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
     return result
 
 
-@needs_integer_activations
 def test_declared_plan_models_train_like_one_device_with_every_schedule(tmp_path):
     (references,) = run_distributed(_references, 1, init_process_group=False, timeout=180)
     checkpoint = tmp_path / "qwen2.ckpt"
@@ -280,7 +278,6 @@ def _reference_2x2(rank: int, world_size: int) -> dict[str, Any]:
     return _state(module)
 
 
-@needs_integer_activations
 def test_declared_plan_with_data_parallel_replicas_and_zero_inside_the_pipeline():
     (reference,) = run_distributed(_reference_2x2, 1, init_process_group=False, timeout=120)
     results = run_distributed(_data_x_pipeline, 4, init_process_group=False, timeout=300)

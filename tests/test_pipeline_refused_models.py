@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from distributed_harness import run_distributed
 from peft import LoraConfig, get_peft_model
-from pipeline_helpers import needs_integer_activations
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from training_helpers import assert_weights_close, make_trainer
@@ -263,7 +262,6 @@ def _fit_both(tmp_path: Path, kinds: tuple[str, ...]) -> tuple[dict[str, Any], l
     return reference, results
 
 
-@needs_integer_activations
 def test_top_level_parameters_peft_and_bert_train_like_one_device(tmp_path):
     kinds = tuple(MODELS)
     reference, results = _fit_both(tmp_path, kinds)

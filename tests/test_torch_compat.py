@@ -3,12 +3,20 @@ release by ``make compat``): what the dry run replaces exists and is put back, a
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from distributed_harness import run_distributed
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.schedule import SideEffectFreePipelineStage
+from lightning_parallel.distributed.pipeline.side_inputs import (
+    decoded_side_input,
+    encoded_side_input,
+    with_zero_gradients,
+)
 
 pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
 
@@ -52,17 +60,34 @@ def test_stage_class_wraps_this_torch_s_inference_method() -> None:
     assert name in SideEffectFreePipelineStage.__dict__
 
 
-def test_integer_side_inputs_are_refused_by_name_only_where_torch_cannot_send_them() -> None:
+def test_side_inputs_cross_stages_encoded_exactly_only_where_torch_makes_every_received_tensor_require_grad() -> None:
+    assert _compat.every_received_tensor_requires_grad() == (torch.__version__ < "2.12")
+    big = 2**53 + 1  # not a float64 value: a conversion would round it, the view keeps its bytes
     side = {
-        "attention_mask": torch.ones(2, 4, dtype=torch.bool),
-        "scale": torch.ones(2),
-        "position_ids": torch.arange(4),
+        "attention_mask": torch.tensor([[True, False], [False, True]]).t(),  # non-contiguous
+        "position_ids": torch.tensor([[0, -1], [big, -big]]),
+        "ids32": torch.tensor([7, -(2**31)], dtype=torch.int32),
+        "ids16": torch.tensor([-1, 2**15 - 1], dtype=torch.int16),
+        "bytes": torch.tensor([0, 255], dtype=torch.uint8),
+        "signed_bytes": torch.tensor([-128, 127], dtype=torch.int8),
+        "scale": torch.tensor([0.5, 2.0]),
     }
-    if torch.__version__ >= _compat.INTEGER_ACTIVATIONS_SINCE:
-        _compat.refuse_integer_side_inputs(side)  # sent between stages as they are
-        return
-    with pytest.raises(
-        RuntimeError, match=r"`attention_mask` \(torch.bool\), `position_ids` \(torch.int64\) are not"
-    ) as e:
-        _compat.refuse_integer_side_inputs(side)
-    assert "torch >= 2.12" in str(e.value) and "scale" not in str(e.value)
+    for name, value in side.items():
+        sent = encoded_side_input(value).requires_grad_()  # what a stage sends where torch < 2.12
+        assert sent.is_contiguous() and sent.element_size() == max(value.element_size(), 2), name
+        back = decoded_side_input(sent, value.dtype)
+        assert back.dtype == value.dtype and torch.equal(back, value), name
+
+    (grads,) = run_distributed(_zero_gradients, 1, init_process_group=False)  # a backward in a fork, not here
+    assert grads == {"output": [2.0, 2.0, 2.0], "received": [[[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0]]}
+
+
+def _zero_gradients(rank: int, world_size: int) -> dict[str, Any]:
+    received = [encoded_side_input(torch.tensor([[0, 1], [2, 3]])).requires_grad_(), torch.ones(2, requires_grad=True)]
+    output = torch.ones(3, requires_grad=True)
+    (tied,) = with_zero_gradients((output * 2,), received)
+    assert not tied._is_view()  # torch's split backward detaches a stage's outputs in place
+    tied.sum().backward()
+    gradients = [output.grad, *(r.grad for r in received)]  # the received ones unused: zeros, not None
+    values = [None if g is None else g.tolist() for g in gradients]
+    return {"output": values[0], "received": values[1:]}

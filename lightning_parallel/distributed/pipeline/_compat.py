@@ -21,8 +21,10 @@ layer-sync flag) are in :mod:`lightning_parallel._compat`, so this package impor
   2.6, ``peer`` a global rank before).
 * Receive buffers: torch <= 2.11 makes every tensor a stage receives require grad, which an integer tensor cannot
   (``RuntimeError: only Tensors of floating point dtype can require gradients`` at the first step), and expects a
-  gradient back for each; torch >= 2.12 does so for floating tensors only. :func:`refuse_integer_side_inputs` turns
-  that into a clear error before the first step.
+  gradient back for each (``get_bwd_send_ops`` raises on a ``None`` one); torch >= 2.12 does both for floating
+  tensors only. Where :func:`every_received_tensor_requires_grad`, the stages send the model call's side inputs
+  encoded as floating tensors that require grad and give each received one a gradient of zeros
+  (:mod:`.side_inputs`); a layer's own non-floating output sent to the next stage still fails there.
 * Metadata inference answered locally (the planner's dry run, :func:`local_metadata_inference`): torch >= 2.12 sends
   ``_StageForwardMeta`` / ``_StageBackwardMeta`` (``torch.distributed.pipelining._utils``) through
   ``PipelineStage._recv_meta`` / ``_send_meta`` and votes on static metadata (``_warmup_forward_vote`` /
@@ -47,9 +49,9 @@ from torch.utils._pytree import tree_map_only
 
 __all__ = [
     "FakeTensorMode",
+    "every_received_tensor_requires_grad",
     "local_metadata_inference",
     "p2p_peer",
-    "refuse_integer_side_inputs",
     "schedule_backward_initialized",
     "stage_inference_method",
 ]
@@ -81,27 +83,10 @@ def stage_inference_method(stage_class: type) -> str:
     )
 
 
-INTEGER_ACTIVATIONS_SINCE = "2.12"
-"""The first torch release whose stages receive integer tensors (side inputs such as masks and position ids)."""
-
-
-def refuse_integer_side_inputs(side: dict[str, Any]) -> None:
-    """Local. Raise if this torch cannot send the non-floating tensors of ``side`` (name: value) between stages.
-
-    Raises:
-        RuntimeError: On torch < 2.12 with a non-floating tensor among ``side``, naming it and the fix.
-    """
-    if torch.__version__ >= INTEGER_ACTIVATIONS_SINCE:
-        return
-    integers = [f"`{name}` ({value.dtype})" for name, value in sorted(side.items()) if not value.is_floating_point()]
-    if integers:
-        raise RuntimeError(
-            f"The pipeline sends the model call's tensor keyword arguments to every stage, and {', '.join(integers)}"
-            f" {'is' if len(integers) == 1 else 'are'} not floating point: torch {torch.__version__} makes every"
-            " tensor a stage receives require grad, which an integer tensor cannot. Use torch >="
-            f" {INTEGER_ACTIVATIONS_SINCE} (`pip install 'torch>={INTEGER_ACTIVATIONS_SINCE}'`), or compute these"
-            " inside the model instead of passing them (e.g. leave out an all-ones `attention_mask`)."
-        )
+def every_received_tensor_requires_grad() -> bool:
+    """Whether this torch (< 2.12) makes every tensor a stage receives require grad and wants a gradient back for
+    each, rather than only for the floating ones (torch's ``_prepare_forward_infra`` and ``get_bwd_send_ops``)."""
+    return torch.__version__ < "2.12"
 
 
 def p2p_peer(op: dist.P2POp) -> int | None:

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.contract import (
     PIPELINE_INPUTS_HOOK,
     ContractError,
@@ -49,7 +48,7 @@ from lightning_parallel.distributed.pipeline.schedule import (
     PipelineRuntime,
     build_runtime,
 )
-from lightning_parallel.distributed.pipeline.side_inputs import side_input_names, split_side_inputs
+from lightning_parallel.distributed.pipeline.side_inputs import side_input_dtypes
 
 __all__ = ["PipelineEngine", "StepOutcome"]
 
@@ -332,8 +331,6 @@ class PipelineEngine:
         # batch, a smaller last batch) gets its own stages and schedule instead of corrupting the old ones.
         key = (mode, _signature(model_inputs))
         if key not in self._runtimes:
-            if self.dims.pipeline_parallel_size > 1:  # every rank of the pipeline holds the same batch: all raise
-                _compat.refuse_integer_side_inputs(split_side_inputs(model_inputs[1])[0])
             self._runtimes[key] = build_runtime(
                 schedule=self.schedule,
                 plan=self.plan,
@@ -343,7 +340,8 @@ class PipelineEngine:
                 num_microbatches=self.num_microbatches,
                 device=self.device,
                 loss_fn=self._loss_fn if mode == "train" else None,
-                side_names=side_input_names(model_inputs[1]),
+                # Every rank of the pipeline holds the same batch: the receiving stages know the dtypes too.
+                side_dtypes=side_input_dtypes(model_inputs[1]),
                 on_chunk=self.on_chunk,
                 on_p2p=self.on_p2p,
             )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,9 +18,17 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.balance import UnevenStages, balance_ranks, balanced_boundaries
 from lightning_parallel.distributed.pipeline.flops import count_forward_flops, new_fake_mode
-from lightning_parallel.distributed.pipeline.side_inputs import accepted_side_inputs, call_layer, split_side_inputs
+from lightning_parallel.distributed.pipeline.side_inputs import (
+    accepted_side_inputs,
+    call_layer,
+    decoded_side_input,
+    encoded_side_input,
+    split_side_inputs,
+    with_zero_gradients,
+)
 
 __all__ = [
     "PLACEMENTS",
@@ -635,31 +643,37 @@ def remove_remote_layers(
 class StageModule(nn.Module):
     """The layers of one stage applied in order; the module a ``PipelineStage`` runs.
 
-    With side inputs (:mod:`.side_inputs`, ``side_names``): the first stage takes them by keyword from the model
-    call, a later stage as the last ``len(side_names)`` positional inputs (what the previous stage sent after its
-    outputs); every layer gets those it takes by name, and every stage but the last sends them on after its outputs.
+    With side inputs (:mod:`.side_inputs`, ``side_dtypes``: name to dtype): the first stage takes them by keyword
+    from the model call, a later stage as the last ``len(side_dtypes)`` positional inputs (what the previous stage
+    sent after its outputs, in the order of the names); every layer gets those it takes by name, and every stage but
+    the last sends them on after its outputs. Where torch makes every received tensor require grad (< 2.12), they
+    travel encoded as floating tensors and each received one gets a gradient of zeros (:mod:`.side_inputs`).
     """
 
     def __init__(
         self,
         layers: Sequence[nn.Module],
         *,
-        side_names: Sequence[str] = (),
+        side_dtypes: Mapping[str, torch.dtype] | None = None,
         is_first: bool = True,
         is_last: bool = True,
     ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.side_names = tuple(side_names)
+        self.side_dtypes = dict(sorted((side_dtypes or {}).items()))
+        self.side_names = tuple(self.side_dtypes)
+        self.encodes_side_inputs = bool(self.side_names) and _compat.every_received_tensor_requires_grad()
         self.is_first, self.is_last = is_first, is_last
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        received: tuple[Tensor, ...] = ()
         if self.is_first:
             side, kwargs = split_side_inputs(kwargs)
         else:  # torch's multi-stage schedules hand the model call's kwargs to every stage of the first rank: unused
             count = len(self.side_names)
-            side = dict(zip(self.side_names, args[len(args) - count :], strict=True)) if count else {}
+            received = args[len(args) - count :] if count else ()
             args, kwargs = args[: len(args) - count], {}
+            side = self._received_side_inputs(received)
             if torch.is_grad_enabled():
                 args = tuple(
                     _ContiguousGradient.apply(a) if isinstance(a, Tensor) and a.requires_grad else a for a in args
@@ -675,9 +689,26 @@ class StageModule(nn.Module):
             outputs = tuple(o.contiguous() for o in outputs)
         if torch.is_grad_enabled():
             outputs = tuple(_requiring_grad(o) for o in outputs)
+            if self.encodes_side_inputs:  # torch < 2.12 sends a gradient back for every received side input
+                outputs = with_zero_gradients(outputs, received)
         if self.is_last or not self.side_names:
             return outputs[0] if single else outputs
-        return (*outputs, *(side[name].detach().contiguous() for name in self.side_names))  # P2P sends need it
+        return (*outputs, *self._sent_side_inputs(side))
+
+    def _received_side_inputs(self, received: Sequence[Tensor]) -> dict[str, Tensor]:
+        if not self.encodes_side_inputs:
+            return dict(zip(self.side_names, received, strict=True))
+        return {
+            name: decoded_side_input(value, self.side_dtypes[name])
+            for name, value in zip(self.side_names, received, strict=True)
+        }
+
+    def _sent_side_inputs(self, side: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+        if not self.encodes_side_inputs:  # detached: they never require grad; contiguous: P2P sends need it
+            return tuple(side[name].detach().contiguous() for name in self.side_names)
+        # torch < 2.12's backward of a stage that uses `autograd.grad` (zero-bubble and V schedules) refuses an
+        # output that does not require grad; the gradient it receives for one of these is discarded.
+        return tuple(encoded_side_input(side[name]).requires_grad_() for name in self.side_names)
 
 
 def _requiring_grad(tensor: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ every rank instead of hanging) and lays ranks out as ``data-parallel replica x p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -460,7 +460,7 @@ def build_runtime(
     num_microbatches: int,
     device: torch.device,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    side_names: Sequence[str] = (),
+    side_dtypes: Mapping[str, torch.dtype] | None = None,
     on_chunk: ChunkObserver | None = None,
     on_p2p: P2PObserver | None = None,
 ) -> PipelineRuntime:
@@ -471,7 +471,8 @@ def build_runtime(
     schedule of that placement; its backward actions do nothing without a loss). Gradients are never scaled by torch
     (``scale_grads=False``): the caller's loss already divides by the number of micro-batches and accumulation steps
     (torch's scaling would also rescale gradients accumulated in earlier steps, pytorch/torchtitan#1733).
-    ``side_names``: the model call's side inputs (:mod:`.side_inputs`), which every stage carries along.
+    ``side_dtypes``: the model call's side inputs (:mod:`.side_inputs`, name to dtype), which every stage carries
+    along.
     ``on_chunk`` / ``on_p2p``: told of every chunk the stages run / P2P op they send or receive.
     """
     _compat.stage_inference_method(PipelineStage)  # this torch has the method the stages wrap (a clear error if not)
@@ -479,7 +480,7 @@ def build_runtime(
         SideEffectFreePipelineStage(
             StageModule(
                 [layers[i] for i in plan.layers_of(stage_index)],
-                side_names=side_names,
+                side_dtypes=side_dtypes,
                 is_first=stage_index == 0,
                 is_last=stage_index == plan.num_stages - 1,
             ),
