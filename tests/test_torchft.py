@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_harness import find_free_port
-from torchft_worker import STREAMED_BATCH, STREAMED_SAMPLES, fit_reference, global_loss, write_streamed
+from streamed_data import STREAMED_BATCH, STREAMED_SAMPLES, write_streamed
+from torchft_worker import fit_reference, global_loss
 
 from lightning_parallel.fault_tolerance import FaultTolerance
 

@@ -11,10 +11,9 @@ before backward, since this strategy averages over the groups inside it). ``--re
 batch on one device without the mode (``DIR/reference.jsonl``). ``--ckpt-dir D`` saves ``D/last.ckpt`` every 2 steps
 and resumes from it (``ckpt_path="last"``), as a group restarted by torchrun would. ``--nan-at-step S``: this group's
 loss is NaN in the step after ``S`` steps. ``--precision P``: the Trainer's precision (e.g. ``bf16-true``).
-``--data DIR``: one epoch over ``STREAMED_SAMPLES`` samples instead of the fixed batch, read by the group's own loaders
-built in ``train_dataloader()``: LitData's ``StreamingDataset`` over ``DIR`` (written by :func:`write_streamed`) and
-a Hugging Face streaming dataset split with ``split_dataset_by_node`` and the documented line; every record gets the
-sample indices of the step's batches (``"indices": {"litdata": [...], "hf": [...]}``).
+``--data DIR``: one epoch of ``tests/streamed_data.py``'s ``StreamedMLP`` instead (LitData chunks in ``DIR`` and a
+Hugging Face streaming dataset, read by the group's own loaders); every record gets the step's sample indices
+(``"indices": {"litdata": [...], "hf": [...]}``).
 """
 
 from __future__ import annotations
@@ -33,6 +32,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from streamed_data import StreamedMLP, batch_indices
+
 from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.fault_tolerance import FaultTolerance
 
@@ -55,50 +56,6 @@ class TinyMLP(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
-
-
-STREAMED_SAMPLES, STREAMED_BATCH = 16, 4
-
-
-def streamed_sample(index: int) -> dict:
-    """Sample ``index`` of the streamed data (``--data``): features and a class, as the fixed batch's."""
-    x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(index))
-    return {"index": index, "x": x, "y": int((x[:CLASSES] * 3).argmax())}
-
-
-def write_streamed(out: Path) -> None:
-    """The streamed samples as LitData chunks of 4 samples (``litdata.optimize``) in ``out``."""
-    import litdata
-
-    indices = list(range(STREAMED_SAMPLES))
-    litdata.optimize(fn=streamed_sample, inputs=indices, output_dir=str(out), chunk_size=4, num_workers=1)
-
-
-class StreamedMLP(TinyMLP):
-    """Builds its loaders where LitData and Lightning say to, in ``train_dataloader()``: the two libraries' loaders
-    side by side (Lightning cycles them together), each the way a user writes it."""
-
-    def __init__(self, data_dir: Path) -> None:
-        super().__init__()
-        self.data_dir = data_dir
-
-    def train_dataloader(self):
-        import litdata
-        from datasets import Dataset
-        from datasets.distributed import split_dataset_by_node
-
-        samples = [streamed_sample(index) for index in range(STREAMED_SAMPLES)]
-        table = {key: [sample[key] for sample in samples] for key in ("index", "x", "y")}
-        streaming = Dataset.from_dict(table).to_iterable_dataset(num_shards=4).with_format("torch")
-        shard = self.trainer.distributed_sampler_kwargs  # the documented line (docs/reliability.md, "Data")
-        hf = split_dataset_by_node(streaming, rank=shard["rank"], world_size=shard["num_replicas"])
-        lit = litdata.StreamingDataLoader(litdata.StreamingDataset(str(self.data_dir)), batch_size=STREAMED_BATCH)
-        return {"litdata": lit, "hf": DataLoader(hf, batch_size=STREAMED_BATCH)}
-
-    def training_step(self, batch, batch_idx):
-        x = torch.cat([batch["litdata"]["x"], batch["hf"]["x"]])
-        y = torch.cat([batch["litdata"]["y"], batch["hf"]["y"]])
-        return super().training_step((x, y), batch_idx)
 
 
 def global_batch() -> TensorDataset:
@@ -144,7 +101,7 @@ class Recorder(pl.Callback):
             "loss": pl_module.last_loss,
         }
         if isinstance(batch, dict):  # `--data`: the samples this step trained on, per library
-            record["indices"] = {name: part["index"].tolist() for name, part in batch.items()}
+            record["indices"] = batch_indices(batch, pl_module.libraries)
         with self.path.open("a") as file:
             file.write(json.dumps(record) + "\n")
         if self.stop_file is not None and self.stop_file.exists():
