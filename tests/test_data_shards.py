@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from distributed_harness import run_distributed
-from streamed_data import STREAMED_SAMPLES, write_streamed
+from streamed_data import STREAMED_SAMPLES
 from torch.utils.data import DataLoader
 
 from lightning_parallel.distributed.data_shards import tell_data_parallel_rank
@@ -43,12 +43,11 @@ def _shares(rank: int, world_size: int, data_dir: Path) -> dict:
     }
 
 
-def test_a_subclassed_streaming_dataset_reads_the_told_share_with_drop_last(tmp_path: Path):
+def test_a_subclassed_streaming_dataset_reads_the_told_share_with_drop_last(streamed_chunks: Path):
     """Rank ``r`` of 3 in a one-process job: equal, disjoint shares (16 samples: 15 read, LitData's drop-last), and
     ``drop_last`` turned on as LitData does in a distributed run; a dataset the user gave another rank is left alone,
     and a loader of another dataset too."""
-    write_streamed(tmp_path / "chunks")
-    [result] = run_distributed(_shares, 1, args=(tmp_path / "chunks",), timeout=120)
+    [result] = run_distributed(_shares, 1, args=(streamed_chunks,), timeout=120)
     assert result["told"] == [(False, True)] * 3 and result["drop_last"] is True
     shares = result["shares"]
     assert [len(share) for share in shares] == [STREAMED_SAMPLES // 3] * 3

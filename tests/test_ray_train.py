@@ -29,7 +29,7 @@ import torch
 from launch_helpers import TOLERANCE, reference_weights
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
-from streamed_data import STREAMED_SAMPLES, write_streamed
+from streamed_data import STREAMED_SAMPLES
 from torch.utils.data import DataLoader, DistributedSampler
 from training_helpers import assert_weights_close
 
@@ -88,23 +88,23 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def streamed_dir(tmp_path_factory):
-    """LitData chunks of ``tests/streamed_data.py``'s samples (written before Ray starts: ``optimize`` forks)."""
-    pytest.importorskip("litdata")
-    pytest.importorskip("datasets")
-    path = tmp_path_factory.mktemp("streamed") / "chunks"
-    write_streamed(path)
-    return path
+def streamed_config(request) -> dict[str, Any]:
+    """The streamed runs and their LitData chunks (written before Ray starts: ``litdata.optimize`` forks); none
+    without LitData or ``datasets`` (the other checks still run)."""
+    try:
+        chunks = request.getfixturevalue("streamed_chunks")
+    except pytest.skip.Exception:
+        return {}
+    return {"streamed": STREAMED, "streamed_dir": str(chunks)}
 
 
 @pytest.fixture(scope="module")
-def ray_run(streamed_dir, ray_cluster, tmp_path_factory):
+def ray_run(streamed_config, ray_cluster, tmp_path_factory):
     """The one TorchTrainer run (``tests/ray_helpers.py``); its output folder and Ray's ``Result``."""
     out = tmp_path_factory.mktemp("ray_out")
-    config = {"out": str(out), "runs": RUNS, "resumable": RESUMABLE, "streamed": STREAMED}
     trainer = TorchTrainer(
         ray_helpers.train_loop_per_worker,
-        train_loop_config={**config, "streamed_dir": str(streamed_dir)},
+        train_loop_config={"out": str(out), "runs": RUNS, "resumable": RESUMABLE, **streamed_config},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         torch_config=TorchConfig(backend="gloo", timeout_s=60),
         run_config=RunConfig(
@@ -172,6 +172,8 @@ def test_each_worker_reads_its_replicas_share_of_streamed_data_in_ray(ray_run, l
     as the pipeline tells it) and ``split_dataset_by_node`` with ``trainer.distributed_sampler_kwargs``. Two replicas
     read disjoint halves; the two stages of one pipeline read the same batches, the whole data set. One epoch covers
     every sample once per library."""
+    pytest.importorskip("litdata")
+    pytest.importorskip("datasets")
     out, _ = ray_run
     steps = [json.loads((out / f"streamed_{label}_rank{rank}.json").read_text()) for rank in (0, 1)]
     replicas = steps[:1] if label == "pipeline" else steps

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_harness import find_free_port
-from streamed_data import STREAMED_BATCH, STREAMED_SAMPLES, write_streamed
+from streamed_data import STREAMED_BATCH, STREAMED_SAMPLES
 from torchft_worker import fit_reference, global_loss
 
 from lightning_parallel.fault_tolerance import FaultTolerance
@@ -318,17 +318,14 @@ def test_bf16_true_groups_start_together_and_train_alike(tmp_path: Path) -> None
     torch.testing.assert_close(torch.tensor(records[0][-1]["weights"]), reference, rtol=0, atol=2e-2)
 
 
-def test_replica_groups_read_disjoint_shares_of_streamed_data(tmp_path: Path) -> None:
+def test_replica_groups_read_disjoint_shares_of_streamed_data(tmp_path: Path, streamed_chunks: Path) -> None:
     """Issue 43: each group is its own torch.distributed job of one process, so LitData's ``StreamingDataset`` and
     ``split_dataset_by_node(rank=dist.get_rank(), ...)`` would have both groups read all 16 samples. With the
     strategy telling LitData the data-parallel rank, and the documented line for Hugging Face, one epoch of the two
     groups reads every sample exactly once per library (16 = 2 groups x 2 steps x 4: nothing dropped), in steps that
     commit together."""
     pytest.importorskip("torchft")
-    pytest.importorskip("litdata")
-    pytest.importorskip("datasets")
-    write_streamed(tmp_path / "streamed")
-    records = _fit_two_groups(tmp_path, "--steps", "100", "--pace", "0", "--data", str(tmp_path / "streamed"))
+    records = _fit_two_groups(tmp_path, "--steps", "100", "--pace", "0", "--data", str(streamed_chunks))
     steps = STREAMED_SAMPLES // (2 * STREAMED_BATCH)
     for group in range(2):
         assert [(r["step"], r["participants"]) for r in records[group]] == [(s, 2) for s in range(1, steps + 1)]
