@@ -33,7 +33,12 @@ def _shares(rank: int, world_size: int, data_dir: Path) -> dict:
     configured = IndexedSamples(str(data_dir))
     configured.distributed_env = type(configured.distributed_env)(world_size=2, global_rank=1, num_nodes=1)
     plain = DataLoader(list(range(4)))
+    parts = [IndexedSamples(str(data_dir)) for _ in range(2)]
+    combined = litdata.CombinedStreamingDataset(parts, iterate_over_all=True)
+    combined_told = tell_data_parallel_rank(DataLoader(combined), rank=1, size=3)
     return {
+        "combined": (combined_told, [(p.distributed_env.world_size, p.distributed_env.global_rank) for p in parts]),
+        "combined_length": len(combined),
         "shares": shares,
         "told": told,
         "drop_last": dataset.drop_last,
@@ -46,7 +51,7 @@ def _shares(rank: int, world_size: int, data_dir: Path) -> dict:
 def test_a_subclassed_streaming_dataset_reads_the_told_share_with_drop_last(streamed_chunks: Path):
     """Rank ``r`` of 3 in a one-process job: equal, disjoint shares (16 samples: 15 read, LitData's drop-last), and
     ``drop_last`` turned on as LitData does in a distributed run; a dataset the user gave another rank is left alone,
-    and a loader of another dataset too."""
+    and a loader of another dataset too; each dataset of a ``CombinedStreamingDataset`` is told."""
     [result] = run_distributed(_shares, 1, args=(streamed_chunks,), timeout=120)
     assert result["told"] == [(False, True)] * 3 and result["drop_last"] is True
     shares = result["shares"]
@@ -54,3 +59,5 @@ def test_a_subclassed_streaming_dataset_reads_the_told_share_with_drop_last(stre
     assert len(set(shares[0]) | set(shares[1]) | set(shares[2])) == 3 * (STREAMED_SAMPLES // 3)
     assert (result["configured"], result["configured_env"]) == (False, (2, 1))
     assert result["plain"] is False
+    # A `CombinedStreamingDataset`: each of its datasets told, so it reads two shares of 5.
+    assert result["combined"] == (True, [(3, 1), (3, 1)]) and result["combined_length"] == 2 * (STREAMED_SAMPLES // 3)

@@ -33,8 +33,8 @@ __all__ = ["tell_data_parallel_rank"]
 
 
 def tell_data_parallel_rank(loader: Any, *, rank: int, size: int) -> bool:
-    """Local. Make the LitData ``StreamingDataset`` of ``loader`` (if it is one) shard by data-parallel ``rank`` of
-    ``size`` instead of ``torch.distributed``'s global rank; returns whether it did.
+    """Local. Make the LitData ``StreamingDataset`` of ``loader`` (if it is one; each of a ``CombinedStreamingDataset``)
+    shard by data-parallel ``rank`` of ``size`` instead of ``torch.distributed``'s global rank; returns whether it did.
 
     Only a dataset whose record is still torch.distributed's (``world_size`` and ``global_rank`` equal to this
     process's) is changed: one the user configured otherwise is left alone. ``num_nodes`` becomes 1 (LitData uses it
@@ -44,10 +44,20 @@ def tell_data_parallel_rank(loader: Any, *, rank: int, size: int) -> bool:
     ``drop_last=False`` cannot be told from the default there, and is turned on too).
     """
     dataset: Any = getattr(loader, "dataset", None)
-    env = getattr(dataset, "distributed_env", None)
-    if not _is_litdata(dataset) or env is None or not dist.is_initialized():
+    if not _is_litdata(dataset) or not dist.is_initialized():
         return False
-    if (env.world_size, env.global_rank) != (dist.get_world_size(), dist.get_rank()) or env.world_size == size:
+    # LitData's `CombinedStreamingDataset` holds its `StreamingDataset`s in `_datasets` (no public accessor in 0.2.76)
+    # and reads through theirs: each is told.
+    parts = getattr(dataset, "_datasets", None) or [dataset]
+    return any([_tell_streaming_dataset(part, rank=rank, size=size) for part in parts])
+
+
+def _tell_streaming_dataset(dataset: Any, *, rank: int, size: int) -> bool:
+    """One ``StreamingDataset``: its record replaced if it is still torch.distributed's and the size differs."""
+    env = getattr(dataset, "distributed_env", None)
+    if env is None or (env.world_size, env.global_rank) != (dist.get_world_size(), dist.get_rank()):
+        return False
+    if env.world_size == size:  # every rank its own replica: the record is right as it is
         return False
     # LitData's `_DistributedEnv(world_size, global_rank, num_nodes)`, built through the record's own class.
     dataset.distributed_env = type(env)(world_size=size, global_rank=rank, num_nodes=1)
