@@ -41,7 +41,8 @@ def tell_data_parallel_rank(loader: Any, *, rank: int, size: int) -> bool:
     to group ranks by node for its cache; the replicas of one node need not be a block of ranks). A dataset built in a
     job of one process (a replica group of one) kept ``drop_last`` off; it is turned on, as LitData does for every
     dataset it sees in a distributed run, so that every replica reads as many samples (an explicit
-    ``drop_last=False`` cannot be told from the default there, and is turned on too).
+    ``drop_last=False`` cannot be told from the default there, and is turned on too; in a job of several processes
+    LitData already turned the default on, and an explicit ``False`` is kept).
     """
     dataset: Any = getattr(loader, "dataset", None)
     if not _is_litdata(dataset) or not dist.is_initialized():
@@ -61,7 +62,7 @@ def _tell_streaming_dataset(dataset: Any, *, rank: int, size: int) -> bool:
         return False
     # LitData's `_DistributedEnv(world_size, global_rank, num_nodes)`, built through the record's own class.
     dataset.distributed_env = type(env)(world_size=size, global_rank=rank, num_nodes=1)
-    if size > 1 and not dataset.drop_last:
+    if env.world_size == 1 and size > 1 and not dataset.drop_last:  # LitData saw one process: its default stayed off
         dataset.set_drop_last(True)  # resets the shuffler, whose length depends on it
     return True
 
