@@ -29,3 +29,17 @@ def restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def streamed_chunks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``tests/streamed_data.py``'s samples as LitData chunks, written once a session (``litdata.optimize``: ~5 s on
+    2 shared cores): the replica-group, Ray and ``tell_data_parallel_rank`` tests read them. Skipped without LitData or
+    Hugging Face ``datasets``."""
+    pytest.importorskip("litdata")
+    pytest.importorskip("datasets")
+    from streamed_data import write_streamed
+
+    path = tmp_path_factory.mktemp("streamed") / "chunks"
+    write_streamed(path)
+    return path

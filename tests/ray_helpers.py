@@ -11,6 +11,10 @@ One ``TorchTrainer`` run covers every check, since starting Ray's workers costs 
 * second attempt (Ray restarted the workers, ``FailureConfig``): the resumable run continues from Ray's latest
   checkpoint (written at the end of epoch ``KILL_STEP // STEPS_PER_EPOCH - 1``) to its end and saves
   ``resumable.ckpt``; ``starts.txt`` gets one ``attempt rank global_step`` line per fit start.
+
+Before the resumable run, each strategy in ``config["streamed"]`` trains one epoch of ``tests/streamed_data.py``'s
+``StreamedMLP`` on the LitData chunks in ``config["streamed_dir"]`` and a Hugging Face streaming dataset, and saves
+the sample indices of every step this rank trained on (``streamed_<label>_rank<r>.json``, issue 43).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from ray.train.lightning import RayLightningEnvironment
+from streamed_data import StreamedMLP, batch_indices
 
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataModule
 from lightning_parallel.integrations.ray import (
@@ -68,6 +73,16 @@ class _KillOnce(Callback):
             os._exit(1)
 
 
+class _RecordIndices(Callback):
+    """The samples of every step this rank trains on, per library (``streamed_data.batch_indices``)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, list[int]]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.steps.append(batch_indices(batch, pl_module.libraries))
+
+
 class _RecordStart(Callback):
     def __init__(self, path: Path, attempt: int) -> None:
         self.path, self.attempt = path, attempt
@@ -77,25 +92,29 @@ class _RecordStart(Callback):
             file.write(f"{self.attempt} {trainer.global_rank} {trainer.global_step}\n")
 
 
-def _fit(spec: dict[str, Any], *, steps: int, samples: int, callbacks: list[Callback], ckpt_path: str | None) -> Any:
+def _ray_trainer(spec: dict[str, Any], *, callbacks: list[Callback], **limits: Any) -> pl.Trainer:
+    """A Trainer with the Ray variant of ``spec``'s strategy, through ``prepare_trainer``."""
     pl.seed_everything(0, verbose=False)
-    strategy = ray_strategy(spec["name"], timeout=60, **spec["options"])
     trainer = pl.Trainer(
         accelerator="cpu",
         devices="auto",
-        strategy=strategy,
+        strategy=ray_strategy(spec["name"], timeout=60, **spec["options"]),
         plugins=[RayLightningEnvironment()],
         callbacks=callbacks,
-        max_steps=steps,
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **limits,
     )
-    trainer = prepare_trainer(trainer)
+    return prepare_trainer(trainer)
+
+
+def _fit(spec: dict[str, Any], *, steps: int, samples: int, callbacks: list[Callback], ckpt_path: str | None) -> Any:
+    trainer = _ray_trainer(spec, callbacks=callbacks, max_steps=steps)
     model = GPTLightningModule("tiny", block_size=SEQ_LEN, learning_rate=1e-3)
-    batch_size = GLOBAL_BATCH // strategy.distributed_sampler_kwargs["num_replicas"]
+    batch_size = GLOBAL_BATCH // trainer.distributed_sampler_kwargs["num_replicas"]
     trainer.fit(
         model, datamodule=RandomTokenDataModule(samples, seq_len=SEQ_LEN, batch_size=batch_size), ckpt_path=ckpt_path
     )
@@ -127,6 +146,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 }
                 (out / f"{label}_batches_rank{rank}.json").write_text(json.dumps(recorder.batches))
             (out / f"wiring_rank{rank}.json").write_text(json.dumps(wiring))
+            for label, spec in config.get("streamed", {}).items():
+                indices = _RecordIndices()
+                module = StreamedMLP(Path(config["streamed_dir"]), tuple(spec["libraries"]))
+                _ray_trainer(spec, callbacks=[indices], max_epochs=1).fit(module)
+                (out / f"streamed_{label}_rank{rank}.json").write_text(json.dumps(indices.steps))
         callbacks = [RayTrainReportCallback(), _KillOnce(out / "killed"), _RecordStart(out / "starts.txt", attempt)]
         steps = STEPS_PER_EPOCH * EPOCHS
         trainer = _fit(

@@ -29,6 +29,7 @@ import torch
 from launch_helpers import TOLERANCE, reference_weights
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from streamed_data import STREAMED_SAMPLES
 from torch.utils.data import DataLoader, DistributedSampler
 from training_helpers import assert_weights_close
 
@@ -53,6 +54,14 @@ RUNS: dict[str, dict[str, Any]] = {
     "pipeline_zero1": {"name": "pipeline", "options": {"zero_stage": 1}},
 }
 RESUMABLE = {"name": "zero2", "options": {}}
+# One epoch of LitData and Hugging Face streamed data (issue 43): two replicas, or one pipeline of two stages (LitData
+# only: the pipeline takes its example batch from the first loader of a dict of loaders, not the dict of batches).
+BOTH = ["litdata", "hf"]
+STREAMED: dict[str, dict[str, Any]] = {
+    "data_parallel": {"name": "data_parallel", "options": {}, "libraries": BOTH},
+    "zero3_shard_size_2": {"name": "zero3", "options": {"shard_size": 2}, "libraries": BOTH},
+    "pipeline": {"name": "pipeline", "options": {"num_microbatches": 2}, "libraries": ["litdata"]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +88,23 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def ray_run(ray_cluster, tmp_path_factory):
+def streamed_config(request) -> dict[str, Any]:
+    """The streamed runs and their LitData chunks (written before Ray starts: ``litdata.optimize`` forks); none
+    without LitData or ``datasets`` (the other checks still run)."""
+    try:
+        chunks = request.getfixturevalue("streamed_chunks")
+    except pytest.skip.Exception:
+        return {}
+    return {"streamed": STREAMED, "streamed_dir": str(chunks)}
+
+
+@pytest.fixture(scope="module")
+def ray_run(streamed_config, ray_cluster, tmp_path_factory):
     """The one TorchTrainer run (``tests/ray_helpers.py``); its output folder and Ray's ``Result``."""
     out = tmp_path_factory.mktemp("ray_out")
     trainer = TorchTrainer(
         ray_helpers.train_loop_per_worker,
-        train_loop_config={"out": str(out), "runs": RUNS, "resumable": RESUMABLE},
+        train_loop_config={"out": str(out), "runs": RUNS, "resumable": RESUMABLE, **streamed_config},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         torch_config=TorchConfig(backend="gloo", timeout_s=60),
         run_config=RunConfig(
@@ -143,6 +163,25 @@ def test_pipeline_stages_in_ray_read_the_same_batch(ray_run):
     # Data parallel splits each global batch: its two ranks read different halves (the check above can fail).
     halves = [json.loads((out / f"data_parallel_batches_rank{rank}.json").read_text()) for rank in (0, 1)]
     assert halves[0] != halves[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(STREAMED))
+def test_each_worker_reads_its_replicas_share_of_streamed_data_in_ray(ray_run, label):
+    """Issue 43, Ray Train: LitData's ``StreamingDataset`` (its rank and size: Ray's process group's, or the replica's
+    as the pipeline tells it) and ``split_dataset_by_node`` with ``trainer.distributed_sampler_kwargs``. Two replicas
+    read disjoint halves; the two stages of one pipeline read the same batches, the whole data set. One epoch covers
+    every sample once per library."""
+    pytest.importorskip("litdata")
+    pytest.importorskip("datasets")
+    out, _ = ray_run
+    steps = [json.loads((out / f"streamed_{label}_rank{rank}.json").read_text()) for rank in (0, 1)]
+    replicas = steps[:1] if label == "pipeline" else steps
+    if label == "pipeline":
+        assert steps[0] == steps[1]
+    for library in STREAMED[label]["libraries"]:
+        read = [[i for step in rank_steps for i in step[library]] for rank_steps in replicas]
+        assert sorted(i for share in read for i in share) == list(range(STREAMED_SAMPLES)), (library, read)
 
 
 def _uninterrupted_weights(steps: int, samples: int) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_harness import find_free_port
+from streamed_data import STREAMED_BATCH, STREAMED_SAMPLES
 from torchft_worker import fit_reference, global_loss
 
 from lightning_parallel.fault_tolerance import FaultTolerance
@@ -211,6 +212,19 @@ def _last_step(*paths: Path) -> int:
     return max(r["step"] for path in paths for r in _records(path))
 
 
+def _fit_two_groups(out: Path, *extra: str) -> list[list[dict]]:
+    """Two replica groups of one process with the worker's options ``extra``, run to their end; each group's records."""
+    run = _Run(out)
+    try:
+        groups = [run.group(group, out, *extra) for group in range(2)]
+        for process in groups:
+            process.wait(timeout=run.remaining())
+            assert process.returncode == 0, run.logs()
+    finally:
+        run.close()
+    return [_records(out / f"group{group}.jsonl") for group in range(2)]
+
+
 def test_a_killed_replica_group_leaves_the_others_training_and_rejoins(tmp_path: Path) -> None:
     pytest.importorskip("torchft")
     run = _Run(tmp_path)
@@ -294,16 +308,7 @@ def test_bf16_true_groups_start_together_and_train_alike(tmp_path: Path) -> None
     (the same bytes; fp32 zeros made the sizes differ), then the groups train with equal weights, bit for bit, near
     one device's bf16 run."""
     pytest.importorskip("torchft")
-    run = _Run(tmp_path)
-    try:
-        extra = ("--steps", "3", "--pace", "0", "--precision", "bf16-true")
-        groups = [run.group(group, tmp_path, *extra) for group in range(2)]
-        for process in groups:
-            process.wait(timeout=run.remaining())
-            assert process.returncode == 0, run.logs()
-    finally:
-        run.close()
-    records = [_records(tmp_path / f"group{group}.jsonl") for group in range(2)]
+    records = _fit_two_groups(tmp_path, "--steps", "3", "--pace", "0", "--precision", "bf16-true")
     for group in range(2):
         assert [(r["step"], r["participants"]) for r in records[group]] == [(1, 2), (2, 2), (3, 2)]
     assert [r["weights"] for r in records[0]] == [r["weights"] for r in records[1]]
@@ -311,6 +316,24 @@ def test_bf16_true_groups_start_together_and_train_alike(tmp_path: Path) -> None
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     reference = torch.nn.utils.parameters_to_vector(model.parameters()).detach().float()
     torch.testing.assert_close(torch.tensor(records[0][-1]["weights"]), reference, rtol=0, atol=2e-2)
+
+
+def test_replica_groups_read_disjoint_shares_of_streamed_data(tmp_path: Path, streamed_chunks: Path) -> None:
+    """Issue 43: each group is its own torch.distributed job of one process, so LitData's ``StreamingDataset`` and
+    ``split_dataset_by_node(rank=dist.get_rank(), ...)`` would have both groups read all 16 samples. With the
+    strategy telling LitData the data-parallel rank, and the documented line for Hugging Face, one epoch of the two
+    groups reads every sample exactly once per library (16 = 2 groups x 2 steps x 4: nothing dropped), in steps that
+    commit together."""
+    pytest.importorskip("torchft")
+    records = _fit_two_groups(tmp_path, "--steps", "100", "--pace", "0", "--data", str(streamed_chunks))
+    steps = STREAMED_SAMPLES // (2 * STREAMED_BATCH)
+    for group in range(2):
+        assert [(r["step"], r["participants"]) for r in records[group]] == [(s, 2) for s in range(1, steps + 1)]
+    assert records[0][-1]["weights"] == records[1][-1]["weights"]
+    for library in ("litdata", "hf"):
+        read = [[i for r in records[group] for i in r["indices"][library]] for group in range(2)]
+        assert not set(read[0]) & set(read[1]), (library, read)
+        assert sorted(read[0] + read[1]) == list(range(STREAMED_SAMPLES)), (library, read)
 
 
 def test_hybrid_sharding_is_validated_at_the_edge() -> None:

@@ -12,6 +12,9 @@ batch on one device without the mode (``DIR/reference.jsonl``). ``--ckpt-dir D``
 and resumes from it (``ckpt_path="last"``), as a group restarted by torchrun would. ``--nan-at-step S``: this group's
 loss is NaN in the step after ``S`` steps. ``--precision P``: the Trainer's precision (e.g. ``bf16-true``).
 ``--width W``: the hidden layer's width (a group configured unlike the others).
+``--data DIR``: one epoch of ``tests/streamed_data.py``'s ``StreamedMLP`` instead (LitData chunks in ``DIR`` and a
+Hugging Face streaming dataset, read by the group's own loaders); every record gets the step's sample indices
+(``"indices": {"litdata": [...], "hf": [...]}``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from streamed_data import StreamedMLP, batch_indices
+
 from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.fault_tolerance import FaultTolerance
 
@@ -96,6 +101,8 @@ class Recorder(pl.Callback):
             "participants": replicas.sync.num_participants() if replicas is not None else 1,
             "loss": pl_module.last_loss,
         }
+        if isinstance(batch, dict):  # `--data`: the samples this step trained on, per library
+            record["indices"] = batch_indices(batch, pl_module.libraries)
         with self.path.open("a") as file:
             file.write(json.dumps(record) + "\n")
         if self.stop_file is not None and self.stop_file.exists():
@@ -122,10 +129,11 @@ def main() -> TinyMLP:
     parser.add_argument("--zero", type=int, default=0, help="ZeRO stage (1 or 2) inside each group; 0: data parallel")
     parser.add_argument("--precision", default="32-true", help="the Trainer's precision (and the reference's)")
     parser.add_argument("--width", type=int, default=WIDTH, help="the hidden layer's width")
+    parser.add_argument("--data", type=Path, default=None, help="one epoch of LitData and HF streamed samples")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    model = TinyMLP(args.nan_at_step, args.width)
+    model = TinyMLP(args.nan_at_step, args.width) if args.data is None else StreamedMLP(args.data)
     if args.reference:
         strategy, name, batch = "auto", "reference", GLOBAL_BATCH
     else:
@@ -152,6 +160,7 @@ def main() -> TinyMLP:
         devices=1 if args.reference else args.devices,
         strategy=strategy,
         max_steps=args.steps,
+        max_epochs=1 if args.data is not None else None,
         callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
@@ -159,7 +168,8 @@ def main() -> TinyMLP:
         enable_checkpointing=args.ckpt_dir is not None,
     )
     resume = "last" if args.ckpt_dir is not None else None
-    trainer.fit(model, DataLoader(global_batch(), batch_size=batch), ckpt_path=resume)
+    loader = DataLoader(global_batch(), batch_size=batch) if args.data is None else None
+    trainer.fit(model, loader, ckpt_path=resume)
     return model
 
 

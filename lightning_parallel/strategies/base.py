@@ -53,6 +53,7 @@ from lightning_parallel.distributed.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
+from lightning_parallel.distributed.data_shards import tell_data_parallel_rank
 from lightning_parallel.distributed.host_groups import HostGroups
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.instrumentation import Instrumentation, StrategyEvents
@@ -198,6 +199,15 @@ class LightningParallelStrategy(DDPStrategy):
         # Every rank of `replicate` x `shard` reads its own slice of the batch; a pipeline's ranks read the same one.
         layout = self.mesh_layout
         return {"num_replicas": layout.data_parallel_size, "rank": layout.data_parallel_rank(self.global_rank)}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Every loader: a LitData ``StreamingDataset`` reads this rank's data-parallel share, the one
+        :attr:`distributed_sampler_kwargs` names (under fault-tolerant replica groups it would otherwise read its
+        group's rank of the group's size: every group the same samples; ``distributed/data_shards.py``)."""
+        shard = self.distributed_sampler_kwargs
+        tell_data_parallel_rank(dataloader, rank=shard["rank"], size=shard["num_replicas"])
+        return dataloader
 
     def _build_device_mesh(self, layout: MeshLayout) -> None:
         """Collective (every rank, after joining): the mesh of ``layout`` and its :attr:`host_groups`; kept for a later

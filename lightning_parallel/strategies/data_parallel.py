@@ -301,6 +301,7 @@ class DataParallelStrategy(LightningParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)  # a LitData dataset reads this rank's share
         trainer = self.module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or self.world_size == 1:
             return dataloader
