@@ -24,6 +24,8 @@ from training_helpers import assert_weights_close
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.distributed.pipeline import check_layers_compose_to_forward
 
+pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
+
 VOCAB, SEQ, WIDTH, CLASSES = 32, 8, 16, 3
 GLOBAL_BATCH, STEPS = 8, 4
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
