@@ -21,6 +21,7 @@ of different lengths would leave one rank waiting in a collective the others nev
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,10 +29,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_parallel.distributed.pipeline.microbatch import ForwardsLoaderState, saves_state
+from lightning_parallel.distributed.pipeline.transfer import Flattened, TensorSlot, flatten_tensors
 
 __all__ = [
     "BatchBroadcast",
@@ -54,16 +55,6 @@ _FIX = (
 
 class InconsistentBatchesError(RuntimeError):
     """The ranks of one pipeline cannot train on the same batches: their loaders yield different numbers of them."""
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """Where a tensor of the batch was: its index in the flat payload, its shape and dtype, whether on the CPU."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    on_cpu: bool
 
 
 @dataclass(frozen=True)
@@ -91,70 +82,45 @@ def broadcast_batch(batch: Any, exchange: BatchBroadcast) -> tuple[Any, int]:
     CPU for a loader's batch). The source keeps its own objects. Returns the batch and the bytes of its tensors
     (what the ledger counts: the description, pickled, is a control message).
     """
-    described = _Described.of(batch) if dist.get_rank() == exchange.src else None
-    size = torch.tensor([described.size if described is not None else 0], dtype=torch.int64, device=exchange.device)
+    tensors, description = _described(batch) if dist.get_rank() == exchange.src else (None, b"")
+    size = torch.tensor([len(description)], dtype=torch.int64, device=exchange.device)
     dist.broadcast(size, src=exchange.src, group=exchange.group)
-    return _send(batch, described, int(size.item()), exchange)
+    return _send(batch, tensors, description, int(size.item()), exchange)
 
 
-@dataclass(frozen=True)
-class _Described:
-    """The source's side of a broadcast batch: its tensors, and the tree with each tensor replaced by a
-    :class:`_Slot`, pickled."""
-
-    tensors: list[Tensor]
-    description: bytes
-
-    @property
-    def size(self) -> int:
-        return len(self.description)
-
-    @classmethod
-    def of(cls, batch: Any) -> _Described:
-        tensors: list[Tensor] = []
-
-        def slot(tensor: Tensor) -> _Slot:
-            tensors.append(tensor.detach())
-            return _Slot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype, tensor.device.type == "cpu")
-
-        return cls(tensors, pickle.dumps(apply_to_collection(batch, Tensor, slot, allow_frozen=True)))
+def _described(batch: Any) -> tuple[list[Tensor], bytes]:
+    """The source's side of a broadcast batch: its tensors, and the tree without them (slots instead), pickled."""
+    flat = flatten_tensors(batch)
+    return [tensor.detach() for tensor in flat.tensors], pickle.dumps(flat.without_tensors())
 
 
-def _send(batch: Any, described: _Described | None, size: int, exchange: BatchBroadcast) -> tuple[Any, int]:
-    """Collective: the description (``size`` bytes, known to every rank), then the tensors, one buffer per dtype.
-    ``described`` is the source's (``None`` elsewhere)."""
+def _send(
+    batch: Any, tensors: list[Tensor] | None, description: bytes, size: int, exchange: BatchBroadcast
+) -> tuple[Any, int]:
+    """Collective: the description (``size`` bytes, known to every rank: the tree without its tensors, pickled),
+    then the tensors, one buffer per dtype. ``tensors`` are the source's (``None`` elsewhere)."""
     buffer = torch.empty(size, dtype=torch.uint8, device=exchange.device)
-    if described is not None:
-        buffer.copy_(torch.frombuffer(bytearray(described.description), dtype=torch.uint8))
+    if tensors is not None:
+        buffer.copy_(torch.frombuffer(bytearray(description), dtype=torch.uint8))
     dist.broadcast(buffer, src=exchange.src, group=exchange.group)
-    skeleton = pickle.loads(buffer.cpu().numpy().tobytes())
-    slots: list[_Slot] = []
-    apply_to_collection(skeleton, _Slot, slots.append, allow_frozen=True)
-    tensors = described.tensors if described is not None else []
-    received = _broadcast_tensors(tensors, slots, exchange, is_source=described is not None)
-    payload = sum(s.dtype.itemsize * _numel(s.shape) for s in slots)
-    if described is not None:
+    skeleton: Flattened = pickle.loads(buffer.cpu().numpy().tobytes())
+    received = _broadcast_tensors(tensors or [], skeleton.slots, exchange, is_source=tensors is not None)
+    payload = sum(s.dtype.itemsize * math.prod(s.shape) for s in skeleton.slots)
+    if tensors is not None:
         return batch, payload
-    return apply_to_collection(skeleton, _Slot, lambda s: received[s.index], allow_frozen=True), payload
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count
+    return skeleton.fill([received[s.index] for s in skeleton.slots]), payload
 
 
 def _broadcast_tensors(
-    tensors: list[Tensor], slots: list[_Slot], exchange: BatchBroadcast, *, is_source: bool
+    tensors: list[Tensor], slots: list[TensorSlot], exchange: BatchBroadcast, *, is_source: bool
 ) -> dict[int, Tensor]:
     """One broadcast per dtype of the tensors' flattened values (skipped where the dtype has no element)."""
-    by_dtype: dict[torch.dtype, list[_Slot]] = {}
+    by_dtype: dict[torch.dtype, list[TensorSlot]] = {}
     for s in sorted(slots, key=lambda s: s.index):
         by_dtype.setdefault(s.dtype, []).append(s)
     received: dict[int, Tensor] = {}
     for dtype, group in by_dtype.items():
-        counts = [_numel(s.shape) for s in group]
+        counts = [math.prod(s.shape) for s in group]
         if is_source:
             flat = torch.cat([tensors[s.index].reshape(-1).to(exchange.device) for s in group])
         else:
@@ -199,9 +165,9 @@ class ReplicaBatches:
         count = 0
         while True:
             batch = next(iterator, _END)
-            described = _Described.of(batch) if is_source and batch is not _END else None
+            tensors, description = _described(batch) if is_source and batch is not _END else (None, b"")
             # One all-gather per batch: whether each loader still had one, and the size of the source's description.
-            gathered = self._gather(0 if batch is _END else 1, described.size if described is not None else 0)
+            gathered = self._gather(0 if batch is _END else 1, len(description))
             going_on = [more for more, _ in gathered]
             if not any(going_on):
                 return
@@ -212,7 +178,7 @@ class ReplicaBatches:
                     f" the other ranks of the same pipeline ({self.exchange.ranks}) went on: the stages of one"
                     f" pipeline would train on different batches.{_FIX}"
                 )
-            batch, payload = _send(batch, described, gathered[source][1], self.exchange)
+            batch, payload = _send(batch, tensors, description, gathered[source][1], self.exchange)
             if self.on_batch is not None:
                 self.on_batch(payload)
             count += 1

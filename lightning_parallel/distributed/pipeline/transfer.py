@@ -37,6 +37,8 @@ class TensorSlot:
     """Position of the tensor in :attr:`Flattened.tensors` (the same tensor twice: one slot)."""
     shape: tuple[int, ...]
     dtype: torch.dtype
+    on_cpu: bool = True
+    """Whether the tensor was on the host (a loader's batch comes back where it was)."""
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,12 @@ class Flattened:
 
     def fill(self, tensors: list[Tensor]) -> Any:
         """The structure with each slot replaced by ``tensors[slot.index]``."""
-        return apply_to_collection(self.structure, TensorSlot, lambda slot: tensors[slot.index])
+        return apply_to_collection(self.structure, TensorSlot, lambda slot: tensors[slot.index], allow_frozen=True)
 
 
 def flatten_tensors(value: Any) -> Flattened:
-    """Local. ``value`` (nested dicts, lists, tuples, dataclasses) split into its structure and its tensors."""
+    """Local. ``value`` (nested dicts, lists, tuples, namedtuples, mappings, dataclasses: what Lightning walks in a
+    batch) split into its structure and its tensors."""
     tensors: list[Tensor] = []
     slots: list[TensorSlot] = []
     index_of: dict[int, int] = {}
@@ -68,10 +71,10 @@ def flatten_tensors(value: Any) -> Flattened:
         if id(tensor) not in index_of:
             index_of[id(tensor)] = len(tensors)
             tensors.append(tensor)
-            slots.append(TensorSlot(len(slots), tuple(tensor.shape), tensor.dtype))
+            slots.append(TensorSlot(len(slots), tuple(tensor.shape), tensor.dtype, tensor.device.type == "cpu"))
         return slots[index_of[id(tensor)]]
 
-    structure = apply_to_collection(value, Tensor, slot)
+    structure = apply_to_collection(value, Tensor, slot, allow_frozen=True)
     return Flattened(structure, slots, tensors)
 
 
