@@ -89,9 +89,9 @@ def _consolidate_zero(rank: int, world_size: int, master: bool) -> dict[str, Any
         "violations": simulation.violations,
         "on_device": simulation.device_tensors([optimizer_state, model_state, names, gathered]),
         "extra_bytes": saving.extra_bytes,
-        # One bucket of one state key at a time: this rank's shard and the gathered pieces (rank 0); twice that, as
-        # gloo releases a finished gather's buffers on its worker thread, a moment after `wait()` returns.
-        "bound": 2 * max((world_size + 1) * bucket.shard_numel * state_bytes for bucket in buckets.buckets),
+        # One bucket of one state key at a time: this rank's shard and the gathered pieces (rank 0), in buffers
+        # reused for every bucket (however late gloo's worker thread lets go of a finished gather's tensors).
+        "bound": max((world_size + 1) * bucket.shard_numel * state_bytes for bucket in buckets.buckets),
         "state_bytes": sum(
             v.numel() * v.element_size() for s in optimizer_state.get("state", {}).values() for v in s.values()
         ),

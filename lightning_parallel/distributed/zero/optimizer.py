@@ -37,6 +37,35 @@ from lightning_parallel.distributed.zero.flat_bucket import ShardView
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "check_shardable"]
 
+
+class _GatherStaging:
+    """Device buffers a consolidation gathers into, one set per dtype, reused for every bucket and state key.
+
+    Fresh buffers per bucket would bound the device bytes only as well as the backend frees a finished collective's
+    tensors: gloo drops its references on a worker thread a moment after ``wait()`` returns, so under load several
+    buckets' buffers were alive at once. Reused buffers make the bound exact: this rank's shard and one gathered bucket.
+    """
+
+    def __init__(self, max_shard_numel: int) -> None:
+        self.max_shard_numel = max_shard_numel
+        self._shards: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._gathered: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def shard(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A ``numel``-long device buffer to fill with this rank's shard."""
+        key = (dtype, torch.device(device))
+        if key not in self._shards:
+            self._shards[key] = torch.empty(self.max_shard_numel, dtype=dtype, device=device)
+        return self._shards[key][:numel]
+
+    def pieces(self, numel: int, world_size: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+        """``world_size`` contiguous ``numel``-long views of one device buffer, to gather into."""
+        key = (dtype, torch.device(device))
+        if key not in self._gathered:
+            self._gathered[key] = torch.empty(world_size * self.max_shard_numel, dtype=dtype, device=device)
+        flat = self._gathered[key][: world_size * numel]
+        return list(flat.view(world_size, numel).unbind())
+
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)
     for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop")
@@ -119,10 +148,11 @@ class ShardedOptimizer:
         state: dict[int, dict[str, Any]] = defaultdict(dict)
         is_destination = self.buckets.rank == destination
         index_of = {param: index for index, param in enumerate(self._indexed_params())}
+        staging = _GatherStaging(max((self.buckets.buckets[i].shard_numel for i in self.bucket_indices), default=0))
         for bucket_index in self.bucket_indices:
             bucket = self.buckets.buckets[bucket_index]
             for key in keys:
-                full = self._gather_bucket_state(bucket, key, destination)
+                full = self._gather_bucket_state(bucket, key, destination, staging)
                 if full is None:
                     continue
                 for segment in bucket.segments:
@@ -131,7 +161,8 @@ class ShardedOptimizer:
                         continue
                     piece = full[segment.offset : segment.offset + segment.numel]
                     state[index][key] = piece.view_as(segment.param).clone()
-        masters = self._gather_master_weights(destination, index_of)
+        masters = self._gather_master_weights(destination, index_of, staging)
+        del staging
         if not is_destination:
             return {}
         for index, (_, scalars) in state_of.items():
@@ -151,7 +182,9 @@ class ShardedOptimizer:
             consolidated["master_weights"] = masters
         return consolidated
 
-    def _gather_master_weights(self, destination: int, index_of: dict[nn.Parameter, int]) -> dict[int, Tensor]:
+    def _gather_master_weights(
+        self, destination: int, index_of: dict[nn.Parameter, int], staging: _GatherStaging
+    ) -> dict[int, Tensor]:
         """Collective. The fp32 master of each of this optimizer's parameters, in its shape, on ``destination``'s
         CPU."""
         masters: dict[int, Tensor] = {}
@@ -159,7 +192,7 @@ class ShardedOptimizer:
             bucket = self.buckets.buckets[bucket_index]
             if bucket.master is None:
                 continue
-            full = self._gather_to_host(bucket.master, destination)
+            full = self._gather_to_host(bucket.master, destination, staging)
             if full is None:
                 continue
             for segment in bucket.segments:
@@ -209,32 +242,32 @@ class ShardedOptimizer:
             merged.update(entries)
         return dict(sorted(merged.items()))
 
-    def _gather_bucket_state(self, bucket: Any, key: str, destination: int) -> Tensor | None:
+    def _gather_bucket_state(
+        self, bucket: Any, key: str, destination: int, staging: _GatherStaging
+    ) -> Tensor | None:
         """Collective. The whole flat bucket of state ``key`` on ``destination``'s CPU (``None`` elsewhere)."""
         # The state has the dtype of what the optimizer steps: the fp32 master's, else the parameters'.
-        shard = torch.zeros(bucket.shard_numel, dtype=bucket.shard_grads.dtype, device=bucket.flat_params.device)
+        shard = staging.shard(bucket.shard_numel, bucket.shard_grads.dtype, bucket.flat_params.device)
+        shard.zero_()
         for view in bucket.views:
             value = self.optimizer.state.get(view.tensor, {}).get(key)
             if value is not None:
                 shard[view.grad_offset : view.grad_offset + value.numel()].copy_(value.reshape(-1))
-        return self._gather_to_host(shard, destination)
+        return self._gather_to_host(shard, destination, staging)
 
-    def _gather_to_host(self, shard: Tensor, destination: int) -> Tensor | None:
+    def _gather_to_host(self, shard: Tensor, destination: int, staging: _GatherStaging) -> Tensor | None:
         """Collective. Every rank's ``shard`` (on the device, as the group's backend needs), concatenated in rank
         order on ``destination``'s CPU; ``None`` on the other ranks.
 
-        Each received piece is copied to the CPU and dropped from the device before the next one: the device holds
-        one gathered bucket at most, and the concatenation, the per-parameter slices and the checkpoint are the
+        The pieces are received into ``staging``'s buffer, reused for every bucket, and copied to the CPU: the device
+        holds one gathered bucket at most, and the concatenation, the per-parameter slices and the checkpoint are the
         CPU's."""
         if self.buckets.rank != destination:
             dist.gather(shard, None, group_dst=destination, group=self.buckets.group)
             return None
-        pieces = [torch.empty_like(shard) for _ in range(self.buckets.world_size)]
+        pieces = staging.pieces(shard.numel(), self.buckets.world_size, shard.dtype, shard.device)
         dist.gather(shard, pieces, group_dst=destination, group=self.buckets.group)
-        on_host = []
-        while pieces:
-            on_host.append(host_copy(pieces.pop(0)))
-        return torch.cat(on_host)
+        return torch.cat([host_copy(piece) for piece in pieces])
 
     # ------------------------------------------------------------------ load
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
