@@ -66,6 +66,7 @@ class _GatherStaging:
         flat = self._gathered[key][: world_size * numel]
         return list(flat.view(world_size, numel).unbind())
 
+
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)
     for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop")
@@ -242,9 +243,7 @@ class ShardedOptimizer:
             merged.update(entries)
         return dict(sorted(merged.items()))
 
-    def _gather_bucket_state(
-        self, bucket: Any, key: str, destination: int, staging: _GatherStaging
-    ) -> Tensor | None:
+    def _gather_bucket_state(self, bucket: Any, key: str, destination: int, staging: _GatherStaging) -> Tensor | None:
         """Collective. The whole flat bucket of state ``key`` on ``destination``'s CPU (``None`` elsewhere)."""
         # The state has the dtype of what the optimizer steps: the fp32 master's, else the parameters'.
         shard = staging.shard(bucket.shard_numel, bucket.shard_grads.dtype, bucket.flat_params.device)
