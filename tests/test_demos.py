@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from training_helpers import cpu_trainer
 
 from lightning_parallel.demos import (
     GPT,
@@ -250,15 +251,10 @@ def test_fit_and_validate_tiny_model() -> None:
     pl.seed_everything(0, verbose=False)
     module = GPTLightningModule("tiny", learning_rate=3e-3)
     datamodule = TextDataModule(max_bytes=200_000, seq_len=64, batch_size=8)
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         max_steps=3,
         limit_val_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     (before,) = trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule)

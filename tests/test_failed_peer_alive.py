@@ -19,9 +19,8 @@ import pytest
 import torch.distributed as dist
 from distributed_harness import DistributedTestError, run_distributed
 from torch.utils.data import DataLoader
-from training_helpers import SEQ_LEN, make_module, make_trainer
+from training_helpers import SEQ_LEN, make_module, make_trainer, strategy_of
 
-from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.demos import RandomTokenDataset
 from lightning_parallel.strategies import failure_board
 from lightning_parallel.strategies.failure_board import FailureBoard, PeerFailedError
@@ -47,20 +46,12 @@ class _FailOnRankOne(pl.Callback):
             raise RuntimeError("on_train_end failed on rank 1")
 
 
-def _strategy(spec: str):
-    if spec == "data_parallel":
-        return DataParallelStrategy(timeout=PROCESS_GROUP_TIMEOUT)
-    if spec == "pipeline":
-        return PipelineParallelStrategy(num_microbatches=2, timeout=PROCESS_GROUP_TIMEOUT)
-    return ShardedOptimizerStrategy(stage=int(spec[-1]), timeout=PROCESS_GROUP_TIMEOUT)
-
-
 def _fit_and_stay_alive(rank: int, world_size: int, spec: str, where: str, workdir: str) -> dict:
     """Fit; on rank 1 stay alive after the failure (as a notebook kernel would) until rank 0 has its answer."""
     loader = DataLoader(RandomTokenDataset(64, SEQ_LEN, seed=rank), batch_size=4)
     # The default ModelCheckpoint (checkpointing on): its epoch-end reductions and barrier are where rank 0 waited.
     trainer = make_trainer(
-        _strategy(spec),
+        strategy_of(spec, timeout=PROCESS_GROUP_TIMEOUT),
         devices=world_size,
         max_steps=MAX_STEPS,
         callbacks=[_FailOnRankOne(where)],

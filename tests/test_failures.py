@@ -11,9 +11,8 @@ import pytest
 from distributed_harness import DistributedTestError, run_distributed
 from torch import nn
 from torch.utils.data import DataLoader
-from training_helpers import SEQ_LEN, make_module, make_trainer
+from training_helpers import SEQ_LEN, make_module, make_trainer, strategy_of
 
-from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.demos import RandomTokenDataset
 
 PROCESS_GROUP_TIMEOUT = 20  # seconds; every survivor must be out well before the harness deadline
@@ -61,18 +60,12 @@ class _FailOnce(pl.Callback):
             pl_module.training_step = failing_step
 
 
-def _strategy(spec: str):
-    if spec == "data_parallel":
-        return DataParallelStrategy(timeout=PROCESS_GROUP_TIMEOUT)
-    if spec == "pipeline":
-        # Rank 1 holds the last stage: killing it in forward/backward leaves rank 0 inside a pipeline send/recv.
-        return PipelineParallelStrategy(num_microbatches=2, timeout=PROCESS_GROUP_TIMEOUT)
-    return ShardedOptimizerStrategy(stage=int(spec[-1]), timeout=PROCESS_GROUP_TIMEOUT)
-
-
 def _train(rank: int, world_size: int, spec: str, where: str) -> None:
     loader = DataLoader(RandomTokenDataset(64, SEQ_LEN, seed=rank), batch_size=4)
-    trainer = make_trainer(_strategy(spec), devices=world_size, max_steps=10, callbacks=[_FailOnce(where)])
+    # Under the pipeline rank 1 holds the last stage: killing it in forward/backward leaves rank 0 inside a pipeline
+    # send/recv.
+    strategy = strategy_of(spec, timeout=PROCESS_GROUP_TIMEOUT)
+    trainer = make_trainer(strategy, devices=world_size, max_steps=10, callbacks=[_FailOnce(where)])
     start = time.monotonic()
     try:
         trainer.fit(make_module(), train_dataloaders=loader)

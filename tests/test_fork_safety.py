@@ -19,6 +19,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
+from training_helpers import cpu_trainer
 
 from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
@@ -81,16 +82,11 @@ class _MarkStart(Callback):
 
 def _fit(strategy: Any, directory: Path) -> pl.Trainer:
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=2,
         strategy=strategy,
         max_steps=2,
         callbacks=[_MarkStart(directory)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )

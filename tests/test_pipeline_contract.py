@@ -16,7 +16,7 @@ from pipeline_helpers import fit_pipeline, fit_reference
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
-from training_helpers import SEED, assert_weights_close
+from training_helpers import SEED, assert_weights_close, cpu_trainer
 
 from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy
 from lightning_parallel.distributed.pipeline import ContractError
@@ -159,15 +159,10 @@ def test_user_module_fits_validates_tests_and_predicts_like_single_device(tmp_pa
 
 def _misuse(rank: int, world_size: int, misuse: str) -> None:
     pl.seed_everything(SEED, verbose=False)
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=world_size,
         strategy=PipelineParallelStrategy(num_microbatches=2, timeout=30),
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(Classifier(misuse=misuse), train_dataloaders=DataLoader(TRAIN, batch_size=8))
 
@@ -210,14 +205,7 @@ def _validate_only(rank: int, world_size: int, distributed: bool, kind: str = "p
         strategy = DataParallelStrategy(timeout=60)
     elif distributed:
         strategy = PipelineParallelStrategy(schedule="GPipe", num_microbatches=2, pipeline_parallel_size=2, timeout=60)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(devices=world_size, strategy=strategy)  # validate() saves no checkpoint either way
     (metrics,) = trainer.validate(module, dataloaders=DataLoader(VAL, batch_size=8), verbose=False)
     return metrics
 
@@ -269,15 +257,10 @@ def _fit_counting(rank: int, world_size: int, distributed: bool) -> dict:
             strategy = "auto"
             sampler = DistributedSampler(TRAIN, 1, 0, shuffle=True, seed=SEED)
             train = DataLoader(TRAIN, batch_size=8, sampler=sampler)
-        trainer = pl.Trainer(
-            accelerator="cpu",
+        trainer = cpu_trainer(
             devices=world_size,
             strategy=strategy,
             max_steps=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(module, train_dataloaders=train)
         weights = trainer.strategy.lightning_module_state_dict() if distributed else module.state_dict()

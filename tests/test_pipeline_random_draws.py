@@ -28,6 +28,7 @@ from distributed_harness import run_distributed
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from training_helpers import cpu_trainer
 
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.distributed.pipeline.random_draws import (
@@ -270,15 +271,10 @@ def _fit(module: Denoiser, world_size: int, steps: int) -> pl.Trainer:
     else:
         loader = DataLoader(TRAIN, batch_size=BATCH, shuffle=False)
         strategy = PipelineParallelStrategy(schedule="1F1B", num_microbatches=2, partition=[2], timeout=60)
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=world_size,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(module, train_dataloaders=loader)
     return trainer

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from streamed_data import StreamedMLP, batch_indices
+from training_helpers import cpu_trainer
 
 from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.fault_tolerance import FaultTolerance
@@ -154,17 +155,13 @@ def main() -> TinyMLP:
     ]
     if args.ckpt_dir is not None:
         callbacks.append(pl.callbacks.ModelCheckpoint(args.ckpt_dir, every_n_train_steps=2, save_last=True))
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         precision=args.precision,
         devices=1 if args.reference else args.devices,
         strategy=strategy,
         max_steps=args.steps,
         max_epochs=1 if args.data is not None else None,
         callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=args.ckpt_dir is not None,
     )
     resume = "last" if args.ckpt_dir is not None else None
@@ -178,15 +175,10 @@ def fit_reference(steps: int, precision: str = "32-true") -> TinyMLP:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     model = TinyMLP()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         precision=precision,
         devices=1,
         max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     trainer.fit(model, DataLoader(global_batch(), batch_size=GLOBAL_BATCH))
     return model

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 
 SEQ_LEN = 16
@@ -23,22 +24,42 @@ def make_module(optimizer: str = "adamw", learning_rate: float | None = None) ->
     return GPTLightningModule("tiny", block_size=SEQ_LEN, bias=False, optimizer=optimizer, learning_rate=learning_rate)
 
 
+# What a test's Trainer leaves out: it writes no logs, checkpoints, progress bar or model summary.
+QUIET: dict[str, Any] = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
+def cpu_trainer(**options: Any) -> pl.Trainer:
+    """A quiet (:data:`QUIET`) CPU Trainer; ``options`` add to these settings or replace them."""
+    return pl.Trainer(**{"accelerator": "cpu", **QUIET, **options})
+
+
 def make_trainer(strategy: Any, *, devices: int, max_steps: int, accumulate: int = 1, **kwargs: Any) -> pl.Trainer:
     options: dict[str, Any] = {
-        "accelerator": "cpu",
         "devices": devices,
         "strategy": strategy,
         "max_steps": max_steps,
         "accumulate_grad_batches": accumulate,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
         "num_sanity_val_steps": 0,
         "limit_val_batches": 0,
     }
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    return cpu_trainer(**{**options, **kwargs})
+
+
+def strategy_of(
+    spec: str, *, timeout: float
+) -> DataParallelStrategy | PipelineParallelStrategy | ShardedOptimizerStrategy:
+    """The strategy named ``spec`` (``"data_parallel"``, ``"pipeline"`` with two micro-batches, ``"zero1"`` to
+    ``"zero3"``), its process groups timing out after ``timeout`` seconds."""
+    if spec == "data_parallel":
+        return DataParallelStrategy(timeout=timeout)
+    if spec == "pipeline":
+        return PipelineParallelStrategy(num_microbatches=2, timeout=timeout)
+    return ShardedOptimizerStrategy(stage=int(spec[-1]), timeout=timeout)
 
 
 def fit_tiny(
