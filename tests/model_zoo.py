@@ -7,7 +7,8 @@ Each model is the kind a user brings on day one; each exercises one path off the
   weight decay (unused parameters must not be stepped).
 * :class:`FreezeScheduleModel` -- a backbone frozen at first and unfrozen at step ``unfreeze_at``.
 * :class:`TwoOptimizerGAN` -- generator and discriminator, manual optimization with ``toggle_optimizer``.
-* :class:`TiedGPT` -- a tiny language model whose LM head shares the embedding's weight.
+* :class:`TiedGPT` -- a tiny language model whose LM head shares the embedding's weight (:class:`TiedLM`: the same
+  model as a plain ``nn.Module``).
 * :class:`RankSeededModel` -- every rank builds different initial weights (no common seed).
 * :class:`ResidualMLP` -- residual blocks; ``wrong_layers=True`` gives a ``pipeline_layers()`` that is not
   ``forward`` (it drops the residual connection).
@@ -19,13 +20,14 @@ device and on N forked ranks (see ``distributed_harness.run_distributed``) and r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
+from training_helpers import cpu_trainer
 
 FEATURES, CLASSES, WIDTH = 12, 4, 24
 GLOBAL_BATCH = 8
@@ -142,25 +144,7 @@ class TwoOptimizerGAN(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         x, _ = batch
-        opt_g, opt_d = self.optimizers()
-        z = _noise_for(x, 4)
-        bce = nn.functional.binary_cross_entropy_with_logits
-
-        self.toggle_optimizer(opt_d)
-        real, fake = self.discriminator(x), self.discriminator(self(z).detach())
-        loss_d = bce(real, torch.ones_like(real)) + bce(fake, torch.zeros_like(fake))
-        opt_d.zero_grad()
-        self.manual_backward(loss_d)
-        opt_d.step()
-        self.untoggle_optimizer(opt_d)
-
-        self.toggle_optimizer(opt_g)
-        fake = self.discriminator(self(z))
-        loss_g = bce(fake, torch.ones_like(fake))
-        opt_g.zero_grad()
-        self.manual_backward(loss_g)
-        opt_g.step()
-        self.untoggle_optimizer(opt_g)
+        loss_d, loss_g = gan_update(self, x, self.discriminator)
         self.log_dict({"loss_d": loss_d, "loss_g": loss_g})
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -170,27 +154,56 @@ class TwoOptimizerGAN(pl.LightningModule):
         ]
 
 
+def gan_update(
+    module: pl.LightningModule, x: torch.Tensor, discriminate: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One manual-optimization GAN step on real samples ``x``: the discriminator's update, then the generator's
+    (``module(z)``), each inside ``toggle_optimizer`` of its optimizer (``module.optimizers()`` is ``(generator's,
+    discriminator's)``). Returns the two losses ``(discriminator, generator)``."""
+    opt_g, opt_d = module.optimizers()
+    z = _noise_for(x, 4)
+    bce = nn.functional.binary_cross_entropy_with_logits
+
+    module.toggle_optimizer(opt_d)
+    real, fake = discriminate(x), discriminate(module(z).detach())
+    loss_d = bce(real, torch.ones_like(real)) + bce(fake, torch.zeros_like(fake))
+    opt_d.zero_grad()
+    module.manual_backward(loss_d)
+    opt_d.step()
+    module.untoggle_optimizer(opt_d)
+
+    module.toggle_optimizer(opt_g)
+    fake = discriminate(module(z))
+    loss_g = bce(fake, torch.ones_like(fake))
+    opt_g.zero_grad()
+    module.manual_backward(loss_g)
+    opt_g.step()
+    module.untoggle_optimizer(opt_g)
+    return loss_d, loss_g
+
+
 def _noise_for(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Per-sample noise that depends only on the sample (not on the rank or the batch it lands in)."""
     seeds = (x.detach().abs().sum(dim=1) * 1e4).long()
     return torch.stack([torch.randn(dim, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
 
 
-class TiedGPT(pl.LightningModule):
-    """Embedding -> two MLP blocks -> LM head that shares the embedding's weight (as GPT-2 and most LMs do)."""
+class TiedLM(nn.Module):
+    """Embedding -> two MLP blocks -> LM head that shares the embedding's weight (as GPT-2 and most LMs do).
 
-    def __init__(self) -> None:
+    A plain ``nn.Module`` with a ``training_step``, which the pipeline split runs from a torch loop; :class:`TiedGPT`
+    is the same model as a LightningModule.
+    """
+
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(_Block() for _ in range(2))
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.embedding = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(2))
+        self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embedding.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+        return through(self.pipeline_layers(), tokens)
 
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embedding, *self.blocks, self.head]
@@ -199,18 +212,29 @@ class TiedGPT(pl.LightningModule):
         tokens, targets = batch
         return nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
 
+
+class TiedGPT(TiedLM, pl.LightningModule):
+    """:class:`TiedLM` (its default sizes) trained by Lightning with AdamW."""
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 class _Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU())
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.norm(x))
+
+
+def through(layers: Iterable[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """``x`` through ``layers`` in turn: the ``forward`` of a model that is exactly its ``pipeline_layers()``."""
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 class RankSeededModel(pl.LightningModule):
@@ -227,10 +251,7 @@ class RankSeededModel(pl.LightningModule):
         self.out = nn.Linear(WIDTH, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
+        return through(self.pipeline_layers(), x)
 
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.inp, *self.blocks, self.out]
@@ -310,19 +331,13 @@ def loader(
 def trainer(strategy: Any, devices: int, *, max_steps: int = STEPS, **kwargs: Any) -> pl.Trainer:
     """A quiet CPU Trainer that leaves data sharding to :func:`loader`."""
     options: dict[str, Any] = {
-        "accelerator": "cpu",
         "devices": devices,
         "strategy": strategy,
         "max_steps": max_steps,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
         "use_distributed_sampler": False,
         "num_sanity_val_steps": 0,
     }
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    return cpu_trainer(**{**options, **kwargs})
 
 
 def state_of(module: nn.Module) -> dict[str, torch.Tensor]:

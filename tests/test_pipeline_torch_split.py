@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from distributed_harness import run_distributed
+from model_zoo import TiedLM
 from torch import nn
 
 from lightning_parallel.distributed.pipeline.stage_split import build_parallel_dims, split_into_stages
@@ -20,40 +21,6 @@ from lightning_parallel.distributed.pipeline.zero import pipeline_zero_config
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "lightning_parallel"
 VOCAB, WIDTH, STEPS = 16, 8, 3
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.norm(x))
-
-
-class _TiedLM(nn.Module):
-    """A plain ``nn.Module`` (no LightningModule): embedding -> two blocks -> a head sharing the embedding's weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(_Block() for _ in range(2))
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.embedding.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-    def pipeline_layers(self) -> list[nn.Module]:
-        return [self.embedding, *self.blocks, self.head]
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        tokens, targets = batch
-        return nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -75,7 +42,7 @@ def _one_device(model: nn.Module) -> nn.Module:
 
 def _plain_loop(rank: int, world_size: int, pipeline_parallel_size: int, zero_stage: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = _TiedLM()
+    model = TiedLM(VOCAB, WIDTH)  # a plain nn.Module, no LightningModule
     reference = _one_device(copy.deepcopy(model))
     zero_config = pipeline_zero_config(zero_stage)
     dims = build_parallel_dims(

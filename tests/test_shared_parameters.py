@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from distributed_harness import run_distributed
-from model_zoo import FEATURES, WIDTH, _noise_for, loader, state_of, trainer
+from model_zoo import FEATURES, WIDTH, gan_update, loader, state_of, trainer
 from torch import nn
 
 from lightning_parallel import ShardedOptimizerStrategy
@@ -62,21 +62,7 @@ class _GAN(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         x, _ = batch
-        opt_g, opt_d = self.optimizers()
-        z = _noise_for(x, 4)
-        bce = nn.functional.binary_cross_entropy_with_logits
-        self.toggle_optimizer(opt_d)
-        real, fake = self.discriminate(x), self.discriminate(self(z).detach())
-        opt_d.zero_grad()
-        self.manual_backward(bce(real, torch.ones_like(real)) + bce(fake, torch.zeros_like(fake)))
-        opt_d.step()
-        self.untoggle_optimizer(opt_d)
-        self.toggle_optimizer(opt_g)
-        fake = self.discriminate(self(z))
-        opt_g.zero_grad()
-        self.manual_backward(bce(fake, torch.ones_like(fake)))
-        opt_g.step()
-        self.untoggle_optimizer(opt_g)
+        gan_update(self, x, self.discriminate)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         return [
