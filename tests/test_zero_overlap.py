@@ -33,6 +33,7 @@ from torch import nn
 from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
+from training_helpers import cpu_trainer
 
 from lightning_parallel import ParallelismMonitor, ShardedOptimizerStrategy
 from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
@@ -145,15 +146,10 @@ def _fit(
 ) -> dict[str, torch.Tensor]:
     pl.seed_everything(0, verbose=False)
     module = make()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=world_size,
         strategy=strategy,
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,  # `_data` gives each rank its own slice of every global batch
         callbacks=callbacks,
     )
@@ -211,12 +207,18 @@ def test_overlap_trains_like_one_device_with_parameter_reading_callbacks_and_man
                     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=f"{stage}{key} {name}")
 
 
-def _guarded_reads(rank: int, world_size: int) -> dict[str, Any]:
+def _gathered_encoder() -> tuple[EncoderModel, ShardedParameterBuckets, OverlappedParameterGather, dict[int, int]]:
+    """The seeded encoder in small stage-1 buckets under the overlapped gather, and each parameter's bucket (by id)."""
     torch.manual_seed(0)
     module = EncoderModel()
     buckets = ShardedParameterBuckets(module, stage=1, bucket_cap_mb=0.004)
     gather = OverlappedParameterGather(buckets, module)
     bucket_of = {id(s.param): i for i, b in enumerate(buckets.buckets) for s in b.segments}
+    return module, buckets, gather, bucket_of
+
+
+def _guarded_reads(rank: int, world_size: int) -> dict[str, Any]:
+    module, buckets, gather, bucket_of = _gathered_encoder()
     everything = range(len(buckets.buckets))
     head, embed = module.head.weight, module.embed.weight
     out: dict[str, Any] = {}
@@ -263,11 +265,7 @@ def test_the_guard_waits_for_exactly_the_buckets_that_user_code_reads_between_st
 
 
 def _layout(rank: int, world_size: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    module = EncoderModel()
-    buckets = ShardedParameterBuckets(module, stage=1, bucket_cap_mb=0.004)
-    gather = OverlappedParameterGather(buckets, module)
-    bucket_of = {id(s.param): i for i, b in enumerate(buckets.buckets) for s in b.segments}
+    module, buckets, gather, bucket_of = _gathered_encoder()
     gather.launch(range(len(buckets.buckets)))
     pending = gather.is_pending
     gather.wait_all()
