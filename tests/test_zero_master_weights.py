@@ -368,10 +368,8 @@ def _max_difference(actual: dict[str, torch.Tensor], expected: dict[str, torch.T
     return max((actual[name].float() - tensor.float()).abs().max().item() for name, tensor in expected.items())
 
 
-# ---------------------------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bf16_true_steps_fp32_masters_like_the_reference(ranks, stage):
-    result, reference = ranks[0][f"zero{stage}"], _reference(_global_batches(STEPS))
+def _assert_fp32_masters_like(result: dict[str, Any], reference: dict[str, Any]) -> None:
+    """A bf16-true run with fp32 masters ended as the reference did: weights, masters and optimizer state."""
     weights = result["weights"]
     # The checkpointed model is bf16, under the names single-device Lightning bf16-true saves.
     assert {name: t.dtype for name, t in weights.items()} == {name: torch.bfloat16 for name in reference["weights"]}
@@ -386,6 +384,12 @@ def test_bf16_true_steps_fp32_masters_like_the_reference(ranks, stage):
             torch.testing.assert_close(result["optimizer"]["state"][index][key], entry[key], **MASTER_CLOSE)
     # Guard: the masters hold more than the bf16 weights do (otherwise the test could not tell them apart).
     assert _max_difference(masters, {n: w.float() for n, w in weights.items()}) > 0
+
+
+# ---------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_true_steps_fp32_masters_like_the_reference(ranks, stage):
+    _assert_fp32_masters_like(ranks[0][f"zero{stage}"], _reference(_global_batches(STEPS)))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -529,19 +533,9 @@ def test_world_size_1_steps_fp32_masters_like_the_reference(alone, stage):
     to average), fp32 AdamW steps an fp32 master of every parameter, which is rounded into the bf16 weights."""
     result, reference = alone[f"zero{stage}"], _reference(_global_batches(STEPS), world_size=1)
     assert result["backend"] == "MasterWeightBackend"
-    weights = result["weights"]
-    assert {name: t.dtype for name, t in weights.items()} == {name: torch.bfloat16 for name in reference["weights"]}
-    torch.testing.assert_close(weights, reference["weights"], **BF16_CLOSE)
-    masters = _masters(result["optimizer"])
-    assert all(tensor.dtype == torch.float32 for tensor in masters.values())
-    torch.testing.assert_close(masters, reference["masters"], **MASTER_CLOSE)
-    for index, entry in reference["optimizer"]["state"].items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert result["optimizer"]["state"][index][key].dtype == torch.float32
-            torch.testing.assert_close(result["optimizer"]["state"][index][key], entry[key], **MASTER_CLOSE)
-    assert _max_difference(masters, {n: w.float() for n, w in weights.items()}) > 0
+    _assert_fp32_masters_like(result, reference)
     plain = _reference(_global_batches(STEPS), world_size=1, master=False)  # guard: what world size 1 did before
-    assert _max_difference(weights, plain["weights"]) > 0
+    assert _max_difference(result["weights"], plain["weights"]) > 0
     assert not any("master_weights" in message for message in alone["warnings"]), alone["warnings"]
 
 
