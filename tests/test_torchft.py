@@ -225,6 +225,35 @@ def _fit_two_groups(out: Path, *extra: str) -> list[list[dict]]:
     return [_records(out / f"group{group}.jsonl") for group in range(2)]
 
 
+def _assert_survived_and_rejoined(
+    first: list[dict], victim_last: dict, again: list[dict], reference: torch.Tensor, *, min_joined: int, rank: int = 0
+) -> None:
+    """One rank's records around a replica group killed in the step after ``KILL_AT_STEP``: ``first`` the survivor's,
+    ``victim_last`` the victim's last before the kill, ``again`` the restarted victim's; ``reference`` one device's
+    weights after ``KILL_AT_STEP`` steps."""
+    by_step: dict[int, dict] = {}
+    for record in first:
+        by_step.setdefault(record["step"], record)
+    # Without failures: both groups hold one device's weights after the same steps (fp32 rounding).
+    for record in (by_step[KILL_AT_STEP], victim_last):
+        assert record["participants"] == 2
+        torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
+    # The step the victim died in did not commit: the survivor's weights and step count stayed as they were (its
+    # record repeats once), then it trained alone until the restarted group joined.
+    steps = [r["step"] for r in first]
+    repeats = [a for a, b in itertools.pairwise(first) if a["step"] == b["step"]]
+    assert [r["step"] for r in repeats] == [KILL_AT_STEP], steps
+    assert first[steps.index(KILL_AT_STEP) + 1]["weights"] == repeats[0]["weights"]
+    assert sorted(set(steps)) == list(range(1, steps[-1] + 1))  # nothing else lost or repeated
+    assert any(r["participants"] == 1 for r in first), "the survivor never trained alone"
+    # The restarted group rejoined with the survivor's weights, equal at every step since (bit for bit), to the last.
+    joined = [r for r in again if r["participants"] == 2]
+    assert len(joined) >= min_joined
+    for record in joined:
+        assert record["weights"] == by_step[record["step"]]["weights"], (rank, record["step"])
+    assert again[-1]["step"] == first[-1]["step"]
+
+
 def test_a_killed_replica_group_leaves_the_others_training_and_rejoins(tmp_path: Path) -> None:
     pytest.importorskip("torchft")
     run = _Run(tmp_path)
@@ -244,35 +273,11 @@ def test_a_killed_replica_group_leaves_the_others_training_and_rejoins(tmp_path:
 
     first = _records(tmp_path / "first" / "group0.jsonl")
     killed = _records(tmp_path / "first" / "group1.jsonl")
-    again = _records(rejoined)
-    by_step: dict[int, dict] = {}
-    for record in first:
-        by_step.setdefault(record["step"], record)
-
-    # Without failures: both groups hold one device's weights after the same steps (fp32 rounding).
     assert [r["step"] for r in killed] == list(range(1, KILL_AT_STEP + 1))
     reference = torch.nn.utils.parameters_to_vector(fit_reference(KILL_AT_STEP).parameters()).detach()
-    for record in (by_step[KILL_AT_STEP], killed[-1]):
-        assert record["participants"] == 2
-        torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
-
-    # The step the victim died in did not commit: the survivor's weights and step count stayed as they were (its
-    # record repeats once), then it trained alone until the restarted group joined.
-    steps = [r["step"] for r in first]
-    repeats = [a for a, b in itertools.pairwise(first) if a["step"] == b["step"]]
-    assert [r["step"] for r in repeats] == [KILL_AT_STEP], steps
-    assert first[steps.index(KILL_AT_STEP) + 1]["weights"] == repeats[0]["weights"]
-    assert sorted(set(steps)) == list(range(1, steps[-1] + 1))  # nothing else lost or repeated
-    assert any(r["participants"] == 1 for r in first), "the survivor never trained alone"
+    _assert_survived_and_rejoined(first, killed[-1], _records(rejoined), reference, min_joined=3)
     # How long the survivor waited around the kill is wall-clock, not asserted here: measured by
     # benchmarks/torchft_overhead.py (2-3 s, the dead group's 2 s heartbeat expiry; docs/reliability.md).
-
-    # The restarted group rejoined with the survivor's weights, equal at every step since (bit for bit).
-    joined = [r for r in again if r["participants"] == 2]
-    assert len(joined) >= 3
-    for record in joined:
-        assert record["weights"] == by_step[record["step"]]["weights"], record["step"]
-    assert again[-1]["step"] == first[-1]["step"]
 
     # The run finished, with a loss on the global batch within noise of an uninterrupted run of as many steps.
     final = global_loss(first[-1]["weights"])
@@ -415,31 +420,16 @@ def test_hybrid_sharding_survives_a_killed_replica_group(tmp_path: Path) -> None
     assert [r["step"] for r in killed] == list(range(1, KILL_AT_STEP + 1))  # killed in the step after these
     reference = torch.nn.utils.parameters_to_vector(fit_reference(KILL_AT_STEP).parameters()).detach()
     for rank in (0, 1):
-        first = _zero_records(tmp_path / "first" / "group0.jsonl", rank)
-        again = _zero_records(rejoined, rank)
-        by_step: dict[int, dict] = {}
-        for record in first:
-            by_step.setdefault(record["step"], record)
-        # Without failures: one device's weights (fp32 rounding), in both groups.
-        victim_record = _zero_records(tmp_path / "first" / "group1.jsonl", rank)[-1]
-        for record in (by_step[KILL_AT_STEP], victim_record):
-            assert record["participants"] == 2
-            torch.testing.assert_close(torch.tensor(record["weights"]), reference, rtol=1e-5, atol=1e-6)
-        # The survivor: the step the victim died in did not commit (recorded twice, weights unchanged), no step
-        # lost or repeated otherwise, some trained alone.
-        steps = [r["step"] for r in first]
-        repeats = [a for a, b in itertools.pairwise(first) if a["step"] == b["step"]]
-        assert [r["step"] for r in repeats] == [KILL_AT_STEP], steps
-        assert first[steps.index(KILL_AT_STEP) + 1]["weights"] == repeats[0]["weights"]
-        assert sorted(set(steps)) == list(range(1, steps[-1] + 1))
-        assert any(r["participants"] == 1 for r in first), "the survivor never trained alone"
         # The restarted group's rank healed its shard from the survivor's same rank; after the group's all-gather
-        # its whole weights equal the survivor's at every step since (bit for bit), to the last step.
-        joined = [r for r in again if r["participants"] == 2]
-        assert len(joined) >= 2
-        for record in joined:
-            assert record["weights"] == by_step[record["step"]]["weights"], (rank, record["step"])
-        assert again[-1]["step"] == first[-1]["step"]
+        # its whole weights equal the survivor's at every step since.
+        _assert_survived_and_rejoined(
+            _zero_records(tmp_path / "first" / "group0.jsonl", rank),
+            _zero_records(tmp_path / "first" / "group1.jsonl", rank)[-1],
+            _zero_records(rejoined, rank),
+            reference,
+            min_joined=2,
+            rank=rank,
+        )
 
 
 def _heal_shards(rank: int, world_size: int) -> dict:
