@@ -22,7 +22,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
-from training_helpers import assert_weights_close
+from training_helpers import assert_weights_close, cpu_trainer
 
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 
@@ -169,20 +169,17 @@ def reference_weights() -> dict[str, torch.Tensor]:
     seed=0)``, so rank r takes ``perm[r::N]`` of one permutation; here that permutation is explicit, so step k
     sees exactly the samples the N ranks see together at step k.
     """
+    return single_device_weights(steps=STEPS, samples=GLOBAL_BATCH * STEPS)
+
+
+def single_device_weights(*, steps: int, samples: int) -> dict[str, torch.Tensor]:
+    """The tiny GPT (seed 0) trained by one device for ``steps`` global batches of ``GLOBAL_BATCH`` drawn from
+    ``samples`` random sequences by Lightning's shuffling sampler (``seed=0``, reseeded every epoch)."""
     pl.seed_everything(0, verbose=False)
     model = GPTLightningModule("tiny", block_size=SEQ_LEN, learning_rate=1e-3)
-    dataset = RandomTokenDataset(GLOBAL_BATCH * STEPS, SEQ_LEN, seed=0)
+    dataset = RandomTokenDataset(samples, SEQ_LEN, seed=0)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(devices=1, max_steps=steps, limit_val_batches=0)
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH, sampler=sampler))
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 

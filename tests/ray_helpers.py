@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from ray.train.lightning import RayLightningEnvironment
 from streamed_data import StreamedMLP, batch_indices
+from training_helpers import cpu_trainer
 
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataModule
 from lightning_parallel.integrations.ray import (
@@ -95,17 +96,12 @@ class _RecordStart(Callback):
 def _ray_trainer(spec: dict[str, Any], *, callbacks: list[Callback], **limits: Any) -> pl.Trainer:
     """A Trainer with the Ray variant of ``spec``'s strategy, through ``prepare_trainer``."""
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices="auto",
         strategy=ray_strategy(spec["name"], timeout=60, **spec["options"]),
         plugins=[RayLightningEnvironment()],
         callbacks=callbacks,
         limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         **limits,
     )
     return prepare_trainer(trainer)

@@ -26,15 +26,13 @@ pytest.importorskip("ray.train.torch")
 import lightning.pytorch as pl
 import ray_helpers
 import torch
-from launch_helpers import TOLERANCE, reference_weights
+from launch_helpers import TOLERANCE, reference_weights, single_device_weights
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from streamed_data import STREAMED_SAMPLES
-from torch.utils.data import DataLoader, DistributedSampler
 from training_helpers import assert_weights_close
 
 from lightning_parallel import DataParallelStrategy
-from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
 from lightning_parallel.integrations.ray import (
     RayPipelineParallelStrategy,
     RayShardedOptimizerStrategy,
@@ -184,26 +182,6 @@ def test_each_worker_reads_its_replicas_share_of_streamed_data_in_ray(ray_run, l
         assert sorted(i for share in read for i in share) == list(range(STREAMED_SAMPLES)), (library, read)
 
 
-def _uninterrupted_weights(steps: int, samples: int) -> dict[str, torch.Tensor]:
-    """One device, the same global batches as the resumable run (Lightning's shuffling sampler, reseeded per epoch)."""
-    pl.seed_everything(0, verbose=False)
-    model = GPTLightningModule("tiny", block_size=ray_helpers.SEQ_LEN, learning_rate=1e-3)
-    dataset = RandomTokenDataset(samples, ray_helpers.SEQ_LEN, seed=0)
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, DataLoader(dataset, batch_size=ray_helpers.GLOBAL_BATCH, sampler=sampler))
-    return model.state_dict()
-
-
 @pytest.mark.slow
 def test_killed_worker_is_restarted_by_ray_and_resumes_from_its_checkpoint(ray_run):
     out, result = ray_run
@@ -216,7 +194,9 @@ def test_killed_worker_is_restarted_by_ray_and_resumes_from_its_checkpoint(ray_r
     assert result.error is None
     assert result.metrics["step"] == steps and result.checkpoint is not None
     samples = ray_helpers.GLOBAL_BATCH * ray_helpers.STEPS_PER_EPOCH
-    assert_weights_close(_saved_weights(out / "resumable.ckpt"), _uninterrupted_weights(steps, samples), **TOLERANCE)
+    assert_weights_close(
+        _saved_weights(out / "resumable.ckpt"), single_device_weights(steps=steps, samples=samples), **TOLERANCE
+    )
 
 
 # ---------------------------------------------------------------------------------------------- no Ray cluster needed
