@@ -243,8 +243,9 @@ def plan(
             temporaries and communication buffers as the code allocates them; seconds per row at any world size);
             the "peak (dry run)" column, and "fits" and the recommendation use it. A pipeline row runs torch's
             schedule on each pipeline rank's stages (:mod:`lightning_parallel.planner.dry_run_pipeline`) and shows the
-            largest rank. Pipeline rows with ZeRO-3 inside or uneven stages, 16-bit precisions, bare parameter counts
-            and models that cannot run on fake tensors keep the formula (marked "formula").
+            largest rank. ZeRO rows in ``"bf16-true"`` / ``"16-true"`` hold the strategy's fp32 master weights.
+            Pipeline rows with ZeRO-3 inside, uneven stages or a 16-bit precision, mixed precisions, bare parameter
+            counts and models that cannot run on fake tensors keep the formula (marked "formula").
             The search's extra layouts stay on the formula.
 
     Raises:
