@@ -98,6 +98,9 @@ class PipelineLayout:
             )
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f'`backend={self.backend!r}` is invalid: use "nccl" or "gloo".')
+        if self.world_size % self.pipeline_parallel_size:  # the planner's words; `config.validate()` checks it too
+            p, n = self.pipeline_parallel_size, self.world_size
+            raise ValueError(f"`pipeline_parallel_size={p}` does not divide `world_size={n}`.")
         self.config = PipelineConfig.resolve(
             world_size=self.world_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
