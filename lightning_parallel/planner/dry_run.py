@@ -391,19 +391,11 @@ def _zero_backend(layout: DryRunLayout, device: torch.device) -> ZeroBackend:
 
 def cast_floating_tensors(module: nn.Module, dtype: torch.dtype) -> None:
     """The floating parameters and buffers of ``module`` in ``dtype``, as Lightning's ``bf16-true`` /
-    ``16-true`` ``convert_module`` casts them (``module.to(dtype)``), by registering cast copies: a fake tensor
-    cannot be converted in place (torch's fake mode holds a weak reference to it)."""
-    if dtype == torch.float32:
-        return
-    for submodule in module.modules():
-        for name, param in list(submodule.named_parameters(recurse=False)):
-            if param.is_floating_point() and param.dtype != dtype:
-                cast = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-                submodule.register_parameter(name, cast)
-        for name, buffer in list(submodule.named_buffers(recurse=False)):
-            if buffer.is_floating_point() and buffer.dtype != dtype:
-                persistent = name not in submodule._non_persistent_buffers_set
-                submodule.register_buffer(name, buffer.to(dtype), persistent=persistent)
+    ``16-true`` ``convert_module`` casts them (``module.to(dtype)``), through ``.data`` as ZeRO-3's fp32 masters are
+    made: ``module.to`` would swap a fake tensor, which torch refuses (its fake mode holds a weak reference to it)."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor.data = tensor.data.to(dtype)
 
 
 class PlayedStep(Protocol):
