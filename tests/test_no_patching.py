@@ -33,10 +33,11 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("planner/bubble.py", "schedule_order", "runtime class"): "a subclass of one of torch's schedule classes built "
     "only to read its `pipeline_order` on stand-in stages, with its send/recv derivation (quadratic, 15 s at p=32, "
     "m=256) skipped; never run, never put in place of torch's class",
-    ("planner/dry_run_pipeline.py", "_answered_locally", "setattr"): "the planner's dry run plays one pipeline rank "
-    "of a fake process group in its own call: for that call only, the cross-rank answers torch would receive "
-    "(all_gather_object, stage metadata, the static/dynamic vote, the real backend's name) are computed locally and "
-    "fake sends are held like real ones; every attribute is put back in `finally`. No training runs meanwhile",
+    ("planner/dry_run.py", "answered_locally", "setattr"): "the planner's dry runs play one rank of a fake process "
+    "group in their own call: for that call only, the cross-rank answers torch would receive (the real backend's "
+    "name: dist.get_backend; in a pipeline all_gather_object, stage metadata, the static/dynamic vote) are computed "
+    "locally, fake sends are held like real ones and nn.Module.to leaves fake tensors already in place; every "
+    "attribute is put back in `finally`. No training runs meanwhile",
     ("strategies/replica_groups.py", "FaultTolerantReplicas._load_state_dict", "private"): "a replica group healed "
     "from a live peer takes its step count: Lightning restores this epoch-loop counter only from its own loop "
     "state_dict (a checkpoint), with no public setter",

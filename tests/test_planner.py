@@ -427,3 +427,40 @@ def test_world_size_one_lists_zero_with_fp32_masters_only_for_16bit_parameters()
     assert (zero2.parameters, zero2.gradients, zero2.optimizer_state) == (2 * psi, 4 * psi, 12 * psi)
     assert zero1.communication == zero2.communication == {}
     assert bf16.recommended is not None and bf16.recommended.name == "data_parallel"
+
+
+def test_micro_batches_follow_each_schedules_own_rule() -> None:
+    """Issue 45: the planner asked every multi-stage schedule for a multiple of the pipeline size and a micro-batch
+    per stage, which torch's V schedules do not: ``ScheduleZBVZeroBubble`` takes any count and ``ScheduleDualPipeV``
+    needs only ``>= 2p`` (``n_microbatches < self._num_stages`` raises). The planner now asks each schedule's
+    ``ScheduleSpec``, the rule ``PipelineParallelStrategy`` validates with; its counts are ones the strategy runs."""
+    from lightning_parallel.distributed.pipeline.schedule import validate_schedule_config
+    from lightning_parallel.planner.plan import default_microbatches, pipeline_schedule
+
+    # Batch 5 over 2 ranks x 2 stages: no multiple of 2 divides 5; both V schedules run 5 micro-batches.
+    assert pipeline_schedule("ZBVZeroBubble", batch_size=5, pipeline_parallel_size=2, num_microbatches=None) == (
+        5, "ZBVZeroBubble", 2)  # fmt: skip
+    assert pipeline_schedule("DualPipeV", batch_size=5, pipeline_parallel_size=2, num_microbatches=None) == (
+        5, "DualPipeV", 2)  # fmt: skip
+    # A batch smaller than the stages: ZBV still runs one micro-batch per sample; DualPipeV refuses, so GPipe.
+    assert pipeline_schedule("ZBVZeroBubble", batch_size=2, pipeline_parallel_size=2, num_microbatches=None) == (
+        2, "ZBVZeroBubble", 2)  # fmt: skip
+    assert pipeline_schedule("DualPipeV", batch_size=3, pipeline_parallel_size=2, num_microbatches=None) == (
+        3, "GPipe", 1)  # fmt: skip
+    # The interleaved schedules keep their rounds of p (torch's `number_of_rounds`): 12 over 4 ranks, not 10 or 11.
+    assert default_microbatches(60, 4, "Interleaved1F1B") == 20
+    assert default_microbatches(33, 4, "Interleaved1F1B") is None
+    assert default_microbatches(33, 4, "ZBVZeroBubble") == 11
+    # Unchanged where the old rule was right: 1F1B and GPipe.
+    assert default_microbatches(12, 2, "1F1B") == 6 and default_microbatches(3, 4, "1F1B") is None
+    assert pipeline_schedule("1F1B", batch_size=3, pipeline_parallel_size=4, num_microbatches=None) == (3, "GPipe", 1)
+    for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                     "DualPipeV"):  # fmt: skip
+        for batch_size in range(1, 40):
+            for p in (2, 3, 4):
+                m, chosen, stages_per_rank = pipeline_schedule(
+                    schedule, batch_size=batch_size, pipeline_parallel_size=p, num_microbatches=None
+                ) or (0, "", 0)
+                assert batch_size % m == 0
+                validate_schedule_config(chosen, pipeline_parallel_size=p, stages_per_rank=stages_per_rank,
+                                         num_microbatches=m)  # fmt: skip

@@ -9,8 +9,9 @@ has no module: the formula stays.
 :func:`measure_rows` runs rank 0 (the largest shard: padding falls on the last ranks) of each data-parallel / ZeRO /
 hybrid row, and every pipeline rank of the first replica of each pipeline row (:mod:`.dry_run_pipeline`: torch's
 schedule on the rank's stages; the row's peak is its largest), and sets :attr:`~.estimate.ConfigEstimate.peak`.
-Pipeline rows with ZeRO-3 inside or uneven stages, 16-bit precisions and models the dry run cannot execute keep the
-formula, with a note saying why.
+Data-parallel and ZeRO rows are dry-run in fp32 and in the 16-bit ``-true`` precisions (ZeRO then holds the fp32
+master weights the strategy keeps); pipeline rows with ZeRO-3 inside, uneven stages or a 16-bit precision, mixed
+precisions and models the dry run cannot execute keep the formula, with a note saying why.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel.planner.dry_run import (
+    PRECISIONS,
     DryRunError,
     DryRunLayout,
     DryRunWorkload,
@@ -112,7 +114,9 @@ def dry_run_workload(
     )
 
 
-def _layout(config: ConfigEstimate, *, world_size: int, bucket_cap_mb: float, backend: str) -> DryRunLayout | None:
+def _layout(
+    config: ConfigEstimate, *, world_size: int, bucket_cap_mb: float, backend: str, precision: str
+) -> DryRunLayout | None:
     """The dry-run layout of a data-parallel / ZeRO table row, or ``None`` for another row."""
     name = config.name
     strategy, _, shard = name.partition(" shard=")
@@ -124,6 +128,7 @@ def _layout(config: ConfigEstimate, *, world_size: int, bucket_cap_mb: float, ba
         shard_size=int(shard) if shard else None,
         bucket_cap_mb=bucket_cap_mb,
         backend=backend,
+        precision=precision,
     )
 
 
@@ -175,16 +180,21 @@ def measure_rows(
     backend: str,
 ) -> list[str]:
     """Set each dry-runnable row's :attr:`~.estimate.ConfigEstimate.peak`; return notes for the plan."""
-    if precision not in ("32-true", "32"):
-        return [f"Dry run: precision {precision} is not dry-run yet (fp32 only); every row keeps the formula."]
+    precision = "32-true" if precision == "32" else precision
+    if precision not in PRECISIONS:
+        valid = ", ".join(PRECISIONS)
+        return [f"Dry run: precision {precision} is not dry-run yet ({valid} only); every row keeps the formula."]
     if isinstance(workload, str):
         return [f"Dry run: not possible ({workload}); every row keeps the formula."]
     notes = []
     for config in configs:
         if config.name.startswith("pipeline"):
-            notes += _measure_pipeline_row(config, workload, world_size=world_size, backend=backend)
+            if precision == "32-true":  # the pipeline's dry run plays fp32 only
+                notes += _measure_pipeline_row(config, workload, world_size=world_size, backend=backend)
             continue
-        layout = _layout(config, world_size=world_size, bucket_cap_mb=bucket_cap_mb, backend=backend)
+        layout = _layout(
+            config, world_size=world_size, bucket_cap_mb=bucket_cap_mb, backend=backend, precision=precision
+        )
         if layout is None:
             continue
         try:
@@ -195,7 +205,7 @@ def measure_rows(
             return [f"Dry run failed, every row keeps the formula: {error}"]
     if any(c.peak is None for c in configs):
         notes.append(
-            "Dry run: pipeline rows with ZeRO-3 inside or uneven stages keep the formula (marked 'formula' in the"
-            " peak column)."
+            "Dry run: pipeline rows with ZeRO-3 inside, uneven stages or a 16-bit precision keep the formula (marked"
+            " 'formula' in the peak column)."
         )
     return notes

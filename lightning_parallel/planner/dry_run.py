@@ -2,20 +2,30 @@
 
 Instead of a formula, the dry run executes a warm-up step and then one measured training step of the model, in
 Lightning's order (forward and loss, ``zero_grad``, backward, gradient sync, optimizer step, ZeRO's parameter
-all-gather: the last step's gradients live through the forward, as in a ``Trainer``) under the chosen layout, with
-the project's own building blocks: ``ShardedParameterBuckets`` + ``ShardedOptimizer`` at ZeRO-1/2 (hybrid through a
-shard and a replicate group), ``apply_fully_shard`` at ZeRO-3 (HSDP when hybrid) and a bucket-for-bucket
-stand-in of ``DistributedDataParallel``'s reducer for data parallelism (DDP's C++ reducer reads its tensors' data,
-which fake tensors have none of: :class:`_ReplicatedBuckets`). Every tensor is a ``FakeTensor`` (torch's
-``FakeTensorMode``): shapes, dtypes and storages of the right size, no memory, no data. Collectives go to torch's fake
-process group, which lets this one process act as rank ``r`` of a world of any size; so one simulated rank plans for
-1,024 GPUs in seconds.
+all-gather: the last step's gradients live through the forward, as in a ``Trainer``) under the chosen layout. ZeRO
+rows are held as ``ShardedOptimizerStrategy`` holds a model: the ``ZeroBackend`` (``distributed/zero/backends/``)
+that the strategy's chooser ``backend_type`` picks, built from a ``ZeroConfig`` and a ``ZeroContext`` on
+the (fake) mesh, and driven by the strategy's own calls (``convert_module``, ``setup_module``, ``setup_optimizers``,
+``wait_for_parameters``, ``reduce_gradients``, ``after_optimizer_step``); so whatever the backend holds is measured
+as the strategy holds it: fp32 master weights of 16-bit parameters (``precision="bf16-true"``), the parameter
+all-gather in flight through the next forward (``overlap_param_gather``), HSDP when hybrid. Data parallelism is
+``DistributedDataParallel`` on real tensors and a bucket-for-bucket stand-in of its reducer on fake ones (DDP's C++
+reducer reads its tensors' data, which fake tensors have none of: :class:`_ReplicatedBuckets`).
+
+Every tensor is a ``FakeTensor`` (torch's ``FakeTensorMode``): shapes, dtypes and storages of the right size, no
+memory, no data. Collectives go to torch's fake process group, which lets this one process act as rank ``r`` of a
+world of any size; so one simulated rank plans for 1,024 GPUs in seconds.
 
 The peak is measured by :class:`~lightning_parallel.accounting.LiveTensorPeak`, the measure the demo table, the
 monitor and ``benchmarks/peak_memory.py`` report: fake storages count their full ``nbytes``. Activations, autograd's
 saved tensors, temporaries (the optimizer's ``foreach`` intermediates), communication buffers and activation
 checkpointing are therefore what the code really allocates, not an estimate. Storages that only C++ holds (DDP's
 buckets) count, as on a real run, from the first op of the measured step that touches them.
+
+What a fake process group and fake tensors cannot do is answered locally for the length of the dry run only
+(:func:`answered_locally`): ``dist.get_backend`` names the real run's backend (the fake group says ``"fake"``; ZeRO
+picks its collectives by it), and ``nn.Module.to`` leaves a module whose tensors are already on the device and in
+the dtype asked for as it is (moving a fake tensor swaps it in place, which torch refuses).
 
 Data-dependent control values (``.item()``, ``.tolist()`` of a flag tensor) have no value on a fake tensor: they read
 the tensor's constant where torch kept one, else 1 (every parameter got a gradient, every value finite). A model whose
@@ -47,25 +57,29 @@ from torch.utils._pytree import tree_flatten
 from lightning_parallel.accounting import LiveTensorPeak, PeakMemory, live_tensors, optimizer_state_tensors
 from lightning_parallel.distributed.activation_checkpointing import apply_activation_checkpointing
 from lightning_parallel.distributed.mesh import MeshLayout
-from lightning_parallel.distributed.zero import stage3 as zero3
-from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
-from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
-from lightning_parallel.distributed.zero.stage3_compat import initialise_root
-from lightning_parallel.distributed.zero.stage3_gloo import GlooAllGather, GlooGradientReduction
+from lightning_parallel.distributed.zero.backends import ZeroBackend, ZeroContext, backend_type
+from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
 from lightning_parallel.planner._compat import FakeStore, FakeTensorMode, disable_current_modes, forget_cached_shardings
 
 __all__ = [
     "DRY_RUN_STRATEGIES",
+    "PRECISIONS",
     "DryRunError",
     "DryRunLayout",
     "DryRunWorkload",
+    "answered_locally",
     "backend_device",
+    "cast_floating_tensors",
     "dry_run",
+    "fake_world_answers",
     "measure_step",
 ]
 
 DRY_RUN_STRATEGIES = ("data_parallel", "zero1", "zero2", "zero3")
 """The layouts this module executes (the pipeline's: :mod:`.dry_run_pipeline`)."""
+
+PRECISIONS: dict[str, torch.dtype] = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+"""The Lightning precisions the dry run plays, with the dtype each converts the module (and floating inputs) to."""
 
 
 class DryRunError(RuntimeError):
@@ -89,15 +103,44 @@ class DryRunLayout:
     """The backend the real run will use: on ``"gloo"`` ZeRO all-reduces gradient buckets and broadcasts parameter
     shards (what :func:`~lightning_parallel.distributed.zero.buckets.default_gradient_reduction` and
     ``stage3_gloo.py`` pick there), on ``"nccl"`` it reduce-scatters and all-gathers."""
+    precision: str = "32-true"
+    """As the Trainer's: one of :data:`PRECISIONS` (``"bf16-true"``: a bf16 model, which ZeRO steps through fp32
+    masters unless ``master_weights=None``)."""
+    master_weights: MasterWeights = "fp32"
+    """ZeRO, as ``ShardedOptimizerStrategy``'s: with 16-bit parameters, ``"fp32"`` steps fp32 masters of the shard."""
+    overlap_param_gather: OverlapParamGather = "auto"
+    """ZeRO-1/2, as ``ShardedOptimizerStrategy``'s: the all-gather after the step in flight through the next
+    forward (``"auto"``/``True``) or waited for at once (``False``)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in DRY_RUN_STRATEGIES:
             raise ValueError(f"`strategy={self.strategy!r}` cannot be dry-run; use one of {DRY_RUN_STRATEGIES}.")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"`precision={self.precision!r}` cannot be dry-run; use one of {tuple(PRECISIONS)}.")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"`rank={self.rank}` is outside the world of {self.world_size} ranks.")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f'`backend={self.backend!r}` is invalid: use "nccl" or "gloo".')
         MeshLayout.for_sharding(self.world_size, self.shard_size)  # validates shard_size
+        if self.strategy != "data_parallel":
+            self.zero_config  # noqa: B018  # validates the ZeRO settings
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        """The ZeRO settings of this layout, as ``ShardedOptimizerStrategy`` builds them from its arguments."""
+        stages: dict[str, Stage] = {"zero1": 1, "zero2": 2, "zero3": 3}
+        return ZeroConfig(
+            stage=stages[self.strategy],
+            shard_size=self.shard_size,
+            bucket_cap_mb=self.bucket_cap_mb,
+            master_weights=self.master_weights,
+            overlap_param_gather=self.overlap_param_gather,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the module's floating tensors and of the batch's floating inputs under :attr:`precision`."""
+        return PRECISIONS[self.precision]
 
 
 @dataclass(kw_only=True)
@@ -246,51 +289,34 @@ class _StepRunner:
         device = torch.device("cpu") if device is None else device
         self.device = device
         module = workload.make_model()
-        if not fake:  # fake tensors are the CPU's (and `.to` on them would swap every parameter)
-            module.to(device)
-        if workload.activation_checkpointing:
-            apply_activation_checkpointing(module, workload.activation_checkpointing)
         self.module = module
         self.model: nn.Module = module
-        self.buckets: ShardedParameterBuckets | None = None
-        self.sharded: ShardedOptimizer | None = None
+        self.backend: ZeroBackend | None = None
         self.replicated: _ReplicatedBuckets | None = None
-        mesh_layout = MeshLayout.for_sharding(layout.world_size, layout.shard_size)
-        strategy = layout.strategy
-        if strategy == "data_parallel":
+        if layout.strategy == "data_parallel":
+            if not fake:  # fake tensors are the CPU's (and `.to` on them would swap every parameter)
+                module.to(device)
+            cast_floating_tensors(module, layout.dtype)  # the precision plugin's `convert_module`
+            if workload.activation_checkpointing:
+                apply_activation_checkpointing(module, workload.activation_checkpointing)
             if fake:  # DDP's C++ reducer reads its parameters' data: the stand-in does what it does
                 self.replicated = _ReplicatedBuckets(module, bucket_cap_mb=layout.bucket_cap_mb)
             else:
                 self.model = DistributedDataParallel(module, bucket_cap_mb=layout.bucket_cap_mb,
                                                      gradient_as_bucket_view=True)  # fmt: skip
             self.optimizer = workload.make_optimizer(module.parameters())
-        elif strategy in ("zero1", "zero2"):
-            shard, replicate = _groups(mesh_layout, device.type)
-            zero3.broadcast_from_rank0(module, device)
-            self.optimizer = workload.make_optimizer(module.parameters())
-            gloo = layout.backend == "gloo"
-            self.buckets = ShardedParameterBuckets(
-                module,
-                stage=int(strategy[-1]),
-                group=shard,
-                replicate_group=replicate,
-                bucket_cap_mb=layout.bucket_cap_mb,
-                gradient_reduction="all_reduce" if gloo else "reduce_scatter",
-                parameter_gather="broadcasts" if gloo else "all_gather",
-            )
-            self.buckets.agree_on_launch_order = False  # one rank played: its own order is every rank's
-            self.sharded = ShardedOptimizer(self.optimizer, self.buckets)
-        else:  # zero3
-            zero3.broadcast_from_rank0(module, device)
-            mesh = _mesh(mesh_layout, device.type)
-            if not mesh_layout.is_hybrid:
-                mesh = mesh["shard"]
-            units = zero3.apply_fully_shard(module, mesh)
-            initialise_root(units[-1])
-            if layout.backend == "gloo" and mesh_layout.shard_size > 1:  # as `install_gloo_collectives` on gloo
-                GlooAllGather(None).install(units)  # type: ignore[arg-type]
-                GlooGradientReduction().install(units, replicated=mesh_layout.is_hybrid)  # type: ignore[arg-type]
-            self.optimizer = workload.make_optimizer(module.parameters())
+            return
+        self.backend = _zero_backend(layout, device)
+        # `ShardedOptimizerStrategy.setup`'s order: convert, checkpoint activations, hold the module, the optimizer.
+        self.backend.convert_module(module, convert=lambda m: cast_floating_tensors(m, layout.dtype))
+        if workload.activation_checkpointing:
+            apply_activation_checkpointing(module, workload.activation_checkpointing)
+        self.backend.setup_module(module, device)
+        self.optimizer = workload.make_optimizer(module.parameters())
+        self.backend.setup_optimizers([self.optimizer])
+        buckets = getattr(self.backend, "buckets", None)
+        if fake and buckets is not None:  # ZeRO-1/2: one rank played, its own bucket order is every rank's
+            buckets.agree_on_launch_order = False
 
     def step(self, tracker: LiveTensorPeak | None = None) -> None:
         def phase(name: str) -> None:
@@ -298,31 +324,36 @@ class _StepRunner:
                 tracker.phase = name
 
         phase("forward")
-        batch = _to_device(self.workload.make_batch(), self.device)
+        backend = self.backend
+        if backend is not None:  # as the strategy's `training_step`: the rest waits in the blocks' pre-hooks
+            backend.wait_for_parameters(everywhere=False)
+        batch = _to_device(self.workload.make_batch(), self.device, self.layout.dtype)
         loss = self.workload.loss(self.model, batch)
         del batch
         # Lightning's order: `training_step`, then `zero_grad`, then backward; the last step's gradients live
         # through this forward (ZeRO-3's sharded ones, a pipeline's whole stage's: see `dry_run_pipeline`).
         self.optimizer.zero_grad()
         phase("backward")
+        if backend is not None:  # the strategy's `pre_backward`
+            backend.wait_for_parameters()
         loss.backward()
         del loss
-        if self.buckets is not None:
+        if backend is not None:
             phase("gradient_sync")
-            self.buckets.finish_gradient_sync()
+            backend.reduce_gradients()
         phase("optimizer_step")
         self.optimizer.step()
-        if self.buckets is not None and self.sharded is not None:
+        if backend is not None:
             phase("parameter_all_gather")
-            self.buckets.all_gather_parameters(self.sharded.bucket_indices)
+            backend.after_optimizer_step(self.optimizer)
         if self.replicated is not None:
             self.replicated.end_step()
 
     def categories(self) -> dict[str, list[Tensor]]:
         params: list[Tensor] = list(self.module.parameters())
         grads = [p.grad for p in params if p.grad is not None]
-        if self.buckets is not None:
-            grads += self.buckets.gradient_buffers()
+        if self.backend is not None:
+            grads += self.backend.gradient_buffers()
         return {
             "parameters": params,
             "gradients": grads,
@@ -335,12 +366,36 @@ class _StepRunner:
     def close(self) -> None:
         """Drop the gradient hooks: a hook held by a parameter in C++ keeps the whole step's state (buckets, model,
         optimizer) alive in a cycle the garbage collector cannot see, which a later measurement would count."""
-        if self.buckets is not None:
-            self.buckets.remove_hooks()
+        if self.backend is not None:
+            self.backend.abandon_in_flight()
+            self.backend.teardown()
         if self.replicated is not None:
             self.replicated.remove_hooks()
         for param in self.module.parameters():
             param.grad = None
+
+
+def _zero_backend(layout: DryRunLayout, device: torch.device) -> ZeroBackend:
+    """The backend ``ShardedOptimizerStrategy`` holds the model with in ``layout`` (its chooser, its records), on the
+    strategy's ``("replicate", "shard", "pp")`` mesh of this (real or fake) world."""
+    config = layout.zero_config
+    is_sharding = layout.world_size > 1
+    keeps_masters = layout.dtype != torch.float32 and config.master_weights == "fp32"
+    mesh = None
+    if is_sharding:
+        with disable_current_modes():  # a device mesh computes its coordinates from real tensors
+            mesh = MeshLayout.for_sharding(layout.world_size, layout.shard_size).build(device.type)
+    context = ZeroContext(rank=dist.get_rank(), world_size=layout.world_size, mesh=mesh)
+    return backend_type(config.stage, is_sharding=is_sharding, keeps_masters=keeps_masters)(config, context)
+
+
+def cast_floating_tensors(module: nn.Module, dtype: torch.dtype) -> None:
+    """The floating parameters and buffers of ``module`` in ``dtype``, as Lightning's ``bf16-true`` /
+    ``16-true`` ``convert_module`` casts them (``module.to(dtype)``), through ``.data`` as ZeRO-3's fp32 masters are
+    made: ``module.to`` would swap a fake tensor, which torch refuses (its fake mode holds a weak reference to it)."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor.data = tensor.data.to(dtype)
 
 
 class PlayedStep(Protocol):
@@ -369,23 +424,6 @@ def measure_played_step(played: PlayedStep, warmup_steps: int, *, existing: list
         played.close()
 
 
-def _groups(layout: MeshLayout, device_type: str) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """ZeRO's shard group and replicate group of this rank (``None``, ``None``: the whole world shards)."""
-    if not layout.is_hybrid:
-        return None, None
-    mesh = _mesh(layout, device_type)
-    return mesh.get_group("shard"), mesh.get_group("replicate")
-
-
-def _mesh(layout: MeshLayout, device_type: str) -> Any:
-    """The ``("replicate", "shard")`` device mesh of ``layout``, built on real tensors (also in a dry run)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    with disable_current_modes():
-        shape = (layout.replicate_size, layout.shard_size)
-        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-
-
 # ---------------------------------------------------------------------------------------------------- entry points
 @contextmanager
 def _fake_world(rank: int, world_size: int) -> Iterator[None]:
@@ -403,6 +441,56 @@ def _fake_world(rank: int, world_size: int) -> Iterator[None]:
         forget_cached_shardings()
 
 
+Replacement = tuple[Any, str, Any]
+"""``(owner, attribute name, value)``: what :func:`answered_locally` puts in place for its block."""
+
+
+@contextmanager
+def answered_locally(replacements: Iterable[Replacement]) -> Iterator[None]:
+    """For the block only: each ``owner.name`` is ``value``; every attribute is put back on exit, also on an error.
+
+    Only the dry runs use it, only inside their fake world: what a fake process group cannot carry and fake tensors
+    cannot do, answered as every rank of the real run would (:func:`fake_world_answers`; the pipeline's add the plan
+    agreement, torch's stage metadata and held sends: :mod:`.dry_run_pipeline`). Nothing trains meanwhile.
+    """
+    replacements = list(replacements)
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def fake_world_answers(backend: str) -> list[Replacement]:
+    """What every dry run answers locally: ``dist.get_backend`` names ``backend``, the real run's (the fake group
+    says ``"fake"``, and ZeRO picks its collectives by the backend's name); ``nn.Module.to`` leaves a module already
+    where and what it is asked to be as it is (:func:`_to_unless_there`)."""
+
+    def get_backend(group: Any = None) -> str:
+        del group
+        return backend
+
+    return [(dist, "get_backend", get_backend), (nn.Module, "to", _to_unless_there(nn.Module.to))]
+
+
+def _to_unless_there(module_to: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``nn.Module.to`` that leaves a module alone when its tensors are already there: moving a fake tensor swaps it
+    in place, which torch refuses (its fake mode holds a weak reference to it); the split and ZeRO's set-up move the
+    module to the device it is on."""
+
+    def to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*module.parameters(), *module.buffers()]
+        if all((device is None or t.device == device) and (dtype is None or t.dtype == dtype) for t in tensors):
+            return module
+        return module_to(module, *args, **kwargs)
+
+    return to
+
+
 def dry_run(workload: DryRunWorkload, layout: DryRunLayout, *, warmup_steps: int = 1) -> StepPeak:
     """The peak bytes of live tensors of rank ``layout.rank`` over one training step, on fake tensors.
 
@@ -417,7 +505,11 @@ def dry_run(workload: DryRunWorkload, layout: DryRunLayout, *, warmup_steps: int
         # Code that compares data pointers (to skip a copy onto itself) reads 0 on every fake tensor: harmless.
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True), _ControlScalars():
+            with (
+                FakeTensorMode(allow_non_fake_inputs=True),
+                _ControlScalars(),
+                answered_locally(fake_world_answers(layout.backend)),
+            ):
                 existing = live_tensors()
                 runner = _StepRunner(workload, layout, fake=True)
                 return runner.measure(warmup_steps, existing)
@@ -455,12 +547,13 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cpu" if "cpu" in types else types[0])
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` (a tensor, or tuples and lists of them: what the workloads make) on ``device``."""
+def _to_device(batch: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """``batch`` (a tensor, or tuples and lists of them: what the workloads make) on ``device``, its floating tensors
+    in ``dtype`` (as Lightning's ``bf16-true`` / ``16-true`` ``convert_input`` casts them)."""
     if isinstance(batch, Tensor):
-        return batch.to(device)
+        return batch.to(device, dtype=dtype) if batch.is_floating_point() else batch.to(device)
     if isinstance(batch, tuple | list):
-        return type(batch)(_to_device(item, device) for item in batch)
+        return type(batch)(_to_device(item, device, dtype) for item in batch)
     return batch
 
 

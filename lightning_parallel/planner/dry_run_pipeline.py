@@ -28,7 +28,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,18 +39,22 @@ from torch.distributed.pipelining import schedules
 from lightning_parallel.accounting import LiveTensorPeak, live_tensors, optimizer_state_tensors
 from lightning_parallel.distributed.activation_checkpointing import apply_activation_checkpointing
 from lightning_parallel.distributed.pipeline import _compat, stage_split
+from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
 from lightning_parallel.distributed.pipeline.partition import StageModule, plan_for_example
-from lightning_parallel.distributed.pipeline.schedule import build_runtime, schedule_spec, validate_schedule_config
+from lightning_parallel.distributed.pipeline.schedule import build_runtime, resolve_schedule
 from lightning_parallel.distributed.pipeline.stage_split import build_parallel_dims, split_into_stages
 from lightning_parallel.distributed.pipeline.zero import pipeline_zero_config
 from lightning_parallel.planner._compat import FakeTensorMode, disable_current_modes
 from lightning_parallel.planner.dry_run import (
     DryRunError,
     DryRunWorkload,
+    Replacement,
     StepPeak,
     _ControlScalars,
     _fake_world,
+    answered_locally,
+    fake_world_answers,
     measure_played_step,
 )
 
@@ -64,22 +68,27 @@ for those rows."""
 
 @dataclass(kw_only=True)
 class PipelineLayout:
-    """Where one pipeline rank stands: the world, the pipeline's size, schedule and counts, ZeRO inside it."""
+    """Where one pipeline rank stands: the world, the pipeline's size, schedule and counts, ZeRO inside it.
+
+    The counts resolve and validate as ``PipelineParallelStrategy``'s do: into its own record, :attr:`config`
+    (:class:`~lightning_parallel.distributed.pipeline.config.PipelineConfig`), which the dry run reads."""
 
     world_size: int
     pipeline_parallel_size: int
     rank: int = 0
     schedule: str = "1F1B"
     num_microbatches: int | None = None
-    """Micro-batches per batch (``None``: one per stage)."""
+    """Micro-batches per batch (``None``: the strategy's ``"auto"``, one per stage)."""
     stages_per_rank: int | None = None
-    """``None``: the schedule's default."""
+    """``None``: the strategy's ``"auto"``, the schedule's default."""
     zero_stage: int = 0
     """ZeRO over each stage's data-parallel replicas (0: replicated); one of :data:`PIPELINE_ZERO_STAGES`."""
     partition: str = "flops"
     backend: str = "nccl"
     """The backend the real run will use (ZeRO inside the pipeline picks its collectives by it, as in
     :class:`~.dry_run.DryRunLayout`)."""
+    config: PipelineConfig = field(init=False)
+    """The strategy's record of the counts above, every ``None`` (``"auto"``) resolved."""
 
     def __post_init__(self) -> None:
         if self.zero_stage not in PIPELINE_ZERO_STAGES:
@@ -89,28 +98,19 @@ class PipelineLayout:
             )
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f'`backend={self.backend!r}` is invalid: use "nccl" or "gloo".')
-        spec = schedule_spec(self.schedule)
-        self.schedule = spec.name
-        if self.stages_per_rank is None:
-            self.stages_per_rank = spec.default_stages_per_rank if self.pipeline_parallel_size > 1 else 1
-        if self.num_microbatches is None:
-            self.num_microbatches = self.pipeline_parallel_size * self.stages_per_rank
-        if self.world_size % self.pipeline_parallel_size:
+        if self.world_size % self.pipeline_parallel_size:  # the planner's words; `config.validate()` checks it too
             p, n = self.pipeline_parallel_size, self.world_size
             raise ValueError(f"`pipeline_parallel_size={p}` does not divide `world_size={n}`.")
+        self.config = PipelineConfig.resolve(
+            world_size=self.world_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            schedule=resolve_schedule(self.schedule),
+            stages_per_rank="auto" if self.stages_per_rank is None else self.stages_per_rank,
+            num_microbatches="auto" if self.num_microbatches is None else self.num_microbatches,
+        )
+        self.config.validate()
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"`rank={self.rank}` is outside the world of {self.world_size} ranks.")
-        validate_schedule_config(
-            self.schedule,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            stages_per_rank=self.stages_per_rank,
-            num_microbatches=self.num_microbatches,
-        )
-
-    @property
-    def num_stages(self) -> int:
-        assert self.stages_per_rank is not None
-        return self.pipeline_parallel_size * self.stages_per_rank
 
 
 class _PipelineStepRunner:
@@ -124,18 +124,18 @@ class _PipelineStepRunner:
         if workload.activation_checkpointing:
             apply_activation_checkpointing(module, workload.activation_checkpointing)
         self.module = module
-        zero_config = pipeline_zero_config(layout.zero_stage, schedule=layout.schedule)
+        config = layout.config
+        zero_config = pipeline_zero_config(layout.zero_stage, schedule=config.schedule)
         with disable_current_modes():  # a device mesh computes its coordinates from real tensors
             dims = build_parallel_dims(
-                layout.world_size,
+                config.world_size,
                 layout.rank,
-                pipeline_parallel_size=layout.pipeline_parallel_size,
+                pipeline_parallel_size=config.pipeline_parallel_size,
                 zero_config=zero_config,
             )
         self.dims = dims
         args, _ = workload.pipeline_batch(workload.make_batch())
-        assert layout.num_microbatches is not None
-        rows = args[0].shape[0] // layout.num_microbatches
+        rows = args[0].shape[0] // config.num_microbatches
         example: tuple[tuple[Any, ...], dict[str, Any]] = (tuple(a[:rows] for a in args), {})
         del args
         layers, _ = pipeline_layers_and_call(module)
@@ -146,9 +146,9 @@ class _PipelineStepRunner:
                 module,
                 dims=dims,
                 device=device,
-                num_stages=layout.num_stages,
-                schedule=layout.schedule,
-                num_microbatches=layout.num_microbatches,
+                num_stages=config.num_stages,
+                schedule=config.effective_schedule,
+                num_microbatches=config.num_microbatches,
                 example=example,
                 partition=layout.partition,  # type: ignore[arg-type]
                 verify_layers=False,
@@ -161,11 +161,11 @@ class _PipelineStepRunner:
                 buckets.agree_on_launch_order = False
             assert self.run.engine is not None
             self.runtime = build_runtime(
-                schedule=layout.schedule,
+                schedule=config.effective_schedule,
                 plan=self.run.plan,
                 layers=self.run.engine.layers,  # type: ignore[arg-type]  # only this rank's, never None, are read
                 dims=dims,
-                num_microbatches=layout.num_microbatches,
+                num_microbatches=config.num_microbatches,
                 device=device,
                 loss_fn=self._loss,
             )
@@ -177,37 +177,27 @@ class _PipelineStepRunner:
         if self.metas is None:
             yield
             return
-        metas, backend = self.metas, self.layout.backend
+        metas = self.metas
 
         def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
             object_list[:] = [obj] * len(object_list)  # every rank computed the same plan
 
-        def get_backend(group: Any = None) -> str:
-            return backend  # the fake group says "fake"; ZeRO picks its collectives by the real run's backend
-
-        replacements: list[tuple[Any, str, Any]] = [
+        replacements: list[Replacement] = [
             (dist, "all_gather_object", all_gather_object),
-            (dist, "get_backend", get_backend),
+            *fake_world_answers(self.layout.backend),
             *_compat.local_metadata_inference(metas.__getitem__),
             (schedules, "_batch_p2p", _holding(schedules._batch_p2p)),
             (stage_split, "offload_layers", _offload_fake_layers),
-            (nn.Module, "to", _to_unless_there(nn.Module.to)),
         ]
-        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
-        for owner, name, value in replacements:
-            setattr(owner, name, value)
-        try:
+        with answered_locally(replacements):
             yield
-        finally:
-            for owner, name, value in saved:
-                setattr(owner, name, value)
 
     def _loss(self, output: Any, target: Any) -> Tensor:
         if not self.runtime_initialized():
             outputs = output if isinstance(output, tuple) else (output,)
             return torch.stack([o.float().sum() for o in outputs]).sum() * 0.0
-        assert self.workload.output_loss is not None and self.layout.num_microbatches is not None
-        return self.workload.output_loss(output, target) / self.layout.num_microbatches
+        assert self.workload.output_loss is not None
+        return self.workload.output_loss(output, target) / self.layout.config.num_microbatches
 
     def runtime_initialized(self) -> bool:
         """Whether torch finished its metadata inference (which calls the loss once on a dummy output)."""
@@ -287,21 +277,6 @@ def _holding(batch_p2p: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
     return held
 
 
-def _to_unless_there(module_to: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """``nn.Module.to`` that leaves a module alone when its tensors are already there: moving a fake tensor swaps it
-    in place, which torch refuses (its fake mode holds a weak reference to it); the split and ZeRO's set-up move the
-    module to the device it is on."""
-
-    def to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        tensors = [*module.parameters(), *module.buffers()]
-        if all((device is None or t.device == device) and (dtype is None or t.dtype == dtype) for t in tensors):
-            return module
-        return module_to(module, *args, **kwargs)
-
-    return to
-
-
 def _offload_fake_layers(layers: Sequence[nn.Module], indices: Sequence[int], *, keep: Collection[int] = ()) -> None:
     """``offload_layers`` for fake tensors: another rank's layers on ``meta``. A fake tensor cannot be swapped in place
     (torch's fake mode holds a weak reference to each), so each parameter and buffer is replaced by a ``meta`` one."""
@@ -324,15 +299,15 @@ def _stage_metas(
 ) -> dict[int, Any]:
     """Each stage's output metadata (what torch's metadata inference sends on), the whole model's stages run once
     on fake tensors (also the input-gradient shapes sent back: the same as the previous stage's outputs)."""
-    assert layout.num_microbatches is not None
+    config = layout.config
     plan = plan_for_example(
         layers,
         example,
         partition=layout.partition,  # type: ignore[arg-type]
-        num_stages=layout.num_stages,
-        pipeline_parallel_size=layout.pipeline_parallel_size,
+        num_stages=config.num_stages,
+        pipeline_parallel_size=config.pipeline_parallel_size,
         warn=lambda message: None,
-        placement=schedule_spec(layout.schedule).placement,
+        placement=config.spec.placement,
     )
     metas = {}
     args: tuple[Any, ...] = example[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_parallel.distributed.pipeline.schedule import schedule_spec
+from lightning_parallel.distributed.pipeline.schedule import ScheduleSpec, schedule_spec
 from lightning_parallel.planner.activations import check_attention, check_checkpointing, recompute_fraction
 from lightning_parallel.planner.dry_plan import dry_run_workload, measure_rows
 from lightning_parallel.planner.estimate import (
@@ -220,8 +220,8 @@ def plan(
             count it chose in the ``Trainer`` line).
         schedule: pipeline schedule (a key of :data:`~lightning_parallel.distributed.pipeline.schedule.SCHEDULE_SPECS`:
             ``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"``, ``"ZBVZeroBubble"``, ...); 1F1B needs at least as many
-            micro-batches as stages, so a batch smaller than the pipeline is planned as GPipe
-            (:func:`pipeline_schedule`).
+            micro-batches as ranks (DualPipeV as stages), so a batch smaller than that is planned as GPipe
+            (:func:`pipeline_schedule`; ZBVZeroBubble takes any count).
         bucket_cap_mb: the ZeRO-1/2 bucket size (``ShardedOptimizerStrategy(bucket_cap_mb=...)``).
         activation_checkpointing: ``"none"`` (``False``), ``"full"`` (``True``: every transformer block recomputed in
             backward, the strategies' ``activation_checkpointing=True``) or ``"selective"`` (torchtitan's per-op
@@ -243,8 +243,9 @@ def plan(
             temporaries and communication buffers as the code allocates them; seconds per row at any world size);
             the "peak (dry run)" column, and "fits" and the recommendation use it. A pipeline row runs torch's
             schedule on each pipeline rank's stages (:mod:`lightning_parallel.planner.dry_run_pipeline`) and shows the
-            largest rank. Pipeline rows with ZeRO-3 inside or uneven stages, 16-bit precisions, bare parameter counts
-            and models that cannot run on fake tensors keep the formula (marked "formula").
+            largest rank. ZeRO rows in ``"bf16-true"`` / ``"16-true"`` hold the strategy's fp32 master weights.
+            Pipeline rows with ZeRO-3 inside, uneven stages or a 16-bit precision, mixed precisions, bare parameter
+            counts and models that cannot run on fake tensors keep the formula (marked "formula").
             The search's extra layouts stay on the formula.
 
     Raises:
@@ -411,28 +412,46 @@ def pipeline_schedule(
     """``(micro-batches, schedule, stages per rank)`` of a ``pipeline_parallel_size`` pipeline for this batch, or
     ``None`` when the given ``num_microbatches`` does not divide it.
 
-    :func:`default_microbatches` when it finds a count; else (a batch smaller than the pipeline: 1F1B and the
-    interleaved schedules need at least one micro-batch per stage) GPipe, which takes any count, with one
-    micro-batch per sample: at batch 1 a single micro-batch goes through the stages one after the other.
+    :func:`default_microbatches` when it finds a count; else one micro-batch per sample, with ``schedule`` where
+    torch runs it with that count (:class:`~lightning_parallel.distributed.pipeline.schedule.ScheduleSpec`'s rules:
+    ``ZBVZeroBubble`` takes any count, ``GPipe`` and ``LoopedBFS`` too), else with GPipe (a batch smaller than the
+    pipeline: 1F1B and the interleaved schedules need a micro-batch per rank, DualPipeV one per stage): at batch 1 a
+    single micro-batch goes through the stages one after the other.
     """
-    stages_per_rank = schedule_spec(schedule).default_stages_per_rank
+    spec = schedule_spec(schedule)
+    stages_per_rank = spec.default_stages_per_rank
     if num_microbatches is not None:
         return (num_microbatches, schedule, stages_per_rank) if batch_size % num_microbatches == 0 else None
-    m = default_microbatches(batch_size, pipeline_parallel_size, stages_per_rank)
+    m = default_microbatches(batch_size, pipeline_parallel_size, schedule)
     if m is not None:
         return m, schedule, stages_per_rank
+    if _runs(spec, pipeline_parallel_size, batch_size):
+        return batch_size, schedule, stages_per_rank
     return batch_size, "GPipe", 1
 
 
-def default_microbatches(batch_size: int, pipeline_parallel_size: int, stages_per_rank: int) -> int | None:
+def default_microbatches(batch_size: int, pipeline_parallel_size: int, schedule: str) -> int | None:
     """The most micro-batches up to ``4 x stages`` that divide the batch (a smaller bubble; more, smaller
-    micro-batches use an accelerator less well), at least the number of stages, a multiple of the pipeline size for
-    interleaved schedules; ``None`` when no count qualifies."""
-    stages = pipeline_parallel_size * stages_per_rank
+    micro-batches use an accelerator less well), at least the number of stages, and a count torch's ``schedule``
+    runs (its :class:`~lightning_parallel.distributed.pipeline.schedule.ScheduleSpec`'s rules: a multiple of the
+    pipeline size for the interleaved schedules, any count for ``ZBVZeroBubble``); ``None`` when no count
+    qualifies."""
+    spec = schedule_spec(schedule)
+    stages = pipeline_parallel_size * spec.default_stages_per_rank
     for m in range(min(batch_size, 4 * stages), stages - 1, -1):
-        if batch_size % m == 0 and (stages_per_rank == 1 or m % pipeline_parallel_size == 0):
+        if batch_size % m == 0 and _runs(spec, pipeline_parallel_size, m):
             return m
     return None
+
+
+def _runs(spec: ScheduleSpec, pipeline_parallel_size: int, num_microbatches: int) -> bool:
+    """Whether torch's schedule of ``spec`` runs ``num_microbatches`` on a ``pipeline_parallel_size`` pipeline."""
+    error = spec.config_error(
+        pipeline_parallel_size=pipeline_parallel_size,
+        stages_per_rank=spec.default_stages_per_rank,
+        num_microbatches=num_microbatches,
+    )
+    return error is None
 
 
 def _assumptions(spec: ModelSpec, *, checkpointing: str, attention: str, seq_len_defaulted: bool) -> list[str]:
@@ -446,7 +465,8 @@ def _assumptions(spec: ModelSpec, *, checkpointing: str, attention: str, seq_len
         " activations count what autograd saves, tensor by tensor (equal to CPU measurements), plus the largest"
         " transient of backward (planner/activations.py).",
         f"Attention kernel: {kernel}; pass attention / --attention to change it.",
-        "Pipelines: the most micro-batches up to 4 x stages that divide the batch (unless num_microbatches is given).",
+        "Pipelines: the most micro-batches up to 4 x stages that divide the batch and the schedule runs (unless"
+        " num_microbatches is given).",
         "wire bytes = the most bytes one rank puts on the wire per step under ring collectives (2(N-1)/N of an"
         " all-reduce, (N-1)/N of a reduce-scatter or all-gather; P2P as sent).",
     ]
