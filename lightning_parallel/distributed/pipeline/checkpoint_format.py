@@ -67,7 +67,7 @@ def whole_model_state(module: nn.Module, run: PipelineRun | None) -> dict[str, A
         whole = {k: v.detach().cpu() for k, v in module.state_dict().items()}
         whole.update({alias: whole[name] for alias, name in aliases.items() if alias in whole})
         return whole
-    local = run.sync.model_state()
+    local = run.stage_model_state()
     return consolidate_state_dict(module, run.full_state_keys, run.dims, aliases=aliases, local=local)
 
 
@@ -83,10 +83,8 @@ class ConsolidatedCheckpoint:
         self, run: PipelineRun, optimizer: Optimizer, optimizers: Sequence[Optimizer]
     ) -> dict[str, Any] | None:
         layout = run.optimizer_layouts[list(optimizers).index(optimizer)]
-        names = run.sync.parameter_names()
-        return consolidate_optimizer_state(
-            optimizer, names, layout, run.dims, local=run.sync.stage_optimizer_state(optimizer)
-        )
+        local = run.stage_optimizer_state(optimizer)
+        return consolidate_optimizer_state(optimizer, run.parameter_names(), layout, run.dims, local=local)
 
     def save(
         self,
@@ -129,7 +127,7 @@ class ShardedCheckpoint:
         broadcast: Callable[[str], str],
     ) -> None:
         dims = run.dims
-        named, pieces = run.sync.stage_pieces(optimizer)
+        named, pieces = run.stage_pieces(optimizer)
         # After teardown the module is whole again: each rank still writes only the stage it trained. A tied
         # parameter is written once, under its canonical name, by the lowest pipeline rank holding a copy.
         pieces = [replace(piece, name=run.aliases.get(piece.name, piece.name)) for piece in pieces]
