@@ -32,6 +32,7 @@ from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.checkpoint_format import (
     CHECKPOINT_FORMATS,
     CheckpointFormat,
+    CheckpointWrite,
     whole_model_state,
 )
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
@@ -645,9 +646,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         if self._run is None:
             return write()
         optimizer = unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
-        self._checkpoints.save(
-            self._run, self.module, checkpoint, filepath, optimizer=optimizer, write=write, broadcast=self.broadcast
-        )
+        request = CheckpointWrite(self.module, checkpoint, filepath, optimizer, write=write, broadcast=self.broadcast)
+        self._checkpoints.save(self._run, request)
         return None
 
     @override

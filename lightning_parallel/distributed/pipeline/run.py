@@ -21,11 +21,12 @@ from lightning_parallel.distributed.pipeline.consolidate import (
     local_optimizer_state,
 )
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
-from lightning_parallel.distributed.pipeline.fully_shard import PipelineFullyShard, load_whole_parameters
+from lightning_parallel.distributed.pipeline.fully_shard import load_whole_parameters
 from lightning_parallel.distributed.pipeline.hook_view import WholeModelView
 from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, reassemble
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.stage_holder import HeldStage
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, canonical_names
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within
 from lightning_parallel.distributed.zero.backends import ZeroBackend
@@ -62,13 +63,9 @@ class PipelineRun:
     """Each optimizer's parameter names per group on the whole model (the consolidated checkpoint's numbering)."""
     local_parameter_names: set[str]
     """Canonical names this rank writes in a sharded checkpoint (a tied copy only on its lowest pipeline rank)."""
-    backend: ZeroBackend
-    """How the stage is held over the replicas: the ZeRO backend the one chooser picked at the split (the
-    ``GradientSync`` protocol: ``reduce_gradients`` after the schedule, ``after_optimizer_step``, clipping)."""
-    copies: PipelineFullyShard | None
-    """ZeRO-3: the stage's sharded copies (its checkpoint state is read there, under the model's names)."""
-    sharded_names: dict[int, str]
-    """``id`` -> canonical name of the sharded parameters of this and earlier splits (ZeRO-3)."""
+    held: HeldStage
+    """How the stage is held over the replicas (:func:`~.stage_holder.hold_stage`, at the split): the ZeRO backend the
+    one chooser picked and, at ZeRO-3, the stage's sharded copies."""
     engine: PipelineEngine | None
     """Runs the steps; ``None`` once the module is whole again."""
     layers: list[nn.Module]
@@ -79,6 +76,12 @@ class PipelineRun:
     """Training failed: the teardown leaves the split module alone (no collective with failed peers)."""
     pending_grads: list[Tensor | None] | None = None
     """The last training step's gradients, handed over in ``backward`` after Lightning's ``zero_grad``."""
+
+    @property
+    def backend(self) -> ZeroBackend:
+        """The ZeRO backend holding the stage (the ``GradientSync`` protocol: ``reduce_gradients`` after the schedule,
+        ``after_optimizer_step``, clipping)."""
+        return self.held.backend
 
     @property
     def is_split(self) -> bool:
@@ -122,8 +125,8 @@ class PipelineRun:
             mark_orphaned(module)
             return
         self.backend.wait_for_parameters()
-        if self.copies is not None:  # ZeRO-3: the shards gathered into the user's layers, back in the module
-            self.copies.restore()
+        if self.held.copies is not None:  # ZeRO-3: the shards gathered into the user's layers, back in the module
+            self.held.copies.restore()
         reassemble(
             module,
             layers=self.layers,
@@ -165,7 +168,7 @@ class PipelineRun:
     def _load_entries(self, module: nn.Module, entries: dict[str, Any]) -> None:
         """Local. Whole tensors of this rank's entries (ZeRO-3 keeps its rows of each; ZeRO-1/2's fp32 masters restart
         from them)."""
-        if self.copies is not None:
+        if self.held.copies is not None:
             load_whole_parameters(module, entries)
         else:
             self.backend.load_model_state(entries, strict=False)
@@ -180,8 +183,8 @@ class PipelineRun:
     def setup_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Collective (ZeRO-1/2: the stage's buckets) or local. The unwrapped optimizers of this rank's parameters,
         before their first step."""
-        if self.copies is not None:
-            self.copies.check_optimizers(optimizers)
+        if self.held.copies is not None:
+            self.held.copies.check_optimizers(optimizers)
         self.backend.setup_optimizers(list(optimizers))
 
     def parameter_names(self) -> dict[int, str]:
@@ -190,8 +193,8 @@ class PipelineRun:
 
     def stage_model_state(self) -> dict[str, Any]:
         """Collective over the replicas (ZeRO-3) or local. This rank's ``state_dict`` with whole tensors."""
-        if self.copies is not None:
-            return self.copies.model_state(self.backend.compute_dtype)
+        if self.held.copies is not None:
+            return self.held.copies.model_state(self.backend.compute_dtype)
         self.backend.wait_for_parameters()
         return self.module.state_dict()
 
@@ -200,9 +203,11 @@ class PipelineRun:
         canonical name (:func:`~.consolidate.local_optimizer_state`), complete on the stage's first replica, which
         the consolidated checkpoint gathers over the pipeline (the other replicas' parts are dropped)."""
         names = self.parameter_names()
-        if self.copies is not None:
+        if self.held.copies is not None:
             has_masters = self.backend.compute_dtype is not None
-            return self.copies.optimizer_state(optimizer, {**names, **self.sharded_names}, has_masters=has_masters)
+            return self.held.copies.optimizer_state(
+                optimizer, {**names, **self.held.sharded_names}, has_masters=has_masters
+            )
         plain = self.backend.optimizer_state(optimizer) or {
             "state": {},
             "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
@@ -214,8 +219,8 @@ class PipelineRun:
         """Local (ZeRO-1/2 waits for its all-gather). Keep this rank's part of the whole model's single-device
         optimizer state."""
         names = self.parameter_names()
-        if self.copies is not None:
-            self.copies.load_optimizer_state(optimizer, state.slice_for(optimizer, names))
+        if self.held.copies is not None:
+            self.held.copies.load_optimizer_state(optimizer, state.slice_for(optimizer, names))
             return
         groups = [set(group) for group in state.layout]
         stepped = self.backend.parameters_stepped_by(optimizer)
@@ -225,8 +230,8 @@ class PipelineRun:
     def stage_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
         """Local. ``(canonical name, parameter)`` of what this rank holds, and the pieces of the sharded format this
         replica writes (ZeRO-3: its rows; else an even slice of each whole tensor)."""
-        if self.copies is not None:
-            return self.copies.pieces(optimizer, self.sharded_names)
+        if self.held.copies is not None:
+            return self.held.copies.pieces(optimizer, self.held.sharded_names)
         names = self.parameter_names()
         named: list[tuple[str, Tensor]] = [(names[id(param)], param) for param in self.module.parameters()]
         rank, size = self.dims.data_parallel_rank, self.dims.data_parallel_size

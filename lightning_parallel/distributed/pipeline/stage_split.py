@@ -55,7 +55,6 @@ from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import ChunkObserver, P2PObserver, ParallelDims, schedule_spec
 from lightning_parallel.distributed.pipeline.split import broadcast_from_rank0, check_same_plan, plan_on_every_rank
 from lightning_parallel.distributed.pipeline.stage_holder import (
-    HeldStage,
     StageHolding,
     check_holdable,
     hold_stage,
@@ -261,7 +260,7 @@ def split_into_stages(
         tied=tied_sync,
         aliases=aliases,
         device=device,
-        previous=_held(previous),
+        previous=previous.held if previous is not None else None,
     )
     running = held.layers
     engine = PipelineEngine(
@@ -286,17 +285,11 @@ def split_into_stages(
         full_shapes=full_shapes,
         optimizer_layouts=list(optimizer_layouts),
         local_parameter_names=canonical_held - layout.uncounted(dims.pipeline_rank),
-        backend=held.backend,
-        copies=held.copies,
-        sharded_names=held.sharded_names,
+        held=held,
         engine=engine,
         layers=layers,
         registrations=registrations,
     )
-
-
-def _held(run: PipelineRun | None) -> HeldStage | None:
-    return HeldStage(run.backend, run.copies, {}, run.sharded_names) if run is not None else None
 
 
 def keep_local_layers(
