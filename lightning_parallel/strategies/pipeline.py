@@ -57,7 +57,7 @@ from lightning_parallel.distributed.pipeline.stage_split import (
 from lightning_parallel.distributed.pipeline.tied import TiedLayout
 from lightning_parallel.distributed.pipeline.verify import closure_evaluated_twice
 from lightning_parallel.distributed.pipeline.zero import PipelineZeroStage, pipeline_zero_config
-from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather
+from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, ZeroConfig
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies import pipeline_setup
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
@@ -188,10 +188,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         )
         zero_config = pipeline_zero_config(  # ShardedOptimizerStrategy's ZeroConfig and messages
             zero_stage,
-            shard_size=shard_size,
-            bucket_cap_mb=bucket_cap_mb,
-            master_weights=master_weights,
-            overlap_param_gather=overlap_param_gather,
+            partial(
+                ZeroConfig,
+                shard_size=shard_size,
+                bucket_cap_mb=bucket_cap_mb,
+                master_weights=master_weights,
+                overlap_param_gather=overlap_param_gather,
+            ),
             checkpoint_format=checkpoint_format,
             schedule=self.schedule,
         )

@@ -169,7 +169,7 @@ def split_into_stages(
     partition: PartitionMethod | Sequence[int] = "flops",
     uneven: UnevenStages | None = None,
     verify_layers: bool = True,
-    holding: StageHolding = StageHolding(),  # noqa: B008 - frozen
+    holding: StageHolding | None = None,
     optimizer_layouts: Sequence[OptimizerLayout] = (),
     on_chunk: ChunkObserver | None = None,
     on_p2p: P2PObserver | None = None,
@@ -198,7 +198,7 @@ def split_into_stages(
         uneven: How many layers' worth the first and last stage are lightened by (automatic partitions only).
         verify_layers: Check the layers against ``forward`` on ``example`` (two forward passes, no side effects).
         holding: How the stage is held over its replicas (:class:`~.stage_holder.StageHolding`: the ZeRO settings,
-            the mesh, the precision's conversion, how to warn and count).
+            the mesh, the precision's conversion, how to warn and count); default replicated, nothing counted.
         optimizer_layouts: Each optimizer's parameter names per group on the whole model (consolidated checkpoints).
         on_chunk: Told of every forward/backward chunk this rank's stages run.
         on_p2p: Told of every P2P op this rank's stages send or receive.
@@ -209,6 +209,7 @@ def split_into_stages(
         (a :class:`~lightning_parallel.distributed.zero.backends.ZeroBackend`) reduces gradients and steps with them.
     """
     check_not_split(module)
+    holding = holding if holding is not None else StageHolding()
     mesh = holding.mesh if holding.mesh is not None else dims.mesh
     if mesh is None:
         raise ValueError(

@@ -38,7 +38,7 @@ from lightning_parallel.choices import check_choice, choices_of
 from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import SCHEDULE_SPECS, ParallelDims, schedule_spec
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, TiedLayout, TiedParameter
-from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, ZeroConfig
+from lightning_parallel.distributed.zero.config import ZeroConfig
 from lightning_parallel.distributed.zero.flat_bucket import ShardView
 
 __all__ = [
@@ -56,24 +56,24 @@ with FSDP2: :mod:`.fully_shard`)."""
 
 ZERO_STAGES: tuple[int, ...] = choices_of(PipelineZeroStage)
 
-_ZERO_ONLY_DEFAULTS = {"shard_size": None, "bucket_cap_mb": 25.0, "overlap_param_gather": "auto"}
-"""The ZeRO options that mean nothing without ZeRO, at their defaults (``master_weights`` has effect only under ZeRO
-too, but its default is kept whatever the stage)."""
+_ZERO_ONLY = ("shard_size", "bucket_cap_mb", "overlap_param_gather")
+"""The ZeRO options that mean nothing without ZeRO (``master_weights`` has effect only under ZeRO too, but its default
+is kept whatever the stage)."""
 
 
 def pipeline_zero_config(
     zero_stage: Any,
+    settings: Callable[..., ZeroConfig] = ZeroConfig,
     *,
-    shard_size: int | None = None,
-    bucket_cap_mb: float = 25.0,
-    master_weights: MasterWeights = "fp32",
-    overlap_param_gather: OverlapParamGather = "auto",
     checkpoint_format: str = "consolidated",
     schedule: str | None = None,
 ) -> ZeroConfig | None:
     """Local, the same verdict on every rank. The ZeRO settings of ``PipelineParallelStrategy``, validated as
     ``ShardedOptimizerStrategy`` validates them (the same :class:`ZeroConfig`, the same messages); ``None`` for
     ``zero_stage=0``.
+
+    ``settings``: the user's ZeRO options as :class:`ZeroConfig` without its stage (``partial(ZeroConfig,
+    shard_size=..., ...)``; default all at their defaults), called once ``zero_stage`` is known to be valid.
 
     The sharded checkpoint format writes each replica's slice of whole parameters and optimizer state; with ZeRO-1/2
     the optimizer state is sharded by bucket instead, which that writer does not know, so it is refused up front
@@ -94,16 +94,11 @@ def pipeline_zero_config(
             3: "+ parameters",
         },
     )
-    config = ZeroConfig(  # validates the options whatever the stage
-        stage=zero_stage or 1,
-        shard_size=shard_size,
-        bucket_cap_mb=bucket_cap_mb,
-        master_weights=master_weights,
-        overlap_param_gather=overlap_param_gather,
-    )
+    config = settings(stage=zero_stage or 1)  # validates the options whatever the stage
     if zero_stage == 0:
-        given = {"shard_size": shard_size, "bucket_cap_mb": bucket_cap_mb, "overlap_param_gather": overlap_param_gather}
-        changed = [f"`{name}={value!r}`" for name, value in given.items() if value != _ZERO_ONLY_DEFAULTS[name]]
+        defaults = ZeroConfig()
+        given = {name: getattr(config, name) for name in _ZERO_ONLY}
+        changed = [f"`{name}={value!r}`" for name, value in given.items() if value != getattr(defaults, name)]
         if changed:
             raise ValueError(
                 f"{', '.join(changed)} shards or buckets ZeRO's state, but `zero_stage=0` shards nothing. Pass"
