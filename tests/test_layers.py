@@ -206,6 +206,31 @@ class _Counted(nn.Module):
         )
 
 
+_BACKEND_CLASSES = {"FlatBucketBackend", "FullyShardBackend", "ReplicatedBackend", "MasterWeightBackend"}
+
+
+def test_one_chooser_builds_every_holder() -> None:
+    """A whole model, a pipeline stage and the planner's dry run are held by the backend `backend_type` picks: no
+    module outside `distributed/zero/backends/` imports a backend class, and no class of the pipeline implements the
+    gradient sync itself (a family that forwards to the backends would)."""
+    importers, syncs = [], []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        relative = path.relative_to(PACKAGE_DIR).as_posix()
+        if not relative.startswith("distributed/zero/backends/"):
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and _BACKEND_CLASSES & {alias.name for alias in node.names}:
+                    importers.append(relative)
+        if relative.startswith("distributed/pipeline/"):
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    methods = {item.name for item in node.body if isinstance(item, ast.FunctionDef)}
+                    if {"reduce_gradients", "after_optimizer_step"} <= methods:
+                        syncs.append(f"{relative}:{node.name}")
+    assert importers == []
+    assert syncs == []
+
+
 def test_the_planner_reads_the_transformer_shape_hook_not_the_demo_class() -> None:
     config = GPTConfig.from_preset("tiny")
     with torch.device("meta"):
