@@ -1,8 +1,8 @@
 """PipelineParallelStrategy: pipeline model parallelism (x data parallelism) on ``torch.distributed.pipelining``.
 
 A thin adapter: the split (``distributed/pipeline/stage_split.py``), the steps' engine, the ZeRO backend holding each
-stage (the one ``ShardedOptimizerStrategy`` would pick) and the reassembly are torch-only; this class reads the Trainer (:mod:`.pipeline_setup`) and connects the precision plugin, the hooks and
-the checkpoints.
+stage (the one ``ShardedOptimizerStrategy`` would pick) and the reassembly are torch-only; this class reads the
+Trainer (:mod:`.pipeline_setup`) and connects the precision plugin, the hooks and the checkpoints.
 """
 
 from __future__ import annotations
