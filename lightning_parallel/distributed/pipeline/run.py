@@ -208,12 +208,16 @@ class PipelineRun:
             return self.held.copies.optimizer_state(
                 optimizer, {**names, **self.held.sharded_names}, has_masters=has_masters
             )
+        stepped = self.backend.parameters_stepped_by(optimizer)  # what the plain state numbers
+        if _same_tensors(stepped, [param for group in optimizer.param_groups for param in group["params"]]):
+            # The optimizer steps the parameters themselves: its own state, where it lives (the consolidation moves
+            # each tensor through the pipeline group's device, not through a host copy).
+            return local_optimizer_state(optimizer, names)
         plain = self.backend.optimizer_state(optimizer) or {
             "state": {},
             "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         }
-        stepped = [self.backend.parameters_stepped_by(optimizer)]  # what the plain state numbers
-        return local_optimizer_state(optimizer, names, state_dict=plain, group_params=stepped)
+        return local_optimizer_state(optimizer, names, state_dict=plain, group_params=[stepped])
 
     def load_stage_optimizer_state(self, optimizer: Optimizer, state: WholeOptimizerState) -> None:
         """Local (ZeRO-1/2 waits for its all-gather). Keep this rank's part of the whole model's single-device
@@ -247,3 +251,7 @@ class PipelineRun:
         layout = self.dims.layout
         cohorts = [layout.pipeline_rank(rank) for rank in range(self.dims.world_size)]
         check_same_trainable_parameters_within(module, cohorts=cohorts, owner=owner, group=group)
+
+
+def _same_tensors(first: Sequence[Tensor], second: Sequence[Tensor]) -> bool:
+    return len(first) == len(second) and all(a is b for a, b in zip(first, second, strict=True))
