@@ -28,7 +28,6 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_parallel.accounting import peak_memory_bytes, reset_peak_memory
-from lightning_parallel.distributed.zero.backends.flat_buckets import FlatBucketBackend
 from lightning_parallel.distributed.zero.gather import OverlappedParameterGather
 from lightning_parallel.distributed.zero.replicas import ProcessGroupReplicas
 from lightning_parallel.strategies import DataParallelStrategy, ShardedOptimizerStrategy
@@ -70,10 +69,9 @@ class ForcedShardingStrategy(ShardedOptimizerStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        backend = self.backend
-        if not isinstance(backend, FlatBucketBackend) or trainer.state.fn != "fit":
-            return
-        assert backend.buckets is not None
+        backend: Any = self.backend
+        if getattr(backend, "buckets", None) is None or trainer.state.fn != "fit":
+            return  # not the flat buckets' backend (stages 1-2), or not fitting
         if backend.gather is None:
             # What `FlatBucketBackend.setup_optimizers` does at world size > 1 (`ZeroConfig.overlaps_param_gather`).
             backend.gather = OverlappedParameterGather(

@@ -110,14 +110,14 @@ def test_no_sharded_optimizer_method_branches_on_the_zero_stage() -> None:
 
 
 _PIPELINE_MODES = {"zero_stage", "_zero", "_fully_shard", "checkpoint_format", "_checkpoints"}
-"""What ``PipelineParallelStrategy`` chooses its sync and checkpoint format from (once: ``__init__`` and the split's
-``pipeline_sync_type`` call), and the objects its methods used to branch on."""
+"""What ``PipelineParallelStrategy`` chooses its stage's backend and checkpoint format from (once: ``__init__`` and the
+split's ``backend_type`` call), and the objects its methods used to branch on."""
 
 
 def _asks_which_sync(function: ast.FunctionDef) -> list[int]:
     """Lines of conditions in ``function`` that ask which sync or checkpoint format it holds: a class named like one
     (``...Sync``, ``...Checkpoint``, ``PipelineZero``, ``PipelineFullyShard``: ``isinstance``/``type`` tests), or an
-    attribute of the sync (``run.sync.<...>``)."""
+    attribute of the stage's backend (``run.backend.<...>``)."""
     lines = []
     for node in ast.walk(function):
         if isinstance(node, ast.If | ast.IfExp | ast.While | ast.Compare | ast.Match):
@@ -127,8 +127,8 @@ def _asks_which_sync(function: ast.FunctionDef) -> list[int]:
                     inner.id if isinstance(inner, ast.Name) else inner.attr if isinstance(inner, ast.Attribute) else ""
                 )
                 if (
-                    name == "sync"
-                    or name.endswith(("Sync", "Checkpoint"))
+                    name in {"sync", "backend"}
+                    or name.endswith(("Sync", "Backend", "Checkpoint"))
                     or name in {"PipelineZero", "PipelineFullyShard"}
                 ):
                     lines.append(node.lineno)
@@ -148,7 +148,7 @@ def _pipeline_method_branches(source: str) -> dict[str, list[int]]:
 
 
 def test_no_pipeline_method_branches_on_the_zero_stage_or_the_checkpoint_format() -> None:
-    """The sync (``distributed/pipeline/sync_type.py``, chosen at the split) and the checkpoint format (chosen in
+    """The stage's backend (``zero/backends/choice.py``, chosen at the split) and the checkpoint format (chosen in
     ``__init__``) decide; no method of the strategy asks which stage, sync or format it holds. Checks of the user's
     settings at the edge (module functions such as ``_check_callbacks``) may read them."""
     assert _pipeline_method_branches((PACKAGE_DIR / "strategies" / "pipeline.py").read_text()) == {}
@@ -173,10 +173,10 @@ def test_the_pipeline_branch_rule_sees_a_branch_on_the_mode() -> None:
                 if self.checkpoint_format != "sharded":
                     return None
             def kind(self, run):
-                if isinstance(run.sync, FlatBucketSync):
+                if isinstance(run.backend, FlatBucketBackend):
                     return None
             def buckets(self, run):
-                while run.sync.zero is None:
+                while run.backend.buckets is None:
                     pass
             """
         ),
@@ -204,6 +204,31 @@ class _Counted(nn.Module):
         return TransformerShape(
             num_layers=c.n_layer, hidden_size=c.n_embd, num_heads=c.n_head, vocab_size=c.vocab_size, max_seq_len=32
         )
+
+
+_BACKEND_CLASSES = {"FlatBucketBackend", "FullyShardBackend", "ReplicatedBackend", "MasterWeightBackend"}
+
+
+def test_one_chooser_builds_every_holder() -> None:
+    """A whole model, a pipeline stage and the planner's dry run are held by the backend `backend_type` picks: no
+    module outside `distributed/zero/backends/` imports a backend class, and no class of the pipeline implements the
+    gradient sync itself (a family that forwards to the backends would)."""
+    importers, syncs = [], []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        relative = path.relative_to(PACKAGE_DIR).as_posix()
+        if not relative.startswith("distributed/zero/backends/"):
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and _BACKEND_CLASSES & {alias.name for alias in node.names}:
+                    importers.append(relative)
+        if relative.startswith("distributed/pipeline/"):
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    methods = {item.name for item in node.body if isinstance(item, ast.FunctionDef)}
+                    if {"reduce_gradients", "after_optimizer_step"} <= methods:
+                        syncs.append(f"{relative}:{node.name}")
+    assert importers == []
+    assert syncs == []
 
 
 def test_the_planner_reads_the_transformer_shape_hook_not_the_demo_class() -> None:

@@ -30,7 +30,7 @@ from distributed_harness import run_distributed
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.pipeline.checkpoint_format import CHECKPOINT_FORMATS, whole_model_state
-from lightning_parallel.distributed.pipeline.stage_split import build_parallel_dims, split_into_stages
+from lightning_parallel.distributed.pipeline.stage_split import StageHolding, build_parallel_dims, split_into_stages
 from lightning_parallel.distributed.pipeline.zero import pipeline_zero_config
 
 WIDTH, NUM_LAYERS, STEPS, BATCH = 64, 6, 2, 8
@@ -102,21 +102,21 @@ def _save_and_reassemble(rank: int, world_size: int, pipeline_parallel_size: int
         schedule="GPipe",
         num_microbatches=2,
         partition=[stage * NUM_LAYERS // pipeline_parallel_size for stage in range(1, pipeline_parallel_size)],
-        zero_config=zero_config,
+        holding=StageHolding(zero_config=zero_config),
         optimizer_layouts=[layout],
     )
     assert run.engine is not None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # this rank's stage only (ZeRO-3: its shards)
-    run.sync.setup_optimizers([optimizer])
+    run.setup_optimizers([optimizer])
     dp, replica = dims.data_parallel_size, dims.data_parallel_rank
     for index, (inputs, targets) in enumerate(_batches()):
         rows = slice(replica * BATCH // dp, (replica + 1) * BATCH // dp)  # this replica's part
         batch = (inputs[rows], targets[rows])
         model_inputs, _ = run.engine.capture_inputs("training_step", (batch, index), {})
         run.engine.train_step("training_step", (batch, index), {}, model_inputs=model_inputs, divisor=2)
-        run.sync.reduce_gradients()
+        run.backend.reduce_gradients()
         optimizer.step()
-        run.sync.after_optimizer_step(optimizer)
+        run.backend.after_optimizer_step(optimizer)
         optimizer.zero_grad()
     # Training's tensors, as training left them (the reassembly then moves the module's to the host; ZeRO-3's restore
     # puts the user's layers back in place of the sharded copies the optimizer keeps).
@@ -134,7 +134,7 @@ def _save_and_reassemble(rank: int, world_size: int, pipeline_parallel_size: int
             run.reassemble(model, device=CPU)
         whole = model.state_dict()
         left_on_device = simulation.device_tensors([model_state, optimizer_state, whole])
-    run.sync.teardown()
+    run.backend.teardown()
     result: dict[str, Any] = {
         "violations": simulation.violations,
         "left_on_device": left_on_device,

@@ -162,7 +162,7 @@ def test_hooks_see_the_whole_model_on_two_by_two(world_size: int) -> None:
 
 
 def test_sharded_stages_warn_that_the_hooks_see_one_stage() -> None:
-    """With ZeRO's shards (a sync other than the replicated one) nothing is gathered: a warning names the hooks, and
+    """With ZeRO's shards (a backend that shards the gradients) nothing is gathered: a warning names the hooks, and
     no callback is added."""
     trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     callbacks = list(trainer.callbacks)
@@ -170,9 +170,9 @@ def test_sharded_stages_warn_that_the_hooks_see_one_stage() -> None:
     with pytest.warns(
         UserWarning, match=r"on_after_backward, on_before_optimizer_step, on_train_batch_end.*zero_stage"
     ):
-        windows.attach(trainer, GradientHooksGPT(), make_view=_no_view, sync=object())
+        windows.attach(trainer, GradientHooksGPT(), make_view=_no_view, shards=True)
     assert trainer.callbacks == callbacks
-    windows.attach(trainer, zoo.TiedGPT(), make_view=_no_view, sync=object())  # overrides none: silent
+    windows.attach(trainer, zoo.TiedGPT(), make_view=_no_view, shards=True)  # overrides none: silent
 
 
 def _no_view() -> Any:

@@ -1,4 +1,4 @@
-"""The pipeline split from a plain torch loop, without Lightning: ``split_into_stages`` -> engine + sync + a torch
+"""The pipeline split from a plain torch loop, without Lightning: ``split_into_stages`` -> engine + backend + a torch
 optimizer -> ``PipelineRun.reassemble``, against one device trained on the same data with the same optimizer."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from distributed_harness import run_distributed
 from model_zoo import TiedLM
 from torch import nn
 
-from lightning_parallel.distributed.pipeline.stage_split import build_parallel_dims, split_into_stages
+from lightning_parallel.distributed.pipeline.stage_split import StageHolding, build_parallel_dims, split_into_stages
 from lightning_parallel.distributed.pipeline.zero import pipeline_zero_config
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "lightning_parallel"
@@ -57,13 +57,13 @@ def _plain_loop(rank: int, world_size: int, pipeline_parallel_size: int, zero_st
         schedule="1F1B",
         num_microbatches=2,
         partition=[2] if pipeline_parallel_size == 2 else "parameters",
-        zero_config=zero_config,
+        holding=StageHolding(zero_config=zero_config),
     )
-    engine, sync = run.engine, run.sync
+    engine, backend = run.engine, run.backend
     assert engine is not None
     held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # this rank's stage only
-    sync.setup_optimizers([optimizer])  # ZeRO-2: the stage's flat buckets, this replica's shard stepped
+    run.setup_optimizers([optimizer])  # ZeRO-2: the stage's flat buckets, this replica's shard stepped
     losses = []
     dp, replica = dims.data_parallel_size, dims.data_parallel_rank
     for index, (tokens, targets) in enumerate(_batches()):
@@ -71,21 +71,21 @@ def _plain_loop(rank: int, world_size: int, pipeline_parallel_size: int, zero_st
         batch = (tokens[rows], targets[rows])
         inputs, _ = engine.capture_inputs("training_step", (batch, index), {})
         outcome = engine.train_step("training_step", (batch, index), {}, model_inputs=inputs, divisor=2)
-        sync.reduce_gradients()  # the replicas' average, then the tied copies' sum over the pipeline ranks
+        backend.reduce_gradients()  # the replicas' average, then the tied copies' sum over the pipeline ranks
         optimizer.step()
-        sync.after_optimizer_step(optimizer)  # ZeRO-2: all-gather the stepped shards
+        backend.after_optimizer_step(optimizer)  # ZeRO-2: all-gather the stepped shards
         optimizer.zero_grad()
         assert outcome.loss is not None
         losses.append(outcome.loss.item())
-    sync.wait_for_parameters()
+    backend.wait_for_parameters()
     expected = dict(reference.named_parameters(remove_duplicate=False))
     for name, parameter in model.named_parameters(remove_duplicate=False):
         torch.testing.assert_close(parameter, expected[name], msg=f"{name} on rank {rank}")
     run.reassemble(model, device=device)
-    sync.teardown()
+    backend.teardown()
     assert not run.is_split and model.head.weight is model.embedding.weight
     torch.testing.assert_close(model.state_dict(), reference.state_dict())
-    return {"held": sorted(held), "losses": losses, "sync": type(sync).__name__}
+    return {"held": sorted(held), "losses": losses, "backend": type(backend).__name__}
 
 
 def test_split_into_stages_trains_like_one_device_in_a_plain_torch_loop() -> None:
@@ -98,10 +98,10 @@ def test_split_into_stages_trains_like_one_device_in_a_plain_torch_loop() -> Non
 
 
 def test_split_into_stages_with_zero_over_two_replicas_trains_like_one_device() -> None:
-    """One stage on two data-parallel replicas with ZeRO-2 (the flat buckets' sync): each replica trains on its half
+    """One stage on two data-parallel replicas with ZeRO-2 (the flat buckets' backend): each replica trains on its half
     of every batch and both end equal to one device on the whole batches."""
     results = run_distributed(_plain_loop, world_size=2, args=(1, 2), timeout=120)
-    assert [r["sync"] for r in results] == ["FlatBucketSync", "FlatBucketSync"]
+    assert [r["backend"] for r in results] == ["FlatBucketBackend", "FlatBucketBackend"]
     assert results[0]["held"] == results[1]["held"] and "head.weight" in results[0]["held"]
 
 

@@ -84,14 +84,13 @@ class _AtTrainEnd(pl.Callback):
         if not isinstance(trainer.strategy, PipelineParallelStrategy):
             return
         named = dict(pl_module.named_parameters(remove_duplicate=False))
-        sync = trainer.strategy._current_run.sync
-        backend = getattr(sync, "backend", None)
+        backend = trainer.strategy._current_run.backend
         self.facts = {
             "copies": {n: _whole(named[n].detach()).clone() for n in TIED if n in named},
             "stage_numel": sum(p.numel() for p in pl_module.parameters()),
             "parameters": len(list(pl_module.parameters())),
             "memory": trainer.strategy.memory_report().as_dict(),
-            "backend": type(backend).__name__ if backend is not None else type(sync).__name__,
+            "backend": type(backend).__name__,
             "buckets": len(backend.buckets.buckets) if hasattr(backend, "buckets") else None,
             "overlaps_gather": backend.gather is not None if hasattr(backend, "gather") else None,
         }

@@ -20,6 +20,7 @@ from lightning_parallel.distributed.zero.backends import (
     ReplicatedBackend,
     ZeroBackend,
     ZeroContext,
+    backend_type,
 )
 from lightning_parallel.distributed.zero.config import ZeroConfig
 
@@ -34,6 +35,25 @@ def test_every_backend_has_every_method_of_the_protocols(backend: type[Replicate
     declared = {name for protocol in (GradientSync, ZeroBackend) for name in vars(protocol) if not name.startswith("_")}
     assert {"reduce_gradients", "clip_grad_norm_", "full_module"} <= declared
     assert sorted(name for name in declared if not hasattr(backend, name)) == []
+
+
+@pytest.mark.parametrize(
+    ("stage", "is_sharding", "keeps_masters", "expected"),
+    [
+        (0, True, False, ReplicatedBackend),  # a pipeline stage's replicas at zero_stage=0: averaged as DDP does
+        (0, False, False, ReplicatedBackend),
+        (0, True, True, ReplicatedBackend),  # no ZeRO, no masters
+        (1, True, False, FlatBucketBackend),
+        (2, True, True, FlatBucketBackend),  # the buckets keep the masters in the shard
+        (3, True, False, FullyShardBackend),
+        (2, False, False, ReplicatedBackend),  # nothing to shard over
+        (3, False, True, MasterWeightBackend),
+    ],
+)
+def test_one_chooser_for_a_whole_model_and_a_pipeline_stage(
+    stage: int, is_sharding: bool, keeps_masters: bool, expected: type
+) -> None:
+    assert backend_type(stage, is_sharding=is_sharding, keeps_masters=keeps_masters) is expected
 
 
 def test_the_plain_backend_clips_as_torch_and_returns_the_total_norm() -> None:

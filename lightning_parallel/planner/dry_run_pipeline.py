@@ -43,7 +43,7 @@ from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
 from lightning_parallel.distributed.pipeline.partition import StageModule, plan_for_example
 from lightning_parallel.distributed.pipeline.schedule import build_runtime, resolve_schedule
-from lightning_parallel.distributed.pipeline.stage_split import build_parallel_dims, split_into_stages
+from lightning_parallel.distributed.pipeline.stage_split import StageHolding, build_parallel_dims, split_into_stages
 from lightning_parallel.distributed.pipeline.zero import pipeline_zero_config
 from lightning_parallel.planner._compat import FakeTensorMode, disable_current_modes
 from lightning_parallel.planner.dry_run import (
@@ -152,11 +152,11 @@ class _PipelineStepRunner:
                 example=example,
                 partition=layout.partition,  # type: ignore[arg-type]
                 verify_layers=False,
-                zero_config=zero_config,
+                holding=StageHolding(zero_config=zero_config),
             )
             self.optimizer = workload.make_optimizer(module.parameters())
-            self.run.sync.setup_optimizers([self.optimizer])
-            buckets = getattr(getattr(self.run.sync, "backend", None), "buckets", None)
+            self.run.setup_optimizers([self.optimizer])
+            buckets = getattr(self.run.backend, "buckets", None)
             if fake and buckets is not None:  # ZeRO-1/2: one rank played, its own bucket order is every rank's
                 buckets.agree_on_launch_order = False
             assert self.run.engine is not None
@@ -227,10 +227,10 @@ class _PipelineStepRunner:
             )
             del args, target, previous
             phase("gradient_sync")
-            self.run.sync.reduce_gradients()
+            self.run.backend.reduce_gradients()
             phase("optimizer_step")
             self.optimizer.step()
-            self.run.sync.after_optimizer_step(self.optimizer)
+            self.run.backend.after_optimizer_step(self.optimizer)
 
     def categories(self) -> dict[str, list[Tensor]]:
         params: list[Tensor] = [p for p in self.module.parameters() if p.device.type != "meta"]
@@ -247,7 +247,7 @@ class _PipelineStepRunner:
         """Drop the sync's hooks and the gradients: what a hook holds stays alive in a cycle the garbage collector
         cannot see, and a later measurement in this process (the next rank's dry run) would count it."""
         with self._answered_locally():
-            self.run.sync.teardown()
+            self.run.backend.teardown()
         for param in self.module.parameters():
             param.grad = None
         self.runtime.stages.clear()

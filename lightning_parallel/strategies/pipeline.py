@@ -1,8 +1,8 @@
 """PipelineParallelStrategy: pipeline model parallelism (x data parallelism) on ``torch.distributed.pipelining``.
 
-A thin adapter: the split (``distributed/pipeline/stage_split.py``), the steps' engine, the syncs and the reassembly
-are torch-only; this class reads the Trainer (:mod:`.pipeline_setup`) and connects the precision plugin, the hooks and
-the checkpoints.
+A thin adapter: the split (``distributed/pipeline/stage_split.py``), the steps' engine, the ZeRO backend holding each
+stage (the one ``ShardedOptimizerStrategy`` would pick) and the reassembly are torch-only; this class reads the
+Trainer (:mod:`.pipeline_setup`) and connects the precision plugin, the hooks and the checkpoints.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.checkpoint_format import (
     CHECKPOINT_FORMATS,
     CheckpointFormat,
+    CheckpointWrite,
     whole_model_state,
 )
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
@@ -46,6 +47,7 @@ from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims, resolve_schedule
 from lightning_parallel.distributed.pipeline.stage_copy import StageCopyLayout
 from lightning_parallel.distributed.pipeline.stage_split import (
+    StageHolding,
     build_parallel_dims,
     check_not_split,
     check_splittable,
@@ -55,7 +57,7 @@ from lightning_parallel.distributed.pipeline.stage_split import (
 from lightning_parallel.distributed.pipeline.tied import TiedLayout
 from lightning_parallel.distributed.pipeline.verify import closure_evaluated_twice
 from lightning_parallel.distributed.pipeline.zero import PipelineZeroStage, pipeline_zero_config
-from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather
+from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, ZeroConfig
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies import pipeline_setup
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
@@ -186,10 +188,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         )
         zero_config = pipeline_zero_config(  # ShardedOptimizerStrategy's ZeroConfig and messages
             zero_stage,
-            shard_size=shard_size,
-            bucket_cap_mb=bucket_cap_mb,
-            master_weights=master_weights,
-            overlap_param_gather=overlap_param_gather,
+            partial(
+                ZeroConfig,
+                shard_size=shard_size,
+                bucket_cap_mb=bucket_cap_mb,
+                master_weights=master_weights,
+                overlap_param_gather=overlap_param_gather,
+            ),
             checkpoint_format=checkpoint_format,
             schedule=self.schedule,
         )
@@ -329,7 +334,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._hook_windows.close()
         if self._run is not None:  # teardown then leaves the split module alone (no collective with failed peers)
             self._run.failed = True
-            self._run.sync.abandon_in_flight()
+            self._run.backend.abandon_in_flight()
         super().on_exception(exception)
 
     @property
@@ -370,13 +375,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             self.model_to_device()
         run = self._current_run
         make_view = partial(run.whole_model_view, module, device=self.root_device, stats=self._tracked_stats)
-        self._hook_windows.attach(trainer, module, make_view, sync=run.sync)
+        self._hook_windows.attach(trainer, module, make_view, shards=run.backend.shards_gradients)
         if fitting:
             # Weight-averaging callbacks copied the whole module in their `setup`: each copy keeps this rank's stage.
             layout = StageCopyLayout(run.dims, tuple(run.full_state_keys), dict(run.aliases))
             hold_averaged_copies(trainer.callbacks, module, layout)
             self.setup_optimizers(trainer)
-            run.sync.setup_optimizers(self.unwrapped_optimizers())  # ZeRO-1/2: a collective (the stage's buckets)
+            run.setup_optimizers(self.unwrapped_optimizers())  # ZeRO-1/2: a collective (the stage's buckets)
         # Clipping by norm uses the norm over all stages.
         self.precision_plugin = with_clipping(self.precision_plugin, self._clip_grad_by_global_norm)
         self.setup_precision_plugin()
@@ -420,13 +425,16 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             partition=self.partition,
             uneven=self.uneven_stages,
             verify_layers=self.verify_layers,
-            mesh=self.device_mesh,
-            zero_config=self.zero_config,
-            keeps_masters=pipeline_setup.keeps_fp32_masters(self.zero_config, precision=precision, fitting=fitting),
+            holding=StageHolding(
+                zero_config=self.zero_config,
+                keeps_masters=pipeline_setup.keeps_fp32_masters(self.zero_config, precision=precision, fitting=fitting),
+                fitting=fitting,
+                mesh=self.device_mesh,
+                convert=self.precision_plugin.convert_module,
+                warn=rank_zero_warn,
+                stats=self._tracked_stats,
+            ),
             optimizer_layouts=layouts,
-            convert=self.precision_plugin.convert_module,
-            warn=rank_zero_warn,
-            stats=self._tracked_stats,
             on_chunk=self.events.chunk,
             on_p2p=self.communication_stats.record if self.track_communication else None,
             previous=previous,
@@ -453,7 +461,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         module = self.lightning_module
         assert module is not None
         engine, run = self.engine, self._current_run
-        run.sync.wait_for_parameters(everywhere=False)  # ZeRO-1/2 overlapped: what no forward pre-hook waits for
+        run.backend.wait_for_parameters(everywhere=False)  # ZeRO-1/2 overlapped: what no forward pre-hook waits for
         if self.world_size > 1:  # on the host group: no device sync
             run.check_same_trainable_parameters(module, group=self.host_groups.world, owner="PipelineParallelStrategy")
         with self.precision_plugin.train_step_context():
@@ -519,7 +527,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def _evaluation_step(self, step: str, context: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._hook_windows.close()
         engine = self.engine
-        self._current_run.sync.wait_for_parameters()
+        self._current_run.backend.wait_for_parameters()
         with context:
             model_inputs, _ = engine.capture_inputs(step, args, kwargs)
             outcome = engine.eval_step(step, args, kwargs, model_inputs=model_inputs, collect=step == "predict_step")
@@ -554,7 +562,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        sync = self._current_run.sync
+        backend = self._current_run.backend
         calls = 0
 
         def closure_then_reduce() -> Any:
@@ -564,7 +572,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 raise closure_evaluated_twice(unwrap_optimizer(optimizer))
             result = closure()
             with self.events.timed("exposed_communication"):
-                sync.reduce_gradients()  # over the replicas of each stage, then the tied copies' sum
+                backend.reduce_gradients()  # over the replicas of each stage, then the tied copies' sum
             # The precision plugin calls `on_before_optimizer_step` next: the whole model if overridden.
             self._hook_windows.open("on_before_optimizer_step")
             return result
@@ -574,7 +582,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         finally:
             self._hook_windows.close()
         with self.events.timed("exposed_communication"):
-            sync.after_optimizer_step(unwrap_optimizer(optimizer))  # ZeRO-1/2: all-gather the stepped buckets
+            backend.after_optimizer_step(unwrap_optimizer(optimizer))  # ZeRO-1/2: all-gather the stepped buckets
         return output
 
     @override
@@ -584,13 +592,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``clip_grad_norm_`` by the norm over all stages (a tied parameter counted once)."""
-        self._current_run.sync.clip_grad_norm_(unwrap_optimizer(optimizer), clip_val)
+        self._current_run.backend.clip_grad_norm_(unwrap_optimizer(optimizer), clip_val)
 
     @override
     def gradient_tensors(self) -> list[Tensor]:
         """The parameters' ``.grad`` (at ``zero_stage=3`` their shards) and, with ``zero_stage`` 1-2, the stage's
         gradient buckets."""
-        buffers = self._run.sync.gradient_buffers() if self._run is not None else []
+        buffers = self._run.backend.gradient_buffers() if self._run is not None else []
         return [*super().gradient_tensors(), *buffers]
 
     @override
@@ -599,7 +607,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         1-2 the stage's flat buckets and the optimizer state of this replica's shard, summed over the optimizers."""
         if self._run is None:
             return super().memory_report()
-        return self._run.sync.memory_report(self.unwrapped_optimizers())
+        return self._run.backend.memory_report(self.unwrapped_optimizers())
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -641,9 +649,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         if self._run is None:
             return write()
         optimizer = unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
-        self._checkpoints.save(
-            self._run, self.module, checkpoint, filepath, optimizer=optimizer, write=write, broadcast=self.broadcast
-        )
+        request = CheckpointWrite(self.module, checkpoint, filepath, optimizer, write=write, broadcast=self.broadcast)
+        self._checkpoints.save(self._run, request)
         return None
 
     @override
@@ -669,7 +676,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 self._wait_for_peers("the teardown's gather of the stages")  # a peer that failed after training
             run.reassemble(module, device=self.root_device)
         if run is not None:
-            run.sync.teardown()
+            run.backend.teardown()
         super().teardown()
 
     @classmethod

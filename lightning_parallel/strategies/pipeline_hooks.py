@@ -32,7 +32,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_parallel.distributed.pipeline.hook_view import GradientMode, HookCost, OpenView, WholeModelView
-from lightning_parallel.distributed.pipeline.sync import ReplicatedSync
 
 __all__ = ["GRADIENT_HOOKS", "WEIGHT_HOOKS", "HookWindows"]
 
@@ -60,16 +59,16 @@ class HookWindows:
         self.last_cost: HookCost | None = None
         """What the last open exchanged on this rank (bytes, collectives, bytes held)."""
 
-    def attach(self, trainer: Any, module: Any, make_view: Callable[[], WholeModelView], *, sync: object) -> None:
+    def attach(self, trainer: Any, module: Any, make_view: Callable[[], WholeModelView], *, shards: bool) -> None:
         """Local. Watch the hooks ``module`` overrides. The view is exact where every replica holds its stage's
-        parameters and gradients whole (``sync`` a :class:`ReplicatedSync`: ``zero_stage=0``, or no data
-        parallelism); with ZeRO's shards a warning on rank 0 names the hooks, which then see this rank's stage
-        only."""
+        parameters and gradients whole (``zero_stage=0``, or no data parallelism); where the stage's backend
+        ``shards`` its gradients (``ZeroBackend.shards_gradients``) a warning on rank 0 names the hooks, which then see
+        this rank's stage only."""
         self.detach()
         hooks = frozenset(h for h in (*GRADIENT_HOOKS, *WEIGHT_HOOKS) if is_overridden(h, module))
         if not hooks:
             return
-        if type(sync) is not ReplicatedSync:
+        if shards:
             rank_zero_warn(
                 f"`{type(module).__name__}` overrides {', '.join(sorted(hooks))}: with `zero_stage` > 0 and data"
                 " parallelism, PipelineParallelStrategy does not gather the whole model for these hooks, so they see"

@@ -27,7 +27,7 @@ from lightning_parallel.distributed.averaged_copy import shard_whole_state
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
-from lightning_parallel.distributed.zero.backends import FlatBucketBackend, ZeroBackend, ZeroContext, backend_type
+from lightning_parallel.distributed.zero.backends import ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
 from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
 from lightning_parallel.distributed.zero.replicas import OwnedShardState
@@ -352,10 +352,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         (``start_together``), then make the group's parameters whole again if a live group's shards were loaded
         while joining."""
         assert self._replicas is not None and self.cluster_environment is not None
-        backend = self._backend
-        assert isinstance(backend, FlatBucketBackend) and backend.buckets is not None  # stages 1-2, world size >= 2
+        buckets = getattr(self._backend, "buckets", None)  # stages 1-2 at world size >= 2: the flat buckets' backend
+        assert buckets is not None
         optimizers = self.unwrapped_optimizers()
-        state = OwnedShardState(backend.buckets, self.module, optimizers[0]) if len(optimizers) == 1 else None
+        state = OwnedShardState(buckets, self.module, optimizers[0]) if len(optimizers) == 1 else None
         environment = self.cluster_environment
         self._replicas.setup(
             trainer,
@@ -365,7 +365,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             store=(environment.main_address, environment.main_port),
             model_state=state,
             zero_gradients=state.zero_gradients if state is not None else None,
-            bucket_shards=[bucket.shard_numel for bucket in backend.buckets.buckets],
+            bucket_shards=[bucket.shard_numel for bucket in buckets.buckets],
         )
         if state is not None:
             state.settle()

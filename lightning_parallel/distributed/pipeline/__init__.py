@@ -14,10 +14,10 @@
 * :mod:`.split`: the collective steps of a split (one plan on every rank, replicas from the same weights).
 * :mod:`.reassemble`: the whole model back on every rank after a run.
 * :mod:`.side_effects`: running a module without leaving a trace in its buffers or the RNG streams.
-* :mod:`.sync`: how a stage is held over its replicas (the ``GradientSync`` protocol; replicated by default),
-  :mod:`.sync_type`: which sync, chosen once per split.
-* :mod:`.zero`: ZeRO-1/2 inside the pipeline, each stage's state sharded over its data-parallel replicas.
-* :mod:`.fully_shard`: ZeRO-3 inside the pipeline, each stage's parameters sharded too (FSDP2).
+* :mod:`.stage_holder`: how a stage is held over its replicas: the ZeRO backend the one chooser
+  (``zero/backends/choice.py``) picks for a whole model, with the pipeline's extensions.
+* :mod:`.zero`: ZeRO's settings inside the pipeline and its tied copies' sum (an extension of the backend).
+* :mod:`.fully_shard`: ZeRO-3's preparation step: the stage's layers as copies the backend shards (FSDP2).
 * :mod:`.run`: one record of a split's state; :mod:`.checkpoint_format`: consolidated or sharded checkpoints.
 """
 
@@ -29,7 +29,7 @@ from lightning_parallel.distributed.pipeline.consolidate import (
     slice_optimizer_state,
 )
 from lightning_parallel.distributed.pipeline.contract import ContractError
-from lightning_parallel.distributed.pipeline.fully_shard import FullyShardSync, PipelineFullyShard
+from lightning_parallel.distributed.pipeline.fully_shard import PipelineFullyShard
 from lightning_parallel.distributed.pipeline.partition import (
     PLACEMENTS,
     Placement,
@@ -57,10 +57,9 @@ from lightning_parallel.distributed.pipeline.schedule import (
     schedule_spec,
     validate_schedule_config,
 )
-from lightning_parallel.distributed.pipeline.sync import PipelineSync, ReplicatedSync, SyncContext
-from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
+from lightning_parallel.distributed.pipeline.stage_holder import StageHolding, hold_stage
 from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
-from lightning_parallel.distributed.pipeline.zero import FlatBucketSync, TiedShardSum
+from lightning_parallel.distributed.pipeline.zero import TiedCopiesSum, TiedShardSum
 
 __all__ = [
     "CHECKPOINT_FORMATS",
@@ -69,20 +68,17 @@ __all__ = [
     "SCHEDULE_SPECS",
     "CheckpointFormat",
     "ContractError",
-    "FlatBucketSync",
-    "FullyShardSync",
     "InconsistentDrawError",
     "ParallelDims",
     "PipelineFullyShard",
     "PipelineRun",
     "PipelineRuntime",
-    "PipelineSync",
     "Placement",
     "RemoteLayer",
-    "ReplicatedSync",
     "ScheduleSpec",
+    "StageHolding",
     "StagePlan",
-    "SyncContext",
+    "TiedCopiesSum",
     "TiedShardSum",
     "UnevenStages",
     "balanced_boundaries",
@@ -90,10 +86,10 @@ __all__ = [
     "check_layers_compose_to_forward",
     "consolidate_optimizer_state",
     "consolidate_state_dict",
+    "hold_stage",
     "layer_compute_costs",
     "layer_parameter_costs",
     "optimizer_layout",
-    "pipeline_sync_type",
     "plan_for_example",
     "plan_stages",
     "reassemble",

@@ -9,7 +9,7 @@ method is a collective: call it on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from torch import nn
@@ -24,7 +24,32 @@ from lightning_parallel.distributed.pipeline.consolidate import (
 )
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 
-__all__ = ["CHECKPOINT_FORMATS", "CheckpointFormat", "ConsolidatedCheckpoint", "ShardedCheckpoint", "whole_model_state"]
+__all__ = [
+    "CHECKPOINT_FORMATS",
+    "CheckpointFormat",
+    "CheckpointWrite",
+    "ConsolidatedCheckpoint",
+    "ShardedCheckpoint",
+    "whole_model_state",
+]
+
+
+@dataclass(frozen=True)
+class CheckpointWrite:
+    """One checkpoint to write, as the strategy's ``save_checkpoint`` receives it."""
+
+    module: nn.Module
+    """The (split) module."""
+    checkpoint: Mapping[str, Any]
+    """Lightning's checkpoint dict (the consolidated states already in it, or empty ones for the sharded format)."""
+    filepath: Any
+    """Where to write (rank 0's path counts)."""
+    optimizer: Optimizer | None
+    """The optimizer whose state the sharded format writes (one at most)."""
+    write: Callable[[], None]
+    """Save the checkpoint as one ``.ckpt`` (Lightning's way)."""
+    broadcast: Callable[[str], str]
+    """Collective. Rank 0's path on every rank."""
 
 
 class CheckpointFormat(Protocol):
@@ -43,19 +68,8 @@ class CheckpointFormat(Protocol):
         """The checkpoint's state of ``optimizer`` (one of ``optimizers``) on the first rank of each pipeline."""
         ...
 
-    def save(
-        self,
-        run: PipelineRun,
-        module: nn.Module,
-        checkpoint: Mapping[str, Any],
-        filepath: Any,
-        *,
-        optimizer: Optimizer | None,
-        write: Callable[[], None],
-        broadcast: Callable[[str], str],
-    ) -> None:
-        """Write ``checkpoint`` to ``filepath``; ``write()`` saves it as one ``.ckpt`` (Lightning's way),
-        ``broadcast(path)`` gives rank 0's path to every rank (a collective)."""
+    def save(self, run: PipelineRun, request: CheckpointWrite) -> None:
+        """Write ``request.checkpoint`` to ``request.filepath`` (:class:`CheckpointWrite`)."""
         ...
 
 
@@ -67,7 +81,7 @@ def whole_model_state(module: nn.Module, run: PipelineRun | None) -> dict[str, A
         whole = {k: v.detach().cpu() for k, v in module.state_dict().items()}
         whole.update({alias: whole[name] for alias, name in aliases.items() if alias in whole})
         return whole
-    local = run.sync.model_state()
+    local = run.stage_model_state()
     return consolidate_state_dict(module, run.full_state_keys, run.dims, aliases=aliases, local=local)
 
 
@@ -83,23 +97,11 @@ class ConsolidatedCheckpoint:
         self, run: PipelineRun, optimizer: Optimizer, optimizers: Sequence[Optimizer]
     ) -> dict[str, Any] | None:
         layout = run.optimizer_layouts[list(optimizers).index(optimizer)]
-        names = run.sync.parameter_names()
-        return consolidate_optimizer_state(
-            optimizer, names, layout, run.dims, local=run.sync.stage_optimizer_state(optimizer)
-        )
+        local = run.stage_optimizer_state(optimizer)
+        return consolidate_optimizer_state(optimizer, run.parameter_names(), layout, run.dims, local=local)
 
-    def save(
-        self,
-        run: PipelineRun,
-        module: nn.Module,
-        checkpoint: Mapping[str, Any],
-        filepath: Any,
-        *,
-        optimizer: Optimizer | None,
-        write: Callable[[], None],
-        broadcast: Callable[[str], str],
-    ) -> None:
-        write()
+    def save(self, run: PipelineRun, request: CheckpointWrite) -> None:
+        request.write()
 
 
 class ShardedCheckpoint:
@@ -117,28 +119,18 @@ class ShardedCheckpoint:
     ) -> dict[str, Any] | None:
         return {}
 
-    def save(
-        self,
-        run: PipelineRun,
-        module: nn.Module,
-        checkpoint: Mapping[str, Any],
-        filepath: Any,
-        *,
-        optimizer: Optimizer | None,
-        write: Callable[[], None],
-        broadcast: Callable[[str], str],
-    ) -> None:
-        dims = run.dims
-        named, pieces = run.sync.stage_pieces(optimizer)
+    def save(self, run: PipelineRun, request: CheckpointWrite) -> None:
+        dims, optimizer = run.dims, request.optimizer
+        named, pieces = run.stage_pieces(optimizer)
         # After teardown the module is whole again: each rank still writes only the stage it trained. A tied
         # parameter is written once, under its canonical name, by the lowest pipeline rank holding a copy.
         pieces = [replace(piece, name=run.aliases.get(piece.name, piece.name)) for piece in pieces]
         pieces = [piece for piece in pieces if piece.name in run.local_parameter_names]
-        buffers = consolidate_buffers(module, dims) or {}
+        buffers = consolidate_buffers(request.module, dims) or {}
         # Each parameter's own 0-dim state (Adam's `step`), from the stage that holds it.
         scalars = gather_scalar_states(scalar_states(named, optimizer), group=dims.pipeline_group)
         meta = sharded_meta(
-            checkpoint,
+            request.checkpoint,
             optimizer,
             layout=run.optimizer_layouts[0] if run.optimizer_layouts else None,
             shapes=run.full_shapes,
@@ -146,7 +138,7 @@ class ShardedCheckpoint:
             scalars=scalars,
             aliases=run.aliases,
         )
-        save_sharded_checkpoint(broadcast(str(filepath)), pieces, buffers=buffers, meta=meta)
+        save_sharded_checkpoint(request.broadcast(str(request.filepath)), pieces, buffers=buffers, meta=meta)
 
 
 CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {

@@ -31,7 +31,8 @@ bytes (fp32), gradients ``4N/dp``, optimizer state ``K * 4N/dp`` (``K`` per-elem
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,22 +41,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_parallel.distributed.checkpoint import FlatPiece, host_copy
-from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
-from lightning_parallel.distributed.pipeline.consolidate import (
-    MASTER_WEIGHTS,
-    WholeOptimizerState,
-    local_optimizer_state,
-)
-from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
-from lightning_parallel.distributed.pipeline.sync import ReplicatedSync, SyncContext
-from lightning_parallel.distributed.pipeline.tied import TiedParameter, canonical_names
-from lightning_parallel.distributed.pipeline.zero import check_no_tie_within_a_rank
-from lightning_parallel.distributed.zero.backends import FullyShardBackend, StageExtensions, ZeroContext
+from lightning_parallel.distributed.pipeline.consolidate import MASTER_WEIGHTS, local_optimizer_state
+from lightning_parallel.distributed.pipeline.partition import Registration
+from lightning_parallel.distributed.pipeline.tied import canonical_names
 from lightning_parallel.distributed.zero.optimizer import check_shardable
 from lightning_parallel.distributed.zero.stage3 import cast_parameters, named_sharded_pieces, shard_coordinates
 
 __all__ = [
-    "FullyShardSync",
     "PipelineFullyShard",
     "full_tensors",
     "load_whole_parameters",
@@ -77,21 +69,23 @@ class _StageUnits(nn.Module):
 
 
 class PipelineFullyShard:
-    """A rank's layers replaced in ``module`` by copies sharded with FSDP2 over ``mesh`` (the replicas of the stage).
+    """ZeRO-3's preparation of a pipeline stage: a rank's layers replaced in ``module`` by copies under one
+    :attr:`container`, which the stage's ZeRO backend (``FullyShardBackend``, chosen by
+    :func:`~lightning_parallel.distributed.zero.backends.backend_type`) then shards with FSDP2 over the replicas.
 
-    Building it is local (FSDP2's ``fully_shard`` communicates nothing); every replica of the stage must build it
-    from equal weights (the split broadcast rank 0's). Call it before the optimizers are created: they must hold the
-    sharded parameters.
+    Building it is local; every replica of the stage must build it from equal weights (the split broadcast rank 0's).
+    Then ``backend.setup_module(container, device)`` shards the copies, and :meth:`finish` puts the tensors the layers
+    hold themselves in place. Do this before the optimizers are created: they must hold the sharded parameters.
+
+    The backend holds the container (whose parameter names are not the model's), and its checkpoint state is the
+    whole model's on global rank 0: the stage-keyed state is read here instead, under the model's names, each
+    ``DTensor`` gathered over the stage's replicas (``distributed/pipeline/run.py`` asks for it).
 
     Args:
         module: the user's (split) module.
         layers: this rank's pipeline layers by index (the user's objects).
         registrations: for each layer index, where its modules are registered in ``module``.
-        backend: ZeRO-3's own backend (``ShardedOptimizerStrategy(stage=3)``'s), built for this stage: it shards the
-            copies with FSDP2 over the mesh's ``shard`` axis (with hybrid sharding FSDP2's HSDP over ``replicate`` x
-            ``shard``), with fp32 master weights of 16-bit parameters, gloo's collectives and the access guard.
-        device: this rank's device.
-        aliases: other name -> canonical name of parameters with several names.
+        warn: how to warn about an optimizer not known to update element-wise.
     """
 
     def __init__(
@@ -100,11 +94,10 @@ class PipelineFullyShard:
         layers: Mapping[int, nn.Module],
         *,
         registrations: Sequence[Sequence[Registration]],
-        backend: FullyShardBackend,
-        device: torch.device,
-        aliases: Mapping[str, str],
+        warn: Callable[[str], Any] = warnings.warn,
     ) -> None:
         self.module = module
+        self.warn = warn
         self.indices = sorted(layers)
         self.originals = [layers[i] for i in self.indices]
         memo: dict[int, Any] = {}
@@ -116,42 +109,73 @@ class PipelineFullyShard:
                 registration.place(module, holder=self._copy_of[id(registration.holder)])
         _release(self.originals)
         self.container = _StageUnits(copies)
-        self.backend = backend
-        backend.setup_module(self.container, device)  # FSDP2's root: the units of a stage share one context
-        self.units = backend.units
-        for registration in self._registrations:  # after sharding, which replaces a module's own parameters
-            if registration.is_tensor:
-                registration.place(module, holder=self._copy_of[id(registration.holder)])
-        self.gloo_reduction = backend.gloo_reduction
-        """On gloo, ZeRO-3's all-gathers and gradient reductions (``distributed/zero/stage3_gloo.py``), as outside the
-        pipeline; not counted by the monitor (FSDP2's traffic in the pipeline is not)."""
+        """FSDP2's root for the copies (the units of a stage share one communication context)."""
         self.layers = dict(zip(self.indices, copies, strict=True))
         """The sharded copies by layer index: what the stages run."""
-        self.names = canonical_names(module, aliases)
-        """``id`` of each sharded parameter -> its canonical name (what the optimizers hold, also after teardown)."""
+        self.names: dict[int, str] = {}
+        """``id`` of each sharded parameter -> its canonical name (what the optimizers hold, also after teardown);
+        set by :meth:`finish`."""
         self.is_restored = False
         """Whether :meth:`restore` put the user's layers back (after the run; the optimizers keep the shards)."""
+
+    def finish(self, aliases: Mapping[str, str]) -> None:
+        """Local, once the backend sharded :attr:`container` (which replaces a module's own parameters): register the
+        tensors the layers hold themselves in the module, and record the sharded parameters' names."""
+        for registration in self._registrations:
+            if registration.is_tensor:
+                registration.place(self.module, holder=self._copy_of[id(registration.holder)])
+        self.names = canonical_names(self.module, aliases)
 
     def named_parameters(self) -> list[tuple[str, Tensor]]:
         """Local. ``(canonical name, sharded parameter)`` of every parameter this rank holds, once each (also after
         :meth:`restore`: the optimizers step these)."""
         return [(self.names[id(param)], param) for param in self.container.parameters()]
 
-    # ------------------------------------------------------------------ step
-    def clip_grad_norm(
-        self,
-        counted: Sequence[Tensor],
-        copies: Sequence[Tensor],
-        max_norm: float,
-        *,
-        groups: Sequence[Any],
-        device: torch.device,
-    ) -> Tensor:
-        """Collective over ``groups``. torch's clip with the norm of the local gradient shards of ``counted`` over
-        the ranks of ``groups``; the shards of ``copies`` (tied copies another rank counts) are scaled, not counted."""
-        return clip_grad_norm_over_ranks_(
-            _local_views(counted), max_norm, groups=groups, device=device, copies=_local_views(copies)
-        )
+    def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Local. Refuse an optimizer whose update needs whole parameters (each replica steps rows of them)."""
+        for optimizer in optimizers:
+            check_shardable(optimizer, warn=self.warn)
+
+    # ------------------------------------------------------------------ state, by the model's names
+    def model_state(self, compute_dtype: torch.dtype | None) -> dict[str, Any]:
+        """Collective over the replicas. The stage's ``state_dict`` with whole tensors on the host; with fp32 masters
+        (``compute_dtype``: their 16-bit dtype) the 16-bit weights one device holds."""
+        state = full_tensors(self.module.state_dict())
+        return cast_parameters(self.module, state, compute_dtype) if compute_dtype is not None else state
+
+    def optimizer_state(self, optimizer: Optimizer, names: Mapping[int, str], *, has_masters: bool) -> dict[str, Any]:
+        """Collective over the replicas: their rows gathered whole on every replica (after the run too), keyed by
+        ``names`` (canonical, the earlier splits' sharded parameters included)."""
+        local = local_optimizer_state(optimizer, names, state_dict=whole_optimizer_state(optimizer))
+        if has_masters:  # the sharded parameters are the fp32 masters: whole, by name
+            params = [param for group in optimizer.param_groups for param in group["params"]]
+            local[MASTER_WEIGHTS] = {names[id(p)]: _host_whole(p.detach()) for p in params}
+        return local
+
+    def load_optimizer_state(self, optimizer: Optimizer, sliced: dict[str, Any]) -> None:
+        """Local. Load this rank's part of the whole model's state (whole tensors), keeping each replica's rows."""
+        optimizer.load_state_dict(sliced)
+        shard_optimizer_state(optimizer)  # each replica keeps its rows of the whole states
+        masters = sliced.get(MASTER_WEIGHTS) or {}
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        with torch.no_grad():  # the exact fp32 masters, not the 16-bit weights the model state was loaded from
+            for index, param in enumerate(params):
+                master = masters.get(index)
+                if master is not None and isinstance(param, DTensor):
+                    _local(param).copy_(_local(local_shard(master, param)))
+
+    def pieces(
+        self, optimizer: Optimizer | None, sharded_names: Mapping[int, str]
+    ) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
+        """Local. ``(canonical name, shard)`` of this rank's parameters, and each replica's rows for the sharded
+        format: the optimizer's (which a later ``validate`` does not replace), and those of the last split it does
+        not hold (frozen ones)."""
+        by_name = dict(self.named_parameters())
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                by_name.update((sharded_names[id(param)], param) for param in group["params"])
+        named = list(by_name.items())
+        return named, named_sharded_pieces(named, optimizer)
 
     # ------------------------------------------------------------------ teardown
     @torch.no_grad()
@@ -171,122 +195,6 @@ class PipelineFullyShard:
         for registration in self._registrations:
             registration.place(self.module)
         self.is_restored = True
-
-
-class FullyShardSync(ReplicatedSync):
-    """``zero_stage=3`` with data parallelism: a :class:`PipelineFullyShard` of the rank's layers, built at the split.
-
-    FSDP2's hooks reduce-scatter each micro-batch's gradients during the schedule; afterwards only the tied copies'
-    shards are summed over the pipeline ranks holding one. Clipping: the replicas hold disjoint rows of each stage's
-    gradients, so the norm is reduced over the ``"shard"`` group, then the ``"pp"`` group.
-    """
-
-    def __init__(self, context: SyncContext) -> None:
-        super().__init__(context)
-        assert context.zero_config is not None, "zero_stage=3 has ZeRO settings"
-        dims = context.dims
-        self.backend = FullyShardBackend(
-            context.zero_config,
-            ZeroContext(
-                rank=dims.global_rank,
-                world_size=dims.world_size,
-                mesh=context.mesh,
-                warn=context.warn,
-                # The tied copies' sum over the stages runs in `reduce_gradients`; clipping reduces its norm here.
-                stage=StageExtensions(reduce_after_backward=False),
-            ),
-        )
-        self.stage = PipelineFullyShard(
-            context.module,
-            context.layers,
-            registrations=context.registrations,
-            backend=self.backend,
-            device=context.device,
-            aliases=context.aliases,
-        )
-        self.sharded_names.update(self.stage.names)
-
-    @staticmethod
-    def check_split(tied: Sequence[TiedParameter], plan: StagePlan, pipeline_parallel_size: int) -> None:
-        check_no_tie_within_a_rank(tied, plan, pipeline_parallel_size)
-
-    @property
-    def layers(self) -> dict[int, nn.Module]:
-        return dict(self.stage.layers)
-
-    def setup_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        super().setup_optimizers(optimizers)  # they hold the shards: the parameters were sharded at the split
-        for optimizer in self.optimizers:
-            check_shardable(optimizer, warn=self.context.warn)
-
-    # ------------------------------------------------------------------ step
-    def reduce_gradients(self) -> list[Tensor]:
-        """Collective over the tied sets: FSDP2 reduce-scattered each micro-batch; the tied sum on the shards."""
-        self.backend.reduce_gradients()
-        self.sum_tied_copies()
-        return []
-
-    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        counted, copies = self.counted_and_copies(optimizer)
-        # The shard group holds disjoint rows of the stage's gradients (replica groups the same ones), the pipeline
-        # ranks the stages.
-        groups = [self.context.mesh.get_group("shard"), self.dims.pipeline_group]
-        return self.stage.clip_grad_norm(counted, copies, max_norm, groups=groups, device=self.context.device)
-
-    def abandon_in_flight(self) -> None:
-        self.backend.abandon_in_flight()
-
-    def teardown(self) -> None:
-        self.backend.teardown()
-
-    def restore_layers(self) -> None:
-        """Collective over the replicas: the shards gathered into the user's layers, back in the module."""
-        self.stage.restore()
-
-    # ------------------------------------------------------------------ state
-    def model_state(self) -> dict[str, Any]:
-        state = full_tensors(self.module.state_dict())
-        if self.backend.compute_dtype is not None:  # the 16-bit weights one device holds, not the fp32 masters
-            state = cast_parameters(self.module, state, self.backend.compute_dtype)
-        return state
-
-    def load_model_entries(self, module: nn.Module, entries: dict[str, Any]) -> None:
-        load_whole_parameters(module, entries)
-
-    def stage_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Collective over the replicas: their rows gathered whole on every replica (after the run too)."""
-        names = {**self.parameter_names(), **self.sharded_names}
-        local = local_optimizer_state(optimizer, names, state_dict=whole_optimizer_state(optimizer))
-        if self.backend.compute_dtype is not None:  # the sharded parameters are the fp32 masters: whole, by name
-            params = [param for group in optimizer.param_groups for param in group["params"]]
-            local[MASTER_WEIGHTS] = {names[id(p)]: _host_whole(p.detach()) for p in params}
-        return local
-
-    def load_stage_optimizer_state(self, optimizer: Optimizer, state: WholeOptimizerState) -> None:
-        sliced = state.slice_for(optimizer, self.parameter_names())
-        optimizer.load_state_dict(sliced)
-        shard_optimizer_state(optimizer)  # each replica keeps its rows of the whole states
-        masters = sliced.get(MASTER_WEIGHTS) or {}
-        params = [param for group in optimizer.param_groups for param in group["params"]]
-        with torch.no_grad():  # the exact fp32 masters, not the 16-bit weights the model state was loaded from
-            for index, param in enumerate(params):
-                master = masters.get(index)
-                if master is not None and isinstance(param, DTensor):
-                    _local(param).copy_(_local(local_shard(master, param)))
-
-    def stage_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
-        """Each replica's rows (of the copies, also after the run)."""
-        named = self._sharded_parameters(optimizer)
-        return named, named_sharded_pieces(named, optimizer)
-
-    def _sharded_parameters(self, optimizer: Optimizer | None) -> list[tuple[str, Tensor]]:
-        """``(canonical name, shard)`` of this rank's parameters: the optimizer's (which a later ``validate`` does
-        not replace), and those of the last split it does not hold (frozen ones)."""
-        by_name = dict(self.stage.named_parameters())
-        if optimizer is not None:
-            for group in optimizer.param_groups:
-                by_name.update((self.sharded_names[id(param)], param) for param in group["params"])
-        return list(by_name.items())
 
 
 # ---------------------------------------------------------------------- plain <-> sharded
@@ -342,22 +250,6 @@ def shard_optimizer_state(optimizer: Optimizer) -> None:
         for key, value in state.items():
             if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
                 state[key] = local_shard(value, param)
-
-
-def _local_views(parameters: Sequence[Tensor]) -> list[Tensor]:
-    """Plain tensors standing for the local shards of ``parameters``, each with ``.grad`` the local shard of the
-    parameter's gradient (the same storage: scaling it scales the gradient)."""
-    views = []
-    for param in parameters:
-        if param.grad is None:
-            continue
-        if not isinstance(param, DTensor):
-            views.append(param)
-            continue
-        view = _local(param.detach())
-        view.grad = _local(param.grad)
-        views.append(view)
-    return views
 
 
 def _host_whole(tensor: Tensor) -> Tensor:

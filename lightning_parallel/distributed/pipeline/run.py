@@ -13,15 +13,23 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_parallel.accounting import CommunicationStats
-from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout, WholeOptimizerState, load_local_state
+from lightning_parallel.distributed.checkpoint import FlatPiece, replicated_pieces
+from lightning_parallel.distributed.pipeline.consolidate import (
+    OptimizerLayout,
+    WholeOptimizerState,
+    load_local_state,
+    local_optimizer_state,
+)
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
+from lightning_parallel.distributed.pipeline.fully_shard import load_whole_parameters
 from lightning_parallel.distributed.pipeline.hook_view import WholeModelView
 from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, reassemble
 from lightning_parallel.distributed.pipeline.schedule import ParallelDims
-from lightning_parallel.distributed.pipeline.sync import PipelineSync
-from lightning_parallel.distributed.pipeline.tied import TiedGradientSync
+from lightning_parallel.distributed.pipeline.stage_holder import HeldStage
+from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, canonical_names
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within
+from lightning_parallel.distributed.zero.backends import ZeroBackend
 
 __all__ = ["PipelineRun"]
 
@@ -37,6 +45,8 @@ class PipelineRun:
     ``stage_plan`` and writes checkpoints of the stage it trained; the next split replaces the whole record.
     """
 
+    module: nn.Module
+    """The split module (whole again after :meth:`reassemble`)."""
     dims: ParallelDims
     """Ranks and process groups (reused by later splits: the groups are created once)."""
     plan: StagePlan
@@ -53,8 +63,9 @@ class PipelineRun:
     """Each optimizer's parameter names per group on the whole model (the consolidated checkpoint's numbering)."""
     local_parameter_names: set[str]
     """Canonical names this rank writes in a sharded checkpoint (a tied copy only on its lowest pipeline rank)."""
-    sync: PipelineSync
-    """How the stage is held over the replicas (chosen once, at the split)."""
+    held: HeldStage
+    """How the stage is held over the replicas (:func:`~.stage_holder.hold_stage`, at the split): the ZeRO backend the
+    one chooser picked and, at ZeRO-3, the stage's sharded copies."""
     engine: PipelineEngine | None
     """Runs the steps; ``None`` once the module is whole again."""
     layers: list[nn.Module]
@@ -65,6 +76,12 @@ class PipelineRun:
     """Training failed: the teardown leaves the split module alone (no collective with failed peers)."""
     pending_grads: list[Tensor | None] | None = None
     """The last training step's gradients, handed over in ``backward`` after Lightning's ``zero_grad``."""
+
+    @property
+    def backend(self) -> ZeroBackend:
+        """The ZeRO backend holding the stage (the ``GradientSync`` protocol: ``reduce_gradients`` after the schedule,
+        ``after_optimizer_step``, clipping)."""
+        return self.held.backend
 
     @property
     def is_split(self) -> bool:
@@ -107,8 +124,9 @@ class PipelineRun:
         if self.failed:
             mark_orphaned(module)
             return
-        self.sync.wait_for_parameters()
-        self.sync.restore_layers()  # ZeRO-3: the shards gathered into the user's layers, back in the module
+        self.backend.wait_for_parameters()
+        if self.held.copies is not None:  # ZeRO-3: the shards gathered into the user's layers, back in the module
+            self.held.copies.restore()
         reassemble(
             module,
             layers=self.layers,
@@ -144,14 +162,84 @@ class PipelineRun:
             self.full_state_keys,
             strict=strict,
             aliases=self.aliases,
-            load=self.sync.load_model_entries,
+            load=self._load_entries,
         )
+
+    def _load_entries(self, module: nn.Module, entries: dict[str, Any]) -> None:
+        """Local. Whole tensors of this rank's entries (ZeRO-3 keeps its rows of each; ZeRO-1/2's fp32 masters restart
+        from them)."""
+        if self.held.copies is not None:
+            load_whole_parameters(module, entries)
+        else:
+            self.backend.load_model_state(entries, strict=False)
 
     def load_optimizer_states(self, optimizers: Sequence[Optimizer], states: Sequence[dict[str, Any]]) -> None:
         """Local. Load each optimizer's part of the whole model's single-device ``state_dict`` (in the order of
         :attr:`optimizer_layouts`)."""
         for optimizer, state, layout in zip(optimizers, states, self.optimizer_layouts, strict=True):
-            self.sync.load_stage_optimizer_state(optimizer, WholeOptimizerState(state, layout))
+            self.load_stage_optimizer_state(optimizer, WholeOptimizerState(state, layout))
+
+    # ------------------------------------------------------------------ the stage's state, over the backend
+    def setup_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Collective (ZeRO-1/2: the stage's buckets) or local. The unwrapped optimizers of this rank's parameters,
+        before their first step."""
+        if self.held.copies is not None:
+            self.held.copies.check_optimizers(optimizers)
+        self.backend.setup_optimizers(list(optimizers))
+
+    def parameter_names(self) -> dict[int, str]:
+        """Local. ``id(parameter)`` -> canonical name of what the module (and so the optimizers) holds now."""
+        return canonical_names(self.module, self.aliases)
+
+    def stage_model_state(self) -> dict[str, Any]:
+        """Collective over the replicas (ZeRO-3) or local. This rank's ``state_dict`` with whole tensors."""
+        if self.held.copies is not None:
+            return self.held.copies.model_state(self.backend.compute_dtype)
+        self.backend.wait_for_parameters()
+        return self.module.state_dict()
+
+    def stage_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Collective over the stage's replicas (ZeRO) or local. The stage's part of ``optimizer``'s state keyed by
+        canonical name (:func:`~.consolidate.local_optimizer_state`), complete on the stage's first replica, which
+        the consolidated checkpoint gathers over the pipeline (the other replicas' parts are dropped)."""
+        names = self.parameter_names()
+        if self.held.copies is not None:
+            has_masters = self.backend.compute_dtype is not None
+            return self.held.copies.optimizer_state(
+                optimizer, {**names, **self.held.sharded_names}, has_masters=has_masters
+            )
+        stepped = self.backend.parameters_stepped_by(optimizer)  # what the plain state numbers
+        if _same_tensors(stepped, [param for group in optimizer.param_groups for param in group["params"]]):
+            # The optimizer steps the parameters themselves: its own state, where it lives (the consolidation moves
+            # each tensor through the pipeline group's device, not through a host copy).
+            return local_optimizer_state(optimizer, names)
+        plain = self.backend.optimizer_state(optimizer) or {
+            "state": {},
+            "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+        }
+        return local_optimizer_state(optimizer, names, state_dict=plain, group_params=[stepped])
+
+    def load_stage_optimizer_state(self, optimizer: Optimizer, state: WholeOptimizerState) -> None:
+        """Local (ZeRO-1/2 waits for its all-gather). Keep this rank's part of the whole model's single-device
+        optimizer state."""
+        names = self.parameter_names()
+        if self.held.copies is not None:
+            self.held.copies.load_optimizer_state(optimizer, state.slice_for(optimizer, names))
+            return
+        groups = [set(group) for group in state.layout]
+        stepped = self.backend.parameters_stepped_by(optimizer)
+        group_params = [[param for param in stepped if names[id(param)] in group] for group in groups]
+        self.backend.load_optimizer_state(optimizer, state.slice_for(optimizer, names, group_params=group_params))
+
+    def stage_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
+        """Local. ``(canonical name, parameter)`` of what this rank holds, and the pieces of the sharded format this
+        replica writes (ZeRO-3: its rows; else an even slice of each whole tensor)."""
+        if self.held.copies is not None:
+            return self.held.copies.pieces(optimizer, self.held.sharded_names)
+        names = self.parameter_names()
+        named: list[tuple[str, Tensor]] = [(names[id(param)], param) for param in self.module.parameters()]
+        rank, size = self.dims.data_parallel_rank, self.dims.data_parallel_size
+        return named, replicated_pieces(self.module, optimizer, rank=rank, world_size=size)
 
     def check_same_trainable_parameters(self, module: nn.Module, *, group: dist.ProcessGroup, owner: str) -> None:
         """Collective over ``group`` (a CPU group of every rank: ``HostGroups.world``) with data parallelism, else
@@ -163,3 +251,7 @@ class PipelineRun:
         layout = self.dims.layout
         cohorts = [layout.pipeline_rank(rank) for rank in range(self.dims.world_size)]
         check_same_trainable_parameters_within(module, cohorts=cohorts, owner=owner, group=group)
+
+
+def _same_tensors(first: Sequence[Tensor], second: Sequence[Tensor]) -> bool:
+    return len(first) == len(second) and all(a is b for a, b in zip(first, second, strict=True))

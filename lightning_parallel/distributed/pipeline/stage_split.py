@@ -3,7 +3,8 @@
 Torch-only. :func:`split_into_stages` takes a module with ``pipeline_layers()`` (or its layers), the process groups
 (:class:`~.schedule.ParallelDims`) and the pipeline's counts, and returns the :class:`~.run.PipelineRun` record:
 this rank's stages kept in the module (the other layers replaced by :class:`~.partition.RemoteLayer` placeholders and
-moved to ``meta``), the sync holding the stage over its replicas and the engine running steps.
+moved to ``meta``), the ZeRO backend holding the stage over its replicas (``stage_holder.py``: the one chooser's,
+as for a whole model) and the engine running steps.
 :meth:`~.run.PipelineRun.reassemble` gives the whole module back. ``PipelineParallelStrategy`` calls these and adds
 only what the Trainer knows (the example batch, the precision plugin, the optimizers' layout, hooks).
 
@@ -12,29 +13,27 @@ A plain loop, on every rank of a joined process group (``tests/test_pipeline_tor
     dims = build_parallel_dims(world_size, rank, pipeline_parallel_size=2)  # the mesh and its groups
     run = split_into_stages(model, dims=dims, device=device, num_stages=2, schedule="1F1B", num_microbatches=2)
     optimizer = torch.optim.AdamW(model.parameters())  # this rank's parameters only
-    run.sync.setup_optimizers([optimizer])
+    run.setup_optimizers([optimizer])
     for index, batch in enumerate(loader):
         inputs, _ = run.engine.capture_inputs("training_step", (batch, index), {})
         run.engine.train_step("training_step", (batch, index), {}, model_inputs=inputs, divisor=2)
-        run.sync.reduce_gradients()  # over the replicas of each stage, then the tied copies' sum
+        run.backend.reduce_gradients()  # over the replicas of each stage, then the tied copies' sum
         optimizer.step()
-        run.sync.after_optimizer_step(optimizer)  # ZeRO-1/2: all-gather the stepped shards
+        run.backend.after_optimizer_step(optimizer)  # ZeRO-1/2: all-gather the stepped shards
         optimizer.zero_grad()
     run.reassemble(model, device=device)  # the whole model again on every rank, on the CPU
-    run.sync.teardown()
+    run.backend.teardown()
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.accounting import CommunicationStats
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout
 from lightning_parallel.distributed.pipeline.contract import ModelCall
@@ -55,8 +54,12 @@ from lightning_parallel.distributed.pipeline.reassemble import offload_layers
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import ChunkObserver, P2PObserver, ParallelDims, schedule_spec
 from lightning_parallel.distributed.pipeline.split import broadcast_from_rank0, check_same_plan, plan_on_every_rank
-from lightning_parallel.distributed.pipeline.sync import SyncContext
-from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
+from lightning_parallel.distributed.pipeline.stage_holder import (
+    StageHolding,
+    check_holdable,
+    hold_stage,
+    stage_backend_type,
+)
 from lightning_parallel.distributed.pipeline.tied import (
     TiedGradientSync,
     TiedLayout,
@@ -68,6 +71,7 @@ from lightning_parallel.distributed.pipeline.verify import check_layers_compose_
 from lightning_parallel.distributed.zero.config import ZeroConfig
 
 __all__ = [
+    "StageHolding",
     "build_parallel_dims",
     "check_not_split",
     "check_splittable",
@@ -78,10 +82,6 @@ __all__ = [
 
 Example = tuple[tuple[Any, ...], dict[str, Any]]
 """The model call's ``(args, kwargs)`` for one batch."""
-
-
-def _not_counted() -> CommunicationStats | None:
-    return None
 
 
 def pipeline_mesh_layout(
@@ -169,13 +169,8 @@ def split_into_stages(
     partition: PartitionMethod | Sequence[int] = "flops",
     uneven: UnevenStages | None = None,
     verify_layers: bool = True,
-    mesh: DeviceMesh | None = None,
-    zero_config: ZeroConfig | None = None,
-    keeps_masters: bool = False,
+    holding: StageHolding | None = None,
     optimizer_layouts: Sequence[OptimizerLayout] = (),
-    convert: Callable[[nn.Module], Any] | None = None,
-    warn: Callable[[str], Any] = warnings.warn,
-    stats: Callable[[], CommunicationStats | None] = _not_counted,
     on_chunk: ChunkObserver | None = None,
     on_p2p: P2PObserver | None = None,
     previous: PipelineRun | None = None,
@@ -184,9 +179,9 @@ def split_into_stages(
 
     Local checks first, on every rank, so a bad model raises everywhere before the first collective: the module is
     not split already, the layers' registrations, ``verify_layers`` (the layers applied in order on ``example`` give
-    ``forward``'s result), the plan, and whether the sync can hold it. Then: one plan on every rank, every replica
-    from rank 0's weights, the other ranks' layers replaced by placeholders (moved to ``meta``), the module converted
-    and moved to ``device``, the sync and the engine built.
+    ``forward``'s result), the plan, and whether the chosen backend can hold it. Then: one plan on every rank, every
+    replica from rank 0's weights, the other ranks' layers replaced by placeholders (moved to ``meta``), the module
+    converted and moved to ``device``, the backend holding the stage and the engine built.
 
     Args:
         module: The model; keeps its own names (its other ranks' layers become :class:`~.partition.RemoteLayer`).
@@ -202,22 +197,20 @@ def split_into_stages(
             but the first.
         uneven: How many layers' worth the first and last stage are lightened by (automatic partitions only).
         verify_layers: Check the layers against ``forward`` on ``example`` (two forward passes, no side effects).
-        mesh: The device mesh the sync shards over; default ``dims.mesh``.
-        zero_config: ZeRO inside the pipeline over each stage's replicas (``None``: replicated).
-        keeps_masters: 16-bit parameters stepped through fp32 master weights (ZeRO-1/2's flat buckets hold them).
+        holding: How the stage is held over its replicas (:class:`~.stage_holder.StageHolding`: the ZeRO settings,
+            the mesh, the precision's conversion, how to warn and count); default replicated, nothing counted.
         optimizer_layouts: Each optimizer's parameter names per group on the whole model (consolidated checkpoints).
-        convert: Called with the split module before it moves to ``device`` (a precision plugin's ``convert_module``).
-        warn: How the sync warns (an optimizer not known to update element-wise).
-        stats: Where collective bytes are counted now (``None``: not counted).
         on_chunk: Told of every forward/backward chunk this rank's stages run.
         on_p2p: Told of every P2P op this rank's stages send or receive.
         previous: The last split of this module's strategy: its tied groups and sharded names are reused.
 
     Returns:
-        The run's record; ``run.engine`` runs steps, ``run.sync`` reduces gradients and steps with the optimizers.
+        The run's record; ``run.engine`` runs steps, ``run.setup_optimizers`` sets the optimizers up, ``run.backend``
+        (a :class:`~lightning_parallel.distributed.zero.backends.ZeroBackend`) reduces gradients and steps with them.
     """
     check_not_split(module)
-    mesh = mesh if mesh is not None else dims.mesh
+    holding = holding if holding is not None else StageHolding()
+    mesh = holding.mesh if holding.mesh is not None else dims.mesh
     if mesh is None:
         raise ValueError(
             "`dims` has no process groups yet: make it with `build_parallel_dims(...)` (a collective) or pass `mesh=`."
@@ -241,41 +234,36 @@ def split_into_stages(
         placement=schedule_spec(schedule).placement,  # which rank holds each stage: the schedule's
         uneven=uneven,
     )
-    zero_stage = zero_config.stage if zero_config is not None else 0
-    sync_type = pipeline_sync_type(zero_stage, data_parallel_size=dims.data_parallel_size, keeps_masters=keeps_masters)
+    chosen = stage_backend_type(holding, dims)
     full_state_keys = list(module.state_dict().keys())
     full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
     tied, aliases = find_tied_parameters(module, layers), parameter_aliases(module)
-    sync_type.check_split(tied, plan, dims.pipeline_parallel_size)
+    check_holdable(chosen, tied, plan, dims.pipeline_parallel_size)
     # First collectives: every check above ran on every rank.
     check_same_plan(plan, dims.world_size)
     broadcast_from_rank0(module, device)  # every stage and replica starts from rank 0's weights
     layout = TiedLayout(tuple(tied), plan)
     tied_sync = tied_gradient_sync(layout, dims, previous)
     local = keep_local_layers(module, layers, registrations, plan, dims.pipeline_rank)
-    held = set(canonical_names(module, aliases).values())
-    if convert is not None:
-        convert(module)
+    canonical_held = set(canonical_names(module, aliases).values())
+    if holding.convert is not None:
+        holding.convert(module)
     module.to(device)
     # ZeRO-3: the local layers' sharded copies run the stages (the optimizers are built after this).
-    sync = sync_type(
-        SyncContext(
-            module=module,
-            layers={i: layers[i] for i in local},
-            registrations=registrations,
-            dims=dims,
-            mesh=mesh,
-            tied=tied_sync,
-            aliases=aliases,
-            zero_config=zero_config,
-            device=device,
-            stats=stats,
-            warn=warn,
-            sharded_names=previous.sync.sharded_names if previous is not None else {},
-            previous=previous.sync if previous is not None else None,
-        )
+    held = hold_stage(
+        chosen,
+        module,
+        {i: layers[i] for i in local},
+        holding=holding,
+        registrations=registrations,
+        dims=dims,
+        mesh=mesh,
+        tied=tied_sync,
+        aliases=aliases,
+        device=device,
+        previous=previous.held if previous is not None else None,
     )
-    running = sync.layers
+    running = held.layers
     engine = PipelineEngine(
         module,
         layers=[running.get(i) for i in range(len(layers))],
@@ -289,6 +277,7 @@ def split_into_stages(
         on_p2p=on_p2p,
     )
     return PipelineRun(
+        module=module,
         dims=dims,
         plan=plan,
         tied=tied_sync,
@@ -296,8 +285,8 @@ def split_into_stages(
         full_state_keys=full_state_keys,
         full_shapes=full_shapes,
         optimizer_layouts=list(optimizer_layouts),
-        local_parameter_names=held - layout.uncounted(dims.pipeline_rank),
-        sync=sync,
+        local_parameter_names=canonical_held - layout.uncounted(dims.pipeline_rank),
+        held=held,
         engine=engine,
         layers=layers,
         registrations=registrations,

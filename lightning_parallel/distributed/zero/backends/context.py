@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.distributed.averaged_copy import CopyLayout, HeldCopy
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0
+from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
 from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero.replicas import ReplicaReduction
 from lightning_parallel.instrumentation import StrategyEvents
@@ -58,26 +60,44 @@ def broadcast_on_its_device(module: nn.Module) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class StageExtensions:
-    """What a pipeline adds when a ZeRO backend holds one of its stages (``distributed/pipeline/stage_sync.py``).
+    """What a pipeline adds when a ZeRO backend holds one of its stages (``distributed/pipeline/stage_holder.py``).
 
-    The backend is the one ``ShardedOptimizerStrategy`` runs, on the mesh's data axes of the stage (``shard`` and
-    ``replicate``); these are the only points where a stage differs from a whole model.
+    The backend is the one ``ShardedOptimizerStrategy`` runs (:func:`~.choice.backend_type` picks it for both), on the
+    mesh's data axes of the stage (``shard`` and ``replicate``); these are the only points where a stage differs from
+    a whole model.
     """
 
     reduce_after_backward: bool = True
-    """The caller's backward leaves every gradient in ``.grad`` (torch's pipeline schedules: the zero-bubble ones
-    compute weight gradients outside autograd's accumulation, where a backward hook would not fire), so no backward
-    hook is installed and ``reduce_gradients`` first takes the ``.grad`` into the buckets (stages 1-2)."""
-    after_reduction: Callable[[Sequence[Any]], None] | None = None
+    """Stages 1-2: the caller's backward leaves every gradient in ``.grad`` (torch's pipeline schedules: the
+    zero-bubble ones compute weight gradients outside autograd's accumulation, where a backward hook would not fire),
+    so no backward hook is installed and ``reduce_gradients`` first takes the ``.grad`` into the buckets. (Stage 3's
+    FSDP2 reduces in its own hooks.)"""
+    after_reduction: Callable[[Sequence[Any] | None], None] | None = None
     """Collective. Called by ``reduce_gradients`` once the stage's gradients are averaged over its replicas, with
-    the reduced shard views (stages 1-2: :class:`~lightning_parallel.distributed.zero.flat_bucket.ShardView`): the
+    the reduced shard views (stages 1-2: :class:`~lightning_parallel.distributed.zero.flat_bucket.ShardView`), or
+    ``None`` where the reduced gradients are the parameters' own ``.grad`` (replicated; stage 3's local shards): the
     pipeline sums the copies of tied weights over the stages holding one there."""
     norm_groups: tuple[Any, ...] = ()
     """Process groups over which the clipping norm is reduced beside the shard group (the pipeline's ``pp`` group:
     each pipeline rank holds other stages)."""
     uncounted: frozenset[str] = frozenset()
-    """Parameter names (as the module names them) whose gradients clipping scales but leaves out of the norm: the
-    copies of a tied weight that another pipeline rank counts."""
+    """Parameter names (every name the held module gives them) whose gradients clipping scales but leaves out of the
+    norm: the copies of a tied weight that another pipeline rank counts."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """This rank's device, where the clipping norm is reduced."""
+
+    def clip_grad_norm_(self, named: Iterable[tuple[str, Tensor]], max_norm: float, *, groups: Sequence[Any]) -> Tensor:
+        """Collective over ``groups`` and :attr:`norm_groups`. torch's clip of the ``.grad`` of ``named`` (``(name,
+        tensor)`` in the optimizer's order) with the norm over those ranks, the :attr:`uncounted` scaled but not
+        counted."""
+        counted: list[Tensor] = []
+        copies: list[Tensor] = []
+        for name, tensor in named:
+            (copies if name in self.uncounted else counted).append(tensor)
+        all_groups = [*groups, *self.norm_groups]
+        return clip_grad_norm_over_ranks_(
+            counted, float(max_norm), groups=all_groups, device=self.device, copies=copies
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,3 +133,7 @@ class ZeroContext:
     host_group: Any = None
     """Stages 1-2: a CPU (gloo) group of the mesh's ``replicate`` x ``shard`` ranks (``HostGroups.data_parallel``),
     where the buckets' "got a gradient" flags are all-reduced with no device sync; ``None``: on the device."""
+    data_parallel_group: Any = None
+    """:class:`~.replicated.ReplicatedBackend` at world size > 1 (a pipeline stage at ``zero_stage=0``): the group of
+    every replica of what it holds, over which ``reduce_gradients`` averages the gradients (one flat all-reduce, as
+    DDP's); ``None``: nothing to average."""

@@ -15,7 +15,6 @@ from torch.optim import Optimizer
 
 from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, ShardedPieces
-from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
 from lightning_parallel.distributed.zero.backends.context import ZeroContext
 from lightning_parallel.distributed.zero.backends.replicated import ReplicatedBackend
 from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
@@ -38,7 +37,6 @@ class FlatBucketBackend(ReplicatedBackend):
 
     def __init__(self, config: ZeroConfig, context: ZeroContext) -> None:
         super().__init__(config, context)
-        self.stats = context.stats
         self.warn = context.warn
         self.replicas = context.replicas
         self.host_group = context.host_group
@@ -93,11 +91,8 @@ class FlatBucketBackend(ReplicatedBackend):
         extensions = self.stage_extensions
         if extensions is None:
             return self.buckets.clip_grad_norm_(float(max_norm), views=views)
-        counted = [view.tensor for view in views if view.name not in extensions.uncounted]
-        copies = [view.tensor for view in views if view.name in extensions.uncounted]
-        groups = [self.buckets.group, *extensions.norm_groups]
-        device = self.buckets.device
-        return clip_grad_norm_over_ranks_(counted, float(max_norm), groups=groups, device=device, copies=copies)
+        named = [(view.name, view.tensor) for view in views]
+        return extensions.clip_grad_norm_(named, max_norm, groups=[self.buckets.group])
 
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
@@ -117,8 +112,7 @@ class FlatBucketBackend(ReplicatedBackend):
         if buckets.sync_gradients:
             with self.events.timed("exposed_communication"):
                 buckets.finish_gradient_sync()
-                if extensions is not None and extensions.after_reduction is not None:
-                    extensions.after_reduction(buckets.views())
+                self._after_reduction(buckets.views())
         else:
             for bucket in buckets.buckets:
                 bucket.ready = 0

@@ -44,6 +44,7 @@ class FullyShardBackend(ReplicatedBackend):
     empty_init_on_meta: ClassVar[bool] = True
     collective_tap: ClassVar[Literal["fsdp"] | None] = "fsdp"  # FSDP2's all-gathers and reduce-scatters
     shards_gradients: ClassVar[bool] = True
+    shards_parameters: ClassVar[bool] = True
 
     def __init__(self, config: ZeroConfig, context: ZeroContext) -> None:
         super().__init__(config, context)
@@ -133,6 +134,7 @@ class FullyShardBackend(ReplicatedBackend):
             # A unit whose parameters got no gradient stays unsharded after backward, and FSDP2 copies each
             # parameter's `requires_grad` (`toggle_optimizer`) only when it unshards: reshard (a no-op otherwise).
             unit.reshard()
+        self._after_reduction(None)  # a pipeline stage: the tied copies' local shards summed over the stages
         return ()
 
     def lend_gradients(self, *, synced: bool) -> GradientLoan | None:

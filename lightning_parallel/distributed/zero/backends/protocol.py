@@ -25,8 +25,9 @@ class ZeroBackend(GradientSync, Protocol):
     The gradient sync is :class:`~lightning_parallel.distributed.gradient_sync.GradientSync` (``no_sync``,
     ``reduce_gradients``, ``clip_grad_norm_``, ``after_optimizer_step``, ``wait_for_parameters``,
     ``gradient_buffers``, ``memory_report``, ``abandon_in_flight``, ``teardown``); a ZeRO backend also holds the
-    module and the optimizers' state: the methods below (a pipeline's ``PipelineSync`` names its stage-keyed state
-    differently, ``stage_optimizer_state``: the same name always means the same thing). Torch-only: the strategy reaches
+    module and the optimizers' state: the methods below. A pipeline stage is held by the same backends
+    (``ZeroContext.stage``); its stage-keyed checkpoint state is read over them by ``distributed/pipeline/run.py``
+    (``stage_optimizer_state``: the same name always means the same thing). Torch-only: the strategy reaches
     Lightning's precision plugin through ``strategies/zero_precision.py``, which reads :attr:`clips_over_ranks` and
     :attr:`shards_gradients`.
     """
@@ -38,6 +39,13 @@ class ZeroBackend(GradientSync, Protocol):
     shards_gradients: ClassVar[bool]
     """Whether each rank checks only a shard of the gradients for inf/nan, so that a grad scaler's check must agree
     across ranks (torch's ``ShardedGradScaler``)."""
+    shards_parameters: ClassVar[bool]
+    """Whether the held module's parameters become ``DTensor`` shards (stage 3: FSDP2 changes the module's class and
+    hooks for good, so a pipeline shards copies of its stage's layers)."""
+
+    compute_dtype: torch.dtype | None
+    """The 16-bit dtype the held parameters compute in while they are stored as fp32 master weights (stage 3), else
+    ``None`` (the parameters are what the model computes with)."""
 
     def __init__(self, config: ZeroConfig, context: ZeroContext) -> None: ...
 

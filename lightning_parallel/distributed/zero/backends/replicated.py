@@ -1,19 +1,21 @@
-"""World size 1 without 16-bit masters: the module and optimizers as they are; the plain-module methods the
-sharded backends reuse."""
+"""Nothing sharded: the module and optimizers as they are (world size 1 without 16-bit masters, or a pipeline stage at
+``zero_stage=0``, whose replicas' gradients are averaged as DDP averages them); the plain-module methods the sharded
+backends reuse."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_parallel.accounting import MemoryReport, module_memory_report
+from lightning_parallel.accounting import CommunicationStats, MemoryReport, module_memory_report
 from lightning_parallel.distributed.checkpoint import (
     ShardedCheckpointReader,
     ShardedPieces,
@@ -29,12 +31,21 @@ from lightning_parallel.distributed.zero.backends.context import ZeroContext
 from lightning_parallel.distributed.zero.config import ZeroConfig
 from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
 
-__all__ = ["ReplicatedBackend", "cloned_state", "full_state_from_reader", "group_params_of"]
+__all__ = [
+    "ReplicatedBackend",
+    "average_across_replicas",
+    "cloned_state",
+    "full_state_from_reader",
+    "group_params_of",
+    "local_gradient_view",
+]
 
 
 class ReplicatedBackend:
-    """World size 1 (fp32 parameters, ``master_weights=None``, or not fitting): the module and optimizers as they
-    are. The two sharded backends reuse its plain-module methods.
+    """World size 1 (fp32 parameters, ``master_weights=None``, or not fitting), or every replica holding the whole
+    module (a pipeline stage at ``zero_stage=0``: ``reduce_gradients`` averages the gradients over
+    ``ZeroContext.data_parallel_group``): the module and optimizers as they are. The two sharded backends reuse its
+    plain-module methods.
 
     Every backend is built from the whole :class:`ZeroConfig` and :class:`ZeroContext` (so the strategy builds
     whichever ``backend_type`` chose with one call) and reads from them what it needs: this one only the ranks, the
@@ -44,6 +55,7 @@ class ReplicatedBackend:
     empty_init_on_meta: ClassVar[bool] = False
     collective_tap: ClassVar[Literal["fsdp"] | None] = None
     shards_gradients: ClassVar[bool] = False
+    shards_parameters: ClassVar[bool] = False
 
     def __init__(self, config: ZeroConfig, context: ZeroContext) -> None:
         self.config = config
@@ -54,7 +66,11 @@ class ReplicatedBackend:
         self.sync_module_states = context.sync_module_states
         self.stage_extensions = context.stage
         """Set when this backend holds a pipeline stage (``ZeroContext.stage``)."""
+        self.data_parallel_group = context.data_parallel_group
+        self.stats = context.stats
+        self.compute_dtype: torch.dtype | None = None
         self.module: nn.Module | None = None
+        self.optimizers: list[Optimizer] = []
 
     def _groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
         """``(shard group, replicate group)`` from :attr:`mesh` (``None`` for an axis of one rank or without a mesh:
@@ -90,20 +106,39 @@ class ReplicatedBackend:
         self.sync_module_states(module)
 
     def setup_optimizers(self, optimizers: list[Optimizer]) -> None:
-        pass
+        self.optimizers = list(optimizers)
 
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
         yield
 
     def reduce_gradients(self) -> Iterable[Tensor]:
+        """Collective over the replicas (``ZeroContext.data_parallel_group``), then the pipeline's tied sum, if any."""
+        if self.data_parallel_group is not None:
+            grads = [p.grad for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
+            average_across_replicas(grads, group=self.data_parallel_group, stats=self.stats)
+        self._after_reduction(None)
         return ()
 
+    def _after_reduction(self, views: Sequence[Any] | None) -> None:
+        """The pipeline's step once the gradients are averaged (``StageExtensions.after_reduction``), if any."""
+        extensions = self.stage_extensions
+        if extensions is not None and extensions.after_reduction is not None:
+            extensions.after_reduction(views)
+
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        """Collective where the gradients are ``DTensor`` shards. torch's own clip over ``optimizer``'s parameters (as
-        Lightning's precision plugin clips them: this backend's gradients are the parameters' ``.grad``)."""
+        """Collective where the gradients are ``DTensor`` shards or the module is a pipeline stage. torch's own clip
+        over ``optimizer``'s parameters (as Lightning's precision plugin clips them: this backend's gradients are the
+        parameters' ``.grad``); a pipeline stage's norm also over the other stages (``StageExtensions``), with the
+        local shards' norm over the ``shard`` group where the parameters are sharded."""
         params = [param for group in optimizer.param_groups for param in group["params"]]
-        return torch.nn.utils.clip_grad_norm_(params, float(max_norm))
+        extensions = self.stage_extensions
+        if extensions is None:
+            return torch.nn.utils.clip_grad_norm_(params, float(max_norm))
+        name_of = {id(param): name for name, param in self.held.named_parameters(remove_duplicate=False)}
+        named = [(name_of[id(p)], local_gradient_view(p)) for p in params if p.grad is not None]
+        groups = [self._groups()[0]] if self.shards_parameters else []  # each replica holds disjoint rows
+        return extensions.clip_grad_norm_(named, max_norm, groups=groups)
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         pass
@@ -158,6 +193,33 @@ class ReplicatedBackend:
 
     def teardown(self) -> None:
         pass
+
+
+def average_across_replicas(grads: Sequence[Tensor], *, group: Any, stats: CommunicationStats | None = None) -> None:
+    """Collective over ``group``. Average ``grads`` in place over its ranks (one flat all-reduce, counted in ``stats``
+    when given)."""
+    size = dist.get_world_size(group)
+    if size == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if stats is not None:
+        stats.record("all_reduce", flat.numel() * flat.element_size())
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def local_gradient_view(param: Tensor) -> Tensor:
+    """``param`` itself, or for a ``DTensor`` a plain tensor of its local shard whose ``.grad`` is the local shard of
+    its gradient (the same storage: scaling it scales the gradient)."""
+    if not isinstance(param, DTensor):
+        return param
+    view = cast(DTensor, param.detach()).to_local()
+    view.grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+    return view
 
 
 def full_state_from_reader(reader: ShardedCheckpointReader) -> dict[str, Tensor]:
