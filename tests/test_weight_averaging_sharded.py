@@ -43,8 +43,8 @@ from typing_extensions import override
 from lightning_parallel import PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel._compat import averaged_copy_of
 from lightning_parallel.distributed.averaged_copy import StageCopyLayout, hold_copy
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.partition import RemoteLayer
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 
 WORLD_SIZE = 2
 EPOCH_STEPS = 2

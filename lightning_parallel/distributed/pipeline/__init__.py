@@ -30,6 +30,7 @@ from lightning_parallel.distributed.pipeline.consolidate import (
 )
 from lightning_parallel.distributed.pipeline.contract import ContractError
 from lightning_parallel.distributed.pipeline.fully_shard import FullyShardSync, PipelineFullyShard
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.partition import (
     PLACEMENTS,
     Placement,
@@ -49,7 +50,6 @@ from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import (
     SCHEDULE_SPECS,
     SCHEDULES,
-    ParallelDims,
     PipelineRuntime,
     ScheduleSpec,
     build_runtime,

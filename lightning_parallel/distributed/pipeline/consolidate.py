@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.transfer import gather_to_pipeline_root
 
 __all__ = [

@@ -32,6 +32,7 @@ from lightning_parallel.distributed.pipeline.contract import (
     to_portable,
 )
 from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, detached_cpu, pad_batch, slice_batch
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.random_draws import (
     RecordedDraws,
@@ -41,13 +42,7 @@ from lightning_parallel.distributed.pipeline.random_draws import (
     replaying_draws,
     seed_default_generators,
 )
-from lightning_parallel.distributed.pipeline.schedule import (
-    ChunkObserver,
-    P2PObserver,
-    ParallelDims,
-    PipelineRuntime,
-    build_runtime,
-)
+from lightning_parallel.distributed.pipeline.schedule import ChunkObserver, P2PObserver, PipelineRuntime, build_runtime
 from lightning_parallel.distributed.pipeline.side_inputs import side_input_dtypes
 
 __all__ = ["PipelineEngine", "StepOutcome"]

@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.accounting import CommunicationStats
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 
 __all__ = ["GradientMode", "HookCost", "OpenView", "WholeModelView"]
 

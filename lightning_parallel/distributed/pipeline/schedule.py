@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -27,8 +26,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, ScheduleDualPipeV
 
 from lightning_parallel.accounting import tensor_bytes
-from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline import _compat
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.partition import Placement, StageModule, StagePlan
 from lightning_parallel.distributed.pipeline.side_effects import preserved_state
 
@@ -38,7 +37,6 @@ __all__ = [
     "SCHEDULE_SPECS",
     "ChunkObserver",
     "P2PObserver",
-    "ParallelDims",
     "PipelineRuntime",
     "ScheduleSpec",
     "SideEffectFreePipelineStage",
@@ -234,92 +232,6 @@ def check_count(name: str, value: Any) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"`{name}={value!r}` is invalid: use a positive integer or 'auto'.")
-
-
-@dataclass
-class ParallelDims:
-    """A pipeline rank's view of the shared mesh (``distributed/mesh.py``): ``replicate x shard x pp`` ranks, the
-    pipeline ranks of a replica adjacent, the data-parallel replicas of each stage on the mesh's data axes
-    (``replicate``, and ``shard`` where ZeRO shards the stage over them).
-
-    ``global_rank = data_parallel_rank * pipeline_parallel_size + pipeline_rank``.
-    """
-
-    world_size: int
-    global_rank: int
-    pipeline_parallel_size: int
-    shard_size: int = 1
-    """Ranks of the ``shard`` axis: the replicas of a stage that ZeRO shards it over (1 without ZeRO)."""
-    mesh: DeviceMesh | None = field(default=None, repr=False)
-    """The strategy's mesh, axes ``("replicate", "shard", "pp")``; with both data axes larger than one also the
-    flattened ``"dp"`` axis (:meth:`flatten_data_axes`); ``None`` before :meth:`build_groups` or before the strategy
-    handed its own."""
-    host_data_parallel_group: Any = field(default=None, repr=False)
-    """A CPU (gloo) group of :attr:`data_parallel_group`'s ranks (``HostGroups.data_parallel``), for the per-step
-    agreements on host facts (ZeRO's "got a gradient" flags) with no device sync; ``None``: they go over the device."""
-
-    @property
-    def layout(self) -> MeshLayout:
-        return MeshLayout(
-            self.world_size, shard_size=self.shard_size, pipeline_parallel_size=self.pipeline_parallel_size
-        )
-
-    @property
-    def pipeline_group(self) -> Any:
-        """Process group of this rank's pipeline (the ranks of one replica): the mesh's ``"pp"`` axis."""
-        return self._mesh().get_group("pp")
-
-    @property
-    def data_parallel_group(self) -> Any:
-        """Process group of every data-parallel replica of this rank's stages: the mesh's ``"replicate"`` or
-        ``"shard"`` axis, whichever holds them (both: the flattened ``"dp"`` axis)."""
-        layout = self.layout
-        if layout.shard_size == 1:
-            return self._mesh().get_group("replicate")
-        if layout.replicate_size == 1:
-            return self._mesh().get_group("shard")
-        return self._mesh()["dp"].get_group()
-
-    def flatten_data_axes(self) -> None:
-        """Collective (every rank, once, after the mesh is set): with both data axes larger than one, create the
-        flattened ``"dp"`` axis :attr:`data_parallel_group` returns (a process group of its own)."""
-        if self.layout.is_hybrid:
-            self._mesh()["replicate", "shard"]._flatten("dp")  # torchtitan's way; no public API in torch 2.13
-
-    @property
-    def device(self) -> torch.device:
-        """The device this rank's groups take tensors on: the mesh's device type at the current index (this rank's
-        GPU under NCCL, the one torch's object collectives use), the CPU under gloo."""
-        device_type = self._mesh().device_type
-        if device_type == "cpu":
-            return torch.device("cpu")
-        return torch.device(device_type, torch.get_device_module(device_type).current_device())
-
-    def _mesh(self) -> DeviceMesh:
-        if self.mesh is None:
-            raise RuntimeError("`ParallelDims` has no process groups before `build_groups` (a collective) ran.")
-        return self.mesh
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.layout.data_parallel_size
-
-    @property
-    def pipeline_rank(self) -> int:
-        return self.layout.pipeline_rank(self.global_rank)
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.layout.data_parallel_rank(self.global_rank)
-
-    def pipeline_global_rank(self, pipeline_rank: int) -> int:
-        """Global rank of ``pipeline_rank`` in this rank's replica."""
-        return self.data_parallel_rank * self.pipeline_parallel_size + pipeline_rank
-
-    def build_groups(self, device_type: str) -> None:
-        """Collective: create the mesh and its process groups on every rank, in the same order (a strategy hands its
-        own ``device_mesh`` instead)."""
-        self.mesh = self.layout.build(device_type)
 
 
 @dataclass

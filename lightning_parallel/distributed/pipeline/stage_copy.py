@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.distributed.pipeline.consolidate import consolidate_state_dict
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.partition import RemoteLayer
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 
 __all__ = ["StageCopyLayout"]
 

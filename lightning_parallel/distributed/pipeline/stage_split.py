@@ -1,7 +1,7 @@
 """Split a module into pipeline stages on every rank: the whole split, usable from a plain torch loop.
 
 Torch-only. :func:`split_into_stages` takes a module with ``pipeline_layers()`` (or its layers), the process groups
-(:class:`~.schedule.ParallelDims`) and the pipeline's counts, and returns the :class:`~.run.PipelineRun` record:
+(:class:`~.parallel_dims.ParallelDims`) and the pipeline's counts, and returns the :class:`~.run.PipelineRun` record:
 this rank's stages kept in the module (the other layers replaced by :class:`~.partition.RemoteLayer` placeholders and
 moved to ``meta``), the sync holding the stage over its replicas and the engine running steps.
 :meth:`~.run.PipelineRun.reassemble` gives the whole module back. ``PipelineParallelStrategy`` calls these and adds
@@ -40,6 +40,7 @@ from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout
 from lightning_parallel.distributed.pipeline.contract import ModelCall
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.partition import (
     PartitionMethod,
     Registration,
@@ -53,7 +54,7 @@ from lightning_parallel.distributed.pipeline.partition import (
 )
 from lightning_parallel.distributed.pipeline.reassemble import offload_layers
 from lightning_parallel.distributed.pipeline.run import PipelineRun
-from lightning_parallel.distributed.pipeline.schedule import ChunkObserver, P2PObserver, ParallelDims, schedule_spec
+from lightning_parallel.distributed.pipeline.schedule import ChunkObserver, P2PObserver, schedule_spec
 from lightning_parallel.distributed.pipeline.split import broadcast_from_rank0, check_same_plan, plan_on_every_rank
 from lightning_parallel.distributed.pipeline.sync import SyncContext
 from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
@@ -106,9 +107,9 @@ def build_parallel_dims(
     device_type: str = "cpu",
     host_data_parallel_group: Any = None,
 ) -> ParallelDims:
-    """Collective (every rank, once). This rank's :class:`~.schedule.ParallelDims` on ``mesh`` (the
+    """Collective (every rank, once). This rank's :class:`~.parallel_dims.ParallelDims` on ``mesh`` (the
     :func:`pipeline_mesh_layout`'s, built on ``device_type`` when not given) with the groups a split needs
-    (``host_data_parallel_group``: see :attr:`~.schedule.ParallelDims.host_data_parallel_group`)."""
+    (``host_data_parallel_group``: see :attr:`~.parallel_dims.ParallelDims.host_data_parallel_group`)."""
     layout = pipeline_mesh_layout(world_size, pipeline_parallel_size=pipeline_parallel_size, zero_config=zero_config)
     dims = ParallelDims(
         world_size,
@@ -119,7 +120,7 @@ def build_parallel_dims(
         host_data_parallel_group=host_data_parallel_group,
     )
     if mesh is None:
-        dims.build_groups(device_type)
+        dims = dims.with_groups(device_type)
     dims.flatten_data_axes()  # hybrid sharding: one group of every replica of the stage (a collective)
     return dims
 
