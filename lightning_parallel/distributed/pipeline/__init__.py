@@ -4,7 +4,8 @@
   placement); keep only the local stages' layers. :mod:`.balance`: the balancing arithmetic (the first and last
   stage lightened by ``UnevenStages``, per-rank refinement where a rank holds several stages).
 * :mod:`.schedule`: one descriptor per schedule (``ScheduleSpec``: torch class, stages per rank, placement, micro-batch
-  rules), the ``data x pipeline`` rank layout, torch stages/schedules.
+  rules). :mod:`.torch_schedule`: torch's stages and schedule built from one (:mod:`.torch_stage`: the stage class).
+* :mod:`.parallel_dims`: a pipeline rank's view of the mesh (``ParallelDims``: its coordinates and process groups).
 * :mod:`.microbatch`: splitting batches into micro-batches, padding evaluation batches.
 * :mod:`.replica_batches`: every rank of a pipeline trains on its first rank's batch, whatever the loader does.
 * :mod:`.contract`: running a LightningModule's own step with ``self(...)`` answered by the pipeline.
@@ -50,15 +51,14 @@ from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import (
     SCHEDULE_SPECS,
     SCHEDULES,
-    PipelineRuntime,
     ScheduleSpec,
-    build_runtime,
     resolve_schedule,
     schedule_spec,
     validate_schedule_config,
 )
 from lightning_parallel.distributed.pipeline.sync import PipelineSync, ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
+from lightning_parallel.distributed.pipeline.torch_schedule import TorchSchedule, build_torch_schedule
 from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
 from lightning_parallel.distributed.pipeline.zero import FlatBucketSync, TiedShardSum
 
@@ -75,7 +75,6 @@ __all__ = [
     "ParallelDims",
     "PipelineFullyShard",
     "PipelineRun",
-    "PipelineRuntime",
     "PipelineSync",
     "Placement",
     "RemoteLayer",
@@ -84,9 +83,10 @@ __all__ = [
     "StagePlan",
     "SyncContext",
     "TiedShardSum",
+    "TorchSchedule",
     "UnevenStages",
     "balanced_boundaries",
-    "build_runtime",
+    "build_torch_schedule",
     "check_layers_compose_to_forward",
     "consolidate_optimizer_state",
     "consolidate_state_dict",

@@ -54,7 +54,7 @@ from lightning_parallel.distributed.pipeline.partition import (
 )
 from lightning_parallel.distributed.pipeline.reassemble import offload_layers
 from lightning_parallel.distributed.pipeline.run import PipelineRun
-from lightning_parallel.distributed.pipeline.schedule import ChunkObserver, P2PObserver, schedule_spec
+from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.distributed.pipeline.split import broadcast_from_rank0, check_same_plan, plan_on_every_rank
 from lightning_parallel.distributed.pipeline.sync import SyncContext
 from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
@@ -65,6 +65,7 @@ from lightning_parallel.distributed.pipeline.tied import (
     find_tied_parameters,
     parameter_aliases,
 )
+from lightning_parallel.distributed.pipeline.torch_stage import ChunkObserver, P2PObserver
 from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
 from lightning_parallel.distributed.zero.config import ZeroConfig
 
