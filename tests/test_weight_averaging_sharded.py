@@ -44,7 +44,7 @@ from lightning_parallel import PipelineParallelStrategy, ShardedOptimizerStrateg
 from lightning_parallel._compat import averaged_copy_of
 from lightning_parallel.distributed.averaged_copy import StageCopyLayout, hold_copy
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import RemoteLayer
+from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 
 WORLD_SIZE = 2
 EPOCH_STEPS = 2

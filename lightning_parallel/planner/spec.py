@@ -18,15 +18,10 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.distributed.pipeline.partition import (
-    Placement,
-    StagePlan,
-    UnevenStages,
-    layer_compute_costs,
-    layer_parameter_costs,
-    plan_for_example,
-    resolve_pipeline_layers,
-)
+from lightning_parallel.distributed.pipeline.balance import UnevenStages
+from lightning_parallel.distributed.pipeline.layer_costs import layer_compute_costs, layer_parameter_costs
+from lightning_parallel.distributed.pipeline.layer_registration import resolve_pipeline_layers
+from lightning_parallel.distributed.pipeline.partition import Placement, StagePlan, plan_for_example
 from lightning_parallel.distributed.zero import stage3 as zero3
 from lightning_parallel.planner.hf import decoder_layout, hf_notes, read_hf_config
 from lightning_parallel.planner.hf_modules import build_causal_lm

@@ -29,6 +29,7 @@ from lightning_parallel.accounting import CommunicationStats, MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.data_shards import tell_data_parallel_rank
 from lightning_parallel.distributed.mesh import MeshLayout
+from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.checkpoint_format import (
     CHECKPOINT_FORMATS,
     CheckpointFormat,
@@ -40,7 +41,7 @@ from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepO
 from lightning_parallel.distributed.pipeline.microbatch import check_divisible_batch, divisible_batches
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan, UnevenStages
+from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned
 from lightning_parallel.distributed.pipeline.replica_batches import BatchBroadcast, broadcast_batch, replica_batches
 from lightning_parallel.distributed.pipeline.run import PipelineRun

@@ -1,7 +1,9 @@
 """Pipeline parallelism building blocks on ``torch.distributed.pipelining``, importable without a Trainer.
 
 * :mod:`.partition`: ``pipeline_layers()`` -> balanced contiguous stages and the rank of each (``StagePlan``'s
-  placement); keep only the local stages' layers. :mod:`.balance`: the balancing arithmetic (the first and last
+  placement), from each layer's cost (:mod:`.layer_costs`). :mod:`.layer_registration`: where each layer sits in
+  the model, and keeping only the local stages' layers (:mod:`.remote_layer`: the placeholders of the others).
+  :mod:`.stage_module`: the module torch's stage runs. :mod:`.balance`: the balancing arithmetic (the first and last
   stage lightened by ``UnevenStages``, per-rank refinement where a rank holds several stages).
 * :mod:`.schedule`: one descriptor per schedule (``ScheduleSpec``: torch class, stages per rank, placement, micro-batch
   rules). :mod:`.torch_schedule`: torch's stages and schedule built from one (:mod:`.torch_stage`: the stage class).
@@ -22,6 +24,7 @@
 * :mod:`.run`: one record of a split's state; :mod:`.checkpoint_format`: consolidated or sharded checkpoints.
 """
 
+from lightning_parallel.distributed.pipeline.balance import UnevenStages, balanced_boundaries
 from lightning_parallel.distributed.pipeline.checkpoint_format import CHECKPOINT_FORMATS, CheckpointFormat
 from lightning_parallel.distributed.pipeline.consolidate import (
     consolidate_optimizer_state,
@@ -31,22 +34,19 @@ from lightning_parallel.distributed.pipeline.consolidate import (
 )
 from lightning_parallel.distributed.pipeline.contract import ContractError
 from lightning_parallel.distributed.pipeline.fully_shard import FullyShardSync, PipelineFullyShard
+from lightning_parallel.distributed.pipeline.layer_costs import layer_compute_costs, layer_parameter_costs
+from lightning_parallel.distributed.pipeline.layer_registration import resolve_pipeline_layers
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.partition import (
     PLACEMENTS,
     Placement,
-    RemoteLayer,
     StagePlan,
-    UnevenStages,
-    balanced_boundaries,
-    layer_compute_costs,
-    layer_parameter_costs,
     plan_for_example,
     plan_stages,
-    resolve_pipeline_layers,
 )
 from lightning_parallel.distributed.pipeline.random_draws import InconsistentDrawError
 from lightning_parallel.distributed.pipeline.reassemble import reassemble
+from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import (
     SCHEDULE_SPECS,

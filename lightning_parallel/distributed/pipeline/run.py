@@ -16,8 +16,9 @@ from lightning_parallel.accounting import CommunicationStats
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout, WholeOptimizerState, load_local_state
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
 from lightning_parallel.distributed.pipeline.hook_view import WholeModelView
+from lightning_parallel.distributed.pipeline.layer_registration import Registration
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
+from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, reassemble
 from lightning_parallel.distributed.pipeline.sync import PipelineSync
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync

@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_parallel.distributed.pipeline.consolidate import consolidate_state_dict
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import RemoteLayer
+from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 
 __all__ = ["StageCopyLayout"]
 

@@ -2,7 +2,7 @@
 
 Torch-only. :func:`split_into_stages` takes a module with ``pipeline_layers()`` (or its layers), the process groups
 (:class:`~.parallel_dims.ParallelDims`) and the pipeline's counts, and returns the :class:`~.run.PipelineRun` record:
-this rank's stages kept in the module (the other layers replaced by :class:`~.partition.RemoteLayer` placeholders and
+this rank's stages kept in the module (the other layers replaced by :class:`~.remote_layer.RemoteLayer` placeholders and
 moved to ``meta``), the sync holding the stage over its replicas and the engine running steps.
 :meth:`~.run.PipelineRun.reassemble` gives the whole module back. ``PipelineParallelStrategy`` calls these and adds
 only what the Trainer knows (the example batch, the precision plugin, the optimizers' layout, hooks).
@@ -36,23 +36,22 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.accounting import CommunicationStats
 from lightning_parallel.distributed.mesh import MeshLayout
+from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout
 from lightning_parallel.distributed.pipeline.contract import ModelCall
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
-from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
-from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import (
-    PartitionMethod,
+from lightning_parallel.distributed.pipeline.layer_registration import (
     Registration,
-    RemoteLayer,
-    StagePlan,
-    UnevenStages,
     check_parameter_ownership,
     layer_registrations,
     local_module_ids,
     remove_remote_layers,
 )
+from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan
 from lightning_parallel.distributed.pipeline.reassemble import offload_layers
+from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.distributed.pipeline.split import broadcast_from_rank0, check_same_plan, plan_on_every_rank
@@ -191,7 +190,7 @@ def split_into_stages(
     and moved to ``device``, the sync and the engine built.
 
     Args:
-        module: The model; keeps its own names (its other ranks' layers become :class:`~.partition.RemoteLayer`).
+        module: The model; keeps its own names (its other ranks' layers become :class:`~.remote_layer.RemoteLayer`).
         dims: Ranks and process groups (:func:`build_parallel_dims`).
         device: This rank's device.
         num_stages: Stages in all (``pipeline_parallel_size x stages_per_rank``).

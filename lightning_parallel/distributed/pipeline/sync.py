@@ -35,8 +35,9 @@ from lightning_parallel.distributed.checkpoint import FlatPiece, replicated_piec
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
 from lightning_parallel.distributed.gradient_sync import GradientSync
 from lightning_parallel.distributed.pipeline.consolidate import WholeOptimizerState, local_optimizer_state
+from lightning_parallel.distributed.pipeline.layer_registration import Registration
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
+from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, TiedParameter, canonical_names, split_counted
 from lightning_parallel.distributed.zero.config import ZeroConfig
 

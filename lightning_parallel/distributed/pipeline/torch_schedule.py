@@ -1,6 +1,6 @@
 """torch's stages and schedule for one input shape and mode, built from a :class:`~.schedule.ScheduleSpec`.
 
-Torch-only. :func:`build_torch_schedule` wraps this rank's stages (:class:`~.partition.StageModule`) in
+Torch-only. :func:`build_torch_schedule` wraps this rank's stages (:class:`~.stage_module.StageModule`) in
 :class:`~.torch_stage.SideEffectFreePipelineStage` objects and builds the spec's torch schedule over them; the
 :class:`TorchSchedule` record holds both (:class:`~.engine.PipelineEngine` keeps one per input shape and mode).
 """
@@ -17,8 +17,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import StageModule, StagePlan
+from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
+from lightning_parallel.distributed.pipeline.stage_module import StageModule
 from lightning_parallel.distributed.pipeline.torch_stage import ChunkObserver, P2PObserver, SideEffectFreePipelineStage
 
 __all__ = ["TorchSchedule", "build_torch_schedule"]
