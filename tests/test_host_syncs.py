@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import StagePlan
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, TiedLayout, find_tied_parameters
 
 HOT_FILES = ("distributed/pipeline/engine.py", "distributed/pipeline/zero.py", "distributed/pipeline/tied.py")

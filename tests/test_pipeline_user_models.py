@@ -34,8 +34,8 @@ from lightning_parallel.distributed.pipeline.layer_costs import (
     layer_parameter_costs,
     measure_layer_times,
 )
-from lightning_parallel.distributed.pipeline.partition import plan_for_example
 from lightning_parallel.distributed.pipeline.stage_module import StageModule
+from lightning_parallel.distributed.pipeline.stage_plan import plan_for_example
 from lightning_parallel.distributed.pipeline.verify import _clone, _to
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}

@@ -41,12 +41,12 @@ from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepO
 from lightning_parallel.distributed.pipeline.microbatch import check_divisible_batch, divisible_batches
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned
 from lightning_parallel.distributed.pipeline.replica_batches import BatchBroadcast, broadcast_batch, replica_batches
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import resolve_schedule
 from lightning_parallel.distributed.pipeline.stage_copy import StageCopyLayout
+from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, StagePlan
 from lightning_parallel.distributed.pipeline.stage_split import (
     build_parallel_dims,
     check_not_split,

@@ -18,8 +18,8 @@ from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout, optimizer_layout
 from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch
 from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, check_divisible_batch
-from lightning_parallel.distributed.pipeline.partition import validate_partition
 from lightning_parallel.distributed.pipeline.schedule import check_count
+from lightning_parallel.distributed.pipeline.stage_plan import validate_partition
 from lightning_parallel.distributed.pipeline.verify import check_single_evaluation_optimizers
 from lightning_parallel.distributed.zero.config import ZeroConfig
 from lightning_parallel.strategies.parameter_callbacks import (

@@ -1,6 +1,6 @@
 """Pipeline parallelism building blocks on ``torch.distributed.pipelining``, importable without a Trainer.
 
-* :mod:`.partition`: ``pipeline_layers()`` -> balanced contiguous stages and the rank of each (``StagePlan``'s
+* :mod:`.stage_plan`: ``pipeline_layers()`` -> balanced contiguous stages and the rank of each (``StagePlan``'s
   placement), from each layer's cost (:mod:`.layer_costs`). :mod:`.layer_registration`: where each layer sits in
   the model, and keeping only the local stages' layers (:mod:`.remote_layer`: the placeholders of the others).
   :mod:`.stage_module`: the module torch's stage runs. :mod:`.balance`: the balancing arithmetic (the first and last
@@ -37,13 +37,6 @@ from lightning_parallel.distributed.pipeline.fully_shard import FullyShardSync, 
 from lightning_parallel.distributed.pipeline.layer_costs import layer_compute_costs, layer_parameter_costs
 from lightning_parallel.distributed.pipeline.layer_registration import resolve_pipeline_layers
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import (
-    PLACEMENTS,
-    Placement,
-    StagePlan,
-    plan_for_example,
-    plan_stages,
-)
 from lightning_parallel.distributed.pipeline.random_draws import InconsistentDrawError
 from lightning_parallel.distributed.pipeline.reassemble import reassemble
 from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
@@ -55,6 +48,13 @@ from lightning_parallel.distributed.pipeline.schedule import (
     resolve_schedule,
     schedule_spec,
     validate_schedule_config,
+)
+from lightning_parallel.distributed.pipeline.stage_plan import (
+    PLACEMENTS,
+    Placement,
+    StagePlan,
+    plan_for_example,
+    plan_stages,
 )
 from lightning_parallel.distributed.pipeline.sync import PipelineSync, ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type

@@ -33,7 +33,6 @@ from lightning_parallel.distributed.pipeline.contract import (
 )
 from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, detached_cpu, pad_batch, slice_batch
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.random_draws import (
     RecordedDraws,
     agree_on_seed,
@@ -43,6 +42,7 @@ from lightning_parallel.distributed.pipeline.random_draws import (
     seed_default_generators,
 )
 from lightning_parallel.distributed.pipeline.side_inputs import side_input_dtypes
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.torch_schedule import TorchSchedule, build_torch_schedule
 from lightning_parallel.distributed.pipeline.torch_stage import ChunkObserver, P2PObserver
 

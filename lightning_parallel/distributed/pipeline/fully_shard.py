@@ -47,7 +47,7 @@ from lightning_parallel.distributed.pipeline.consolidate import (
     local_optimizer_state,
 )
 from lightning_parallel.distributed.pipeline.layer_registration import Registration
-from lightning_parallel.distributed.pipeline.partition import StagePlan
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.sync import ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.tied import TiedParameter, canonical_names
 from lightning_parallel.distributed.pipeline.zero import check_no_tie_within_a_rank

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from lightning_parallel.accounting import CommunicationStats
 from lightning_parallel.distributed.pipeline.layer_registration import Registration
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import StagePlan
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 
 __all__ = ["GradientMode", "HookCost", "OpenView", "WholeModelView"]
 

@@ -18,7 +18,7 @@ from lightning_parallel.distributed.pipeline.layer_costs import layer_parameter_
 from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 
 if TYPE_CHECKING:
-    from lightning_parallel.distributed.pipeline.partition import StagePlan
+    from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 
 __all__ = [
     "Registration",

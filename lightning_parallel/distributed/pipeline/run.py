@@ -18,8 +18,8 @@ from lightning_parallel.distributed.pipeline.engine import PipelineEngine
 from lightning_parallel.distributed.pipeline.hook_view import WholeModelView
 from lightning_parallel.distributed.pipeline.layer_registration import Registration
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, reassemble
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.sync import PipelineSync
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within

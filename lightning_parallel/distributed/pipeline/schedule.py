@@ -20,7 +20,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, ScheduleDualPipeV
 
-from lightning_parallel.distributed.pipeline.partition import Placement
+from lightning_parallel.distributed.pipeline.stage_plan import Placement
 
 __all__ = [
     "MULTI_STAGE_SCHEDULES",

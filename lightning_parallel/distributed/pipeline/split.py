@@ -17,7 +17,7 @@ from torch import nn
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0  # re-exported: the strategy's
 from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.layer_costs import measure_layer_times
-from lightning_parallel.distributed.pipeline.partition import PartitionMethod, Placement, StagePlan, plan_for_example
+from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, Placement, StagePlan, plan_for_example
 
 __all__ = ["broadcast_from_rank0", "check_same_plan", "plan_on_every_rank"]
 

@@ -49,12 +49,12 @@ from lightning_parallel.distributed.pipeline.layer_registration import (
 )
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan
 from lightning_parallel.distributed.pipeline.reassemble import offload_layers
 from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.distributed.pipeline.split import broadcast_from_rank0, check_same_plan, plan_on_every_rank
+from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, StagePlan
 from lightning_parallel.distributed.pipeline.sync import SyncContext
 from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
 from lightning_parallel.distributed.pipeline.tied import (

@@ -37,7 +37,7 @@ from lightning_parallel.distributed.gradient_sync import GradientSync
 from lightning_parallel.distributed.pipeline.consolidate import WholeOptimizerState, local_optimizer_state
 from lightning_parallel.distributed.pipeline.layer_registration import Registration
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import StagePlan
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, TiedParameter, canonical_names, split_counted
 from lightning_parallel.distributed.zero.config import ZeroConfig
 

@@ -17,9 +17,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from lightning_parallel.distributed.pipeline import _compat
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.distributed.pipeline.stage_module import StageModule
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.torch_stage import ChunkObserver, P2PObserver, SideEffectFreePipelineStage
 
 __all__ = ["TorchSchedule", "build_torch_schedule"]

@@ -37,8 +37,8 @@ from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.choices import check_choice, choices_of
 from lightning_parallel.distributed.pipeline.consolidate import WholeOptimizerState, local_optimizer_state
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import SCHEDULE_SPECS, schedule_spec
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.sync import ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, TiedParameter
 from lightning_parallel.distributed.zero.backends import (
