@@ -14,7 +14,8 @@
 * :mod:`.consolidate`: stage state <-> the single-device (consolidated) checkpoint layout.
 * :mod:`.verify`: checks before the first step (``pipeline_layers()`` against ``forward``, closure-re-evaluating
   optimizers).
-* :mod:`.split`: the collective steps of a split (one plan on every rank, replicas from the same weights).
+* :mod:`.stage_split`: the whole split, usable from a plain torch loop; :mod:`.plan_agreement`: its collective
+  planning step (one stage plan on every rank).
 * :mod:`.reassemble`: the whole model back on every rank after a run.
 * :mod:`.side_effects`: running a module without leaving a trace in its buffers or the RNG streams.
 * :mod:`.sync`: how a stage is held over its replicas (the ``GradientSync`` protocol; replicated by default),

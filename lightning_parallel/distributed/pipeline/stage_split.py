@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.accounting import CommunicationStats
+from lightning_parallel.distributed.broadcast import broadcast_from_rank0
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout
@@ -49,11 +50,11 @@ from lightning_parallel.distributed.pipeline.layer_registration import (
 )
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.plan_agreement import check_same_plan, plan_on_every_rank
 from lightning_parallel.distributed.pipeline.reassemble import offload_layers
 from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
-from lightning_parallel.distributed.pipeline.split import broadcast_from_rank0, check_same_plan, plan_on_every_rank
 from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, StagePlan
 from lightning_parallel.distributed.pipeline.sync import SyncContext
 from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
