@@ -15,13 +15,13 @@ from torch.optim import Optimizer
 from lightning_parallel.accounting import CommunicationStats
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout, WholeOptimizerState, load_local_state
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
-from lightning_parallel.distributed.pipeline.hook_view import WholeModelView
 from lightning_parallel.distributed.pipeline.layer_registration import Registration
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, reassemble
 from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.sync import PipelineSync
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync
+from lightning_parallel.distributed.pipeline.whole_model_view import WholeModelView
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within
 
 __all__ = ["PipelineRun"]
@@ -125,7 +125,7 @@ class PipelineRun:
         self, module: nn.Module, *, device: torch.device, stats: Callable[[], CommunicationStats | None]
     ) -> WholeModelView:
         """Local. A view that puts the whole model in the split ``module`` for the length of a hook (opening it is a
-        collective; :mod:`.hook_view`)."""
+        collective; :mod:`.whole_model_view`)."""
         return WholeModelView(
             module,
             layers=self.layers,
