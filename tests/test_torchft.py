@@ -447,7 +447,7 @@ def _heal_shards(rank: int, world_size: int) -> dict:
     "restarted" one (other weights, no optimizer state) loads each rank's shard state from it, then settles."""
     from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
     from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
-    from lightning_parallel.distributed.zero.replicas import OwnedShardState
+    from lightning_parallel.fault_tolerance.shard_state import OwnedShardState
 
     torch.set_num_threads(1)
 

@@ -11,13 +11,13 @@ torchft stays optional):
 * ``post_backward``: average the gradients over the groups alive, then ask whether the step commits; if it does not
   (a group died during the step), drop the gradients so the optimizer leaves weights and state alone, and do not
   count the step in ``trainer.global_step``. Hybrid sharding averages inside the buckets' sync instead (this object
-  is their :class:`~lightning_parallel.distributed.zero.replicas.ReplicaReduction`: each rank's reduced gradient
-  shards with the same rank's of the other groups), then calls :meth:`FaultTolerantReplicas.commit`;
+  is their :class:`~lightning_parallel.distributed.zero.replica_reduction.ReplicaReduction`: each rank's reduced
+  gradient shards with the same rank's of the other groups), then calls :meth:`FaultTolerantReplicas.commit`;
 * ``teardown``: stop the manager.
 
 What a healing group receives from a live one: the model (data parallel: the module's ``state_dict`` and every
 optimizer's; hybrid sharding: each rank its own shard of parameters and optimizer state from the same rank of the
-live group, :class:`~lightning_parallel.distributed.zero.replicas.OwnedShardState`), every LR scheduler's state, and
+live group, :class:`~lightning_parallel.fault_tolerance.shard_state.OwnedShardState`), every LR scheduler's state, and
 the number of optimizer steps taken (``trainer.global_step``), so it stops at ``max_steps`` with the others.
 """
 
@@ -53,8 +53,8 @@ class FaultTolerantReplicas:
     by ``ShardedOptimizerStrategy``, named in errors as ``owner``."""
 
     divisor = 1
-    """As a :class:`~lightning_parallel.distributed.zero.replicas.ReplicaReduction`: it averages by itself (over the
-    groups in the quorum, a number known only during the step)."""
+    """As a :class:`~lightning_parallel.distributed.zero.replica_reduction.ReplicaReduction`: it averages by itself
+    (over the groups in the quorum, a number known only during the step)."""
 
     def __init__(self, config: FaultTolerance, *, owner: str = "DataParallelStrategy") -> None:
         if not isinstance(config, FaultTolerance):

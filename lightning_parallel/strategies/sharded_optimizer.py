@@ -30,8 +30,8 @@ from lightning_parallel.distributed.trainable import check_same_trainable_parame
 from lightning_parallel.distributed.zero.backends import FlatBucketBackend, ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
 from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
-from lightning_parallel.distributed.zero.replicas import OwnedShardState
 from lightning_parallel.fault_tolerance.config import FaultTolerance
+from lightning_parallel.fault_tolerance.shard_state import OwnedShardState
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
 from lightning_parallel.strategies.batchnorm import check_layer_sync

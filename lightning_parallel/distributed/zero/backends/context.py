@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_parallel.distributed.averaged_copy import CopyLayout, HeldCopy
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0
 from lightning_parallel.distributed.compression import CommunicationStats
-from lightning_parallel.distributed.zero.replicas import ReplicaReduction
+from lightning_parallel.distributed.zero.replica_reduction import ReplicaReduction
 from lightning_parallel.instrumentation import StrategyEvents
 
 __all__ = ["NoParameterCallbacks", "ParameterCallbacks", "StageExtensions", "ZeroContext", "broadcast_on_its_device"]
