@@ -31,6 +31,7 @@ from lightning_parallel.distributed.zero.backends import FlatBucketBackend, Zero
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
 from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
 from lightning_parallel.fault_tolerance.config import FaultTolerance
+from lightning_parallel.fault_tolerance.replicas import FaultTolerantReplicas
 from lightning_parallel.fault_tolerance.shard_state import OwnedShardState
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
@@ -44,7 +45,6 @@ from lightning_parallel.strategies.parameter_callbacks import (
     TrainerParameterCallbacks,
     check_averaging_checkpoint_format,
 )
-from lightning_parallel.strategies.replica_groups import FaultTolerantReplicas
 from lightning_parallel.strategies.zero_precision import zero_precision
 
 __all__ = ["ShardedOptimizerStrategy"]
