@@ -59,8 +59,9 @@ from lightning_parallel.distributed.pipeline.verify import closure_evaluated_twi
 from lightning_parallel.distributed.pipeline.zero import PipelineZeroStage, pipeline_zero_config
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather
 from lightning_parallel.instrumentation import Instrumentation
+from lightning_parallel.lightning_optimizer import unwrap_optimizer
 from lightning_parallel.strategies import pipeline_setup
-from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
+from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.clipping import with_clipping
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod

@@ -34,7 +34,8 @@ from lightning_parallel.fault_tolerance.config import FaultTolerance
 from lightning_parallel.fault_tolerance.replicas import FaultTolerantReplicas
 from lightning_parallel.fault_tolerance.shard_state import OwnedShardState
 from lightning_parallel.instrumentation import Instrumentation
-from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
+from lightning_parallel.lightning_optimizer import unwrap_optimizer
+from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import save_sharded
 from lightning_parallel.strategies.clipping import LentGradients
