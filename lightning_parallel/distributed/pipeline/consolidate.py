@@ -109,7 +109,7 @@ def local_optimizer_state(
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]],
     }
     masters = state_dict.get(MASTER_WEIGHTS)
-    if masters:  # ZeRO's fp32 masters of 16-bit parameters (``zero_optimizer.py``), by name like the state
+    if masters:  # ZeRO's fp32 masters of 16-bit parameters (``distributed/zero/optimizer.py``), by name like the state
         local[MASTER_WEIGHTS] = {index_to_name[int(i)]: t.detach() for i, t in masters.items()}
     return local
 

@@ -58,7 +58,7 @@ def broadcast_on_its_device(module: nn.Module) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class StageExtensions:
-    """What a pipeline adds when a ZeRO backend holds one of its stages (``distributed/pipeline/stage_sync.py``).
+    """What a pipeline adds when a ZeRO backend holds one of its stages (``distributed/pipeline/zero.py``).
 
     The backend is the one ``ShardedOptimizerStrategy`` runs, on the mesh's data axes of the stage (``shard`` and
     ``replicate``); these are the only points where a stage differs from a whole model.
