@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel.accounting import CommunicationStats
-from lightning_parallel.fault_tolerance.agreement import GroupLayout
+from lightning_parallel.fault_tolerance.agreement import GroupDescription
 from lightning_parallel.fault_tolerance.config import FaultTolerance
 from lightning_parallel.strategies.nonfinite import drop_gradients
 
@@ -100,7 +100,7 @@ class FaultTolerantReplicas:
         bucket_shards: Sequence[int] = (),
     ) -> None:
         """Local checks, then (cross-group) start the manager and, with ``start_together``, wait for the groups.
-        Before a new quorum's first cross-group collective the groups compare their layouts (trainable parameters'
+        Before a new quorum's first cross-group collective the groups compare their descriptions (trainable parameters'
         names, shapes and dtypes, strategy, processes per group, shard layout, precision, ``num_replica_groups``) and
         raise :class:`~lightning_parallel.fault_tolerance.agreement.ReplicaGroupMismatchError` naming what differs.
         ``model_state``: what a healing group receives of the model; ``None``: the module's ``state_dict`` and every
@@ -123,7 +123,7 @@ class FaultTolerantReplicas:
             state_dict=self._state_dict,
             load_state_dict=self._load_state_dict,
             device=trainer.strategy.root_device,
-            layout=GroupLayout.of(
+            description=GroupDescription.of(
                 module,
                 replica_group=self.config.replica_group,
                 strategy=self.owner,
