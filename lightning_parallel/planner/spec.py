@@ -23,7 +23,7 @@ from lightning_parallel.distributed.pipeline.layer_costs import layer_compute_co
 from lightning_parallel.distributed.pipeline.layer_registration import resolve_pipeline_layers
 from lightning_parallel.distributed.pipeline.stage_plan import Placement, StagePlan, plan_for_example
 from lightning_parallel.distributed.zero import stage3 as zero3
-from lightning_parallel.planner.hf import decoder_layout, hf_notes, read_hf_config
+from lightning_parallel.planner.hf import decoder_config, hf_notes, read_hf_config
 from lightning_parallel.planner.hf_modules import build_causal_lm
 from lightning_parallel.planner.shape import (
     TransformerShape,
@@ -230,7 +230,7 @@ def _from_module(name: str, module: nn.Module) -> ModelSpec:
 
 
 def _from_hf_config(values: dict[str, Any], origin: str) -> ModelSpec:
-    layout = decoder_layout(values, origin)
+    layout = decoder_config(values, origin)
     with torch.device("meta"):
         spec = _from_module(f"{layout.causal_lm} ({origin})", build_causal_lm(layout))
     spec.notes += hf_notes(layout)

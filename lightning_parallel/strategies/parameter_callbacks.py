@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging,
 from torch import nn
 
 from lightning_parallel._compat import averaged_copy_of
-from lightning_parallel.distributed.averaged_copy import CopyLayout, HeldCopy, hold_copy
+from lightning_parallel.distributed.averaged_copy import CopyHolding, HeldCopy, hold_copy
 
 __all__ = [
     "AVERAGING_CALLBACKS",
@@ -89,7 +89,7 @@ def check_averaging_checkpoint_format(callbacks: Iterable[Any], *, strategy_name
             )
 
 
-def hold_averaged_copies(callbacks: Iterable[Any], module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+def hold_averaged_copies(callbacks: Iterable[Any], module: nn.Module, layout: CopyHolding) -> list[HeldCopy]:
     """Local. Make the averaged copy of every weight-averaging callback in ``callbacks`` hold what ``module`` now
     holds on this rank (call it after sharding or splitting ``module``, before the first step). Callbacks without a
     copy (not set up for ``fit``) are skipped.
@@ -113,6 +113,6 @@ class TrainerParameterCallbacks:
         """:func:`check_parameter_callbacks` over :attr:`callbacks`."""
         check_parameter_callbacks(self.callbacks, strategy_name=strategy_name, layout=layout)
 
-    def hold_averaged_copies(self, module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+    def hold_averaged_copies(self, module: nn.Module, layout: CopyHolding) -> list[HeldCopy]:
         """:func:`hold_averaged_copies` over :attr:`callbacks`."""
         return hold_averaged_copies(self.callbacks, module, layout)

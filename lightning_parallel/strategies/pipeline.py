@@ -45,7 +45,7 @@ from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned
 from lightning_parallel.distributed.pipeline.replica_batches import BatchBroadcast, broadcast_batch, replica_batches
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import resolve_schedule
-from lightning_parallel.distributed.pipeline.stage_copy import StageCopyLayout
+from lightning_parallel.distributed.pipeline.stage_copy import StageCopyHolding
 from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, StagePlan
 from lightning_parallel.distributed.pipeline.stage_split import (
     build_parallel_dims,
@@ -376,7 +376,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._hook_windows.attach(trainer, module, make_view, sync=run.sync)
         if fitting:
             # Weight-averaging callbacks copied the whole module in their `setup`: each copy keeps this rank's stage.
-            layout = StageCopyLayout(run.dims, tuple(run.full_state_keys), dict(run.aliases))
+            layout = StageCopyHolding(run.dims, tuple(run.full_state_keys), dict(run.aliases))
             hold_averaged_copies(trainer.callbacks, module, layout)
             self.setup_optimizers(trainer)
             run.sync.setup_optimizers(self.unwrapped_optimizers())  # ZeRO-1/2: a collective (the stage's buckets)

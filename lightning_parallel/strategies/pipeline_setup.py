@@ -155,7 +155,7 @@ def check_callbacks(callbacks: Any, *, zero_stage: int, pipeline_parallel_size: 
 
 
 def _refuse_averaging_under_zero3(callbacks: Any) -> None:
-    """Weight averaging's copy of the module is held as this rank's stage (``StageCopyLayout``), not as its shards:
+    """Weight averaging's copy of the module is held as this rank's stage (``StageCopyHolding``), not as its shards:
     refused rather than averaging whole copies of sharded parameters."""
     for callback in callbacks:
         if isinstance(callback, AVERAGING_CALLBACKS):

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.distributed.averaged_copy import CopyLayout, HeldCopy
+from lightning_parallel.distributed.averaged_copy import CopyHolding, HeldCopy
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0
 from lightning_parallel.distributed.compression import CommunicationStats
 from lightning_parallel.distributed.zero.replica_reduction import ReplicaReduction
@@ -33,7 +33,7 @@ class ParameterCallbacks(Protocol):
         """Local. Raise ``ValueError`` for a callback that cannot run while the parameters are held as ``layout``
         (``strategy_name`` is quoted in the error)."""
 
-    def hold_averaged_copies(self, module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+    def hold_averaged_copies(self, module: nn.Module, layout: CopyHolding) -> list[HeldCopy]:
         """Local. Make each weight-averaging callback's copy hold what ``module`` now holds on this rank."""
 
 
@@ -43,7 +43,7 @@ class NoParameterCallbacks:
     def check(self, *, strategy_name: str, layout: str) -> None:
         del strategy_name, layout
 
-    def hold_averaged_copies(self, module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+    def hold_averaged_copies(self, module: nn.Module, layout: CopyHolding) -> list[HeldCopy]:
         del module, layout
         return []
 
