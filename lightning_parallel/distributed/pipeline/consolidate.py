@@ -65,14 +65,9 @@ def consolidate_state_dict(
     same tensor, as in a single-device ``state_dict`` (so ``torch.save`` writes it once), whichever stages held it.
     ``local``: this rank's state dict with whole tensors (default ``module.state_dict()``; ZeRO-3 gathers its shards).
     """
-    local = dict(module.state_dict() if local is None else local)
-    gathered = gather_to_pipeline_root(local, dims)
-    if gathered is None:
+    merged = _merged_on_pipeline_root(dict(module.state_dict() if local is None else local), dims)
+    if merged is None:
         return None
-    merged: dict[str, Any] = {}
-    for part in reversed(gathered):
-        merged.update(part)
-    merged.update(gathered[0])
     for alias, canonical in (aliases or {}).items():
         if canonical in merged:
             merged[alias] = merged[canonical]
@@ -233,7 +228,12 @@ class WholeOptimizerState:
 def consolidate_buffers(module: nn.Module, dims: ParallelDims) -> dict[str, Any] | None:
     """Every state entry that is not a parameter (buffers of all stages, metric states), on pipeline rank 0."""
     parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    local = {k: v for k, v in module.state_dict().items() if k not in parameters}
+    return _merged_on_pipeline_root({k: v for k, v in module.state_dict().items() if k not in parameters}, dims)
+
+
+def _merged_on_pipeline_root(local: dict[str, Any], dims: ParallelDims) -> dict[str, Any] | None:
+    """Collective over the pipeline group: every rank's ``local`` entries merged on pipeline rank 0 (``None``
+    elsewhere); where several ranks hold a key (buffers of metrics), the lowest pipeline rank's value wins."""
     gathered = gather_to_pipeline_root(local, dims)
     if gathered is None:
         return None
