@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.layer_costs import layer_compute_costs, layer_parameter_costs
 from lightning_parallel.distributed.pipeline.layer_registration import resolve_pipeline_layers
-from lightning_parallel.distributed.pipeline.stage_plan import Placement, StagePlan, plan_for_example
+from lightning_parallel.distributed.pipeline.schedule import Placement
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan, plan_for_example
 from lightning_parallel.distributed.zero import stage3 as zero3
 from lightning_parallel.planner.hf import decoder_config, hf_notes, read_hf_config
 from lightning_parallel.planner.hf_modules import build_causal_lm

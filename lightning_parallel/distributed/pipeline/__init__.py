@@ -43,20 +43,16 @@ from lightning_parallel.distributed.pipeline.reassemble import reassemble
 from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import (
+    PLACEMENTS,
     SCHEDULE_SPECS,
     SCHEDULES,
+    Placement,
     ScheduleSpec,
     resolve_schedule,
     schedule_spec,
     validate_schedule_config,
 )
-from lightning_parallel.distributed.pipeline.stage_plan import (
-    PLACEMENTS,
-    Placement,
-    StagePlan,
-    plan_for_example,
-    plan_stages,
-)
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan, plan_for_example, plan_stages
 from lightning_parallel.distributed.pipeline.sync import PipelineSync, ReplicatedSync, SyncContext
 from lightning_parallel.distributed.pipeline.sync_type import pipeline_sync_type
 from lightning_parallel.distributed.pipeline.torch_schedule import TorchSchedule, build_torch_schedule

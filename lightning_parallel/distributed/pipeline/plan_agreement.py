@@ -16,7 +16,8 @@ from torch import nn
 
 from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.layer_costs import measure_layer_times
-from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, Placement, StagePlan, plan_for_example
+from lightning_parallel.distributed.pipeline.schedule import Placement
+from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, StagePlan, plan_for_example
 
 __all__ = ["check_same_plan", "plan_on_every_rank"]
 

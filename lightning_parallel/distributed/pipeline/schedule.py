@@ -8,7 +8,7 @@ hanging). :mod:`.torch_schedule` builds torch's stages and schedule from a spec.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torch.distributed.pipelining import (
     Schedule1F1B,
@@ -20,18 +20,24 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, ScheduleDualPipeV
 
-from lightning_parallel.distributed.pipeline.stage_plan import Placement
-
 __all__ = [
     "MULTI_STAGE_SCHEDULES",
+    "PLACEMENTS",
     "SCHEDULES",
     "SCHEDULE_SPECS",
+    "Placement",
     "ScheduleSpec",
     "check_count",
     "resolve_schedule",
     "schedule_spec",
     "validate_schedule_config",
 ]
+
+
+Placement = Literal["loop", "v"]
+"""Which pipeline rank holds each stage: ``"loop"`` (stage ``s`` on rank ``s % p``) or ``"v"`` (down the ranks and
+back up); a schedule's :attr:`ScheduleSpec.placement`, which a :class:`~.stage_plan.StagePlan` must be built with."""
+PLACEMENTS: tuple[Placement, ...] = ("loop", "v")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,11 +23,10 @@ from lightning_parallel.distributed.pipeline.layer_costs import (
     layer_compute_costs,
     layer_parameter_costs,
 )
+from lightning_parallel.distributed.pipeline.schedule import PLACEMENTS, Placement
 
 __all__ = [
-    "PLACEMENTS",
     "PartitionMethod",
-    "Placement",
     "StagePlan",
     "plan_for_example",
     "plan_stages",
@@ -38,10 +37,6 @@ PartitionMethod = Literal["flops", "compute", "measured", "parameters"]
 """How the automatic split weighs a layer: ``"flops"`` (its forward FLOPs for an example batch; ``"compute"`` is the
 same, its older name), ``"measured"`` (its forward and backward timed), ``"parameters"`` (its parameter count)."""
 _FLOPS = ("flops", "compute")
-
-Placement = Literal["loop", "v"]
-"""How a :class:`StagePlan` lays stages on pipeline ranks (see :attr:`StagePlan.placement`)."""
-PLACEMENTS: tuple[Placement, ...] = ("loop", "v")
 
 
 def validate_partition(partition: Any) -> None:
