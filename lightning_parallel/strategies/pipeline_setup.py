@@ -15,10 +15,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_parallel import _compat
 from lightning_parallel.choices import check_choice
 from lightning_parallel.distributed.pipeline.balance import UnevenStages
+from lightning_parallel.distributed.pipeline.config import check_count
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout, optimizer_layout
 from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch
 from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, check_divisible_batch
-from lightning_parallel.distributed.pipeline.schedule import check_count
 from lightning_parallel.distributed.pipeline.stage_plan import validate_partition
 from lightning_parallel.distributed.pipeline.verify import check_single_evaluation_optimizers
 from lightning_parallel.distributed.zero.config import ZeroConfig

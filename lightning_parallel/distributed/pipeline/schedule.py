@@ -8,7 +8,7 @@ hanging). :mod:`.torch_schedule` builds torch's stages and schedule from a spec.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from torch.distributed.pipelining import (
     Schedule1F1B,
@@ -27,7 +27,6 @@ __all__ = [
     "SCHEDULE_SPECS",
     "Placement",
     "ScheduleSpec",
-    "check_count",
     "resolve_schedule",
     "schedule_spec",
     "validate_schedule_config",
@@ -212,15 +211,3 @@ def validate_schedule_config(
         stages_per_rank=stages_per_rank,
         num_microbatches=num_microbatches,
     )
-
-
-def check_count(name: str, value: Any) -> None:
-    """``value`` must be a positive integer or ``"auto"``.
-
-    Raises:
-        ValueError: Naming the argument and the bad value.
-    """
-    if value == "auto" and isinstance(value, str):
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}={value!r}` is invalid: use a positive integer or 'auto'.")
