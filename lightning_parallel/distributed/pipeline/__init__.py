@@ -23,6 +23,10 @@
 * :mod:`.zero`: ZeRO-1/2 inside the pipeline, each stage's state sharded over its data-parallel replicas.
 * :mod:`.fully_shard`: ZeRO-3 inside the pipeline, each stage's parameters sharded too (FSDP2).
 * :mod:`.run`: one record of a split's state; :mod:`.checkpoint_format`: consolidated or sharded checkpoints.
+* Also: :mod:`.config` (``PipelineConfig``), :mod:`.engine` (one step of the user's ``*_step``), :mod:`.random_draws`,
+  :mod:`.side_inputs`, :mod:`.tied`, :mod:`.transfer`, :mod:`.whole_model_view` (the whole model in a user's hook),
+  :mod:`.stage_copy`, :mod:`.flops`, :mod:`.model_plan` (a Hugging Face model's declared plan); docs/architecture.md
+  lists each with its job.
 """
 
 from lightning_parallel.distributed.pipeline.balance import UnevenStages, balanced_boundaries
