@@ -40,10 +40,11 @@ from lightning_parallel.accounting import LiveTensorPeak, live_tensors, optimize
 from lightning_parallel.distributed.activation_checkpointing import apply_activation_checkpointing
 from lightning_parallel.distributed.pipeline import _compat, stage_split
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
+from lightning_parallel.distributed.pipeline.parallel_dims import build_parallel_dims
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec, validate_schedule_config
 from lightning_parallel.distributed.pipeline.stage_module import StageModule
 from lightning_parallel.distributed.pipeline.stage_plan import plan_for_example
-from lightning_parallel.distributed.pipeline.stage_split import build_parallel_dims, split_into_stages
+from lightning_parallel.distributed.pipeline.stage_split import split_into_stages
 from lightning_parallel.distributed.pipeline.torch_schedule import build_torch_schedule
 from lightning_parallel.distributed.pipeline.zero import pipeline_zero_config
 from lightning_parallel.planner._compat import FakeTensorMode, disable_current_modes

@@ -40,20 +40,18 @@ from lightning_parallel.distributed.pipeline.contract import replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
 from lightning_parallel.distributed.pipeline.microbatch import check_divisible_batch, divisible_batches
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
-from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.parallel_dims import (
+    ParallelDims,
+    build_parallel_dims,
+    pipeline_mesh_layout,
+)
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned
 from lightning_parallel.distributed.pipeline.replica_batches import BatchBroadcast, broadcast_batch, replica_batches
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import resolve_schedule
 from lightning_parallel.distributed.pipeline.stage_copy import StageCopyHolding
 from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, StagePlan
-from lightning_parallel.distributed.pipeline.stage_split import (
-    build_parallel_dims,
-    check_not_split,
-    check_splittable,
-    pipeline_mesh_layout,
-    split_into_stages,
-)
+from lightning_parallel.distributed.pipeline.stage_split import check_not_split, check_splittable, split_into_stages
 from lightning_parallel.distributed.pipeline.tied import TiedLayout
 from lightning_parallel.distributed.pipeline.verify import closure_evaluated_twice
 from lightning_parallel.distributed.pipeline.zero import PipelineZeroStage, pipeline_zero_config

@@ -2,7 +2,8 @@
 
 Torch-only. :class:`ParallelDims` is frozen: its mesh arithmetic
 (:class:`~lightning_parallel.distributed.mesh.MeshLayout`) is computed once, at construction, and
-:meth:`ParallelDims.with_groups` returns a copy holding a new mesh.
+:meth:`ParallelDims.with_groups` returns a copy holding a new mesh. :func:`build_parallel_dims` makes a rank's
+dims on the pipeline's mesh (:func:`pipeline_mesh_layout`), a collective.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.distributed.mesh import MeshLayout
+from lightning_parallel.distributed.zero.config import ZeroConfig
 
-__all__ = ["ParallelDims"]
+__all__ = ["ParallelDims", "build_parallel_dims", "pipeline_mesh_layout"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +106,43 @@ class ParallelDims:
         """Collective: a copy holding a new mesh and its process groups, created on every rank in the same order (a
         strategy hands its own ``device_mesh`` instead)."""
         return replace(self, mesh=self.layout.build(device_type))
+
+
+def pipeline_mesh_layout(
+    world_size: int, *, pipeline_parallel_size: int, zero_config: ZeroConfig | None = None
+) -> MeshLayout:
+    """``replicate x shard x pp``: the data-parallel replicas of each stage on the ``replicate`` axis, or with ZeRO on
+    the ``shard`` axis (``zero_config.shard_size`` of them, the rest on ``replicate``: hybrid sharding)."""
+    p = pipeline_parallel_size
+    if zero_config is None or world_size % p:
+        return MeshLayout(world_size, pipeline_parallel_size=p)
+    shard_size = zero_config.shard_size or world_size // p
+    return MeshLayout(world_size, shard_size=shard_size, pipeline_parallel_size=p)
+
+
+def build_parallel_dims(
+    world_size: int,
+    global_rank: int,
+    *,
+    pipeline_parallel_size: int,
+    zero_config: ZeroConfig | None = None,
+    mesh: DeviceMesh | None = None,
+    device_type: str = "cpu",
+    host_data_parallel_group: Any = None,
+) -> ParallelDims:
+    """Collective (every rank, once). This rank's :class:`~.parallel_dims.ParallelDims` on ``mesh`` (the
+    :func:`pipeline_mesh_layout`'s, built on ``device_type`` when not given) with the groups a split needs
+    (``host_data_parallel_group``: see :attr:`~.parallel_dims.ParallelDims.host_data_parallel_group`)."""
+    layout = pipeline_mesh_layout(world_size, pipeline_parallel_size=pipeline_parallel_size, zero_config=zero_config)
+    dims = ParallelDims(
+        world_size,
+        global_rank,
+        pipeline_parallel_size,
+        shard_size=layout.shard_size,
+        mesh=mesh,
+        host_data_parallel_group=host_data_parallel_group,
+    )
+    if mesh is None:
+        dims = dims.with_groups(device_type)
+    dims.flatten_data_axes()  # hybrid sharding: one group of every replica of the stage (a collective)
+    return dims

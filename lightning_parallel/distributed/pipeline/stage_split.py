@@ -36,7 +36,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.accounting import CommunicationStats
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0
-from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout
 from lightning_parallel.distributed.pipeline.contract import ModelCall
@@ -70,10 +69,8 @@ from lightning_parallel.distributed.pipeline.verify import check_layers_compose_
 from lightning_parallel.distributed.zero.config import ZeroConfig
 
 __all__ = [
-    "build_parallel_dims",
     "check_not_split",
     "check_splittable",
-    "pipeline_mesh_layout",
     "split_into_stages",
     "tied_gradient_sync",
 ]
@@ -84,46 +81,6 @@ Example = tuple[tuple[Any, ...], dict[str, Any]]
 
 def _not_counted() -> CommunicationStats | None:
     return None
-
-
-def pipeline_mesh_layout(
-    world_size: int, *, pipeline_parallel_size: int, zero_config: ZeroConfig | None = None
-) -> MeshLayout:
-    """``replicate x shard x pp``: the data-parallel replicas of each stage on the ``replicate`` axis, or with ZeRO on
-    the ``shard`` axis (``zero_config.shard_size`` of them, the rest on ``replicate``: hybrid sharding)."""
-    p = pipeline_parallel_size
-    if zero_config is None or world_size % p:
-        return MeshLayout(world_size, pipeline_parallel_size=p)
-    shard_size = zero_config.shard_size or world_size // p
-    return MeshLayout(world_size, shard_size=shard_size, pipeline_parallel_size=p)
-
-
-def build_parallel_dims(
-    world_size: int,
-    global_rank: int,
-    *,
-    pipeline_parallel_size: int,
-    zero_config: ZeroConfig | None = None,
-    mesh: DeviceMesh | None = None,
-    device_type: str = "cpu",
-    host_data_parallel_group: Any = None,
-) -> ParallelDims:
-    """Collective (every rank, once). This rank's :class:`~.parallel_dims.ParallelDims` on ``mesh`` (the
-    :func:`pipeline_mesh_layout`'s, built on ``device_type`` when not given) with the groups a split needs
-    (``host_data_parallel_group``: see :attr:`~.parallel_dims.ParallelDims.host_data_parallel_group`)."""
-    layout = pipeline_mesh_layout(world_size, pipeline_parallel_size=pipeline_parallel_size, zero_config=zero_config)
-    dims = ParallelDims(
-        world_size,
-        global_rank,
-        pipeline_parallel_size,
-        shard_size=layout.shard_size,
-        mesh=mesh,
-        host_data_parallel_group=host_data_parallel_group,
-    )
-    if mesh is None:
-        dims = dims.with_groups(device_type)
-    dims.flatten_data_axes()  # hybrid sharding: one group of every replica of the stage (a collective)
-    return dims
 
 
 def check_not_split(module: nn.Module) -> None:
@@ -192,7 +149,7 @@ def split_into_stages(
 
     Args:
         module: The model; keeps its own names (its other ranks' layers become :class:`~.remote_layer.RemoteLayer`).
-        dims: Ranks and process groups (:func:`build_parallel_dims`).
+        dims: Ranks and process groups (:func:`~.parallel_dims.build_parallel_dims`).
         device: This rank's device.
         num_stages: Stages in all (``pipeline_parallel_size x stages_per_rank``).
         schedule: Canonical schedule name (:func:`~.schedule.resolve_schedule`); evaluation runs forward-only.
