@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_parallel.accounting import peak_memory_bytes, reset_peak_memory
 from lightning_parallel.distributed.zero.gather import OverlappedParameterGather
-from lightning_parallel.distributed.zero.replicas import ProcessGroupReplicas
+from lightning_parallel.distributed.zero.replica_reduction import ProcessGroupReplicas
 from lightning_parallel.strategies import DataParallelStrategy, ShardedOptimizerStrategy
 
 __all__ = [

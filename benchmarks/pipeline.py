@@ -42,8 +42,10 @@ from benchmarks.report import comparison_table, load_notes, markdown_table, outc
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.accounting import module_memory_report, peak_memory_bytes
 from lightning_parallel.demos import GPTLightningModule, TextDataModule, next_token_loss
-from lightning_parallel.distributed.pipeline.partition import StageModule, StagePlan, layer_compute_costs, plan_stages
+from lightning_parallel.distributed.pipeline.layer_costs import layer_compute_costs
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
+from lightning_parallel.distributed.pipeline.stage_module import StageModule
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan, plan_stages
 from lightning_parallel.planner import pipeline_bubble
 
 __all__ = ["NAME", "PRESETS", "Config", "PipelineResults", "measure", "render", "write_figures"]

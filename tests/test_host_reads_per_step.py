@@ -19,7 +19,7 @@ Per step, after the first (which builds the pipeline's schedule and settles ZeRO
 Measured on the code before this round (issue 42), the same fits read per step, beside the above: data parallel once
 more (``trainable.py:check_same_trainable_parameters``), ZeRO-1/2 once more (``buckets.py:finish_gradient_sync``, the
 flags), every pipeline rank once more (``trainable.py:check_same_trainable_parameters_within``) and, with the hooks,
-35 times on the last stage's ranks (``hook_view.py``: 16 in ``_install``, 18 in ``_show_gradients``, 1 in
+35 times on the last stage's ranks (``whole_model_view.py``: 16 in ``_install``, 18 in ``_show_gradients``, 1 in
 ``_own_gradients``) and 9 times on the first stage's (``_own_gradients``, one per parameter); now 2 and 1.
 """
 
@@ -38,7 +38,7 @@ from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, S
 
 NONFINITE = "strategies/nonfinite.py:should_skip"
 PIPELINE_OUTCOME = "distributed/pipeline/engine.py:_broadcast"
-VIEW_FLAGS = "distributed/pipeline/hook_view.py:_read_flags"
+VIEW_FLAGS = "distributed/pipeline/whole_model_view.py:_read_flags"
 
 
 class _CountReads(pl.Callback):

@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_parallel import PipelineParallelStrategy
-from lightning_parallel.distributed.pipeline.partition import StagePlan
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, TiedLayout, find_tied_parameters
 
 HOT_FILES = ("distributed/pipeline/engine.py", "distributed/pipeline/zero.py", "distributed/pipeline/tied.py")
@@ -127,8 +127,7 @@ def _tied_sum(rank: int, world_size: int) -> tuple[dict[str, int], list[torch.Te
     torch.manual_seed(0)
     module = _ThreeTies()
     tied = find_tied_parameters(module, [module.first, module.second])
-    dims = ParallelDims(world_size, rank, world_size)
-    dims.mesh = dims.layout.build("cpu")
+    dims = ParallelDims(world_size, rank, world_size).with_groups("cpu")
     layout = TiedLayout(tuple(tied), StagePlan(starts=(0, 1), num_layers=2, pipeline_parallel_size=world_size))
     sync = TiedGradientSync(layout, dims)
     for index, layer in enumerate(module.first):  # rank 0's copies were used, rank 1's were not

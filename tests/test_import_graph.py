@@ -130,3 +130,11 @@ print("ok")
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent), "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_the_monitor_loads_no_strategy_module() -> None:
+    """Issue 45, item 3: the monitor reads what a strategy reports (``instrumentation``), never a strategy module;
+    what both need (``unwrap_optimizer``) sits below both."""
+    loaded = _reachable(_graph(), "lightning_parallel.monitor.callback")
+    assert "lightning_parallel.lightning_optimizer" in loaded, "the graph lost the monitor's imports"
+    assert not sorted(m for m in loaded if ".strategies" in m)

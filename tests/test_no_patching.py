@@ -38,7 +38,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     "name: dist.get_backend; in a pipeline all_gather_object, stage metadata, the static/dynamic vote) are computed "
     "locally, fake sends are held like real ones and nn.Module.to leaves fake tensors already in place; every "
     "attribute is put back in `finally`. No training runs meanwhile",
-    ("strategies/replica_groups.py", "FaultTolerantReplicas._load_state_dict", "private"): "a replica group healed "
+    ("fault_tolerance/replicas.py", "FaultTolerantReplicas._load_state_dict", "private"): "a replica group healed "
     "from a live peer takes its step count: Lightning restores this epoch-loop counter only from its own loop "
     "state_dict (a checkpoint), with no public setter",
     ("strategies/launch.py", "_use_nccl_interface_for_gloo", "import"): "sets GLOO_SOCKET_IFNAME from "

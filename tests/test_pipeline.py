@@ -33,8 +33,8 @@ from lightning_parallel.distributed.pipeline.contract import (
     capture_model_inputs,
     run_step_with_output,
 )
+from lightning_parallel.distributed.pipeline.layer_costs import measure_layer_times
 from lightning_parallel.distributed.pipeline.microbatch import DivisibleBatches, pad_batch, slice_batch
-from lightning_parallel.distributed.pipeline.partition import measure_layer_times
 
 BATCH = 8
 STEPS = 3

@@ -30,7 +30,8 @@ from distributed_harness import run_distributed
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.pipeline.checkpoint_format import CHECKPOINT_FORMATS, whole_model_state
-from lightning_parallel.distributed.pipeline.stage_split import StageHolding, build_parallel_dims, split_into_stages
+from lightning_parallel.distributed.pipeline.parallel_dims import build_parallel_dims
+from lightning_parallel.distributed.pipeline.stage_split import StageHolding, split_into_stages
 from lightning_parallel.distributed.pipeline.zero import pipeline_zero_config
 
 WIDTH, NUM_LAYERS, STEPS, BATCH = 64, 6, 2, 8

@@ -394,8 +394,8 @@ def test_refusals_name_the_problem_and_the_fix_on_every_rank():
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2"])
 def test_declared_plan_layers_compose_to_the_models_forward(kind):
     # One process: the layers made from the plan, chained, give the model's own logits (a padding mask included).
+    from lightning_parallel.distributed.pipeline.layer_costs import layer_compute_costs
     from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
-    from lightning_parallel.distributed.pipeline.partition import layer_compute_costs
     from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
 
     torch.manual_seed(0)

@@ -40,8 +40,8 @@ from transformers.models.sam.modeling_sam import SamVisionEncoder
 
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.distributed.pipeline import check_layers_compose_to_forward
+from lightning_parallel.distributed.pipeline.layer_registration import layer_registrations
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
-from lightning_parallel.distributed.pipeline.partition import layer_registrations
 
 SEED, VOCAB, SEQ, CLASSES, SAMPLES, BATCH, MICRO, STEPS = 7, 64, 8, 3, 16, 4, 2, 3
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}

@@ -16,7 +16,8 @@ from distributed_harness import run_distributed
 from model_zoo import TiedLM
 from torch import nn
 
-from lightning_parallel.distributed.pipeline.stage_split import StageHolding, build_parallel_dims, split_into_stages
+from lightning_parallel.distributed.pipeline.parallel_dims import build_parallel_dims
+from lightning_parallel.distributed.pipeline.stage_split import StageHolding, split_into_stages
 from lightning_parallel.distributed.pipeline.zero import pipeline_zero_config
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "lightning_parallel"

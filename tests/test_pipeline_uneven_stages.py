@@ -31,13 +31,9 @@ from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.demos import GPT, GPTConfig
 from lightning_parallel.distributed.pipeline import UnevenStages, plan_stages
 from lightning_parallel.distributed.pipeline.balance import balance_ranks, balanced_boundaries, stage_costs
+from lightning_parallel.distributed.pipeline.layer_costs import layer_compute_costs, layer_parameter_costs
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
-from lightning_parallel.distributed.pipeline.partition import (
-    StagePlan,
-    layer_compute_costs,
-    layer_parameter_costs,
-    plan_for_example,
-)
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan, plan_for_example
 from lightning_parallel.planner.estimate import OPTIMIZER_STATES, PRECISION_BYTES, EstimateContext, estimate_pipeline
 from lightning_parallel.planner.spec import model_spec
 

@@ -29,13 +29,13 @@ from training_helpers import assert_weights_close
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.accounting import LiveTensorPeak
 from lightning_parallel.distributed.pipeline import check_layers_compose_to_forward
-from lightning_parallel.distributed.pipeline.partition import (
-    StageModule,
+from lightning_parallel.distributed.pipeline.layer_costs import (
     layer_compute_costs,
     layer_parameter_costs,
     measure_layer_times,
-    plan_for_example,
 )
+from lightning_parallel.distributed.pipeline.stage_module import StageModule
+from lightning_parallel.distributed.pipeline.stage_plan import plan_for_example
 from lightning_parallel.distributed.pipeline.verify import _clone, _to
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}

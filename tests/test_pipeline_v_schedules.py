@@ -26,8 +26,8 @@ from training_helpers import assert_checkpoint_is_single_devices, assert_weights
 
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
-from lightning_parallel.distributed.pipeline.partition import StagePlan
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec, validate_schedule_config
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.planner.cli import _parser
 from lightning_parallel.planner.plan import pipeline_schedule
 

@@ -46,7 +46,7 @@ from training_helpers import assert_checkpoint_is_single_devices, assert_weights
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.accounting import storage_bytes
 from lightning_parallel.distributed.checkpoint import sharded_to_consolidated
-from lightning_parallel.distributed.pipeline.partition import StagePlan
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedParameter
 from lightning_parallel.distributed.pipeline.zero import check_no_tie_within_a_rank
 

@@ -11,12 +11,12 @@ from distributed_harness import run_distributed
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel.distributed.pipeline import _compat
-from lightning_parallel.distributed.pipeline.schedule import SideEffectFreePipelineStage
 from lightning_parallel.distributed.pipeline.side_inputs import (
     decoded_side_input,
     encoded_side_input,
     with_zero_gradients,
 )
+from lightning_parallel.distributed.pipeline.torch_stage import SideEffectFreePipelineStage
 
 pytestmark = pytest.mark.compat  # also run on every supported torch release (`make compat`)
 

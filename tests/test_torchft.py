@@ -437,7 +437,7 @@ def _heal_shards(rank: int, world_size: int) -> dict:
     "restarted" one (other weights, no optimizer state) loads each rank's shard state from it, then settles."""
     from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
     from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
-    from lightning_parallel.distributed.zero.replicas import OwnedShardState
+    from lightning_parallel.fault_tolerance.shard_state import OwnedShardState
 
     torch.set_num_threads(1)
 
@@ -552,14 +552,14 @@ def _compare_three_groups(rank: int, world_size: int) -> list:
     """Three ranks of a plain gloo group play three replica groups meeting in one quorum (torch-only, no torchft)."""
     import torch.distributed as dist
 
-    from lightning_parallel.fault_tolerance.agreement import GroupLayout, compare_layouts
+    from lightning_parallel.fault_tolerance.agreement import GroupDescription, compare_descriptions
 
     def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
         dist.all_reduce(tensor, op=op)
 
-    def layout(width: int, precision: str = "32-true") -> GroupLayout:
+    def layout(width: int, precision: str = "32-true") -> GroupDescription:
         module = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2))
-        return GroupLayout.of(
+        return GroupDescription.of(
             module,
             replica_group=rank,
             strategy="DataParallelStrategy",
@@ -568,8 +568,8 @@ def _compare_three_groups(rank: int, world_size: int) -> list:
             num_replica_groups=3,
         )
 
-    def compare(mine: GroupLayout, counts: bool) -> tuple[str | None, bool]:
-        return compare_layouts(mine, counts=counts, rank=rank, size=3, all_reduce=all_reduce)
+    def compare(mine: GroupDescription, counts: bool) -> tuple[str | None, bool]:
+        return compare_descriptions(mine, counts=counts, rank=rank, size=3, all_reduce=all_reduce)
 
     return [
         compare(layout(8), True),  # all alike: nothing more is exchanged
@@ -600,10 +600,10 @@ def test_layout_comparison_stops_the_groups_that_differ() -> None:
 
 
 def test_a_mismatch_names_parameters_by_name_and_count() -> None:
-    from lightning_parallel.fault_tolerance.agreement import GroupLayout, describe_mismatch
+    from lightning_parallel.fault_tolerance.agreement import GroupDescription, describe_mismatch
 
-    def layout(group: int, module: torch.nn.Module) -> GroupLayout:
-        return GroupLayout.of(
+    def layout(group: int, module: torch.nn.Module) -> GroupDescription:
+        return GroupDescription.of(
             module,
             replica_group=group,
             strategy="DataParallelStrategy",

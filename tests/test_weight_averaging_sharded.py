@@ -42,9 +42,9 @@ from typing_extensions import override
 
 from lightning_parallel import PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel._compat import averaged_copy_of
-from lightning_parallel.distributed.averaged_copy import StageCopyLayout, hold_copy
-from lightning_parallel.distributed.pipeline.partition import RemoteLayer
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.averaged_copy import StageCopyHolding, hold_copy
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 
 WORLD_SIZE = 2
 EPOCH_STEPS = 2
@@ -266,7 +266,7 @@ def test_sharded_checkpoint_format_is_refused_before_training_on_every_rank(rank
 
 
 # ------------------------------------------------------------------ one process: holding a copy like a stage
-def _stage_of_tied_model() -> tuple[nn.Module, nn.Module, StageCopyLayout]:
+def _stage_of_tied_model() -> tuple[nn.Module, nn.Module, StageCopyHolding]:
     """A whole copy, and the module as pipeline rank 1 of 2 holds it (the embedding and first block elsewhere)."""
     model = _LanguageModel()
     whole_copy = copy.deepcopy(model)
@@ -274,7 +274,7 @@ def _stage_of_tied_model() -> tuple[nn.Module, nn.Module, StageCopyLayout]:
     model.blocks[0] = RemoteLayer("blocks.0", 0)
     keys = list(whole_copy.state_dict())
     aliases = {"head.weight": "embedding.weight"}
-    return model, whole_copy, StageCopyLayout(ParallelDims(2, 1, 2), keys, aliases)
+    return model, whole_copy, StageCopyHolding(ParallelDims(2, 1, 2), keys, aliases)
 
 
 def test_a_stage_copy_holds_the_stage_and_loads_its_part_of_a_whole_state() -> None:

@@ -7,8 +7,8 @@ rank holds only its stage (the other layers are placeholders): the zip would pai
 another layer's tensors.
 
 :func:`hold_copy` makes the copy hold exactly what the module holds, under the same names in the same order
-(:class:`ShardedCopyLayout`: each parameter a DTensor of the module's mesh and placements, in the copy's own dtype and
-on its own device; the pipeline's ``StageCopyLayout``, ``distributed/pipeline/stage_copy.py``: the module's
+(:class:`ShardedCopyHolding`: each parameter a DTensor of the module's mesh and placements, in the copy's own dtype and
+on its own device; the pipeline's ``StageCopyHolding``, ``distributed/pipeline/stage_copy.py``: the module's
 placeholders), so every update the averaging code makes stays local and elementwise, and a rank holds ``1/N`` (ZeRO-3)
 or one stage of the averages. Checkpoints still see the whole copy: ``state_dict()`` of the held copy gathers the whole
 state to global rank 0 (a collective, as the module's own consolidated state dict is) and ``load_state_dict()`` takes a
@@ -27,23 +27,23 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["CopyLayout", "HeldCopy", "ShardedCopyLayout", "hold_copy", "shard_whole_state"]
+__all__ = ["CopyHolding", "HeldCopy", "ShardedCopyHolding", "hold_copy", "shard_whole_state"]
 
 
 def __getattr__(name: str) -> Any:
-    """``StageCopyLayout`` lives with the pipeline (``distributed/pipeline/stage_copy.py``); importing it from here
+    """``StageCopyHolding`` lives with the pipeline (``distributed/pipeline/stage_copy.py``); importing it from here
     still works, without this module importing any pipeline module (the ZeRO backends import this one)."""
-    if name == "StageCopyLayout":
-        from lightning_parallel.distributed.pipeline.stage_copy import StageCopyLayout
+    if name == "StageCopyHolding":
+        from lightning_parallel.distributed.pipeline.stage_copy import StageCopyHolding
 
-        return StageCopyLayout
+        return StageCopyHolding
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _ATTRIBUTE = "_lightning_parallel_held_copy"
 
 
-class CopyLayout(Protocol):
+class CopyHolding(Protocol):
     """How a strategy holds its module, applied to a copy of it."""
 
     def hold_like(self, copy: nn.Module, model: nn.Module) -> None:
@@ -58,7 +58,7 @@ class CopyLayout(Protocol):
 
 
 @dataclass(frozen=True)
-class ShardedCopyLayout:
+class ShardedCopyHolding:
     """ZeRO-3: every parameter that is a DTensor in the module becomes a DTensor of the same mesh and placements in
     the copy. Buffers are whole in both (FSDP2 does not shard them)."""
 
@@ -107,7 +107,7 @@ class HeldCopy:
     ``state_dict()`` of the copy is then a collective: call it on every rank (as Lightning's checkpointing does).
     """
 
-    def __init__(self, copy: nn.Module, layout: CopyLayout) -> None:
+    def __init__(self, copy: nn.Module, layout: CopyHolding) -> None:
         self.copy = copy
         self.layout = layout
         self._local = False  # while set, the hooks leave the copy's own (local) state alone
@@ -141,7 +141,7 @@ class HeldCopy:
         state_dict.update({prefix + key: value for key, value in local.items()})
 
 
-def hold_copy(copy: nn.Module, model: nn.Module, layout: CopyLayout) -> HeldCopy:
+def hold_copy(copy: nn.Module, model: nn.Module, layout: CopyHolding) -> HeldCopy:
     """Local. Make ``copy`` (a deep copy of the whole ``model``, taken before the strategy sharded or split it) hold
     what ``model`` holds on this rank, and hook its state dicts to whole states (see the module's docstring).
 

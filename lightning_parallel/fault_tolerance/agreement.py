@@ -2,9 +2,9 @@
 
 Groups configured differently (another model width, ``shard_size``, precision, process count) would otherwise send
 buffers of different sizes to one all-reduce: gloo aborts the process (``EnforceNotMet``), a rank with no peer times
-out with a nameless ``TimeoutError``, and the other group trains on alone. Instead each group describes its layout as
-a few named fields (:class:`GroupLayout`), and the groups of a new quorum compare them in two fixed-size collectives
-(:func:`compare_layouts`):
+out with a nameless ``TimeoutError``, and the other group trains on alone. Instead each group describes itself as
+a few named fields (:class:`GroupDescription`), and the groups of a new quorum compare them in two fixed-size
+collectives (:func:`compare_descriptions`):
 
 1. one ``MAX`` all-reduce of ``4 * F + 1`` int64 (``F = len(FIELDS)``): every field hashed separately (62 bits),
    once counting only the groups that hold the run's state (participating) and once every group, each also as
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
 
-__all__ = ["FIELDS", "GroupLayout", "ReplicaGroupMismatchError", "compare_layouts", "describe_mismatch"]
+__all__ = ["FIELDS", "GroupDescription", "ReplicaGroupMismatchError", "compare_descriptions", "describe_mismatch"]
 
 FIELDS = (
     "strategy",
@@ -56,7 +56,7 @@ class ReplicaGroupMismatchError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class GroupLayout:
+class GroupDescription:
     """One replica group's description: ``replica_group`` and a value per name of :data:`FIELDS` (JSON-able)."""
 
     replica_group: int
@@ -77,8 +77,8 @@ class GroupLayout:
         gradient_clipping: str | None = None,
         shard_size: int | None = None,
         bucket_shards: Sequence[int] = (),
-    ) -> GroupLayout:
-        """Local. The layout of ``module``'s trainable parameters (name, shape, dtype) and of the settings given
+    ) -> GroupDescription:
+        """Local. The description of ``module``'s trainable parameters (name, shape, dtype) and of the settings given
         (each group's commit decision depends on ``min_replica_groups``; a group with ``start_together`` exchanges
         parameters while one without it sends gradients; clipping the same average differently splits the weights)."""
         parameters = [
@@ -113,8 +113,8 @@ def _hash(value: Any) -> int:
     return int.from_bytes(digest, "little") % (_MODULUS - 1) + 1
 
 
-def compare_layouts(
-    layout: GroupLayout,
+def compare_descriptions(
+    description: GroupDescription,
     *,
     counts: bool,
     rank: int,
@@ -122,16 +122,16 @@ def compare_layouts(
     all_reduce: AllReduce,
     device: torch.device | None = None,
 ) -> tuple[str | None, bool]:
-    """Collective across the ``size`` groups of a quorum (this one at ``rank``): compare every group's ``layout``.
+    """Collective across the ``size`` groups of a quorum (this one at ``rank``): compare every group's ``description``.
 
     ``counts``: this group holds the run's state (it is not healing); the groups that count are the reference a
     healing group is compared with. Returns ``(message, refused)``: ``message`` names every difference (``None`` when
     all agree); ``refused`` says whether this group must stop: always when the groups that count disagree among
-    themselves (e.g. all groups starting together), else only a group whose layout differs from theirs (a healing
+    themselves (e.g. all groups starting together), else only a group whose description differs from theirs (a healing
     group; the others go on without it)."""
     fields = len(FIELDS)
-    hashes = torch.tensor(layout.hashes(), dtype=torch.int64)
-    encoded = layout.encoded()
+    hashes = torch.tensor(description.hashes(), dtype=torch.int64)
+    encoded = description.encoded()
     summary = torch.zeros(4 * fields + 1, dtype=torch.int64)
     if counts:
         summary[:fields] = hashes
@@ -146,42 +146,43 @@ def compare_layouts(
     every_max, every_min = summary[2 * fields : 3 * fields], _MODULUS - summary[3 * fields : 4 * fields]
     if torch.equal(every_max, every_min):
         return None, False
-    # Someone differs, seen alike by every group: exchange the readable layouts, one row of bytes per group.
+    # Someone differs, seen alike by every group: exchange the readable descriptions, one row of bytes per group.
     rows = torch.zeros(size, int(summary[-1]), dtype=torch.uint8)
     rows[rank, : len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
     rows = rows.to(device) if device is not None else rows
     all_reduce(rows, ReduceOp.SUM)
-    layouts = [_decode(row) for row in rows.cpu()]
+    descriptions = [_decode(row) for row in rows.cpu()]
     counted_agree = torch.equal(counted_max, counted_min)
     mine_agrees = all(
         int(counted_max[i]) in (0, value) and int(counted_min[i]) in (_MODULUS, value)
         for i, value in enumerate(hashes.tolist())
     )
     refused = not counted_agree or not (counts or mine_agrees)
-    return describe_mismatch(layouts), refused
+    return describe_mismatch(descriptions), refused
 
 
-def _decode(row: Tensor) -> GroupLayout:
+def _decode(row: Tensor) -> GroupDescription:
     text = bytes(row.tolist()).rstrip(b"\0").decode()
     data = json.loads(text)
-    return GroupLayout(int(data["replica_group"]), data["fields"])
+    return GroupDescription(int(data["replica_group"]), data["fields"])
 
 
-def describe_mismatch(layouts: Sequence[GroupLayout]) -> str:
-    """The differences between the ``layouts`` of the groups of a quorum, each named with every group's value."""
-    layouts = sorted(layouts, key=lambda layout: layout.replica_group)
+def describe_mismatch(descriptions: Sequence[GroupDescription]) -> str:
+    """The differences between the ``descriptions`` of the groups of a quorum, each named with every group's value."""
+    descriptions = sorted(descriptions, key=lambda description: description.replica_group)
     parts = []
     for name in FIELDS:
-        values = [layout.fields.get(name) for layout in layouts]
+        values = [description.fields.get(name) for description in descriptions]
         if all(value == values[0] for value in values):
             continue
         if name == "parameters":
-            parts.append(_parameter_difference(layouts))
+            parts.append(_parameter_difference(descriptions))
         else:
             parts.append(
                 f"`{name}` is "
                 + ", ".join(
-                    f"{_show(layout.fields.get(name))} in replica group {layout.replica_group}" for layout in layouts
+                    f"{_show(description.fields.get(name))} in replica group {description.replica_group}"
+                    for description in descriptions
                 )
             )
     return (
@@ -196,11 +197,11 @@ def _show(value: Any) -> str:
     return "unset" if value is None else repr(value) if isinstance(value, str) else str(value)
 
 
-def _parameter_difference(layouts: Sequence[GroupLayout]) -> str:
+def _parameter_difference(descriptions: Sequence[GroupDescription]) -> str:
     """The first trainable parameter whose name, shape or dtype differs between two groups, or the counts."""
-    first = layouts[0]
+    first = descriptions[0]
     mine = first.fields["parameters"]
-    for other in layouts[1:]:
+    for other in descriptions[1:]:
         theirs = other.fields["parameters"]
         for index, (a, b) in enumerate(zip(mine, theirs, strict=False)):
             if a[0] != b[0]:

@@ -32,7 +32,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import AllreduceOptions, ReduceOp
 
-from lightning_parallel.fault_tolerance.agreement import GroupLayout, ReplicaGroupMismatchError, compare_layouts
+from lightning_parallel.fault_tolerance.agreement import (
+    GroupDescription,
+    ReplicaGroupMismatchError,
+    compare_descriptions,
+)
 from lightning_parallel.fault_tolerance.config import CrossGroupBackend, FaultTolerance
 from lightning_parallel.fault_tolerance.lighthouse import wait_for_lighthouse
 
@@ -85,7 +89,7 @@ class ReplicaGroupSync:
         load_state_dict: loads it, on this (the training) thread, inside :meth:`should_commit`.
         device: where the model is (``None``: the CPU): picks the cross-group process group
             (``config.cross_group_backend``) and, off the CPU, the stream whose work a read waits for.
-        layout: what this group compares with the other groups of every new quorum before its first cross-group
+        description: what this group compares with the other groups of every new quorum before its first cross-group
             collective of parameters or gradients (:mod:`~lightning_parallel.fault_tolerance.agreement`); ``None``:
             nothing is compared.
     """
@@ -101,7 +105,7 @@ class ReplicaGroupSync:
         state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None],
         device: torch.device | None = None,
-        layout: GroupLayout | None = None,
+        description: GroupDescription | None = None,
     ) -> None:
         device = device if device is not None else torch.device("cpu")
         backend = cross_group_backend(config.cross_group_backend, device)  # local: raises before torchft starts
@@ -112,9 +116,9 @@ class ReplicaGroupSync:
         self.backend = backend
         self._state_dict = state_dict
         self._written: Any = None  # an event after this group's last writes (accelerators), recorded at `start_step`
-        self.layout = layout
+        self.description = description
         self.group_rank = group_rank
-        self._checked = 0  # the process group's configuration whose groups compared their layouts
+        self._checked = 0  # the process group's configuration whose groups compared their descriptions
         timeout = timedelta(seconds=config.timeout)
         self.process_group = _counting(getattr(torchft, TORCHFT_PROCESS_GROUPS[backend]))(timeout=timeout)
         self.manager = torchft.Manager(
@@ -159,7 +163,7 @@ class ReplicaGroupSync:
         :meth:`should_commit` answers ``False``."""
         if not gradients:
             return
-        self.check_layouts()
+        self.check_descriptions()
         flat = _flatten(gradients)
         self.manager.allreduce(flat).wait()
         _copy_into(gradients, flat)
@@ -169,7 +173,7 @@ class ReplicaGroupSync:
         replace ``shards`` (this rank's reduced gradient shards) by their average over the groups in this step's
         quorum, one flat all-reduce per dtype, and ``used`` (``uint8`` flags) by 1 where any group's is. A healing
         group sends zeros, as in :meth:`average_gradients`."""
-        self.check_layouts()
+        self.check_descriptions()
         flags = used.to(torch.float32) if used is not None else None
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for tensor in [*shards, *([flags] if flags is not None else [])]:
@@ -219,7 +223,7 @@ class ReplicaGroupSync:
         expected = self.config.num_replica_groups
         while True:
             self.manager.start_quorum()
-            message, refused = self._compare_layouts()  # before anything sized by the layout crosses the groups
+            message, refused = self._compare_descriptions()  # before anything sized by the layout crosses the groups
             present = self.num_participants()
             starting = self.step == 0 and present >= expected
             healing = not self.manager.is_participating()
@@ -253,23 +257,23 @@ class ReplicaGroupSync:
                 )
             sleep(0.05)
 
-    def check_layouts(self) -> None:
-        """Cross-group, once per new quorum (the process group was configured again): compare this group's ``layout``
-        with every other group's in it (:func:`~lightning_parallel.fault_tolerance.agreement.compare_layouts`).
-        Raises :class:`ReplicaGroupMismatchError` naming the differences where this group must stop; a live group
-        that a healing group differs from warns and goes on without it (the healing group stops)."""
-        message, refused = self._compare_layouts()
+    def check_descriptions(self) -> None:
+        """Cross-group, once per new quorum (the process group was configured again): compare this group's
+        ``description`` with every other group's in it (:func:`.agreement.compare_descriptions`). Raises
+        :class:`ReplicaGroupMismatchError` naming the differences where this group must stop; a live group that a
+        healing group differs from warns and goes on without it (the healing group stops)."""
+        message, refused = self._compare_descriptions()
         if refused:
             raise ReplicaGroupMismatchError(message)
         if message is not None and self.group_rank == 0:
             warnings.warn(f"{message} (replica group {self.config.replica_group} goes on without it)", stacklevel=2)
 
-    def _compare_layouts(self) -> tuple[str | None, bool]:
-        """``(message, refused)`` of :func:`compare_layouts`, or ``(None, False)`` in a quorum already checked, of one
-        group, or whose process group could not be set up (torchft reports that error: the step does not commit)."""
+    def _compare_descriptions(self) -> tuple[str | None, bool]:
+        """``(message, refused)`` of :func:`compare_descriptions`, or ``(None, False)`` in a quorum already checked, of
+        one group, or whose process group could not be set up (torchft reports that error: the step does not commit)."""
         self.manager.wait_quorum()
         generation = self.process_group.generation
-        if self.layout is None or generation == self._checked:
+        if self.description is None or generation == self._checked:
             return None, False
         self._checked = generation
         if self.manager.errored() is not None or self.process_group.quorum_size < 2:
@@ -282,8 +286,8 @@ class ReplicaGroupSync:
             self.process_group.allreduce([tensor], options).wait()
 
         try:
-            return compare_layouts(
-                self.layout,
+            return compare_descriptions(
+                self.description,
                 counts=self.manager.is_participating(),
                 rank=self.process_group.quorum_rank,
                 size=self.process_group.quorum_size,

@@ -34,11 +34,11 @@ from lightning_parallel.instrumentation import (
     ReportsGradientTensors,
     WallClock,
 )
+from lightning_parallel.lightning_optimizer import unwrap_optimizer
 from lightning_parallel.monitor.figure import write_figure
 from lightning_parallel.monitor.ledger import CollectiveTap, PhaseTimes
 from lightning_parallel.monitor.report import format_table
 from lightning_parallel.monitor.timing import PendingSteps, StepStamps, clock_for
-from lightning_parallel.strategies.base import unwrap_optimizer
 
 __all__ = ["ParallelismMonitor", "StepRecord"]
 

@@ -3,7 +3,7 @@
 One process acts as rank ``r`` of a fake process group (as :mod:`.dry_run` does for data parallelism and ZeRO) and
 runs what a pipeline rank runs: ``split_into_stages`` (the stage plan, this rank's stages kept, the others replaced by
 placeholders, the sync over the stage's replicas, ZeRO inside the pipeline), torch's ``PipelineStage`` objects and
-schedule built by ``build_runtime``, one warm-up step and one measured step (``schedule.step`` with the loss on the
+schedule (``build_torch_schedule``), one warm-up step and one measured step (``schedule.step`` with the loss on the
 last stage, the sync's gradient reduction, the optimizer step, ZeRO's parameter all-gather, ``zero_grad``). The peak
 is therefore what torch's schedule really holds: every micro-batch's saved activations until its backward, the
 receive buffers torch allocates for every micro-batch, the last stage's outputs kept for the step, the gradients
@@ -41,9 +41,12 @@ from lightning_parallel.distributed.activation_checkpointing import apply_activa
 from lightning_parallel.distributed.pipeline import _compat, stage_split
 from lightning_parallel.distributed.pipeline.config import PipelineConfig
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
-from lightning_parallel.distributed.pipeline.partition import StageModule, plan_for_example
-from lightning_parallel.distributed.pipeline.schedule import build_runtime, resolve_schedule
-from lightning_parallel.distributed.pipeline.stage_split import StageHolding, build_parallel_dims, split_into_stages
+from lightning_parallel.distributed.pipeline.parallel_dims import build_parallel_dims
+from lightning_parallel.distributed.pipeline.schedule import resolve_schedule
+from lightning_parallel.distributed.pipeline.stage_module import StageModule
+from lightning_parallel.distributed.pipeline.stage_plan import plan_for_example
+from lightning_parallel.distributed.pipeline.stage_split import StageHolding, split_into_stages
+from lightning_parallel.distributed.pipeline.torch_schedule import build_torch_schedule
 from lightning_parallel.distributed.pipeline.zero import pipeline_zero_config
 from lightning_parallel.planner._compat import FakeTensorMode, disable_current_modes
 from lightning_parallel.planner.dry_run import (
@@ -160,7 +163,7 @@ class _PipelineStepRunner:
             if fake and buckets is not None:  # ZeRO-1/2: one rank played, its own bucket order is every rank's
                 buckets.agree_on_launch_order = False
             assert self.run.engine is not None
-            self.runtime = build_runtime(
+            self.runtime = build_torch_schedule(
                 schedule=config.effective_schedule,
                 plan=self.run.plan,
                 layers=self.run.engine.layers,  # type: ignore[arg-type]  # only this rank's, never None, are read

@@ -63,8 +63,10 @@ from dataclasses import dataclass, field
 
 from lightning_parallel.accounting import ring_wire_bytes
 from lightning_parallel.distributed.mesh import MeshLayout
-from lightning_parallel.distributed.pipeline.partition import StagePlan, UnevenStages, resolve_pipeline_layers
+from lightning_parallel.distributed.pipeline.balance import UnevenStages
+from lightning_parallel.distributed.pipeline.layer_registration import resolve_pipeline_layers
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedLayout, find_tied_parameters
 from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, min_buckets, padded_numel
 from lightning_parallel.planner.activations import activation_bytes

@@ -7,7 +7,7 @@ installed (a laptop planning a cluster job) and nothing is ever downloaded.
 
 From the config's well-known keys (``hidden_size``/``n_embd``, ``num_hidden_layers``/``n_layer``, ...; a key the
 file leaves out takes the config class's default, as transformers does) this module resolves a
-:class:`DecoderLayout`, and :mod:`.hf_modules` builds a parameter-for-parameter copy of the model on the ``meta``
+:class:`DecoderConfig`, and :mod:`.hf_modules` builds a parameter-for-parameter copy of the model on the ``meta``
 device: the same names, shapes, registration order and tied embeddings, hence the same ZeRO buckets and FSDP2 units
 as the real model (``tests/test_planner_hf.py`` compares them with transformers' own models).
 
@@ -33,9 +33,9 @@ from typing import Any
 __all__ = [
     "DEFAULT_SEQ_LEN_CAP",
     "SUPPORTED_MODEL_TYPES",
-    "DecoderLayout",
+    "DecoderConfig",
     "HFConfigError",
-    "decoder_layout",
+    "decoder_config",
     "hf_notes",
     "read_hf_config",
 ]
@@ -52,7 +52,7 @@ class HFConfigError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DecoderLayout:
+class DecoderConfig:
     """A decoder-only causal language model as its config describes it: everything its parameters depend on."""
 
     model_type: str
@@ -231,7 +231,7 @@ def _missing_file_message(path: Path, file: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the layout
-def decoder_layout(values: Mapping[str, Any], origin: str) -> DecoderLayout:
+def decoder_config(values: Mapping[str, Any], origin: str) -> DecoderConfig:
     """Resolve the layout of the config ``values`` (a ``config.json``'s keys) read from ``origin``.
 
     Raises:
@@ -253,7 +253,7 @@ def decoder_layout(values: Mapping[str, Any], origin: str) -> DecoderLayout:
     qkv_bias, o_bias, mlp_bias = arch.biases(c)
     architectures = values.get("architectures") or []
     named = next((a for a in architectures if isinstance(a, str) and a != arch.causal_lm), None)
-    return DecoderLayout(
+    return DecoderConfig(
         model_type=model_type,
         causal_lm=arch.causal_lm,
         origin=origin,
@@ -304,7 +304,7 @@ def _unknown_architecture_message(model_type: str, values: Mapping[str, Any], or
     )
 
 
-def hf_notes(layout: DecoderLayout) -> list[str]:
+def hf_notes(layout: DecoderConfig) -> list[str]:
     """What the plan of ``layout`` assumes, for the plan's notes."""
     if layout.is_gpt2:
         cut = "[wte + wpe, each block, ln_f + lm_head] (GPT-2 declares no base_model_pp_plan: pipeline_layers() so)"

@@ -1,6 +1,6 @@
 """Parameter-for-parameter stand-ins of transformers' causal language models, built on ``meta`` for the planner.
 
-:func:`build_causal_lm` turns a :class:`~lightning_parallel.planner.hf.DecoderLayout` into a module with exactly the
+:func:`build_causal_lm` turns a :class:`~lightning_parallel.planner.hf.DecoderConfig` into a module with exactly the
 parameters of ``AutoModelForCausalLM.from_config(config)``: the same qualified names, shapes, registration order and
 tied embeddings (``tests/test_planner_hf.py`` compares them with transformers' models). So the planner's ZeRO-1/2
 buckets (reverse registration order) and FSDP2 units (repeated blocks, then the remaining children) are those of the
@@ -23,18 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_parallel.planner.hf import DEFAULT_SEQ_LEN_CAP, DecoderLayout
+from lightning_parallel.planner.hf import DEFAULT_SEQ_LEN_CAP, DecoderConfig
 from lightning_parallel.planner.shape import TransformerShape
 
 __all__ = ["build_causal_lm"]
 
 
-def build_causal_lm(layout: DecoderLayout) -> nn.Module:
+def build_causal_lm(layout: DecoderConfig) -> nn.Module:
     """The stand-in of ``layout``'s causal language model, on the current default device (the planner: ``meta``)."""
     return _GPT2LMHeadModel(layout) if layout.is_gpt2 else _CausalLM(layout)
 
 
-def _shape(layout: DecoderLayout) -> TransformerShape:
+def _shape(layout: DecoderConfig) -> TransformerShape:
     return TransformerShape(
         num_layers=layout.num_layers,
         hidden_size=layout.hidden_size,
@@ -90,7 +90,7 @@ class _Epilogue(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- the Llama family
 class _Attention(nn.Module):
-    def __init__(self, layout: DecoderLayout) -> None:
+    def __init__(self, layout: DecoderConfig) -> None:
         super().__init__()
         h, d = layout.hidden_size, layout.head_dim
         self.head_dim = d
@@ -112,7 +112,7 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, layout: DecoderLayout) -> None:
+    def __init__(self, layout: DecoderConfig) -> None:
         super().__init__()
         h, i = layout.hidden_size, layout.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=layout.mlp_bias)
@@ -124,7 +124,7 @@ class _MLP(nn.Module):
 
 
 class _DecoderLayer(nn.Module):
-    def __init__(self, layout: DecoderLayout) -> None:
+    def __init__(self, layout: DecoderConfig) -> None:
         super().__init__()
         self.self_attn = _Attention(layout)
         self.mlp = _MLP(layout)
@@ -137,7 +137,7 @@ class _DecoderLayer(nn.Module):
 
 
 class _DecoderModel(nn.Module):
-    def __init__(self, layout: DecoderLayout) -> None:
+    def __init__(self, layout: DecoderConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(layout.vocab_size, layout.hidden_size)
         self.layers = nn.ModuleList(_DecoderLayer(layout) for _ in range(layout.num_layers))
@@ -147,7 +147,7 @@ class _DecoderModel(nn.Module):
 class _StandIn(nn.Module):
     """What both stand-ins share: ``forward`` is the chain of ``pipeline_layers()``, the shape is the config's."""
 
-    layout: DecoderLayout
+    layout: DecoderConfig
 
     def pipeline_layers(self) -> list[nn.Module]:
         raise NotImplementedError
@@ -166,7 +166,7 @@ class _StandIn(nn.Module):
 class _CausalLM(_StandIn):
     """``LlamaForCausalLM`` and its relatives: ``model.{embed_tokens, layers, norm}`` and ``lm_head``."""
 
-    def __init__(self, layout: DecoderLayout) -> None:
+    def __init__(self, layout: DecoderConfig) -> None:
         super().__init__()
         self.layout = layout
         self.model = _DecoderModel(layout)
@@ -193,7 +193,7 @@ class _Conv1D(nn.Module):
 
 
 class _GPT2Attention(nn.Module):
-    def __init__(self, layout: DecoderLayout) -> None:
+    def __init__(self, layout: DecoderConfig) -> None:
         super().__init__()
         self.head_dim = layout.head_dim
         self.c_attn = _Conv1D(layout.hidden_size, 3 * layout.hidden_size)
@@ -206,7 +206,7 @@ class _GPT2Attention(nn.Module):
 
 
 class _GPT2MLP(nn.Module):
-    def __init__(self, layout: DecoderLayout) -> None:
+    def __init__(self, layout: DecoderConfig) -> None:
         super().__init__()
         self.c_fc = _Conv1D(layout.hidden_size, layout.intermediate_size)
         self.c_proj = _Conv1D(layout.intermediate_size, layout.hidden_size)
@@ -216,7 +216,7 @@ class _GPT2MLP(nn.Module):
 
 
 class _GPT2Block(nn.Module):
-    def __init__(self, layout: DecoderLayout) -> None:
+    def __init__(self, layout: DecoderConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(layout.hidden_size)
         self.attn = _GPT2Attention(layout)
@@ -229,7 +229,7 @@ class _GPT2Block(nn.Module):
 
 
 class _GPT2Model(nn.Module):
-    def __init__(self, layout: DecoderLayout) -> None:
+    def __init__(self, layout: DecoderConfig) -> None:
         super().__init__()
         self.wte = nn.Embedding(layout.vocab_size, layout.hidden_size)
         self.wpe = nn.Embedding(layout.max_position_embeddings, layout.hidden_size)  # learned positions
@@ -253,7 +253,7 @@ class _GPT2Embedding(nn.Module):
 class _GPT2LMHeadModel(_StandIn):
     """``GPT2LMHeadModel``: ``transformer.{wte, wpe, h, ln_f}`` and ``lm_head``."""
 
-    def __init__(self, layout: DecoderLayout) -> None:
+    def __init__(self, layout: DecoderConfig) -> None:
         super().__init__()
         self.layout = layout
         self.transformer = _GPT2Model(layout)

@@ -18,17 +18,13 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.distributed.pipeline.partition import (
-    Placement,
-    StagePlan,
-    UnevenStages,
-    layer_compute_costs,
-    layer_parameter_costs,
-    plan_for_example,
-    resolve_pipeline_layers,
-)
+from lightning_parallel.distributed.pipeline.balance import UnevenStages
+from lightning_parallel.distributed.pipeline.layer_costs import layer_compute_costs, layer_parameter_costs
+from lightning_parallel.distributed.pipeline.layer_registration import resolve_pipeline_layers
+from lightning_parallel.distributed.pipeline.schedule import Placement
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan, plan_for_example
 from lightning_parallel.distributed.zero import stage3 as zero3
-from lightning_parallel.planner.hf import decoder_layout, hf_notes, read_hf_config
+from lightning_parallel.planner.hf import decoder_config, hf_notes, read_hf_config
 from lightning_parallel.planner.hf_modules import build_causal_lm
 from lightning_parallel.planner.shape import (
     TransformerShape,
@@ -235,7 +231,7 @@ def _from_module(name: str, module: nn.Module) -> ModelSpec:
 
 
 def _from_hf_config(values: dict[str, Any], origin: str) -> ModelSpec:
-    layout = decoder_layout(values, origin)
+    layout = decoder_config(values, origin)
     with torch.device("meta"):
         spec = _from_module(f"{layout.causal_lm} ({origin})", build_causal_lm(layout))
     spec.notes += hf_notes(layout)

@@ -37,7 +37,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.module import LightningModule
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
@@ -57,6 +56,7 @@ from lightning_parallel.distributed.data_shards import tell_data_parallel_rank
 from lightning_parallel.distributed.host_groups import HostGroups
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.instrumentation import Instrumentation, StrategyEvents
+from lightning_parallel.lightning_optimizer import unwrap_optimizer
 from lightning_parallel.strategies.checkpointing import load_checkpoint_any_format
 from lightning_parallel.strategies.failure_board import FailureBoard
 from lightning_parallel.strategies.failures import PeerTable, explain_peer_failure
@@ -77,7 +77,7 @@ from lightning_parallel.strategies.nonfinite import (
 )
 from lightning_parallel.strategies.shutdown import note_failed_run
 
-__all__ = ["LightningParallelStrategy", "unwrap_optimizer"]
+__all__ = ["LightningParallelStrategy"]
 
 
 class LightningParallelStrategy(DDPStrategy):
@@ -374,9 +374,3 @@ class LightningParallelStrategy(DDPStrategy):
             settings = ", ".join(f"{key}={value!r}" for key, value in init_params.items())
             description = f"lightning_parallel {cls.__name__} with {settings}"
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
-
-
-def unwrap_optimizer(optimizer: Any) -> Optimizer:
-    """The torch optimizer inside Lightning's ``LightningOptimizer`` (or ``optimizer`` itself); the package's one
-    unwrapping (the monitor uses it too)."""
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -35,11 +35,11 @@ from lightning_parallel.distributed.compression import (
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
 from lightning_parallel.distributed.uneven import LockstepBatches, needs_lockstep
 from lightning_parallel.fault_tolerance.config import FaultTolerance
+from lightning_parallel.fault_tolerance.replicas import FaultTolerantReplicas
 from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.launch import StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
-from lightning_parallel.strategies.replica_groups import FaultTolerantReplicas
 
 __all__ = ["UNUSED_PARAMETERS_MESSAGE", "DataParallelStrategy", "UnevenInputs"]
 

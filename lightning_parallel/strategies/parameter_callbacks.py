@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging,
 from torch import nn
 
 from lightning_parallel._compat import averaged_copy_of
-from lightning_parallel.distributed.averaged_copy import CopyLayout, HeldCopy, hold_copy
+from lightning_parallel.distributed.averaged_copy import CopyHolding, HeldCopy, hold_copy
 
 __all__ = [
     "AVERAGING_CALLBACKS",
@@ -58,15 +58,14 @@ def check_parameter_callbacks(callbacks: Iterable[Any], *, strategy_name: str, l
         strategy_name: quoted in the error (``"zero3"``, ``"pipeline"``).
         layout: how this strategy holds parameters, e.g. ``"each parameter as a DTensor shard"``.
     """
-    for callback in callbacks:
-        if isinstance(callback, REFUSED_CALLBACKS):
-            name = type(callback).__name__
-            raise ValueError(
-                f"`{name}` cannot run under strategy {strategy_name!r}: it prunes the module's parameters as whole"
-                f" tensors of the whole model, while this strategy holds {layout}, so it would fail mid-training."
-                " Train with strategy='zero2' (or 'zero1', 'data_parallel'), which keep whole parameters on every"
-                f" rank, or remove `{name}`."
-            )
+    name = _first_of(callbacks, REFUSED_CALLBACKS)
+    if name is not None:
+        raise ValueError(
+            f"`{name}` cannot run under strategy {strategy_name!r}: it prunes the module's parameters as whole"
+            f" tensors of the whole model, while this strategy holds {layout}, so it would fail mid-training."
+            " Train with strategy='zero2' (or 'zero1', 'data_parallel'), which keep whole parameters on every"
+            f" rank, or remove `{name}`."
+        )
 
 
 def check_averaging_checkpoint_format(callbacks: Iterable[Any], *, strategy_name: str, checkpoint_format: str) -> None:
@@ -76,20 +75,22 @@ def check_averaging_checkpoint_format(callbacks: Iterable[Any], *, strategy_name
     module's own under ``current_model_state``), while the sharded format writes the weights from the module itself:
     the averages would be lost, and resuming would fail in the callback's ``on_load_checkpoint``.
     """
-    if checkpoint_format == "consolidated":
-        return
-    for callback in callbacks:
-        if isinstance(callback, AVERAGING_CALLBACKS):
-            name = type(callback).__name__
-            raise ValueError(
-                f"`{name}` needs `checkpoint_format='consolidated'` under strategy {strategy_name!r} (got"
-                f" {checkpoint_format!r}): its checkpoints hold the averaged weights in place of the module's"
-                " `state_dict`, which the sharded format writes from the module itself. Use the consolidated format"
-                f" (the default), or remove `{name}`."
-            )
+    name = _first_of(callbacks, AVERAGING_CALLBACKS)
+    if checkpoint_format != "consolidated" and name is not None:
+        raise ValueError(
+            f"`{name}` needs `checkpoint_format='consolidated'` under strategy {strategy_name!r} (got"
+            f" {checkpoint_format!r}): its checkpoints hold the averaged weights in place of the module's"
+            " `state_dict`, which the sharded format writes from the module itself. Use the consolidated format"
+            f" (the default), or remove `{name}`."
+        )
 
 
-def hold_averaged_copies(callbacks: Iterable[Any], module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+def _first_of(callbacks: Iterable[Any], kinds: tuple[type, ...]) -> str | None:
+    """The class name of the first of ``callbacks`` that is one of ``kinds`` (or a subclass), or ``None``."""
+    return next((type(callback).__name__ for callback in callbacks if isinstance(callback, kinds)), None)
+
+
+def hold_averaged_copies(callbacks: Iterable[Any], module: nn.Module, layout: CopyHolding) -> list[HeldCopy]:
     """Local. Make the averaged copy of every weight-averaging callback in ``callbacks`` hold what ``module`` now
     holds on this rank (call it after sharding or splitting ``module``, before the first step). Callbacks without a
     copy (not set up for ``fit``) are skipped.
@@ -113,6 +114,6 @@ class TrainerParameterCallbacks:
         """:func:`check_parameter_callbacks` over :attr:`callbacks`."""
         check_parameter_callbacks(self.callbacks, strategy_name=strategy_name, layout=layout)
 
-    def hold_averaged_copies(self, module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+    def hold_averaged_copies(self, module: nn.Module, layout: CopyHolding) -> list[HeldCopy]:
         """:func:`hold_averaged_copies` over :attr:`callbacks`."""
         return hold_averaged_copies(self.callbacks, module, layout)

@@ -29,6 +29,7 @@ from lightning_parallel.accounting import CommunicationStats, MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.data_shards import tell_data_parallel_rank
 from lightning_parallel.distributed.mesh import MeshLayout
+from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.checkpoint_format import (
     CHECKPOINT_FORMATS,
     CheckpointFormat,
@@ -40,18 +41,21 @@ from lightning_parallel.distributed.pipeline.contract import replay_logs
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine, StepOutcome
 from lightning_parallel.distributed.pipeline.microbatch import check_divisible_batch, divisible_batches
 from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
-from lightning_parallel.distributed.pipeline.partition import PartitionMethod, StagePlan, UnevenStages
+from lightning_parallel.distributed.pipeline.parallel_dims import (
+    ParallelDims,
+    build_parallel_dims,
+    pipeline_mesh_layout,
+)
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned
 from lightning_parallel.distributed.pipeline.replica_batches import BatchBroadcast, broadcast_batch, replica_batches
 from lightning_parallel.distributed.pipeline.run import PipelineRun
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims, resolve_schedule
-from lightning_parallel.distributed.pipeline.stage_copy import StageCopyLayout
+from lightning_parallel.distributed.pipeline.schedule import resolve_schedule
+from lightning_parallel.distributed.pipeline.stage_copy import StageCopyHolding
+from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, StagePlan
 from lightning_parallel.distributed.pipeline.stage_split import (
     StageHolding,
-    build_parallel_dims,
     check_not_split,
     check_splittable,
-    pipeline_mesh_layout,
     split_into_stages,
 )
 from lightning_parallel.distributed.pipeline.tied import TiedLayout
@@ -59,8 +63,9 @@ from lightning_parallel.distributed.pipeline.verify import closure_evaluated_twi
 from lightning_parallel.distributed.pipeline.zero import PipelineZeroStage, pipeline_zero_config
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, ZeroConfig
 from lightning_parallel.instrumentation import Instrumentation
+from lightning_parallel.lightning_optimizer import unwrap_optimizer
 from lightning_parallel.strategies import pipeline_setup
-from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
+from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.clipping import with_clipping
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
@@ -378,7 +383,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._hook_windows.attach(trainer, module, make_view, shards=run.backend.shards_gradients)
         if fitting:
             # Weight-averaging callbacks copied the whole module in their `setup`: each copy keeps this rank's stage.
-            layout = StageCopyLayout(run.dims, tuple(run.full_state_keys), dict(run.aliases))
+            layout = StageCopyHolding(run.dims, tuple(run.full_state_keys), dict(run.aliases))
             hold_averaged_copies(trainer.callbacks, module, layout)
             self.setup_optimizers(trainer)
             run.setup_optimizers(self.unwrapped_optimizers())  # ZeRO-1/2: a collective (the stage's buckets)

@@ -2,7 +2,7 @@
 
 While a pipeline runs, each rank's module holds only its stages, so a hook that reads the model (Lightning's
 ``grad_norm(self)`` in ``on_before_optimizer_step``, a weight norm in ``on_train_batch_end``) would log one stage.
-:class:`HookWindows` opens :class:`~lightning_parallel.distributed.pipeline.hook_view.WholeModelView` around the
+:class:`HookWindows` opens :class:`~lightning_parallel.distributed.pipeline.whole_model_view.WholeModelView` around the
 module's hooks that the user overrides (``is_overridden``; nobody else pays), on every rank, and closes it after:
 
 * ``on_after_backward``: inside the strategy's ``backward``, around the precision plugin's ``post_backward`` (which
@@ -31,7 +31,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_parallel.distributed.pipeline.hook_view import GradientMode, HookCost, OpenView, WholeModelView
+from lightning_parallel.distributed.pipeline.whole_model_view import GradientMode, HookCost, OpenView, WholeModelView
 
 __all__ = ["GRADIENT_HOOKS", "WEIGHT_HOOKS", "HookWindows"]
 

@@ -15,11 +15,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_parallel import _compat
 from lightning_parallel.choices import check_choice
 from lightning_parallel.distributed.pipeline.balance import UnevenStages
+from lightning_parallel.distributed.pipeline.config import check_count
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout, optimizer_layout
 from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch
 from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, check_divisible_batch
-from lightning_parallel.distributed.pipeline.partition import validate_partition
-from lightning_parallel.distributed.pipeline.schedule import check_count
+from lightning_parallel.distributed.pipeline.stage_plan import validate_partition
 from lightning_parallel.distributed.pipeline.verify import check_single_evaluation_optimizers
 from lightning_parallel.distributed.zero.config import ZeroConfig
 from lightning_parallel.strategies.parameter_callbacks import (
@@ -155,7 +155,7 @@ def check_callbacks(callbacks: Any, *, zero_stage: int, pipeline_parallel_size: 
 
 
 def _refuse_averaging_under_zero3(callbacks: Any) -> None:
-    """Weight averaging's copy of the module is held as this rank's stage (``StageCopyLayout``), not as its shards:
+    """Weight averaging's copy of the module is held as this rank's stage (``StageCopyHolding``), not as its shards:
     refused rather than averaging whole copies of sharded parameters."""
     for callback in callbacks:
         if isinstance(callback, AVERAGING_CALLBACKS):

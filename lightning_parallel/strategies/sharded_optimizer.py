@@ -30,10 +30,12 @@ from lightning_parallel.distributed.trainable import check_same_trainable_parame
 from lightning_parallel.distributed.zero.backends import ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
 from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
-from lightning_parallel.distributed.zero.replicas import OwnedShardState
 from lightning_parallel.fault_tolerance.config import FaultTolerance
+from lightning_parallel.fault_tolerance.replicas import FaultTolerantReplicas
+from lightning_parallel.fault_tolerance.shard_state import OwnedShardState
 from lightning_parallel.instrumentation import Instrumentation
-from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap_optimizer
+from lightning_parallel.lightning_optimizer import unwrap_optimizer
+from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import save_sharded
 from lightning_parallel.strategies.clipping import LentGradients
@@ -44,7 +46,6 @@ from lightning_parallel.strategies.parameter_callbacks import (
     TrainerParameterCallbacks,
     check_averaging_checkpoint_format,
 )
-from lightning_parallel.strategies.replica_groups import FaultTolerantReplicas
 from lightning_parallel.strategies.zero_precision import zero_precision
 
 __all__ = ["ShardedOptimizerStrategy"]

@@ -21,7 +21,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
 from lightning_parallel.distributed.zero.backends import ZeroBackend
-from lightning_parallel.strategies.base import unwrap_optimizer
+from lightning_parallel.lightning_optimizer import unwrap_optimizer
 from lightning_parallel.strategies.clipping import ClipFunction, LentGradients, with_clipping, with_scaler
 
 __all__ = ["LoanAwareGradScaler", "clipping_over_ranks", "with_sharded_grad_scaler", "zero_precision"]

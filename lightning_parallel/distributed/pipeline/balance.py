@@ -1,6 +1,6 @@
 """Cutting per-layer costs into balanced contiguous stages, with the first and last stage optionally lighter.
 
-Torch-free arithmetic, used by :func:`~.partition.plan_stages`. Three steps, each deterministic (every rank computes
+Torch-free arithmetic, used by :func:`~.stage_plan.plan_stages`. Three steps, each deterministic (every rank computes
 the same split from the same costs):
 
 1. :func:`balanced_boundaries`: the contiguous split minimising the heaviest *stage* (dynamic programming). The

@@ -8,13 +8,26 @@ rank for a layout torch's schedules cannot run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_parallel.distributed.pipeline.schedule import ScheduleSpec, schedule_spec, validate_schedule_config
 
-__all__ = ["PipelineConfig"]
+__all__ = ["Count", "PipelineConfig", "check_count"]
 
 Count = int | Literal["auto"]
+"""A count the user gives: a positive integer, or ``"auto"`` (resolved once the world size is known)."""
+
+
+def check_count(name: str, value: Any) -> None:
+    """``value`` must be a positive integer or ``"auto"``.
+
+    Raises:
+        ValueError: Naming the argument and the bad value.
+    """
+    if value == "auto" and isinstance(value, str):
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}={value!r}` is invalid: use a positive integer or 'auto'.")
 
 
 @dataclass(frozen=True, kw_only=True)

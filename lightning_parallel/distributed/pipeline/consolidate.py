@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.transfer import gather_to_pipeline_root
 
 __all__ = [
@@ -65,7 +65,7 @@ def consolidate_state_dict(
     same tensor, as in a single-device ``state_dict`` (so ``torch.save`` writes it once), whichever stages held it.
     ``local``: this rank's state dict with whole tensors (default ``module.state_dict()``; ZeRO-3 gathers its shards).
     """
-    merged = _merged_on_root(dict(module.state_dict() if local is None else local), dims)
+    merged = _merged_on_pipeline_root(dict(module.state_dict() if local is None else local), dims)
     if merged is None:
         return None
     for alias, canonical in (aliases or {}).items():
@@ -104,7 +104,7 @@ def local_optimizer_state(
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]],
     }
     masters = state_dict.get(MASTER_WEIGHTS)
-    if masters:  # ZeRO's fp32 masters of 16-bit parameters (``zero_optimizer.py``), by name like the state
+    if masters:  # ZeRO's fp32 masters of 16-bit parameters (``distributed/zero/optimizer.py``), by name like the state
         local[MASTER_WEIGHTS] = {index_to_name[int(i)]: t.detach() for i, t in masters.items()}
     return local
 
@@ -228,12 +228,12 @@ class WholeOptimizerState:
 def consolidate_buffers(module: nn.Module, dims: ParallelDims) -> dict[str, Any] | None:
     """Every state entry that is not a parameter (buffers of all stages, metric states), on pipeline rank 0."""
     parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    return _merged_on_root({k: v for k, v in module.state_dict().items() if k not in parameters}, dims)
+    return _merged_on_pipeline_root({k: v for k, v in module.state_dict().items() if k not in parameters}, dims)
 
 
-def _merged_on_root(local: dict[str, Any], dims: ParallelDims) -> dict[str, Any] | None:
-    """Collective over the pipeline group. Every pipeline rank's ``local`` entries in one dict on pipeline rank 0
-    (where several ranks hold a key, pipeline rank 0's copy wins); ``None`` elsewhere."""
+def _merged_on_pipeline_root(local: dict[str, Any], dims: ParallelDims) -> dict[str, Any] | None:
+    """Collective over the pipeline group: every rank's ``local`` entries merged on pipeline rank 0 (``None``
+    elsewhere); where several ranks hold a key (buffers of metrics), the lowest pipeline rank's value wins."""
     gathered = gather_to_pipeline_root(local, dims)
     if gathered is None:
         return None

@@ -32,7 +32,7 @@ from lightning_parallel.distributed.pipeline.contract import (
     to_portable,
 )
 from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, detached_cpu, pad_batch, slice_batch
-from lightning_parallel.distributed.pipeline.partition import StagePlan
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.random_draws import (
     RecordedDraws,
     agree_on_seed,
@@ -41,14 +41,10 @@ from lightning_parallel.distributed.pipeline.random_draws import (
     replaying_draws,
     seed_default_generators,
 )
-from lightning_parallel.distributed.pipeline.schedule import (
-    ChunkObserver,
-    P2PObserver,
-    ParallelDims,
-    PipelineRuntime,
-    build_runtime,
-)
 from lightning_parallel.distributed.pipeline.side_inputs import side_input_dtypes
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
+from lightning_parallel.distributed.pipeline.torch_schedule import TorchSchedule, build_torch_schedule
+from lightning_parallel.distributed.pipeline.torch_stage import ChunkObserver, P2PObserver
 
 __all__ = ["PipelineEngine", "StepOutcome"]
 
@@ -89,7 +85,7 @@ def _slice_output(output: Any, rows: int) -> Any:
 
 def _signature(value: Any) -> tuple[Any, ...]:
     """Shape and dtype of each tensor of ``value``, in order (namedtuples, mappings and dataclasses walked as
-    Lightning walks batches): what torch sizes a runtime's buffers from."""
+    Lightning walks batches): what torch sizes a schedule's buffers from."""
     found: list[tuple[tuple[int, ...], torch.dtype]] = []
     apply_to_collection(value, Tensor, lambda t: found.append((tuple(t.shape), t.dtype)), allow_frozen=True)
     return tuple(found)
@@ -134,9 +130,9 @@ class PipelineEngine:
         self.num_microbatches = num_microbatches
         self.device = device
         self.on_chunk, self.on_p2p = on_chunk, on_p2p
-        self._runtimes: dict[tuple[Any, ...], PipelineRuntime] = {}
+        self._torch_schedules: dict[tuple[Any, ...], TorchSchedule] = {}
         self._state: _StepState | None = None
-        self._current: PipelineRuntime | None = None
+        self._current: TorchSchedule | None = None
         self._draws: RecordedDraws | None = None  # the last `capture_inputs`'s, until its step runs
         self._draw_base_seed: int | None = None
         self._batches_drawn = 0
@@ -187,18 +183,18 @@ class PipelineEngine:
         state = _StepState(step, self._micro_batches(args, kwargs, rows, size), divisor)
         state.draws, state.batch_size, self._draws = self._draws, size, None
         state.bounds = [(i * rows, (i + 1) * rows) for i in range(m)]
-        runtime = self._runtime("train", model_inputs)
-        self._state, self._current = state, runtime
+        built = self._torch_schedule("train", model_inputs)
+        self._state, self._current = state, built
         try:
             # The target only carries each micro-batch's index to `_loss_fn`; on the host, reading it never waits for
             # the device (a device tensor's `.item()` there was one sync per micro-batch, issue 36 item 5).
-            target = torch.arange(m) if runtime.has_last_stage else None
-            inputs_args, inputs_kwargs = model_inputs if runtime.has_first_stage else ((), {})
-            runtime.schedule.step(*inputs_args, target=target, **inputs_kwargs)
+            target = torch.arange(m) if built.has_last_stage else None
+            inputs_args, inputs_kwargs = model_inputs if built.has_first_stage else ((), {})
+            built.schedule.step(*inputs_args, target=target, **inputs_kwargs)
         finally:
             self._state, self._current = None, None
         outcome = None
-        if runtime.has_last_stage:
+        if built.has_last_stage:
             losses = [step_loss(state.results[i], step).detach().double() for i in range(m)]
             last = state.results[m - 1]
             extra = {k: v for k, v in last.items() if k != "loss"} if isinstance(last, dict) else {}
@@ -212,9 +208,9 @@ class PipelineEngine:
         return self._broadcast(outcome)
 
     def _loss_fn(self, output: Any, target: Tensor) -> Tensor:
-        state, runtime = self._state, self._current
-        assert state is not None and runtime is not None
-        if not runtime.backward_initialized:
+        state, built = self._state, self._current
+        assert state is not None and built is not None
+        if not built.backward_initialized:
             # torch's metadata inference: one backward through a dummy output to learn gradient shapes.
             outputs = output if isinstance(output, tuple) else (output,)
             return sum(o.float().sum() for o in outputs) * 0.0
@@ -245,13 +241,13 @@ class PipelineEngine:
         state = _StepState(step, self._micro_batches(args, kwargs, rows, size), 1.0)
         state.draws, state.batch_size, self._draws = self._draws, size, None
         state.bounds = [(i * rows, i * rows + real_rows[i]) for i in range(m)]
-        runtime = self._runtime("eval", (padded_args, padded_kwargs))
-        runtime.schedule.step(
-            *(padded_args if runtime.has_first_stage else ()), **(padded_kwargs if runtime.has_first_stage else {})
+        built = self._torch_schedule("eval", (padded_args, padded_kwargs))
+        built.schedule.step(
+            *(padded_args if built.has_first_stage else ()), **(padded_kwargs if built.has_first_stage else {})
         )
         outcome = None
-        if runtime.has_last_stage:
-            outputs = runtime.last_stage_outputs()
+        if built.has_last_stage:
+            outputs = built.last_stage_outputs()
             for index, output in enumerate(outputs):
                 if real_rows[index] == 0:
                     state.records[index] = []
@@ -326,15 +322,15 @@ class PipelineEngine:
         metric_names = {id(m): name for name, m in self.module.named_modules()}
         return to_portable(aggregated, metric_names)
 
-    def _runtime(self, mode: str, model_inputs: Any) -> PipelineRuntime:
+    def _torch_schedule(self, mode: str, model_inputs: Any) -> TorchSchedule:
         # torch sizes its receive buffers from the first micro-batch it sees; a new input shape (an evaluation
         # batch, a smaller last batch) gets its own stages and schedule instead of corrupting the old ones.
         key = (mode, _signature(model_inputs))
-        if key not in self._runtimes:
-            self._runtimes[key] = build_runtime(
+        if key not in self._torch_schedules:
+            self._torch_schedules[key] = build_torch_schedule(
                 schedule=self.schedule,
                 plan=self.plan,
-                # build_runtime reads only this rank's layers, which are never None.
+                # build_torch_schedule reads only this rank's layers, which are never None.
                 layers=cast(Sequence[nn.Module], self.layers),
                 dims=self.dims,
                 num_microbatches=self.num_microbatches,
@@ -345,7 +341,7 @@ class PipelineEngine:
                 on_chunk=self.on_chunk,
                 on_p2p=self.on_p2p,
             )
-        return self._runtimes[key]
+        return self._torch_schedules[key]
 
     def _broadcast(self, outcome: StepOutcome | None) -> StepOutcome:
         if self.dims.pipeline_parallel_size == 1:
@@ -358,7 +354,7 @@ class PipelineEngine:
 
     def clear(self) -> None:
         """Drop the cached stages and schedules (their receive buffers)."""
-        self._runtimes.clear()
+        self._torch_schedules.clear()
 
 
 def _merge_results(results: list[Any]) -> Any:

@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel.distributed.checkpoint import FlatPiece, host_copy
 from lightning_parallel.distributed.pipeline.consolidate import MASTER_WEIGHTS, local_optimizer_state
-from lightning_parallel.distributed.pipeline.partition import Registration
+from lightning_parallel.distributed.pipeline.layer_registration import Registration
 from lightning_parallel.distributed.pipeline.tied import canonical_names
 from lightning_parallel.distributed.zero.optimizer import check_shardable
 from lightning_parallel.distributed.zero.stage3 import cast_parameters, named_sharded_pieces, shard_coordinates

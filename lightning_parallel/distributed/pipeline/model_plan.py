@@ -38,7 +38,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.pipeline.contract import ModelCall
-from lightning_parallel.distributed.pipeline.partition import resolve_pipeline_layers
+from lightning_parallel.distributed.pipeline.layer_registration import resolve_pipeline_layers
 
 __all__ = [
     "BlockInputs",
@@ -482,7 +482,7 @@ def pipeline_layers_and_call(module: nn.Module) -> tuple[list[nn.Module], ModelC
 
     Raises:
         TypeError: If the module defines neither (the message says both ways).
-        ValueError: As :func:`~.partition.resolve_pipeline_layers` and :func:`find_declared_plan`.
+        ValueError: As :func:`~.layer_registration.resolve_pipeline_layers` and :func:`find_declared_plan`.
     """
     if not callable(getattr(module, "pipeline_layers", None)):
         plan = find_declared_plan(module)

@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parallel.distributed.pipeline.partition import Registration, RemoteLayer, StagePlan
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.layer_registration import Registration
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedParameter
 from lightning_parallel.distributed.pipeline.transfer import broadcast_tensor
 

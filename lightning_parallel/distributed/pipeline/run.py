@@ -22,12 +22,13 @@ from lightning_parallel.distributed.pipeline.consolidate import (
 )
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
 from lightning_parallel.distributed.pipeline.fully_shard import load_whole_parameters
-from lightning_parallel.distributed.pipeline.hook_view import WholeModelView
-from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
+from lightning_parallel.distributed.pipeline.layer_registration import Registration
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, reassemble
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
 from lightning_parallel.distributed.pipeline.stage_holder import HeldStage
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, canonical_names
+from lightning_parallel.distributed.pipeline.whole_model_view import WholeModelView
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within
 from lightning_parallel.distributed.zero.backends import ZeroBackend
 
@@ -142,7 +143,7 @@ class PipelineRun:
         self, module: nn.Module, *, device: torch.device, stats: Callable[[], CommunicationStats | None]
     ) -> WholeModelView:
         """Local. A view that puts the whole model in the split ``module`` for the length of a hook (opening it is a
-        collective; :mod:`.hook_view`)."""
+        collective; :mod:`.whole_model_view`)."""
         return WholeModelView(
             module,
             layers=self.layers,

@@ -1,22 +1,16 @@
-"""Schedules and process groups of a pipeline: names, their constraints, and building torch's stages/schedules.
+"""The schedules a pipeline runs, as data: one :class:`ScheduleSpec` per torch schedule, and their constraints.
 
-Torch-only. We use ``torch.distributed.pipelining``'s ``PipelineStage`` and schedule classes as they are; this
-module only picks them, checks their constraints up front (so a bad configuration raises the same ``ValueError`` on
-every rank instead of hanging) and lays ranks out as ``data-parallel replica x pipeline rank``.
+Torch-only. We use ``torch.distributed.pipelining``'s schedule classes as they are; this module only names them and
+checks their constraints up front (so a bad configuration raises the same ``ValueError`` on every rank instead of
+hanging). :mod:`.torch_schedule` builds torch's stages and schedule from a spec.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Literal
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -26,28 +20,23 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, ScheduleDualPipeV
 
-from lightning_parallel.accounting import tensor_bytes
-from lightning_parallel.distributed.mesh import MeshLayout
-from lightning_parallel.distributed.pipeline import _compat
-from lightning_parallel.distributed.pipeline.partition import Placement, StageModule, StagePlan
-from lightning_parallel.distributed.pipeline.side_effects import preserved_state
-
 __all__ = [
     "MULTI_STAGE_SCHEDULES",
+    "PLACEMENTS",
     "SCHEDULES",
     "SCHEDULE_SPECS",
-    "ChunkObserver",
-    "P2PObserver",
-    "ParallelDims",
-    "PipelineRuntime",
+    "Placement",
     "ScheduleSpec",
-    "SideEffectFreePipelineStage",
-    "build_runtime",
-    "check_count",
     "resolve_schedule",
     "schedule_spec",
     "validate_schedule_config",
 ]
+
+
+Placement = Literal["loop", "v"]
+"""Which pipeline rank holds each stage: ``"loop"`` (stage ``s`` on rank ``s % p``) or ``"v"`` (down the ranks and
+back up); a schedule's :attr:`ScheduleSpec.placement`, which a :class:`~.stage_plan.StagePlan` must be built with."""
+PLACEMENTS: tuple[Placement, ...] = ("loop", "v")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +46,7 @@ class ScheduleSpec:
 
     Adding a schedule is one entry in :data:`SCHEDULE_SPECS` (the V-shaped ones, torch's ``ScheduleZBVZeroBubble``
     and ``ScheduleDualPipeV``: ``default_stages_per_rank=2, runs_any_stages_per_rank=False, placement="v",
-    splits_backward=True``); the stage plan takes the entry's placement, and :func:`build_runtime` evaluates
+    splits_backward=True``); the stage plan takes the entry's placement, and :func:`.build_torch_schedule` evaluates
     (forward-only) with a schedule of the same placement.
     """
 
@@ -222,287 +211,3 @@ def validate_schedule_config(
         stages_per_rank=stages_per_rank,
         num_microbatches=num_microbatches,
     )
-
-
-def check_count(name: str, value: Any) -> None:
-    """``value`` must be a positive integer or ``"auto"``.
-
-    Raises:
-        ValueError: Naming the argument and the bad value.
-    """
-    if value == "auto" and isinstance(value, str):
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}={value!r}` is invalid: use a positive integer or 'auto'.")
-
-
-@dataclass
-class ParallelDims:
-    """A pipeline rank's view of the shared mesh (``distributed/mesh.py``): ``replicate x shard x pp`` ranks, the
-    pipeline ranks of a replica adjacent, the data-parallel replicas of each stage on the mesh's data axes
-    (``replicate``, and ``shard`` where ZeRO shards the stage over them).
-
-    ``global_rank = data_parallel_rank * pipeline_parallel_size + pipeline_rank``.
-    """
-
-    world_size: int
-    global_rank: int
-    pipeline_parallel_size: int
-    shard_size: int = 1
-    """Ranks of the ``shard`` axis: the replicas of a stage that ZeRO shards it over (1 without ZeRO)."""
-    mesh: DeviceMesh | None = field(default=None, repr=False)
-    """The strategy's mesh, axes ``("replicate", "shard", "pp")``; with both data axes larger than one also the
-    flattened ``"dp"`` axis (:meth:`flatten_data_axes`); ``None`` before :meth:`build_groups` or before the strategy
-    handed its own."""
-    host_data_parallel_group: Any = field(default=None, repr=False)
-    """A CPU (gloo) group of :attr:`data_parallel_group`'s ranks (``HostGroups.data_parallel``), for the per-step
-    agreements on host facts (ZeRO's "got a gradient" flags) with no device sync; ``None``: they go over the device."""
-
-    @property
-    def layout(self) -> MeshLayout:
-        return MeshLayout(
-            self.world_size, shard_size=self.shard_size, pipeline_parallel_size=self.pipeline_parallel_size
-        )
-
-    @property
-    def pipeline_group(self) -> Any:
-        """Process group of this rank's pipeline (the ranks of one replica): the mesh's ``"pp"`` axis."""
-        return self._mesh().get_group("pp")
-
-    @property
-    def data_parallel_group(self) -> Any:
-        """Process group of every data-parallel replica of this rank's stages: the mesh's ``"replicate"`` or
-        ``"shard"`` axis, whichever holds them (both: the flattened ``"dp"`` axis)."""
-        layout = self.layout
-        if layout.shard_size == 1:
-            return self._mesh().get_group("replicate")
-        if layout.replicate_size == 1:
-            return self._mesh().get_group("shard")
-        return self._mesh()["dp"].get_group()
-
-    def flatten_data_axes(self) -> None:
-        """Collective (every rank, once, after the mesh is set): with both data axes larger than one, create the
-        flattened ``"dp"`` axis :attr:`data_parallel_group` returns (a process group of its own)."""
-        if self.layout.is_hybrid:
-            self._mesh()["replicate", "shard"]._flatten("dp")  # torchtitan's way; no public API in torch 2.13
-
-    @property
-    def device(self) -> torch.device:
-        """The device this rank's groups take tensors on: the mesh's device type at the current index (this rank's
-        GPU under NCCL, the one torch's object collectives use), the CPU under gloo."""
-        device_type = self._mesh().device_type
-        if device_type == "cpu":
-            return torch.device("cpu")
-        return torch.device(device_type, torch.get_device_module(device_type).current_device())
-
-    def _mesh(self) -> DeviceMesh:
-        if self.mesh is None:
-            raise RuntimeError("`ParallelDims` has no process groups before `build_groups` (a collective) ran.")
-        return self.mesh
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.layout.data_parallel_size
-
-    @property
-    def pipeline_rank(self) -> int:
-        return self.layout.pipeline_rank(self.global_rank)
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.layout.data_parallel_rank(self.global_rank)
-
-    def pipeline_global_rank(self, pipeline_rank: int) -> int:
-        """Global rank of ``pipeline_rank`` in this rank's replica."""
-        return self.data_parallel_rank * self.pipeline_parallel_size + pipeline_rank
-
-    def build_groups(self, device_type: str) -> None:
-        """Collective: create the mesh and its process groups on every rank, in the same order (a strategy hands its
-        own ``device_mesh`` instead)."""
-        self.mesh = self.layout.build(device_type)
-
-
-@dataclass
-class PipelineRuntime:
-    """torch's stages and schedule for one input shape and mode (training or forward-only)."""
-
-    schedule: PipelineScheduleSingle | PipelineScheduleMulti
-    stages: list[PipelineStage]
-
-    @property
-    def has_first_stage(self) -> bool:
-        return any(stage.is_first for stage in self.stages)
-
-    @property
-    def has_last_stage(self) -> bool:
-        return any(stage.is_last for stage in self.stages)
-
-    def last_stage_outputs(self) -> list[Any]:
-        """Output of every micro-batch of the last stage after a step (only on the rank that holds it)."""
-        (stage,) = [stage for stage in self.stages if stage.is_last]
-        return list(stage.output_chunks)
-
-    @property
-    def backward_initialized(self) -> bool:
-        """Whether torch finished its metadata inference (which calls the loss function once on a dummy output)."""
-        return _compat.schedule_backward_initialized(self.schedule)
-
-
-ChunkObserver = Callable[[str, int], AbstractContextManager[Any]]
-"""``fn(kind, stage_index)``: a context the stage runs one ``"F"``/``"B"``/``"W"`` chunk in (the observer marks its
-start and end with its own clock: CUDA events on a GPU, where the host's clock would time kernel launches)."""
-
-P2PObserver = Callable[[str, int], None]
-"""``fn("send" | "recv", num_bytes)``: a stage handed the schedule one P2P op of ``num_bytes`` to send or receive."""
-
-
-class SideEffectFreePipelineStage(PipelineStage):
-    """``PipelineStage`` whose metadata inference leaves the stage's buffers and the RNG streams as they were, and
-    which reports the time of every chunk it runs to :attr:`on_chunk` and every P2P op it sends or receives to
-    :attr:`on_p2p`.
-
-    torch infers shapes by running each stage's forward once more before the first micro-batch: the first stage on
-    micro-batch 0, the others on uninitialised tensors. In training mode that updated BatchNorm's running statistics
-    with garbage on the later stages and ``num_batches_tracked`` one too high (issue 10, item 7). torch has no public
-    hook around that run, so this fixed class overrides the private method that runs it, whose name depends on the
-    torch version (:func:`._compat.stage_inference_method`); the other name passes through unchanged. (Recent torch's
-    static mode, every stage's ``input_args``/``output_args`` given up front, would skip the run: it needs each
-    stage's shapes for every batch shape before its first step.)
-
-    Chunk times (a monitor's busy time and timeline) come from overriding the schedule-facing methods that run one
-    micro-batch (``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``): every torch schedule
-    drives a stage through them. P2P bytes come from the methods that build the activations' and gradients' send and
-    receive ops (``get_{fwd,bwd}_{send,recv}_ops``), which the schedules hand to ``batch_isend_irecv`` as they are:
-    each op's tensor is what is sent or received (torch's one-off neighbour warm-up at the first step is not counted).
-    """
-
-    on_chunk: ChunkObserver | None = None
-    """Runs each chunk inside ``on_chunk(kind, stage_index)``; ``None``: nothing is timed."""
-    on_p2p: P2PObserver | None = None
-    """Told the kind and bytes of each P2P op; ``None``: nothing is counted."""
-
-    def get_fwd_send_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
-        return self._counted("send", super().get_fwd_send_ops(*args, **kwargs))
-
-    def get_bwd_send_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
-        return self._counted("send", super().get_bwd_send_ops(*args, **kwargs))
-
-    def get_fwd_recv_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
-        return self._counted("recv", super().get_fwd_recv_ops(*args, **kwargs))
-
-    def get_bwd_recv_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
-        return self._counted("recv", super().get_bwd_recv_ops(*args, **kwargs))
-
-    def _counted(self, kind: str, ops: list[dist.P2POp]) -> list[dist.P2POp]:
-        if self.on_p2p is not None:
-            for op in ops:
-                self.on_p2p(kind, tensor_bytes(op.tensor))
-        return ops
-
-    # A V schedule built without a loss (evaluation) still runs its backward actions: torch skips each one's compute
-    # and P2P ops (``has_backward`` is false), but hands the input gradient of the stage that follows on the same rank
-    # (stages p-1 and p share the V's tip) to its neighbour unconditionally, which raises without a backward. With
-    # nothing to hand over, these two pass nothing.
-    def get_local_bwd_output(self, mb_index: int) -> Any:
-        if not self.has_backward:
-            return ()
-        return super().get_local_bwd_output(mb_index)
-
-    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
-        if not self.has_backward:
-            return
-        super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
-
-    # torch <= 2.11 warms up the P2P channels to both neighbouring stages at the first step, also to a neighbour on
-    # this same rank (a V placement's tip: stages p-1 and p), which gloo refuses ("Pair is not connected"; the
-    # ZBVZeroBubble and DualPipeV schedules failed at their first step). Same-rank stages hand tensors over locally,
-    # so their warm-up is dropped; later torch replaced this warm-up by a vote that skips them.
-    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
-        ops = super()._get_init_p2p_neighbors_ops()
-        return [op for op in ops if _compat.p2p_peer(op) != self.group_rank]
-
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._observed("F", super().forward_one_chunk, args, kwargs)
-
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._observed("B", super().backward_one_chunk, args, kwargs)
-
-    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._observed("W", super().backward_weight_one_chunk, args, kwargs)
-
-    def _observed(self, kind: str, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        observer = self.on_chunk
-        if observer is None:
-            return run(*args, **kwargs)
-        with observer(kind, self.stage_index):
-            return run(*args, **kwargs)
-
-    def _compute_outputs(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_inference("_compute_outputs", args, kwargs)
-
-    def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_inference("_shape_inference", args, kwargs)
-
-    def _run_inference(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        inference = getattr(super(), name)
-        if name != _compat.stage_inference_method(PipelineStage):
-            return inference(*args, **kwargs)
-        with preserved_state(self.submod, devices=[self.device]):
-            return inference(*args, **kwargs)
-
-
-def build_runtime(
-    *,
-    schedule: str,
-    plan: StagePlan,
-    layers: Sequence[torch.nn.Module],
-    dims: ParallelDims,
-    num_microbatches: int,
-    device: torch.device,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    side_dtypes: Mapping[str, torch.dtype] | None = None,
-    on_chunk: ChunkObserver | None = None,
-    on_p2p: P2PObserver | None = None,
-) -> PipelineRuntime:
-    """Wrap this rank's stages in ``PipelineStage`` objects and build the schedule.
-
-    ``loss_fn=None`` builds a forward-only schedule (evaluation): GPipe's forward phase for one stage per rank,
-    LoopedBFS's for several placed in a loop, and the V schedule itself for a V placement (torch has no forward-only
-    schedule of that placement; its backward actions do nothing without a loss). Gradients are never scaled by torch
-    (``scale_grads=False``): the caller's loss already divides by the number of micro-batches and accumulation steps
-    (torch's scaling would also rescale gradients accumulated in earlier steps, pytorch/torchtitan#1733).
-    ``side_dtypes``: the model call's side inputs (:mod:`.side_inputs`, name to dtype), which every stage carries
-    along.
-    ``on_chunk`` / ``on_p2p``: told of every chunk the stages run / P2P op they send or receive.
-    """
-    _compat.stage_inference_method(PipelineStage)  # this torch has the method the stages wrap (a clear error if not)
-    built = [
-        SideEffectFreePipelineStage(
-            StageModule(
-                [layers[i] for i in plan.layers_of(stage_index)],
-                side_dtypes=side_dtypes,
-                is_first=stage_index == 0,
-                is_last=stage_index == plan.num_stages - 1,
-            ),
-            stage_index,
-            plan.num_stages,
-            device,
-            group=dims.pipeline_group,
-        )
-        for stage_index in plan.stages_of(dims.pipeline_rank)
-    ]
-    for stage in built:
-        stage.on_chunk, stage.on_p2p = on_chunk, on_p2p
-    stages: list[PipelineStage] = list(built)
-    spec = schedule_spec(schedule)
-    if loss_fn is None and spec.placement == "loop":
-        spec = schedule_spec("LoopedBFS" if len(stages) > 1 else "GPipe")
-    # torch's schedules place stages by their own rule (`stage_index_to_group_rank`): the plan must agree with it.
-    assert spec.placement == plan.placement, f"{spec.name} places stages {spec.placement!r}, the plan {plan.placement}"
-    schedule_class = spec.torch_class
-    torch_schedule: PipelineScheduleSingle | PipelineScheduleMulti
-    if issubclass(schedule_class, PipelineScheduleMulti):  # spec.is_multi_stage, spelled so that mypy narrows it
-        torch_schedule = schedule_class([*stages], num_microbatches, loss_fn=loss_fn, scale_grads=False)
-    else:
-        torch_schedule = schedule_class(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return PipelineRuntime(schedule=torch_schedule, stages=stages)

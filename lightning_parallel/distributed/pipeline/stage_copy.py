@@ -1,5 +1,5 @@
 """A weight average's copy of the module held as one pipeline stage (the pipeline's
-:class:`~lightning_parallel.distributed.averaged_copy.CopyLayout`)."""
+:class:`~lightning_parallel.distributed.averaged_copy.CopyHolding`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.distributed.pipeline.consolidate import consolidate_state_dict
-from lightning_parallel.distributed.pipeline.partition import RemoteLayer
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 
-__all__ = ["StageCopyLayout"]
+__all__ = ["StageCopyHolding"]
 
 
 @dataclass(frozen=True)
-class StageCopyLayout:
+class StageCopyHolding:
     """Pipeline: the layers other ranks run are :class:`RemoteLayer` placeholders in the copy too."""
 
     dims: ParallelDims

@@ -30,8 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.accounting import CommunicationStats
 from lightning_parallel.distributed.pipeline.fully_shard import PipelineFullyShard
-from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.layer_registration import Registration
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, TiedParameter, canonical_names
 from lightning_parallel.distributed.pipeline.zero import TiedCopiesSum, check_no_tie_within_a_rank
 from lightning_parallel.distributed.zero.backends import StageExtensions, ZeroBackend, ZeroContext, backend_type

@@ -1,8 +1,8 @@
 """Split a module into pipeline stages on every rank: the whole split, usable from a plain torch loop.
 
 Torch-only. :func:`split_into_stages` takes a module with ``pipeline_layers()`` (or its layers), the process groups
-(:class:`~.schedule.ParallelDims`) and the pipeline's counts, and returns the :class:`~.run.PipelineRun` record:
-this rank's stages kept in the module (the other layers replaced by :class:`~.partition.RemoteLayer` placeholders and
+(:class:`~.parallel_dims.ParallelDims`) and the pipeline's counts, and returns the :class:`~.run.PipelineRun` record:
+this rank's stages kept in the module (the other layers replaced by :class:`~.remote_layer.RemoteLayer` placeholders and
 moved to ``meta``), the ZeRO backend holding the stage over its replicas (``stage_holder.py``: the one chooser's,
 as for a whole model) and the engine running steps.
 :meth:`~.run.PipelineRun.reassemble` gives the whole module back. ``PipelineParallelStrategy`` calls these and adds
@@ -32,34 +32,33 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.distributed.mesh import MeshLayout
+from lightning_parallel.distributed.broadcast import broadcast_from_rank0
+from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout
 from lightning_parallel.distributed.pipeline.contract import ModelCall
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
-from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
-from lightning_parallel.distributed.pipeline.partition import (
-    PartitionMethod,
+from lightning_parallel.distributed.pipeline.layer_registration import (
     Registration,
-    RemoteLayer,
-    StagePlan,
-    UnevenStages,
     check_parameter_ownership,
     layer_registrations,
     local_module_ids,
     remove_remote_layers,
 )
+from lightning_parallel.distributed.pipeline.model_plan import pipeline_layers_and_call
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.plan_agreement import check_same_plan, plan_on_every_rank
 from lightning_parallel.distributed.pipeline.reassemble import offload_layers
+from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 from lightning_parallel.distributed.pipeline.run import PipelineRun
-from lightning_parallel.distributed.pipeline.schedule import ChunkObserver, P2PObserver, ParallelDims, schedule_spec
-from lightning_parallel.distributed.pipeline.split import broadcast_from_rank0, check_same_plan, plan_on_every_rank
+from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.distributed.pipeline.stage_holder import (
     StageHolding,
     check_holdable,
     hold_stage,
     stage_backend_type,
 )
+from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, StagePlan
 from lightning_parallel.distributed.pipeline.tied import (
     TiedGradientSync,
     TiedLayout,
@@ -67,61 +66,19 @@ from lightning_parallel.distributed.pipeline.tied import (
     find_tied_parameters,
     parameter_aliases,
 )
+from lightning_parallel.distributed.pipeline.torch_stage import ChunkObserver, P2PObserver
 from lightning_parallel.distributed.pipeline.verify import check_layers_compose_to_forward
-from lightning_parallel.distributed.zero.config import ZeroConfig
 
 __all__ = [
     "StageHolding",
-    "build_parallel_dims",
     "check_not_split",
     "check_splittable",
-    "pipeline_mesh_layout",
     "split_into_stages",
     "tied_gradient_sync",
 ]
 
 Example = tuple[tuple[Any, ...], dict[str, Any]]
 """The model call's ``(args, kwargs)`` for one batch."""
-
-
-def pipeline_mesh_layout(
-    world_size: int, *, pipeline_parallel_size: int, zero_config: ZeroConfig | None = None
-) -> MeshLayout:
-    """``replicate x shard x pp``: the data-parallel replicas of each stage on the ``replicate`` axis, or with ZeRO on
-    the ``shard`` axis (``zero_config.shard_size`` of them, the rest on ``replicate``: hybrid sharding)."""
-    p = pipeline_parallel_size
-    if zero_config is None or world_size % p:
-        return MeshLayout(world_size, pipeline_parallel_size=p)
-    shard_size = zero_config.shard_size or world_size // p
-    return MeshLayout(world_size, shard_size=shard_size, pipeline_parallel_size=p)
-
-
-def build_parallel_dims(
-    world_size: int,
-    global_rank: int,
-    *,
-    pipeline_parallel_size: int,
-    zero_config: ZeroConfig | None = None,
-    mesh: DeviceMesh | None = None,
-    device_type: str = "cpu",
-    host_data_parallel_group: Any = None,
-) -> ParallelDims:
-    """Collective (every rank, once). This rank's :class:`~.schedule.ParallelDims` on ``mesh`` (the
-    :func:`pipeline_mesh_layout`'s, built on ``device_type`` when not given) with the groups a split needs
-    (``host_data_parallel_group``: see :attr:`~.schedule.ParallelDims.host_data_parallel_group`)."""
-    layout = pipeline_mesh_layout(world_size, pipeline_parallel_size=pipeline_parallel_size, zero_config=zero_config)
-    dims = ParallelDims(
-        world_size,
-        global_rank,
-        pipeline_parallel_size,
-        shard_size=layout.shard_size,
-        mesh=mesh,
-        host_data_parallel_group=host_data_parallel_group,
-    )
-    if mesh is None:
-        dims.build_groups(device_type)
-    dims.flatten_data_axes()  # hybrid sharding: one group of every replica of the stage (a collective)
-    return dims
 
 
 def check_not_split(module: nn.Module) -> None:
@@ -184,8 +141,8 @@ def split_into_stages(
     converted and moved to ``device``, the backend holding the stage and the engine built.
 
     Args:
-        module: The model; keeps its own names (its other ranks' layers become :class:`~.partition.RemoteLayer`).
-        dims: Ranks and process groups (:func:`build_parallel_dims`).
+        module: The model; keeps its own names (its other ranks' layers become :class:`~.remote_layer.RemoteLayer`).
+        dims: Ranks and process groups (:func:`~.parallel_dims.build_parallel_dims`).
         device: This rank's device.
         num_stages: Stages in all (``pipeline_parallel_size x stages_per_rank``).
         schedule: Canonical schedule name (:func:`~.schedule.resolve_schedule`); evaluation runs forward-only.

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.accounting import CommunicationStats
-from lightning_parallel.distributed.pipeline.partition import StagePlan
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 
 __all__ = [
     "TiedGradientSync",

@@ -24,7 +24,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_parallel.distributed.checkpoint import host_copy
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 
 __all__ = ["Flattened", "TensorSlot", "broadcast_tensor", "flatten_tensors", "gather_to_pipeline_root"]
 

@@ -16,7 +16,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_parallel.distributed.pipeline.partition import check_layer_output
+from lightning_parallel.distributed.pipeline.layer_costs import check_layer_output
 from lightning_parallel.distributed.pipeline.side_effects import preserved_state
 from lightning_parallel.distributed.pipeline.side_inputs import accepted_side_inputs, split_side_inputs
 

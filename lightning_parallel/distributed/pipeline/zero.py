@@ -35,8 +35,9 @@ from torch import nn
 
 from lightning_parallel.accounting import CommunicationStats
 from lightning_parallel.choices import check_choice, choices_of
-from lightning_parallel.distributed.pipeline.partition import StagePlan
-from lightning_parallel.distributed.pipeline.schedule import SCHEDULE_SPECS, ParallelDims, schedule_spec
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.schedule import SCHEDULE_SPECS, schedule_spec
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, TiedLayout, TiedParameter
 from lightning_parallel.distributed.zero.config import ZeroConfig
 from lightning_parallel.distributed.zero.flat_bucket import ShardView

@@ -86,7 +86,7 @@ from lightning_parallel.distributed.zero.accumulation import (
 )
 from lightning_parallel.distributed.zero.flat_bucket import FlatBucket, Segment, ShardView
 from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, min_buckets, padded_numel
-from lightning_parallel.distributed.zero.replicas import ProcessGroupReplicas, ReplicaReduction
+from lightning_parallel.distributed.zero.replica_reduction import ProcessGroupReplicas, ReplicaReduction
 
 __all__ = [
     "DEFAULT_BUCKETS_IN_FLIGHT",
@@ -150,7 +150,7 @@ class ShardedParameterBuckets:
             all-reduced across it (``1/K`` of the bucket's bytes), so gradients are averaged over every rank.
             ``None``: ``group`` is every rank there is.
         replicas: instead of ``replicate_group``, any
-            :class:`~lightning_parallel.distributed.zero.replicas.ReplicaReduction` of the reduced shards across the
+            :class:`~.replica_reduction.ReplicaReduction` of the reduced shards across the
             replicas (``FaultTolerance``: torchft's manager across replica groups, each its own job).
         bucket_cap_mb: bucket size in MiB; at stage 2 at most a sixteenth of the model
             (:data:`~lightning_parallel.distributed.zero.layout.STAGE2_MIN_BUCKETS`).

@@ -17,11 +17,11 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.distributed.averaged_copy import CopyLayout, HeldCopy
+from lightning_parallel.distributed.averaged_copy import CopyHolding, HeldCopy
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0
 from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
 from lightning_parallel.distributed.compression import CommunicationStats
-from lightning_parallel.distributed.zero.replicas import ReplicaReduction
+from lightning_parallel.distributed.zero.replica_reduction import ReplicaReduction
 from lightning_parallel.instrumentation import StrategyEvents
 
 __all__ = ["NoParameterCallbacks", "ParameterCallbacks", "StageExtensions", "ZeroContext", "broadcast_on_its_device"]
@@ -35,7 +35,7 @@ class ParameterCallbacks(Protocol):
         """Local. Raise ``ValueError`` for a callback that cannot run while the parameters are held as ``layout``
         (``strategy_name`` is quoted in the error)."""
 
-    def hold_averaged_copies(self, module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+    def hold_averaged_copies(self, module: nn.Module, layout: CopyHolding) -> list[HeldCopy]:
         """Local. Make each weight-averaging callback's copy hold what ``module`` now holds on this rank."""
 
 
@@ -45,7 +45,7 @@ class NoParameterCallbacks:
     def check(self, *, strategy_name: str, layout: str) -> None:
         del strategy_name, layout
 
-    def hold_averaged_copies(self, module: nn.Module, layout: CopyLayout) -> list[HeldCopy]:
+    def hold_averaged_copies(self, module: nn.Module, layout: CopyHolding) -> list[HeldCopy]:
         del module, layout
         return []
 

@@ -1,6 +1,6 @@
 """ZeRO stages 1-2: parameters in flat buckets reduce-scattered as backward produces gradients, the user's optimizer
-stepping this rank's shard, then the buckets all-gathered (``distributed/zero/buckets.py``, ``zero_optimizer.py``,
-``zero_gather.py``). The waits of the sync run inside ``events.timed("exposed_communication")`` for whoever listens
+stepping this rank's shard, then the buckets all-gathered (``distributed/zero/buckets.py``, ``optimizer.py``,
+``gather.py``). The waits of the sync run inside ``events.timed("exposed_communication")`` for whoever listens
 (the monitor)."""
 
 from __future__ import annotations

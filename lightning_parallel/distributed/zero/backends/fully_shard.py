@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.distributed.averaged_copy import HeldCopy, ShardedCopyLayout
+from lightning_parallel.distributed.averaged_copy import HeldCopy, ShardedCopyHolding
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, ShardedPieces, scalar_states
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.zero import stage3 as zero3
@@ -60,7 +60,7 @@ class FullyShardBackend(ReplicatedBackend):
         """The weight-averaging callbacks' copies of the module, held as shards like it."""
         self._hooks: list[RemovableHandle] = []
         self.gloo_reduction: GlooGradientReduction | None = None
-        """On gloo, each unit's reduce-scatter as an all-reduce in flight through backward (``zero3_gloo.py``)."""
+        """On gloo, each unit's reduce-scatter as an all-reduce in flight through backward (``stage3_gloo.py``)."""
 
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         self.parameter_callbacks.check(strategy_name="zero3", layout="each parameter as a DTensor shard")
@@ -87,7 +87,7 @@ class FullyShardBackend(ReplicatedBackend):
         )
         # Weight-averaging callbacks copied the whole module in their `setup`: each copy now holds this rank's shard of
         # every parameter, starting from the module's (rank 0's) rows, as DDP's rank 0 copy starts from its module.
-        self.averaged_copies = self.parameter_callbacks.hold_averaged_copies(module, ShardedCopyLayout(device))
+        self.averaged_copies = self.parameter_callbacks.hold_averaged_copies(module, ShardedCopyHolding(device))
         self.access = ShardedModuleAccess(module, self.units, world_size=self.world_size)
         self.access.running = True
         if self.compute_dtype is not None:  # after the access guard's hook, which carries `requires_grad` changes

@@ -1,4 +1,4 @@
-"""The collective steps of splitting a model on every rank: agree on a plan, start replicas from the same weights.
+"""The collective step of planning a split: one stage plan on every rank.
 
 Torch-only. The local steps (resolving the layers, checking them against ``forward``, planning from an example)
 run first on every rank, so a bad model raises everywhere before any of these collectives.
@@ -14,17 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.distributed.broadcast import broadcast_from_rank0  # re-exported: the strategy's
-from lightning_parallel.distributed.pipeline.partition import (
-    PartitionMethod,
-    Placement,
-    StagePlan,
-    UnevenStages,
-    measure_layer_times,
-    plan_for_example,
-)
+from lightning_parallel.distributed.pipeline.balance import UnevenStages
+from lightning_parallel.distributed.pipeline.layer_costs import measure_layer_times
+from lightning_parallel.distributed.pipeline.schedule import Placement
+from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, StagePlan, plan_for_example
 
-__all__ = ["broadcast_from_rank0", "check_same_plan", "plan_on_every_rank"]
+__all__ = ["check_same_plan", "plan_on_every_rank"]
 
 
 def plan_on_every_rank(

@@ -1,7 +1,7 @@
 """The whole model, for the length of a user's hook, in a module split into pipeline stages.
 
 Torch-only. During a pipeline run each rank's module holds only its stages; the other layers are
-:class:`~.partition.RemoteLayer` placeholders, and the layer objects that left the rank sit on the ``meta`` device
+:class:`~.remote_layer.RemoteLayer` placeholders, and the layer objects that left the rank sit on the ``meta`` device
 (:func:`~.reassemble.offload_layers`). A hook that reads the model (``grad_norm(self)``, a weight norm,
 ``self.state_dict()``) would see one stage. :meth:`WholeModelView.open` (a collective over each pipeline group, every
 rank calls it) gathers every other stage's parameters and buffers (and, asked for, their gradients) from the ranks
@@ -41,8 +41,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.accounting import CommunicationStats
-from lightning_parallel.distributed.pipeline.partition import Registration, StagePlan
-from lightning_parallel.distributed.pipeline.schedule import ParallelDims
+from lightning_parallel.distributed.pipeline.layer_registration import Registration
+from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
+from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 
 __all__ = ["GradientMode", "HookCost", "OpenView", "WholeModelView"]
 

@@ -1,68 +1,20 @@
-"""The replicate axis of hybrid sharding (stages 1-2): how each reduced gradient shard is averaged across the shard
-groups, and what a replica needs to take over another's shard.
+"""What a restarted replica group's rank ``i`` receives from rank ``i`` of a live one under hybrid sharding.
 
-Hybrid sharding (``ShardedOptimizerStrategy(shard_size=K)``) reduces each gradient bucket inside its shard group of
-``K`` ranks, then combines the ``1/K`` shard a rank holds with the same shard of the other groups. Who does the second
-step is a :class:`ReplicaReduction`:
-
-* :class:`ProcessGroupReplicas`: a plain process group over the ranks holding the same shard in every group (one job,
-  the mesh's ``replicate`` axis); the buckets divide by its size and it sums.
-* ``FaultTolerantReplicas`` (``strategies/replica_groups.py``): torchft's manager across replica groups that are
-  separate jobs; it averages over the groups alive at the step, so the buckets divide by the group's ranks only.
-
-:class:`OwnedShardState` is what a restarted replica group's rank ``i`` receives from rank ``i`` of a live one: its
-shard of every bucket (the fp32 master where there is one), the module's buffers and the optimizer's own (sharded)
-state dict. The two ranks shard alike (same model, ``shard_size`` and bucket size), so no layout is translated; the
-rest of each parameter arrives with the group's all-gather after its next step (or :meth:`OwnedShardState.settle`).
+Torch-only. :class:`OwnedShardState` holds that rank's shard of every bucket (the fp32 master where there is one), the
+module's buffers and the optimizer's own (sharded) state dict. The two ranks shard alike (same model, ``shard_size``
+and bucket size), so no layout is translated; the rest of each parameter arrives with the group's all-gather after
+its next step (or :meth:`OwnedShardState.settle`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_parallel.accounting import CommunicationStats
-
-__all__ = ["OwnedShardState", "ProcessGroupReplicas", "ReplicaReduction"]
-
-
-class ReplicaReduction(Protocol):
-    """Combines each rank's reduced gradient shards with the same shards of the other replicas (collective)."""
-
-    divisor: int
-    """What the buckets divide each gradient by beyond their own group's ranks before :meth:`reduce` (it sums): the
-    number of replicas, or 1 for a reduction that averages by itself."""
-
-    def reduce(self, shards: Sequence[Tensor], used: Tensor | None, stats: CommunicationStats | None) -> None:
-        """Collective across the replicas, in place: each of ``shards`` becomes its sum (or average, ``divisor=1``)
-        over them, in the same order on every replica; ``used`` (one ``uint8`` per bucketed parameter, or ``None``)
-        becomes 1 where any replica's is. ``stats``: where to count the bytes, or ``None``."""
-
-
-class ProcessGroupReplicas:
-    """:class:`ReplicaReduction` over a plain process group (one job's ``replicate`` mesh axis): sums, flags' MAX."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.divisor = dist.get_world_size(group)
-
-    def reduce(self, shards: Sequence[Tensor], used: Tensor | None, stats: CommunicationStats | None) -> None:
-        works = []
-        for shard in shards:
-            if stats is not None:
-                stats.record("all_reduce", shard.numel() * shard.element_size())
-            works.append(dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
-        if used is not None:
-            if stats is not None:
-                stats.record("all_reduce", used.numel() * used.element_size())
-            works.append(dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
-        for work in works:
-            work.wait()
+__all__ = ["OwnedShardState"]
 
 
 class OwnedShardState:
@@ -121,8 +73,8 @@ class OwnedShardState:
         self.loaded = True
 
     def zero_gradients(self) -> tuple[list[Tensor], Tensor | None]:
-        """Local. Zeros shaped as what the buckets hand their :class:`ReplicaReduction` in a step: each bucket's
-        reduced gradient shard and the "got a gradient" flags (``None`` without bucketed parameters)."""
+        """Local. Zeros shaped as what the buckets hand their ``ReplicaReduction`` in a step: each bucket's reduced
+        gradient shard and the "got a gradient" flags (``None`` without bucketed parameters)."""
         shards = [torch.zeros_like(bucket.shard_grads) for bucket in self.buckets.buckets]
         count = len(self.buckets.parameters)
         used = torch.zeros(count, dtype=torch.uint8, device=self.buckets.device) if count else None

@@ -11,13 +11,13 @@ torchft stays optional):
 * ``post_backward``: average the gradients over the groups alive, then ask whether the step commits; if it does not
   (a group died during the step), drop the gradients so the optimizer leaves weights and state alone, and do not
   count the step in ``trainer.global_step``. Hybrid sharding averages inside the buckets' sync instead (this object
-  is their :class:`~lightning_parallel.distributed.zero.replicas.ReplicaReduction`: each rank's reduced gradient
-  shards with the same rank's of the other groups), then calls :meth:`FaultTolerantReplicas.commit`;
+  is their :class:`~lightning_parallel.distributed.zero.replica_reduction.ReplicaReduction`: each rank's reduced
+  gradient shards with the same rank's of the other groups), then calls :meth:`FaultTolerantReplicas.commit`;
 * ``teardown``: stop the manager.
 
 What a healing group receives from a live one: the model (data parallel: the module's ``state_dict`` and every
 optimizer's; hybrid sharding: each rank its own shard of parameters and optimizer state from the same rank of the
-live group, :class:`~lightning_parallel.distributed.zero.replicas.OwnedShardState`), every LR scheduler's state, and
+live group, :class:`~lightning_parallel.fault_tolerance.shard_state.OwnedShardState`), every LR scheduler's state, and
 the number of optimizer steps taken (``trainer.global_step``), so it stops at ``max_steps`` with the others.
 """
 
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel.accounting import CommunicationStats
-from lightning_parallel.fault_tolerance.agreement import GroupLayout
+from lightning_parallel.fault_tolerance.agreement import GroupDescription
 from lightning_parallel.fault_tolerance.config import FaultTolerance
 from lightning_parallel.strategies.nonfinite import drop_gradients
 
@@ -53,8 +53,8 @@ class FaultTolerantReplicas:
     by ``ShardedOptimizerStrategy``, named in errors as ``owner``."""
 
     divisor = 1
-    """As a :class:`~lightning_parallel.distributed.zero.replicas.ReplicaReduction`: it averages by itself (over the
-    groups in the quorum, a number known only during the step)."""
+    """As a :class:`~lightning_parallel.distributed.zero.replica_reduction.ReplicaReduction`: it averages by itself
+    (over the groups in the quorum, a number known only during the step)."""
 
     def __init__(self, config: FaultTolerance, *, owner: str = "DataParallelStrategy") -> None:
         if not isinstance(config, FaultTolerance):
@@ -100,7 +100,7 @@ class FaultTolerantReplicas:
         bucket_shards: Sequence[int] = (),
     ) -> None:
         """Local checks, then (cross-group) start the manager and, with ``start_together``, wait for the groups.
-        Before a new quorum's first cross-group collective the groups compare their layouts (trainable parameters'
+        Before a new quorum's first cross-group collective the groups compare their descriptions (trainable parameters'
         names, shapes and dtypes, strategy, processes per group, shard layout, precision, ``num_replica_groups``) and
         raise :class:`~lightning_parallel.fault_tolerance.agreement.ReplicaGroupMismatchError` naming what differs.
         ``model_state``: what a healing group receives of the model; ``None``: the module's ``state_dict`` and every
@@ -123,7 +123,7 @@ class FaultTolerantReplicas:
             state_dict=self._state_dict,
             load_state_dict=self._load_state_dict,
             device=trainer.strategy.root_device,
-            layout=GroupLayout.of(
+            description=GroupDescription.of(
                 module,
                 replica_group=self.config.replica_group,
                 strategy=self.owner,
