@@ -14,6 +14,7 @@ tests/test_no_patching.py allows named by its file and function.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,12 +40,15 @@ def _texts() -> list[Path]:
 
 
 def _repository_files() -> list[str]:
-    skipped = {".git", ".venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
-    return [
-        path.relative_to(ROOT).as_posix()
-        for path in ROOT.rglob("*")
-        if path.is_file() and not skipped.intersection(path.relative_to(ROOT).parts)
-    ]
+    """The files git tracks or would track (not ignored): never the venvs, caches or build outputs beside them."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [line for line in listed.stdout.splitlines() if (ROOT / line).is_file()]
 
 
 def missing_files(text: str, where: Path, files: list[str]) -> list[str]:
