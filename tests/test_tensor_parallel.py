@@ -126,7 +126,18 @@ class Llama(OwnModel):
         return loss
 
 
-MODELS = {"own": OwnModel, "llama": Llama}
+class Qwen2(Llama):
+    """A Hugging Face Qwen2 whose LM head is tied to the input embedding: both split on the vocabulary, still tied."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        config = transformers.Qwen2Config(**_llama_config().to_dict())
+        config.tie_word_embeddings = True
+        self.model = transformers.Qwen2ForCausalLM(config)
+        self.losses = []
+
+
+MODELS = {"own": OwnModel, "llama": Llama, "qwen2": Qwen2}
 
 
 # ---------------------------------------------------------------------- unit: the mesh
@@ -281,6 +292,7 @@ def _fit(name: str, rank: int, world_size: int, tensor: int, directory: str) -> 
         path = f"{directory}/{name}-{world_size}.ckpt"  # rank 0 writes, every rank calls
         fit.save_checkpoint(path)
         result["checkpoint"] = path if rank == 0 else None
+        result["tied"] = name == "qwen2" and module.model.lm_head.weight is module.model.model.embed_tokens.weight
     return result
 
 
@@ -305,7 +317,7 @@ def _assert_like_one_device(result: dict[str, Any], reference: dict[str, Any], *
 
 
 def test_one_by_two_trains_like_one_device(references: dict[str, Any], tmp_path: Path) -> None:
-    cases = [("own", 2), ("llama", 2)]
+    cases = [("own", 2), ("llama", 2), ("qwen2", 2)]
     ranks = run_distributed(_in_ranks, 2, args=(cases, str(tmp_path)), init_process_group=False, timeout=300)
     for name in MODELS:
         _assert_like_one_device(ranks[0][name], references[name])
@@ -313,6 +325,7 @@ def test_one_by_two_trains_like_one_device(references: dict[str, Any], tmp_path:
         assert [rank[name]["sampler"] for rank in ranks] == [{"num_replicas": 1, "rank": 0}] * 2
     assert len(ranks[0]["own"]["split"]) == 2 * (6 * 2 - 1)  # weights and biases of the six split layers, no k bias
     assert "model.model.embed_tokens.weight" in ranks[0]["llama"]["split"]
+    assert ranks[0]["qwen2"]["tied"]  # one parameter for the embedding and the head after the split
     # The consolidated checkpoint loads into the plain module on one device.
     checkpoint = torch.load(ranks[0]["llama"]["checkpoint"], weights_only=False)
     plain = Llama()
