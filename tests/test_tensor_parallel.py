@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_parallel import DataParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.tensor_parallel import check_divisible, resolve_plan
 
@@ -228,6 +228,8 @@ def test_strategies_refuse_what_does_not_compose() -> None:
         ValueError, match=r"`DataParallelStrategy` does not split layers.*ShardedOptimizerStrategy\(stage=3"
     ):
         DataParallelStrategy(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"`PipelineParallelStrategy` does not split layers yet.*stage=3"):
+        PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="stages 1-2 keep whole parameters in flat buckets"):
         ShardedOptimizerStrategy(stage=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="checkpoints are written consolidated"):

@@ -2,7 +2,8 @@
 the plan resolved and checked before the processes join, the module split in ``setup``.
 
 ``ShardedOptimizerStrategy(tensor_parallel_size=T)`` takes it (stage 3: TP inside, FSDP2 over the data axes);
-``DataParallelStrategy`` refuses it naming that strategy (:func:`refuse_tensor_parallel`). docs/tensor_parallel.md.
+``DataParallelStrategy`` refuses it naming that strategy, and ``PipelineParallelStrategy`` does not take it yet
+(:func:`refuse_tensor_parallel`). docs/tensor_parallel.md.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ TAKEN_BY = "`ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)`"
 """The strategies that take ``tensor_parallel_size``, as refusals name them."""
 
 
-def refuse_tensor_parallel(tensor_parallel_size: object, *, owner: str) -> None:
-    """Local, in ``__init__``: ``owner`` takes no tensor parallelism; ``ValueError`` naming the ones that do unless
-    ``tensor_parallel_size`` is 1."""
+def refuse_tensor_parallel(tensor_parallel_size: object, *, owner: str, supported_later: bool = False) -> None:
+    """Local, in ``__init__``: ``owner`` takes no tensor parallelism (``supported_later``: not yet); ``ValueError``
+    naming the strategies that do unless ``tensor_parallel_size`` is 1."""
     validate_tensor_parallel_size(tensor_parallel_size)
     if tensor_parallel_size != 1:
+        does_not = "does not split layers yet" if supported_later else "does not split layers"
         raise ValueError(
-            f"`{owner}` does not split layers: `tensor_parallel_size={tensor_parallel_size}` is taken by {TAKEN_BY}"
+            f"`{owner}` {does_not}: `tensor_parallel_size={tensor_parallel_size}` is taken by {TAKEN_BY}"
             " (tensor parallelism inside, ZeRO-3 over the data-parallel ranks). Use that strategy, or drop the"
             " argument."
         )
