@@ -137,7 +137,11 @@ class Qwen2(Llama):
         self.losses = []
 
 
-MODELS = {"own": OwnModel, "llama": Llama, "qwen2": Qwen2}
+MODELS = {"own": OwnModel, "llama": Llama, "qwen2": Qwen2, "llama_bf16": Llama, "llama_checkpointed": Llama}
+"""Cases by name: ``*_bf16`` trains with ``precision="bf16-true"`` and fp32 master weights (one device: the strategy at
+world size 1, which keeps them too), ``*_checkpointed`` with ``activation_checkpointing=True``."""
+BF16_CLOSE = {"rtol": 0.0, "atol": 2**-8}
+"""One bf16 step at the weights' scale (below 1): the split layers sum their partial products in another order."""
 
 
 # ---------------------------------------------------------------------- unit: the mesh
@@ -274,8 +278,22 @@ def _loader(replicas: int) -> DataLoader:
 def _fit(name: str, rank: int, world_size: int, tensor: int, directory: str) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     module = MODELS[name]()
-    strategy: Any = "auto" if world_size == 1 else ShardedOptimizerStrategy(stage=3, tensor_parallel_size=tensor)
-    fit = trainer(strategy, world_size, max_steps=STEPS, gradient_clip_val=CLIP, use_distributed_sampler=world_size > 1)
+    precision = "bf16-true" if name.endswith("_bf16") else "32-true"
+    checkpointing = name.endswith("_checkpointed")
+    strategy: Any = ShardedOptimizerStrategy(
+        stage=3, tensor_parallel_size=tensor, activation_checkpointing=checkpointing
+    )
+    if world_size == 1:
+        strategy = ShardedOptimizerStrategy(stage=3) if precision == "bf16-true" else "auto"
+    distributed = world_size > 1
+    fit = trainer(
+        strategy,
+        world_size,
+        max_steps=STEPS,
+        gradient_clip_val=CLIP,
+        use_distributed_sampler=distributed,
+        precision=precision,
+    )
     fit.fit(module, _loader(world_size // tensor if world_size > 1 else 0))
     (optimizer,) = fit.optimizers
     result = {
@@ -319,15 +337,19 @@ def _assert_like_one_device(result: dict[str, Any], reference: dict[str, Any], *
 
 
 def test_one_by_two_trains_like_one_device(references: dict[str, Any], tmp_path: Path) -> None:
-    cases = [("own", 2), ("llama", 2), ("qwen2", 2)]
+    cases = [(name, 2) for name in MODELS]
     ranks = run_distributed(_in_ranks, 2, args=(cases, str(tmp_path)), init_process_group=False, timeout=300)
-    for name in MODELS:
+    for name in ("own", "llama", "qwen2", "llama_checkpointed"):
         _assert_like_one_device(ranks[0][name], references[name])
         assert ranks[1][name]["losses"] == ranks[0][name]["losses"]  # both tensor ranks read the same batch
         assert [rank[name]["sampler"] for rank in ranks] == [{"num_replicas": 1, "rank": 0}] * 2
     assert len(ranks[0]["own"]["split"]) == 2 * (6 * 2 - 1)  # weights and biases of the six split layers, no k bias
     assert "model.model.embed_tokens.weight" in ranks[0]["llama"]["split"]
     assert ranks[0]["qwen2"]["tied"]  # one parameter for the embedding and the head after the split
+    bf16, expected = ranks[0]["llama_bf16"], references["llama_bf16"]
+    assert all(value.dtype == torch.bfloat16 for value in bf16["weights"].values())
+    torch.testing.assert_close(bf16["weights"], expected["weights"], **BF16_CLOSE)
+    torch.testing.assert_close(bf16["losses"], expected["losses"], rtol=1e-4, atol=0)
     # The consolidated checkpoint loads into the plain module on one device.
     checkpoint = torch.load(ranks[0]["llama"]["checkpoint"], weights_only=False)
     plain = Llama()
@@ -344,3 +366,29 @@ def test_two_by_two_trains_like_one_device(references: dict[str, Any], tmp_path:
     # Each data-parallel rank's loss is the mean over its half of the batch: their mean is the one device's.
     halves = torch.tensor([ranks[0]["llama"]["losses"], ranks[2]["llama"]["losses"]])
     torch.testing.assert_close(halves.mean(0).tolist(), references["llama"]["losses"], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- resumed at another layout
+def _resume(rank: int, world_size: int, directory: str, steps: int, resume: bool) -> dict[str, Tensor]:
+    """One device saves after ``STEPS`` (one epoch), or resumes from it; 2 ranks (1 x 2) resume from it too."""
+    pl.seed_everything(0, verbose=False)
+    module = Llama()
+    strategy: Any = "auto" if world_size == 1 else ShardedOptimizerStrategy(stage=3, tensor_parallel_size=2)
+    fit = trainer(strategy, world_size, max_steps=steps, gradient_clip_val=CLIP, use_distributed_sampler=world_size > 1)
+    path = f"{directory}/one-device.ckpt"
+    fit.fit(module, _loader(1 if world_size > 1 else 0), ckpt_path=path if resume else None)
+    if world_size == 1 and steps == STEPS:
+        fit.save_checkpoint(path)
+    return {key: value.detach().clone() for key, value in fit.strategy.lightning_module_state_dict().items()}
+
+
+def test_one_device_checkpoint_resumes_under_tensor_parallelism(tmp_path: Path) -> None:
+    def one_device(steps: int, resume: bool) -> dict[str, Tensor]:
+        args = (str(tmp_path), steps, resume)
+        (weights,) = run_distributed(_resume, 1, args=args, init_process_group=False, launcher_env=False, timeout=120)
+        return weights
+
+    one_device(STEPS, False)  # saves its checkpoint after the first epoch
+    expected = one_device(2 * STEPS, True)  # Lightning's resume, on one device (weights, AdamW moments, loop state)
+    resumed = run_distributed(_resume, 2, args=(str(tmp_path), 2 * STEPS, True), init_process_group=False, timeout=180)
+    torch.testing.assert_close(resumed[0], expected, **TOLERANCE)
