@@ -137,9 +137,29 @@ class Qwen2(Llama):
         self.losses = []
 
 
-MODELS = {"own": OwnModel, "llama": Llama, "qwen2": Qwen2, "llama_bf16": Llama, "llama_checkpointed": Llama}
+class GradientReader(Llama):
+    """Reads every gradient in ``on_before_optimizer_step``, as a user's hook does: whole plain tensors, as on one
+    device (the strategy lends them gathered)."""
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [param.grad for param in self.parameters()]
+        assert all(type(grad) is Tensor for grad in grads), {type(grad) for grad in grads}
+        self.losses.append(sum(float(grad.norm()) for grad in grads if grad is not None))
+
+
+MODELS = {
+    "own": OwnModel,
+    "llama": Llama,
+    "qwen2": Qwen2,
+    "llama_bf16": Llama,
+    "llama_checkpointed": Llama,
+    "llama_reads_gradients": GradientReader,
+    "llama_hybrid": Llama,
+}
 """Cases by name: ``*_bf16`` trains with ``precision="bf16-true"`` and fp32 master weights (one device: the strategy at
-world size 1, which keeps them too), ``*_checkpointed`` with ``activation_checkpointing=True``."""
+world size 1, which keeps them too), ``*_checkpointed`` with ``activation_checkpointing=True``, ``*_hybrid`` with
+``shard_size=1`` (4 ranks: 2 replicas x 1 shard x 2 tensor ranks, HSDP over the data axes); ``llama_reads_gradients``
+logs the sum of its gradients' norms beside each loss."""
 BF16_CLOSE = {"rtol": 0.0, "atol": 2**-8}
 """One bf16 step at the weights' scale (below 1): the split layers sum their partial products in another order."""
 
@@ -280,8 +300,9 @@ def _fit(name: str, rank: int, world_size: int, tensor: int, directory: str) -> 
     module = MODELS[name]()
     precision = "bf16-true" if name.endswith("_bf16") else "32-true"
     checkpointing = name.endswith("_checkpointed")
+    shard_size = 1 if name.endswith("_hybrid") else None
     strategy: Any = ShardedOptimizerStrategy(
-        stage=3, tensor_parallel_size=tensor, activation_checkpointing=checkpointing
+        stage=3, tensor_parallel_size=tensor, shard_size=shard_size, activation_checkpointing=checkpointing
     )
     if world_size == 1:
         strategy = ShardedOptimizerStrategy(stage=3) if precision == "bf16-true" else "auto"
@@ -337,9 +358,9 @@ def _assert_like_one_device(result: dict[str, Any], reference: dict[str, Any], *
 
 
 def test_one_by_two_trains_like_one_device(references: dict[str, Any], tmp_path: Path) -> None:
-    cases = [(name, 2) for name in MODELS]
+    cases = [(name, 2) for name in MODELS if not name.endswith("_hybrid")]
     ranks = run_distributed(_in_ranks, 2, args=(cases, str(tmp_path)), init_process_group=False, timeout=300)
-    for name in ("own", "llama", "qwen2", "llama_checkpointed"):
+    for name in ("own", "llama", "qwen2", "llama_checkpointed", "llama_reads_gradients"):
         _assert_like_one_device(ranks[0][name], references[name])
         assert ranks[1][name]["losses"] == ranks[0][name]["losses"]  # both tensor ranks read the same batch
         assert [rank[name]["sampler"] for rank in ranks] == [{"num_replicas": 1, "rank": 0}] * 2
@@ -359,7 +380,9 @@ def test_one_by_two_trains_like_one_device(references: dict[str, Any], tmp_path:
 
 @pytest.mark.slow
 def test_two_by_two_trains_like_one_device(references: dict[str, Any], tmp_path: Path) -> None:
-    ranks = run_distributed(_in_ranks, 4, args=([("llama", 2)], str(tmp_path)), init_process_group=False, timeout=420)
+    cases = [("llama", 2), ("llama_hybrid", 2)]
+    ranks = run_distributed(_in_ranks, 4, args=(cases, str(tmp_path)), init_process_group=False, timeout=420)
+    _assert_like_one_device(ranks[0]["llama_hybrid"], references["llama"], losses=False)
     _assert_like_one_device(ranks[0]["llama"], references["llama"], losses=False)
     assert [rank["llama"]["sampler"] for rank in ranks] == [{"num_replicas": 2, "rank": r // 2} for r in range(4)]
     assert ranks[1]["llama"]["losses"] == ranks[0]["llama"]["losses"]  # a tensor-parallel group: one batch
