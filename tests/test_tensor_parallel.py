@@ -262,20 +262,38 @@ def test_strategies_refuse_what_does_not_compose() -> None:
 
 
 # ---------------------------------------------------------------------- refused before any process group
-def _fit_refused(rank: int, world_size: int) -> str:
-    module = Llama(num_attention_heads=2, num_key_value_heads=1)
-    strategy = ShardedOptimizerStrategy(stage=3, tensor_parallel_size=2, start_method="popen")
+class Unplanned(OwnModel):
+    """No ``tensor_parallel_plan()`` and no Hugging Face model."""
+
+    tensor_parallel_plan = None  # type: ignore[assignment]
+
+
+REFUSED = {
+    "heads": (
+        lambda: Llama(num_attention_heads=2, num_key_value_heads=1),
+        2,
+        "does not divide `model.config.num_key_value_heads` = 1",
+    ),
+    "no plan": (Unplanned, 2, "define `tensor_parallel_plan(self)`"),
+    "world": (OwnModel, 4, "`tensor_parallel_size=4` does not divide the world size (2)"),
+}
+
+
+def _fit_refused(rank: int, world_size: int, case: str) -> str:
+    make, tensor, _ = REFUSED[case]
+    strategy = ShardedOptimizerStrategy(stage=3, tensor_parallel_size=tensor, start_method="popen")
     try:
-        trainer(strategy, world_size, max_steps=1).fit(module, _loader(1))
+        trainer(strategy, world_size, max_steps=1).fit(make(), _loader(1))
     except ValueError as error:
         assert not dist.is_initialized()
         return str(error)
     raise AssertionError("not refused")
 
 
-def test_heads_refused_before_the_process_group() -> None:
-    messages = run_distributed(_fit_refused, 2, init_process_group=False, timeout=60)
-    assert all("does not divide `model.config.num_key_value_heads` = 1" in message for message in messages)
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_on_every_rank_before_the_process_group(case: str) -> None:
+    messages = run_distributed(_fit_refused, 2, args=(case,), init_process_group=False, timeout=60)
+    assert all(REFUSED[case][2] in message for message in messages), messages
 
 
 # ---------------------------------------------------------------------- integration: equal to one device
