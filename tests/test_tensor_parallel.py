@@ -433,3 +433,36 @@ def test_one_device_checkpoint_resumes_under_tensor_parallelism(tmp_path: Path) 
     expected = one_device(2 * STEPS, True)  # Lightning's resume, on one device (weights, AdamW moments, loop state)
     resumed = run_distributed(_resume, 2, args=(str(tmp_path), 2 * STEPS, True), init_process_group=False, timeout=180)
     torch.testing.assert_close(resumed[0], expected, **TOLERANCE)
+
+
+def _sharded_then_tensor_parallel(rank: int, world_size: int, directory: str, tensor: int) -> dict[str, Tensor]:
+    """``tensor=1``: ZeRO-3 writes a sharded checkpoint after an epoch, resumes it; ``tensor=2``: 1 x 2 resumes it."""
+    pl.seed_everything(0, verbose=False)
+    path = f"{directory}/sharded"
+    if tensor == 1:
+        strategy = ShardedOptimizerStrategy(stage=3, checkpoint_format="sharded")
+        first = trainer(strategy, world_size, max_steps=STEPS, gradient_clip_val=CLIP, use_distributed_sampler=True)
+        first.fit(Llama(), _loader(world_size))
+        first.save_checkpoint(path)
+    resumed = trainer(
+        ShardedOptimizerStrategy(stage=3, tensor_parallel_size=tensor),
+        world_size,
+        max_steps=2 * STEPS,
+        gradient_clip_val=CLIP,
+        use_distributed_sampler=True,
+    )
+    resumed.fit(Llama(), _loader(world_size // tensor), ckpt_path=path)
+    return {key: value.detach().clone() for key, value in resumed.strategy.lightning_module_state_dict().items()}
+
+
+def test_sharded_checkpoint_resumes_under_tensor_parallelism(tmp_path: Path) -> None:
+    """A sharded directory (ranges of dim 0 per rank) is read whole under tensor parallelism: the same weights as
+    resuming it without."""
+    args = (str(tmp_path),)
+    (expected, _) = run_distributed(
+        _sharded_then_tensor_parallel, 2, args=(*args, 1), init_process_group=False, timeout=180
+    )
+    (resumed, _) = run_distributed(
+        _sharded_then_tensor_parallel, 2, args=(*args, 2), init_process_group=False, timeout=180
+    )
+    torch.testing.assert_close(resumed, expected, **TOLERANCE)

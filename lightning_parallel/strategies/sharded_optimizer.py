@@ -653,7 +653,9 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded directory is read lazily: each rank later loads only the ranges it holds. At world size 1 with
         fp32 masters too: its ``param`` pieces are masters, which a plain state dict would round to 16 bits."""
-        if (self.is_sharding or self._keeps_masters_alone) and is_sharded_checkpoint(checkpoint_path):
+        # Under tensor parallelism the parameters' local pieces are not the row ranges the reader serves: read it whole.
+        lazy = (self.is_sharding or self._keeps_masters_alone) and self.tensor_parallel_size == 1
+        if lazy and is_sharded_checkpoint(checkpoint_path):
             reader = ShardedCheckpointReader(checkpoint_path)
             checkpoint = dict(reader.meta["lightning"])
             checkpoint["state_dict"] = reader
