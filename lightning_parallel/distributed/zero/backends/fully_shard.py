@@ -60,10 +60,10 @@ class FullyShardBackend(ReplicatedBackend):
         """The weight-averaging callbacks' copies of the module, held as shards like it."""
         self._hooks: list[RemovableHandle] = []
         self.gloo_reduction: GlooGradientReduction | None = None
+        """On gloo, each unit's reduce-scatter as an all-reduce in flight through backward (``zero3_gloo.py``)."""
         self.tensor_parallel = False
         """Whether layers were split over the mesh's ``tensor`` axis before sharding (``distributed/tensor_parallel``):
         the gradients are then ``DTensor``s on two meshes, which torch's clip cannot stack."""
-        """On gloo, each unit's reduce-scatter as an all-reduce in flight through backward (``zero3_gloo.py``)."""
 
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         self.parameter_callbacks.check(strategy_name="zero3", layout="each parameter as a DTensor shard")
