@@ -27,7 +27,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_parallel import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
+from lightning_parallel import (
+    DataParallelStrategy,
+    ParallelismMonitor,
+    PipelineParallelStrategy,
+    ShardedOptimizerStrategy,
+)
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.tensor_parallel import check_divisible, resolve_plan
 
@@ -466,3 +471,22 @@ def test_sharded_checkpoint_resumes_under_tensor_parallelism(tmp_path: Path) -> 
         _sharded_then_tensor_parallel, 2, args=(*args, 2), init_process_group=False, timeout=180
     )
     torch.testing.assert_close(resumed, expected, **TOLERANCE)
+
+
+# ---------------------------------------------------------------------- the monitor counts tensor parallelism's traffic
+def _monitored(rank: int, world_size: int) -> dict[str, int]:
+    pl.seed_everything(0, verbose=False)
+    strategy = ShardedOptimizerStrategy(stage=3, tensor_parallel_size=2)
+    monitor = ParallelismMonitor()
+    fit = trainer(strategy, world_size, max_steps=STEPS, use_distributed_sampler=True, callbacks=[monitor])
+    fit.fit(OwnModel(), _loader(1))
+    return dict(strategy.communication_stats.bytes_by_collective)
+
+
+def test_monitor_counts_tensor_parallel_all_reduces() -> None:
+    """Per step and block of :class:`OwnModel`: forward all-reduces the outputs of the two row splits (``o``,
+    ``down``), backward the input gradients of the four column splits (``q``, ``k``, ``v``, ``up``); each an
+    activation of ``(B, T, HIDDEN)`` fp32. ZeRO-3 over one data-parallel rank adds no all-reduce."""
+    (counted, _) = run_distributed(_monitored, 2, init_process_group=False, timeout=180)
+    activation = GLOBAL_BATCH * (SEQ - 1) * HIDDEN * 4
+    assert counted["all_reduce"] == STEPS * 2 * (2 + 4) * activation

@@ -78,7 +78,7 @@ def _retie(module: nn.Module, ties: list[list[tuple[nn.Module, str]]]) -> None:
                     f" {_placements(other)}): give both layers styles that split it on the same dimension (e.g."
                     " `embedding_rowwise` and `colwise`/`colwise_gather_output` for an embedding tied to the LM head)."
                 )
-            setattr(owner, attribute, kept)
+            owner.register_parameter(attribute, kept)
 
 
 def _placements(param: nn.Parameter) -> tuple[object, ...]:

@@ -121,7 +121,7 @@ def upcast_16bit_parameters(module: nn.Module) -> torch.dtype | None:
                 continue
             if id(param) not in upcast:
                 upcast[id(param)] = nn.Parameter(param.detach().to(torch.float32), requires_grad=param.requires_grad)
-            setattr(owner, name, upcast[id(param)])
+            owner.register_parameter(name, upcast[id(param)])  # replaces the 16-bit one under its name
     return found
 
 
