@@ -477,7 +477,7 @@ def test_sharded_checkpoint_resumes_under_tensor_parallelism(tmp_path: Path) -> 
 def _monitored(rank: int, world_size: int) -> dict[str, int]:
     pl.seed_everything(0, verbose=False)
     strategy = ShardedOptimizerStrategy(stage=3, tensor_parallel_size=2)
-    monitor = ParallelismMonitor()
+    monitor = ParallelismMonitor(figure_path=False)
     fit = trainer(strategy, world_size, max_steps=STEPS, use_distributed_sampler=True, callbacks=[monitor])
     fit.fit(OwnModel(), _loader(1))
     return dict(strategy.communication_stats.bytes_by_collective)
