@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["clip_grad_norm_over_ranks_", "grad_norm_over_ranks"]
+__all__ = ["clip_grad_norm_over_ranks_", "grad_norm_over_ranks", "norm_over_ranks"]
 
 
 @torch.no_grad()
@@ -41,10 +41,23 @@ def grad_norm_over_ranks(
     Raises:
         ValueError: for a ``norm_type`` that is neither positive nor ``inf`` (on every rank, before a collective).
     """
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    return norm_over_ranks(grads, norm_type=norm_type, groups=groups, device=device)
+
+
+@torch.no_grad()
+def norm_over_ranks(
+    grads: Sequence[Tensor],
+    *,
+    norm_type: float = 2.0,
+    groups: Sequence[dist.ProcessGroup | None] = (None,),
+    device: torch.device,
+) -> Tensor:
+    """Collective over each of ``groups``: :func:`grad_norm_over_ranks` of the gradient tensors themselves (plain
+    tensors; each element held by exactly one rank of the groups)."""
     norm_type = float(norm_type)
     if not (norm_type == math.inf or 0 < norm_type < math.inf):
         raise ValueError(f"`norm_type={norm_type!r}` cannot be combined over ranks: use a p > 0 or `inf`.")
-    grads = [p.grad.detach() for p in parameters if p.grad is not None]
     # 16-bit gradients are normed in fp32, as the reduction over ranks is (torch would round each norm to 16 bits).
     wide = [g for g in grads if g.dtype.itemsize >= 4]
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads if g.dtype.itemsize < 4]

@@ -34,16 +34,20 @@ class HostGroups:
     """Every rank."""
     data_parallel: dist.ProcessGroup
     """The ranks whose gradients are averaged with this rank's: the ``replicate`` x ``shard`` ranks of its pipeline
-    rank (every rank without a pipeline, then the same group as :attr:`world`)."""
+    rank and tensor rank (every rank without a pipeline or tensor parallelism, then the same group as :attr:`world`)."""
 
     @classmethod
     def build(cls, layout: MeshLayout, *, timeout: timedelta) -> HostGroups:
         """Collective over the default group (every rank, in the same order): the groups of ``layout``."""
         world = dist.new_group(backend="gloo", timeout=timeout)
-        p = layout.pipeline_parallel_size
-        if p == 1:
+        if layout.data_parallel_size == layout.world_size:
             return cls(world=world, data_parallel=world)
-        cohorts = [[rank for rank in range(layout.world_size) if layout.pipeline_rank(rank) == k] for k in range(p)]
+        # The peers of a rank hold the same part of the model: the same pipeline rank and tensor rank.
+        parts = sorted({layout.model_parallel_coordinates(rank) for rank in range(layout.world_size)})
+        cohorts = [
+            [rank for rank in range(layout.world_size) if layout.model_parallel_coordinates(rank) == part]
+            for part in parts
+        ]
         mine, _ = dist.new_subgroups_by_enumeration(cohorts, timeout=timeout, backend="gloo")
         assert mine is not None  # every rank is in one cohort
         return cls(world=world, data_parallel=mine)

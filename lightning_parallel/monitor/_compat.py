@@ -10,6 +10,9 @@
   innermost Python frame outside ``torch.distributed``'s front end (``distributed_c10d``, ``c10d_logger``, the
   ``torch._dynamo`` wrappers that disable compilation of its functions) and outside dispatch machinery
   (``torch._ops``, dispatch modes).
+* Tensor parallelism's collectives: ``DTensor`` redistributes through the functional collectives
+  (``torch.distributed._functional_collectives``, ops ``_c10d_functional.all_reduce`` /
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor``), not through the ``c10d`` ops above.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["COUNTED_OPS", "FSDP_ISSUERS", "TRANSPARENT_MODULES", "TRANSPARENT_PREFIX"]
+__all__ = [
+    "COUNTED_OPS",
+    "FSDP_ISSUERS",
+    "TENSOR_PARALLEL_ISSUERS",
+    "TENSOR_PARALLEL_OPS",
+    "TRANSPARENT_MODULES",
+    "TRANSPARENT_PREFIX",
+]
 
 
 def _first(args: tuple[Any, ...]) -> list[Tensor]:
@@ -42,6 +52,25 @@ COUNTED_OPS: dict[Any, tuple[str, Callable[[tuple[Any, ...]], list[Tensor]]]] = 
     _c10d._reduce_scatter_base_.default: ("reduce_scatter", _second),  # (output, input, ...): the unsharded input
     _c10d.allreduce_.default: ("all_reduce", _listed),  # (tensors, ...)
 }
+
+
+def _gathered(args: tuple[Any, ...]) -> int:
+    return int(args[0].numel() * args[0].element_size() * args[1])  # (input, group_size, group_name): the output
+
+
+def _bytes_of_first(args: tuple[Any, ...]) -> int:
+    return int(args[0].numel() * args[0].element_size())
+
+
+_functional = torch.ops._c10d_functional
+TENSOR_PARALLEL_OPS: dict[Any, tuple[str, Callable[[tuple[Any, ...]], int]]] = {
+    # op: (our collective name, its bytes per the ledger's definition)
+    _functional.all_reduce.default: ("all_reduce", _bytes_of_first),  # (input, op, group_name)
+    _functional.all_gather_into_tensor.default: ("all_gather", _gathered),
+    _functional.reduce_scatter_tensor.default: ("reduce_scatter", _bytes_of_first),  # (input, op, size, name)
+}
+TENSOR_PARALLEL_ISSUERS: tuple[str, ...] = ("torch.distributed._functional_collectives",)
+"""Where ``DTensor``'s redistributions (tensor parallelism inside and around the split layers) issue their ops."""
 
 FSDP_ISSUERS: tuple[str, ...] = (
     "torch.distributed.fsdp._fully_shard.",

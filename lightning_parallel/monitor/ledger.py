@@ -19,8 +19,10 @@ every rank of the pipeline, counted in the step that trains it; ``replica_batche
 :class:`CollectiveTap` is a ``TorchDispatchMode`` the monitor enters during training batches around FSDP2's
 pre-forward hooks and over backward: it sees every ``c10d`` op (eager ``torch.distributed`` calls go through them)
 and counts those issued by FSDP2 (ZeRO-3: all-gather, reduce-scatter, and the all-reduce across replicas under
-HSDP); the issuer is read from the Python frame that made the call, so our own collectives, which we record
-ourselves, and the user's are never counted twice. Nothing in torch is replaced. Control messages of a fixed size
+HSDP), and, around the forward of each layer split by tensor parallelism and over backward, the functional
+collectives ``DTensor`` issues for it (counted under the same names); the issuer is read from the Python frame that
+made the call, so our own collectives, which we record ourselves, and the user's are never counted twice. Nothing
+in torch is replaced. Control messages of a fixed size
 (the one-element non-finite-loss flag, the pipeline's 16-byte "my loader has a batch" all-gather and the pickled
 description of each broadcast batch, the 16-byte ``requires_grad`` fingerprint of ``distributed/trainable.py``
 all-reduced every step, the broadcast of logged values, checkpoint gathers, torch pipelining's one-off shape and
@@ -36,6 +38,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode  # private: see `accounting.py`, which uses it too
 from torch.utils.hooks import RemovableHandle
 
@@ -60,7 +63,9 @@ class PhaseTimes:
 
 
 class CollectiveTap(TorchDispatchMode):
-    """Dispatch mode counting the bytes of the collectives FSDP2 issues (ZeRO-3) while it is entered.
+    """Dispatch mode counting the bytes of the collectives FSDP2 issues (ZeRO-3) while it is entered, and those
+    ``DTensor`` issues for tensor parallelism (``tensor_parallel_size``: all-reduces, all-gathers and reduce-scatters
+    of activations and their gradients, through torch's functional collectives).
 
     Every op passes through :meth:`__torch_dispatch__` (a dictionary look-up); a ``c10d`` collective of
     :data:`._compat.COUNTED_OPS` is recorded into ``stats`` when the code that called it is FSDP2's
@@ -89,6 +94,10 @@ class CollectiveTap(TorchDispatchMode):
         if counted is not None and issuing_module(sys._getframe(1)).startswith(_compat.FSDP_ISSUERS):
             collective, tensors = counted
             self.stats.record(collective, sum(tensor_bytes(tensor) for tensor in tensors(args)))
+        split = _compat.TENSOR_PARALLEL_OPS.get(func)
+        if split is not None and _is_tensor_parallel_traffic(sys._getframe(1)):
+            collective, num_bytes = split
+            self.stats.record(collective, num_bytes(args))
         return func(*args, **(kwargs or {}))
 
     def start(self) -> None:
@@ -106,12 +115,17 @@ class CollectiveTap(TorchDispatchMode):
         which all-gathers the unit's parameters, and leave it just after; the forward itself runs without it.
 
         FSDP2 registers its pre-forward hook with ``prepend=True`` when it shards a unit; ours, registered later, go
-        before it (``prepend=True``) and after it. Returns the handles (remove them to stop)."""
+        before it (``prepend=True``) and after it. A layer split by tensor parallelism is entered for its whole
+        forward (its input and output redistributions are its collectives). Returns the handles (remove them to
+        stop)."""
         handles = []
         for unit in module.modules():
             if isinstance(unit, FSDPModule):
                 handles.append(unit.register_forward_pre_hook(self._enter_before_unshard, prepend=True))
                 handles.append(unit.register_forward_pre_hook(self._leave_after_unshard))
+            if _splits_over_tensor_axis(unit):  # tensor parallelism: its forward's collectives, around it
+                handles.append(unit.register_forward_pre_hook(self._enter_before_unshard))
+                handles.append(unit.register_forward_hook(self._leave_after_forward))
         return handles
 
     def _enter_before_unshard(self, module: nn.Module, args: Any) -> None:
@@ -124,6 +138,31 @@ class CollectiveTap(TorchDispatchMode):
         if self._entered_by_hook:
             self._entered_by_hook = False
             self.stop()
+
+    def _leave_after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._leave_after_unshard(module, args)
+
+
+def _is_tensor_parallel_traffic(frame: FrameType | None) -> bool:
+    """Whether a functional collective being dispatched is ``DTensor``'s redistribution of a split layer's activations
+    or gradients: issued by ``torch.distributed._functional_collectives`` for code outside this package (ours,
+    e.g. ZeRO-3 lending whole gradients with ``full_tensor()``, records its own bytes: not counted twice)."""
+    if not issuing_module(frame).startswith(_compat.TENSOR_PARALLEL_ISSUERS):
+        return False
+    while frame is not None:  # the first caller outside torch (the tap's own frame aside)
+        name = str(frame.f_globals.get("__name__", ""))
+        if not (name == "torch" or name.startswith("torch.") or frame.f_code.co_name == "__torch_dispatch__"):
+            return not name.startswith("lightning_parallel.")
+        frame = frame.f_back
+    return True
+
+
+def _splits_over_tensor_axis(module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters are split by tensor parallelism (``DTensor``s on a ``tensor`` axis)."""
+    return any(
+        isinstance(param, DTensor) and "tensor" in (param.device_mesh.mesh_dim_names or ())
+        for param in module.parameters(recurse=False)
+    )
 
 
 def issuing_module(frame: FrameType | None) -> str:

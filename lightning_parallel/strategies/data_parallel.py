@@ -40,6 +40,7 @@ from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.launch import StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
+from lightning_parallel.strategies.tensor_parallel import refuse_tensor_parallel
 
 __all__ = ["UNUSED_PARAMETERS_MESSAGE", "DataParallelStrategy", "UnevenInputs"]
 
@@ -102,6 +103,8 @@ class DataParallelStrategy(LightningParallelStrategy):
             one replica group of a fault-tolerant run (torchft, an optional extra): gradients are averaged over the
             groups alive at each step, a group that dies leaves the others training, and a restarted one fetches
             the state from a live group and rejoins (docs/reliability.md). ``None``: off.
+        tensor_parallel_size: 1 only: every rank holds whole layers; tensor parallelism is
+            ``ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)`` (a ``ValueError`` names it).
         track_communication: count the bytes of uncompressed all-reduces too (adds a Python hook per bucket);
             compressed runs always count. Read them from :attr:`communication_stats`.
         accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.
@@ -131,6 +134,7 @@ class DataParallelStrategy(LightningParallelStrategy):
         track_communication: bool = False,
         activation_checkpointing: ActivationCheckpointing = False,
         fault_tolerance: FaultTolerance | None = None,
+        tensor_parallel_size: int = 1,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -139,6 +143,7 @@ class DataParallelStrategy(LightningParallelStrategy):
     ) -> None:
         validate_compression(gradient_compression, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter)
         check_choice("uneven_inputs", uneven_inputs, UnevenInputs)
+        refuse_tensor_parallel(tensor_parallel_size, owner="DataParallelStrategy")
         if not bucket_cap_mb > 0:
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB (25 is DDP's).")
         super().__init__(

@@ -72,6 +72,7 @@ from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMet
 from lightning_parallel.strategies.parameter_callbacks import hold_averaged_copies
 from lightning_parallel.strategies.pipeline_hooks import HookWindows
 from lightning_parallel.strategies.pipeline_setup import CheckpointFormatName
+from lightning_parallel.strategies.tensor_parallel import refuse_tensor_parallel
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -140,6 +141,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             shard (kept without data parallelism too); ``None`` steps the 16-bit parameters.
         overlap_param_gather: ``zero_stage`` 1-2: overlap the all-gather of the stepped parameters with the next
             forward (``True``/``"auto"``) or wait at the end of the step (``False``).
+        tensor_parallel_size: 1 only, for now: tensor parallelism inside each stage is not built yet (a
+            ``ValueError`` names ``ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)``, which takes it).
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
@@ -171,6 +174,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         bucket_cap_mb: float = 25.0,
         master_weights: MasterWeights = "fp32",
         overlap_param_gather: OverlapParamGather = "auto",
+        tensor_parallel_size: int = 1,
         start_method: StartMethod = "popen",
         timeout: timedelta | float = default_pg_timeout,
         process_group_backend: str | None = None,
@@ -181,6 +185,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self.schedule = resolve_schedule(schedule)
+        refuse_tensor_parallel(tensor_parallel_size, owner="PipelineParallelStrategy", supported_later=True)
         pipeline_setup.check_arguments(
             pipeline_parallel_size=pipeline_parallel_size,
             num_microbatches=num_microbatches,

@@ -25,7 +25,7 @@ from lightning_parallel.choices import check_choice
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.averaged_copy import shard_whole_state
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
-from lightning_parallel.distributed.mesh import MeshLayout
+from lightning_parallel.distributed.mesh import MeshLayout, validate_tensor_parallel_size
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
 from lightning_parallel.distributed.zero.backends import ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
@@ -46,6 +46,7 @@ from lightning_parallel.strategies.parameter_callbacks import (
     TrainerParameterCallbacks,
     check_averaging_checkpoint_format,
 )
+from lightning_parallel.strategies.tensor_parallel import check_plan_early, split_module
 from lightning_parallel.strategies.zero_precision import zero_precision
 
 __all__ = ["ShardedOptimizerStrategy"]
@@ -92,6 +93,11 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     Args:
         stage: 1, 2 or 3.
+        tensor_parallel_size: ranks that split each layer's matrices (tensor parallelism, the mesh's innermost
+            ``tensor`` axis; stage 3 only; default 1: off). The layers to split come from the LightningModule's
+            ``tensor_parallel_plan()`` or the Hugging Face model's ``tp_plan`` (docs/tensor_parallel.md); ZeRO-3
+            then shards over the ``world_size / tensor_parallel_size`` data-parallel ranks, each tensor-parallel
+            group reading the same slice of the batch. Checkpoints stay consolidated in the single-device layout.
         shard_size: ranks per shard group (a divisor of the world size); ``None`` (default) shards over every rank.
             Stages 1-2 reduce-scatter (gloo: all-reduce) each gradient bucket within the group, all-reduce the
             ``1/K`` shard across the groups and all-gather the stepped parameters within the group; stage 3 is
@@ -145,6 +151,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self,
         stage: Literal[1, 2, 3] = 2,
         *,
+        tensor_parallel_size: int = 1,
         shard_size: int | None = None,
         start_method: StartMethod = "popen",
         timeout: timedelta | float = default_pg_timeout,
@@ -170,6 +177,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             overlap_param_gather=overlap_param_gather,
         )
         check_choice("checkpoint_format", checkpoint_format, CheckpointFormat)
+        _check_tensor_parallel_options(tensor_parallel_size, config, checkpoint_format, fault_tolerance)
         if fault_tolerance is not None and stage == 3:
             raise ValueError(
                 "`ShardedOptimizerStrategy(stage=3, fault_tolerance=...)` is not supported: fault tolerance across"
@@ -193,6 +201,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         )
         self.zero_config = config
         """The ZeRO settings of the arguments above, validated; the backend chosen in ``setup`` is built from it."""
+        self.tensor_parallel_size = tensor_parallel_size
         self.checkpoint_format = checkpoint_format
         self._backend: ZeroBackend | None = None
         self._keeps_masters_alone = False
@@ -235,7 +244,18 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         world size."""
         if self._replicas is not None:
             self._check_fault_tolerant_layout()
-        return MeshLayout.for_sharding(self.world_size, self.shard_size)
+        return MeshLayout.for_sharding(self.world_size, self.shard_size, tensor_parallel_size=self.tensor_parallel_size)
+
+    @override
+    def setup_environment(self) -> None:
+        # Local, on every rank before the group is joined: a module built already has a plan that fits the size.
+        check_plan_early(self.lightning_module, self.tensor_parallel_size, owner=self._owner)
+        super().setup_environment()
+
+    @property
+    def _owner(self) -> str:
+        t = f", tensor_parallel_size={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
+        return f"ShardedOptimizerStrategy(stage={self.stage}{t})"
 
     def _check_fault_tolerant_layout(self) -> None:
         """Local: with ``fault_tolerance`` the job is one replica group, whose processes form one shard group."""
@@ -284,6 +304,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         on_meta = empty_init and backend_type(self.stage, is_sharding=self.is_sharding).empty_init_on_meta
+        on_meta = on_meta and self.tensor_parallel_size == 1  # tensor parallelism splits weights that exist
         context = torch.device("meta") if on_meta else nullcontext()
         with context, self.precision_plugin.tensor_init_context():
             yield
@@ -323,6 +344,8 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             # World size 1 converts the module as plain Lightning does (`bf16-true` casts it); only now is it known
             # that 16-bit parameters are to be stepped through fp32 masters, by the backend that keeps them.
             self._backend = backend_type(self.stage, is_sharding=False, keeps_masters=True)(self.zero_config, context)
+        if self.tensor_parallel_size > 1:  # torchtitan's order: tensor parallel, activation checkpointing, FSDP2
+            split_module(self.module, self.device_mesh, self.root_device, owner=self._owner)
         self._apply_activation_checkpointing(self.module)  # before FSDP2 (stage 3) wraps its units
         self._backend.setup_module(self.module, self.root_device)
         if fitting:
@@ -631,7 +654,9 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded directory is read lazily: each rank later loads only the ranges it holds. At world size 1 with
         fp32 masters too: its ``param`` pieces are masters, which a plain state dict would round to 16 bits."""
-        if (self.is_sharding or self._keeps_masters_alone) and is_sharded_checkpoint(checkpoint_path):
+        # Under tensor parallelism the parameters' local pieces are not the row ranges the reader serves: read it whole.
+        lazy = (self.is_sharding or self._keeps_masters_alone) and self.tensor_parallel_size == 1
+        if lazy and is_sharded_checkpoint(checkpoint_path):
             reader = ShardedCheckpointReader(checkpoint_path)
             checkpoint = dict(reader.meta["lightning"])
             checkpoint["state_dict"] = reader
@@ -664,6 +689,29 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             strategy_registry,
             ((name, {"stage": stage, "start_method": method}) for name, stage, method in entries),
         )
+
+
+def _check_tensor_parallel_options(
+    tensor_parallel_size: object, config: ZeroConfig, checkpoint_format: str, fault_tolerance: FaultTolerance | None
+) -> None:
+    """Local, in ``__init__``: ``tensor_parallel_size`` is a positive integer, and above 1 only with what composes
+    with it (stage 3, consolidated checkpoints, no fault tolerance)."""
+    validate_tensor_parallel_size(tensor_parallel_size)
+    if tensor_parallel_size == 1:
+        return
+    given = f"ShardedOptimizerStrategy(stage={config.stage}, tensor_parallel_size={tensor_parallel_size}"
+    if config.stage != 3:
+        raise ValueError(
+            f"`{given})` is not supported: stages 1-2 keep whole parameters in flat buckets, and tensor parallelism"
+            " splits them. Use `stage=3` (tensor parallel inside, FSDP2 over the data-parallel ranks, as torchtitan)."
+        )
+    if checkpoint_format != "consolidated":
+        raise ValueError(
+            f"`{given}, checkpoint_format={checkpoint_format!r})` is not supported: with tensor parallelism"
+            " checkpoints are written consolidated (the single-device layout). Use `checkpoint_format='consolidated'`."
+        )
+    if fault_tolerance is not None:
+        raise ValueError(f"`{given}, fault_tolerance=...)` is not supported: fault tolerance works with stages 1-2.")
 
 
 def _has_16bit_parameters(module: nn.Module) -> bool:

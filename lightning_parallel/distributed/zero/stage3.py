@@ -104,13 +104,29 @@ def _is_16bit(tensor: Tensor) -> bool:
 def upcast_16bit_parameters(module: nn.Module) -> torch.dtype | None:
     """Local. Make every 16-bit floating-point parameter fp32 (exact) before sharding, so the shards are the fp32
     masters; buffers keep their dtype (FSDP2 does not cast buffers). Returns the 16-bit dtype found (the dtype to
-    compute in), ``None`` when no parameter is 16-bit (``32-true``, ``*-mixed``: nothing changes)."""
+    compute in), ``None`` when no parameter is 16-bit (``32-true``, ``*-mixed``: nothing changes).
+
+    FSDP2's shards (a second fit: masters already) are left alone. A ``DTensor`` split by tensor parallelism only is
+    replaced by an fp32 parameter (ties kept): assigning ``.data`` would change its dtype but not its local tensor's.
+    """
     found = None
-    for param in module.parameters():
-        if _is_16bit(param) and not isinstance(param, DTensor):
+    upcast: dict[int, nn.Parameter] = {}
+    for owner in module.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if not _is_16bit(param) or _is_fsdp_shard(param):
+                continue
             found = found or param.dtype
-            param.data = param.data.to(torch.float32)
+            if not isinstance(param, DTensor):
+                param.data = param.data.to(torch.float32)
+                continue
+            if id(param) not in upcast:
+                upcast[id(param)] = nn.Parameter(param.detach().to(torch.float32), requires_grad=param.requires_grad)
+            owner.register_parameter(name, upcast[id(param)])  # replaces the 16-bit one under its name
     return found
+
+
+def _is_fsdp_shard(param: Tensor) -> bool:
+    return isinstance(param, DTensor) and "shard" in (param.device_mesh.mesh_dim_names or ())
 
 
 def master_weight_policy(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:

@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_parallel.distributed.averaged_copy import HeldCopy, ShardedCopyHolding
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, ShardedPieces, scalar_states
 from lightning_parallel.distributed.mesh import MeshLayout
+from lightning_parallel.distributed.tensor_parallel import clip_grad_norm_of_placed_, is_tensor_parallel
 from lightning_parallel.distributed.zero import stage3 as zero3
 from lightning_parallel.distributed.zero.backends.context import ZeroContext
 from lightning_parallel.distributed.zero.backends.replicated import ReplicatedBackend, group_params_of
@@ -61,6 +62,9 @@ class FullyShardBackend(ReplicatedBackend):
         self._hooks: list[RemovableHandle] = []
         self.gloo_reduction: GlooGradientReduction | None = None
         """On gloo, each unit's reduce-scatter as an all-reduce in flight through backward (``stage3_gloo.py``)."""
+        self.tensor_parallel = False
+        """Whether layers were split over the mesh's ``tensor`` axis before sharding (``distributed/tensor_parallel``):
+        the gradients are then ``DTensor``s on two meshes, which torch's clip cannot stack."""
 
     def setup_module(self, module: nn.Module, device: torch.device) -> None:
         self.parameter_callbacks.check(strategy_name="zero3", layout="each parameter as a DTensor shard")
@@ -78,6 +82,7 @@ class FullyShardBackend(ReplicatedBackend):
             MixedPrecisionPolicy() if self.compute_dtype is None else zero3.master_weight_policy(self.compute_dtype)
         )
         self.units = zero3.apply_fully_shard(module, mesh, mp_policy=policy)
+        self.tensor_parallel = is_tensor_parallel(module)
         if zero3.materialize_meta_module(module, device) and self.compute_dtype is not None:
             zero3.round_parameters(module, self.compute_dtype)  # initialised in fp32: as a 16-bit init would be
         module.to(device)
@@ -95,6 +100,20 @@ class FullyShardBackend(ReplicatedBackend):
                 unit.register_forward_pre_hook(lambda unit, _: zero3.refresh_gradient_dtypes(unit))
                 for unit in self.units
             ]
+
+    @property
+    def clips_over_ranks(self) -> bool:
+        return self.tensor_parallel
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        """Collective. torch's clip over ``optimizer``'s parameters; under tensor parallelism the norm counts each
+        local piece once over every rank (``clip_grad_norm_of_placed_``)."""
+        if not self.tensor_parallel:
+            return super().clip_grad_norm_(optimizer, max_norm)
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        device = next(iter(self.held.parameters())).device
+        assert self.mesh is not None  # tensor parallelism runs on the strategy's mesh
+        return clip_grad_norm_of_placed_(params, float(max_norm), mesh=self.mesh, device=device)
 
     def _mesh_or_world(self, device: torch.device) -> DeviceMesh:
         if self.mesh is not None:
