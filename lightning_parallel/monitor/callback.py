@@ -348,11 +348,8 @@ class ParallelismMonitor(Callback):
             timeline = list(times.events)
         compute = max(0.0, elapsed - (exposed or 0.0) - (idle or 0.0))
         return StepRecord(
-            step=facts.step,
+            **vars(facts),  # step, samples, tokens, communication: the record's fields of the same names
             step_time_s=elapsed,
-            samples=facts.samples,
-            tokens=facts.tokens,
-            communication=facts.communication,
             exposed_communication_s=exposed,
             pipeline_idle_s=idle,
             compute_s=compute,

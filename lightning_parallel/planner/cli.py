@@ -85,22 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``lightning-parallel plan`` with ``argv`` (without the program and ``plan`` words); return the exit code."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        result = plan(
-            args.model,
-            world_size=args.world_size,
-            num_nodes=args.num_nodes,
-            device_memory=args.device_memory,
-            optimizer=args.optimizer,
-            precision=args.precision,
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            num_microbatches=args.num_microbatches,
-            schedule=args.schedule,
-            bucket_cap_mb=args.bucket_cap_mb,
-            activation_checkpointing=args.activation_checkpointing,
-            attention=args.attention,
-            dry_run=args.dry_run,
-        )
+        result = plan(**vars(args))  # each option's dest is the keyword of `plan` it sets
     except ValueError as error:
         print(f"lightning-parallel plan: error: {error}", file=sys.stderr)
         return 2

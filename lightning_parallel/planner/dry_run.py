@@ -589,17 +589,8 @@ def language_model_workload(
         logits = getattr(logits, "logits", logits)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-    extra: dict[str, Any] = {} if optimizer is None else {"make_optimizer": optimizer}
-    return DryRunWorkload(
-        make_model=make_model,
-        make_batch=make_batch,
-        loss=loss,
-        activation_checkpointing=activation_checkpointing,
-        description=description,
-        pipeline_batch=lambda batch: ((batch[0],), batch[1]),
-        output_loss=output_loss,
-        **extra,
-    )
+    pipeline = {"pipeline_batch": lambda batch: ((batch[0],), batch[1]), "output_loss": output_loss}
+    return _workload(make_model, make_batch, loss, optimizer, activation_checkpointing, description, **pipeline)
 
 
 def module_workload(
@@ -617,13 +608,28 @@ def module_workload(
         first = next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point())
         return first.float().mean()
 
+    return _workload(make_model, make_inputs, loss, optimizer, activation_checkpointing, description)
+
+
+def _workload(
+    make_model: Callable[[], nn.Module],
+    make_batch: Callable[[], Any],
+    loss: Callable[[nn.Module, Any], Tensor],
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
+    activation_checkpointing: bool | str,
+    description: str,
+    **pipeline: Any,
+) -> DryRunWorkload:
+    """The workload functions' :class:`DryRunWorkload`: ``optimizer`` ``None`` keeps its default; ``pipeline``: its
+    ``pipeline_batch`` and ``output_loss``."""
     extra: dict[str, Any] = {} if optimizer is None else {"make_optimizer": optimizer}
     return DryRunWorkload(
         make_model=make_model,
-        make_batch=make_inputs,
+        make_batch=make_batch,
         loss=loss,
         activation_checkpointing=activation_checkpointing,
         description=description,
+        **pipeline,
         **extra,
     )
 

@@ -148,6 +148,13 @@ class _StandIn(nn.Module):
     """What both stand-ins share: ``forward`` is the chain of ``pipeline_layers()``, the shape is the config's."""
 
     layout: DecoderConfig
+    lm_head: nn.Linear
+
+    def _add_head(self, embedding: nn.Embedding) -> None:
+        """``lm_head``, registered after the body (the state dict's order), tied to ``embedding`` where configured."""
+        self.lm_head = nn.Linear(self.layout.hidden_size, self.layout.vocab_size, bias=False)
+        if self.layout.tie_word_embeddings:
+            self.lm_head.weight = embedding.weight
 
     def pipeline_layers(self) -> list[nn.Module]:
         raise NotImplementedError
@@ -170,9 +177,7 @@ class _CausalLM(_StandIn):
         super().__init__()
         self.layout = layout
         self.model = _DecoderModel(layout)
-        self.lm_head = nn.Linear(layout.hidden_size, layout.vocab_size, bias=False)
-        if layout.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._add_head(self.model.embed_tokens)
 
     def pipeline_layers(self) -> list[nn.Module]:
         """``[embed_tokens, *layers, norm + lm_head]``, as the strategy cuts a model by its declared plan."""
@@ -257,9 +262,7 @@ class _GPT2LMHeadModel(_StandIn):
         super().__init__()
         self.layout = layout
         self.transformer = _GPT2Model(layout)
-        self.lm_head = nn.Linear(layout.hidden_size, layout.vocab_size, bias=False)
-        if layout.tie_word_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
+        self._add_head(self.transformer.wte)
 
     def pipeline_layers(self) -> list[nn.Module]:
         """``[wte + wpe, *h, ln_f + lm_head]``."""

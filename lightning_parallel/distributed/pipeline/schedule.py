@@ -8,6 +8,7 @@ hanging). :mod:`.torch_schedule` builds torch's stages and schedule from a spec.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 from torch.distributed.pipelining import (
@@ -124,31 +125,25 @@ class ScheduleSpec:
         )
 
 
+_interleaved = partial(
+    ScheduleSpec,
+    default_stages_per_rank=2,
+    runs_any_stages_per_rank=True,
+    needs_microbatch_per_rank=True,
+    needs_microbatches_multiple_of_ranks=True,
+)
+"""torch's interleaved schedules (``ScheduleInterleaved1F1B`` and its zero-bubble variant): the same rules."""
+
 SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
         ScheduleSpec(name="GPipe", torch_class=ScheduleGPipe),
         ScheduleSpec(name="1F1B", torch_class=Schedule1F1B, needs_microbatch_per_rank=True),
-        ScheduleSpec(
-            name="Interleaved1F1B",
-            torch_class=ScheduleInterleaved1F1B,
-            default_stages_per_rank=2,
-            runs_any_stages_per_rank=True,
-            needs_microbatch_per_rank=True,
-            needs_microbatches_multiple_of_ranks=True,
-        ),
+        _interleaved(name="Interleaved1F1B", torch_class=ScheduleInterleaved1F1B),
         ScheduleSpec(
             name="LoopedBFS", torch_class=ScheduleLoopedBFS, default_stages_per_rank=2, runs_any_stages_per_rank=True
         ),
-        ScheduleSpec(
-            name="InterleavedZeroBubble",
-            torch_class=ScheduleInterleavedZeroBubble,
-            default_stages_per_rank=2,
-            runs_any_stages_per_rank=True,
-            needs_microbatch_per_rank=True,
-            needs_microbatches_multiple_of_ranks=True,
-            splits_backward=True,
-        ),
+        _interleaved(name="InterleavedZeroBubble", torch_class=ScheduleInterleavedZeroBubble, splits_backward=True),
         ScheduleSpec(
             name="ZBVZeroBubble",
             torch_class=ScheduleZBVZeroBubble,
