@@ -38,7 +38,7 @@ ClipFunction = Callable[[Optimizer, float], None]
 @dataclass(frozen=True, kw_only=True)
 class LentGradients:
     """How a strategy that lends whole gradients to the parameters' ``.grad`` between backward and the step
-    (``distributed/zero/hook_gradients.py``) lets the precision plugin act on them as on one device."""
+    (``distributed/zero/gradient_loan.py``) lets the precision plugin act on them as on one device."""
 
     hand_back: Callable[[], None]
     """Local. End the loan: called after the ``on_before_optimizer_step`` hooks, before Lightning's clipping and the

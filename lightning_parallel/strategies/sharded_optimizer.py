@@ -29,7 +29,7 @@ from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
 from lightning_parallel.distributed.zero.backends import FlatBucketBackend, ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
-from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
+from lightning_parallel.distributed.zero.gradient_loan import GradientLoan
 from lightning_parallel.distributed.zero.replicas import OwnedShardState
 from lightning_parallel.fault_tolerance.config import FaultTolerance
 from lightning_parallel.instrumentation import Instrumentation
