@@ -29,6 +29,7 @@ from training_helpers import assert_weights_close
 
 from lightning_parallel import ParallelismMonitor, ShardedOptimizerStrategy
 from lightning_parallel.accounting import optimizer_state_tensors, tensor_storages
+from lightning_parallel.planner import plan
 from lightning_parallel.strategies.gradient_readers import gradient_readers
 
 STEPS, READ_STEP, QUIET_STEP = 4, 2, 1
@@ -188,6 +189,20 @@ def test_a_read_lends_the_gradients_and_says_so_once(monitored, stage: int) -> N
     assert f"{lent / 2**20:.2f} MiB all-gathered and {lent / 2**20:.2f} MiB more held" in message
     assert monitored[1][stage, QUIET_STEP]["messages"] == []
     assert without["messages"] == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_planner_counts_the_loan_the_monitor_measures(monitored, stage: int) -> None:
+    reader, without = monitored[0][stage, READ_STEP], monitored[0][stage, None]
+    options: dict[str, Any] = {"world_size": 2, "optimizer": "sgd", "process_group_backend": "gloo"}
+    reading = plan(Mlp(), reads_gradients=True, **options).configuration(f"zero{stage}").ranks[0]
+    quiet = plan(Mlp(), **options).configuration(f"zero{stage}").ranks[0]
+    measured = reader["communication"][READ_STEP]
+    added = {kind: measured[kind] - without["communication"][READ_STEP].get(kind, 0) for kind in measured}
+    assert {kind: reading.communication[kind] - quiet.communication.get(kind, 0) for kind in added} == added
+    assert reading.lent == reader["lent_bytes"] and quiet.lent == 0
+    assert reading.held == quiet.held  # after the step the loan is gone
 
 
 def _fit_reading(strategy: Any, world_size: int, rank: int) -> dict[str, Any]:
