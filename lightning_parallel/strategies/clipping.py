@@ -54,8 +54,8 @@ class LentGradients:
     over ranks reads the shards in it."""
     taken_back: Callable[[], AbstractContextManager[None]]
     """Collective while a loan is open. A context in which the optimizer's own tensors hold the gradients (the loan
-    handed back on entry, lent again on exit): the grad scaler unscales in it (``16-mixed``), so that the hooks that
-    follow read unscaled gradients and a change they make is not taken back still scaled."""
+    handed back on entry, open again on exit: lent at the next read): the grad scaler unscales in it (``16-mixed``),
+    so that the hooks that follow read unscaled gradients and a change they make is not taken back still scaled."""
 
 
 class _ClippingOverRanks:

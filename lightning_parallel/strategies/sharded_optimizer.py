@@ -540,9 +540,9 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     @contextmanager
     def _gradients_taken_back(self) -> Generator[None, None, None]:
-        """Collective while gradients are lent (the loan again on exit: one all-gather of the gradients). The loan
-        ended for the length of the block, so that the optimizer's own tensors hold every change made to ``.grad``:
-        the grad scaler unscales them in it (``16-mixed``)."""
+        """Collective while gradients are lent or watched (the loan's end agreed on entry; watched again on exit, so
+        a later read lends again). The loan ended for the length of the block, so that the optimizer's own tensors
+        hold every change made to ``.grad``: the grad scaler unscales them in it (``16-mixed``)."""
         lent = self._loan is not None
         self._hand_back_gradients()
         yield

@@ -21,7 +21,9 @@ a sync and the step, every read or assignment of a parameter's ``.grad`` from Py
 calls it for ``Tensor.grad``'s getter and setter) and lends at the first one, before the read returns. A step whose
 hooks read no gradient gathers nothing and allocates nothing. Whether to lend is agreed over the ranks (one byte
 all-reduced once a step, at the first read or at the hand-back, whichever comes first), so a read on some ranks only
-(``if trainer.is_global_zero: ...``) lends on every rank and does not hang.
+(``if trainer.is_global_zero: ...``) lends on every rank and does not hang. Lending FSDP2's ``DTensor`` shards
+instead, as Lightning's FSDP strategy does, would cost nothing either, but is not what one device reads: Lightning's
+``grad_norm`` cannot stack their norms, shapes and indexing differ, and every op on one is a collective of its own.
 
 Why our own: DeepSpeed answers ``None`` for ``param.grad`` outside its ``safe_get_full_grad`` helper, FSDP2 hands the
 shard as a ``DTensor`` (whose norms Lightning's ``grad_norm`` cannot stack); neither lets a hook written for DDP run
