@@ -30,7 +30,7 @@ from training_helpers import assert_weights_close
 from lightning_parallel import ParallelismMonitor, ShardedOptimizerStrategy
 from lightning_parallel.accounting import optimizer_state_tensors, tensor_storages
 from lightning_parallel.planner import plan
-from lightning_parallel.strategies.gradient_readers import gradient_readers
+from lightning_parallel.strategies.gradient_readers import gradient_readers, lends_every_step
 
 STEPS, READ_STEP, QUIET_STEP = 4, 2, 1
 FLOAT = 4
@@ -71,6 +71,17 @@ class ReadsOnSomeSteps(pl.Callback):
             self.norms[step] = float(grad_norm(pl_module, 2)["grad_2.0_norm_total"])
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(pl_module.parameters(), self.clip)
+
+
+class ReadsOnRankZeroThenSyncs(ReadsOnSomeSteps):
+    """Reads on rank 0 only, then every rank logs with ``sync_dist=True`` (a collective): lending on read would hang
+    (rank 0 waits in the agreement, rank 1 in the log's all-reduce), so it asks for a loan at every step."""
+
+    reads_gradients = True
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        pl_module.log("synced", torch.tensor(float(trainer.global_step)), sync_dist=True)
 
 
 class DeclaresNoReads(pl.Callback):
@@ -205,11 +216,11 @@ def test_the_planner_counts_the_loan_the_monitor_measures(monitored, stage: int)
     assert reading.held == quiet.held  # after the step the loan is gone
 
 
-def _fit_reading(strategy: Any, world_size: int, rank: int) -> dict[str, Any]:
+def _fit_reading(strategy: Any, world_size: int, rank: int, *, then_syncs: bool = False) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
-    # Step 1: rank 0 alone reads (the other ranks lend with it at their hand-back); step 2: every rank reads and
-    # clips by hand, which changes the step.
-    reader = ReadsOnSomeSteps({1}, ranks={0})
+    # Step 1: rank 0 alone reads (the other ranks lend with it at their hand-back, or at every step under
+    # `reads_gradients = True`); step 2: every rank reads and clips by hand, which changes the step.
+    reader = ReadsOnRankZeroThenSyncs({1}, ranks={0}) if then_syncs else ReadsOnSomeSteps({1}, ranks={0})
     clipper = ReadsOnSomeSteps({2}, clip=0.05)
     trainer = zoo.trainer(strategy, world_size, max_steps=STEPS, callbacks=[reader, clipper, DeclaresNoReads()])
     module = Mlp()
@@ -218,9 +229,15 @@ def _fit_reading(strategy: Any, world_size: int, rank: int) -> dict[str, Any]:
     return {"norms": {**reader.norms, **clipper.norms}, "weights": {k: v.detach().clone() for k, v in state.items()}}
 
 
-def _reading_in_ranks(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
+def _reading_in_ranks(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
     torch.set_num_threads(1)
-    return {stage: _fit_reading(ShardedOptimizerStrategy(stage=stage), world_size, rank) for stage in (1, 2, 3)}
+    results: dict[Any, dict[str, Any]] = {
+        stage: _fit_reading(ShardedOptimizerStrategy(stage=stage), world_size, rank) for stage in (1, 2, 3)
+    }
+    for stage in (2, 3):
+        strategy = ShardedOptimizerStrategy(stage=stage)
+        results[stage, "every step"] = _fit_reading(strategy, world_size, rank, then_syncs=True)
+    return results
 
 
 @pytest.mark.compat  # torch calls the watch for `Tensor.grad`: checked on every supported torch release
@@ -229,7 +246,7 @@ def test_reads_on_some_steps_and_ranks_equal_one_device() -> None:
     one_device = _fit_reading("auto", 1, 0)
     assert sorted(one_device["norms"]) == [1, 2]
     results = run_distributed(_reading_in_ranks, 2, init_process_group=False, timeout=280)
-    for stage in (1, 2, 3):
+    for stage in (1, 2, 3, (2, "every step"), (3, "every step")):
         norms = results[0][stage]["norms"]
         assert sorted(norms) == [1, 2], stage
         for step, value in one_device["norms"].items():
@@ -255,6 +272,8 @@ def test_gradient_readers_name_the_hooks_and_leave_out_declared_non_readers() ->
     assert gradient_readers(HookReads(), []) == ["HookReads.on_after_backward"]
     assert gradient_readers(HookNoRead(), [DeclaresNoReads(), ParallelismMonitor()]) == []
     assert gradient_readers(Mlp(), [ReadsOnSomeSteps(set())]) == ["ReadsOnSomeSteps.on_before_optimizer_step"]
+    assert not lends_every_step(HookReads(), [ReadsOnSomeSteps(set()), DeclaresNoReads()])
+    assert lends_every_step(Mlp(), [ReadsOnRankZeroThenSyncs(set())])
     manual = Mlp()
     manual.automatic_optimization = False
     assert gradient_readers(manual, []) == ["Mlp.training_step"]

@@ -9,7 +9,7 @@ from types import FrameType
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-__all__ = ["GRADIENT_HOOKS", "gradient_readers", "reader_of_this_read"]
+__all__ = ["GRADIENT_HOOKS", "gradient_readers", "lends_every_step", "reader_of_this_read"]
 
 GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 """The hooks Lightning calls while gradients exist and before the step (its docs' place to inspect them)."""
@@ -31,6 +31,12 @@ def gradient_readers(module: pl.LightningModule, callbacks: Iterable[pl.Callback
             continue
         readers += [f"{type(callback).__name__}.{hook}" for hook in _overridden(callback, pl.Callback)]
     return readers
+
+
+def lends_every_step(module: pl.LightningModule, callbacks: Iterable[pl.Callback]) -> bool:
+    """Whether ``module`` or a callback sets ``reads_gradients = True``: lend at every step, before the hooks, instead
+    of at the first read (for code that reads on some ranks only and then runs a collective on every rank)."""
+    return any(getattr(instance, "reads_gradients", None) is True for instance in (module, *callbacks))
 
 
 def _may_read(instance: object) -> bool:

@@ -37,7 +37,7 @@ from lightning_parallel.strategies.base import LightningParallelStrategy, unwrap
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import save_sharded
 from lightning_parallel.strategies.clipping import LentGradients
-from lightning_parallel.strategies.gradient_readers import gradient_readers, reader_of_this_read
+from lightning_parallel.strategies.gradient_readers import gradient_readers, lends_every_step, reader_of_this_read
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
 from lightning_parallel.strategies.parameter_callbacks import (
@@ -202,6 +202,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         after a sync, :attr:`_lend_on_read` (lends at the first read)."""
         self._lend_on_read: LendOnRead | None = None  # made at the first synchronised backward of each fit
         self._gradient_readers: list[str] | None = None  # decided at the first backward of each fit
+        self._lends_every_step = False  # `reads_gradients = True` somewhere: the loan made before the hooks
         self._loan_reported = False
         self._syncs_gradients = True  # False inside `block_backward_sync` (accumulation)
         self.fault_tolerance = fault_tolerance
@@ -485,13 +486,15 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if self._gradient_readers is None:
             trainer: Any = self.module.trainer
             self._gradient_readers = gradient_readers(self.module, trainer.callbacks)
+            self._lends_every_step = lends_every_step(self.module, trainer.callbacks)
         return bool(self._gradient_readers)
 
     def _start_loan(self) -> None:
         """Local. After a sync: lend at the first read of a ``.grad`` (``LendOnRead``: collective then, on every rank),
-        so a step whose hooks read none costs nothing; in a micro-step without a sync: views of this rank's sums."""
-        if not self._syncs_gradients:
-            self._loan = self.backend.lend_gradients(synced=False)
+        so a step whose hooks read none costs nothing; in a micro-step without a sync: views of this rank's sums.
+        Collective (the loan, now) under ``reads_gradients = True``."""
+        if not self._syncs_gradients or self._lends_every_step:
+            self._loan = self.backend.lend_gradients(synced=self._syncs_gradients)
             return
         if self._lend_on_read is None:
             self._lend_on_read = LendOnRead(
