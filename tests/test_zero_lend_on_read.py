@@ -274,6 +274,10 @@ def test_gradient_readers_name_the_hooks_and_leave_out_declared_non_readers() ->
     assert gradient_readers(Mlp(), [ReadsOnSomeSteps(set())]) == ["ReadsOnSomeSteps.on_before_optimizer_step"]
     assert not lends_every_step(HookReads(), [ReadsOnSomeSteps(set()), DeclaresNoReads()])
     assert lends_every_step(Mlp(), [ReadsOnRankZeroThenSyncs(set())])
+    unclear = DeclaresNoReads()
+    unclear.reads_gradients = "no"  # type: ignore[assignment]
+    with pytest.raises(TypeError, match=r"`DeclaresNoReads.reads_gradients = 'no'`: set it to `False`"):
+        gradient_readers(Mlp(), [unclear])
     manual = Mlp()
     manual.automatic_optimization = False
     assert gradient_readers(manual, []) == ["Mlp.training_step"]

@@ -20,7 +20,19 @@ def gradient_readers(module: pl.LightningModule, callbacks: Iterable[pl.Callback
     optimization (``"Class.training_step"``: it reads ``.grad`` after ``manual_backward``), and every override of one
     of :data:`GRADIENT_HOOKS` by ``module`` or by a callback that is not this package's own (the monitor reads no
     gradient). A module or callback whose class sets ``reads_gradients = False`` is left out: it declares that its
-    overrides read no gradient."""
+    overrides read no gradient.
+
+    Raises:
+        TypeError: a ``reads_gradients`` that is not a bool (the same on every rank, before any collective).
+    """
+    for instance in (module, *callbacks):
+        value = getattr(instance, "reads_gradients", None)
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(
+                f"`{type(instance).__name__}.reads_gradients = {value!r}`: set it to `False` (its gradient hooks"
+                " read no `.grad`), `True` (lend the whole gradients at every step), or leave it out (lend at the first"
+                " read)."
+            )
     readers = []
     if _may_read(module):
         if not module.automatic_optimization:
