@@ -252,7 +252,7 @@ def _lend_bf16_gradients(rank: int, world_size: int) -> dict[int, dict[str, Any]
     import copy
 
     from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
-    from lightning_parallel.distributed.zero.hook_gradients import BucketGradientLoan
+    from lightning_parallel.distributed.zero.gradient_loan import BucketGradientLoan
     from lightning_parallel.distributed.zero.optimizer import ShardedOptimizer
 
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 
 A user's manual step as written: ``self.manual_backward(loss)``; ``self.clip_gradients(opt, gradient_clip_val=0.5,
 gradient_clip_algorithm="norm")``; ``p.grad.mul_(0.5)`` for every parameter; ``opt.step()``. Under ZeRO the
-parameters' ``.grad`` are lent whole between backward and the step (``distributed/zero/hook_gradients.py``): the clip
+parameters' ``.grad`` are lent whole between backward and the step (``distributed/zero/gradient_loan.py``): the clip
 must act on what is lent, so that the ``.grad`` read after it is clipped and the edit that follows scales the clipped
 gradient. Checked on 2 real gloo ranks (4 for hybrid sharding) against one device: the weights after 3 steps and the
 norm of ``.grad`` read after each clip (0.5 on one device). Also: clipping by value, two optimizers each clipped

@@ -124,6 +124,11 @@ class RankEstimate:
     """Bytes per collective per training step (the monitor's definition)."""
     activations: int | None = None
     """Estimate (see the module docstring); ``None``: unknown for this model."""
+    lent: int = 0
+    """ZeRO with code that reads ``.grad`` every step (:attr:`EstimateContext.reads_gradients`): the bytes the loan of
+    whole gradients holds between backward and the step (stage 1: none, it gathers into its full bucket; stages 2-3:
+    the gradients' bytes). Not in :attr:`held` (gone after the step); after backward, so it peaks instead of the
+    activations, not on top of them."""
     other_groups: list[tuple[str, int, int]] = field(default_factory=list)
     """Collectives counted in :attr:`communication` that run over another group than the configuration's
     data-parallel one, as ``(collective, bytes, group size)``: a pipeline's tied-weight all-reduce."""
@@ -134,7 +139,7 @@ class RankEstimate:
 
     @property
     def total(self) -> int:
-        return self.held + (self.activations or 0)
+        return self.held + max(self.activations or 0, self.lent)
 
 
 @dataclass
@@ -205,6 +210,10 @@ class EstimateContext:
     gradient_reduction: str = "reduce_scatter"
     """How ZeRO-1/2 average their gradient buckets and ZeRO-3 its units' gradients: ``"reduce_scatter"`` (NCCL) or
     ``"all_reduce"`` (gloo: each rank keeps its slice)."""
+    reads_gradients: bool = False
+    """Code reads a parameter's ``.grad`` between backward and the step on every step (a gradient-norm logger): ZeRO
+    then lends the whole gradients each step (:func:`_zero_loan`). A hook that reads on a few steps costs this on those
+    steps only."""
 
 
 def _activations(
@@ -322,6 +331,18 @@ MASTER_BYTES = 4
 """Bytes per element of ZeRO's master weights, their gradients (reduced in fp32) and optimizer state."""
 
 
+def _zero_loan(ctx: EstimateContext, comm: dict[str, int], *, gathered: int, flags: int, ranks: int) -> None:
+    """A step whose code reads ``.grad`` (``distributed/zero/gradient_loan.py``), when ``ctx.reads_gradients``: add to
+    ``comm`` the loan's all-gather of ``gathered`` bytes (the whole gradients: stages 1-2 the padded buckets in the
+    parameters' dtype, stage 3 each gradient in its shards' dtype) and its all-reduce of ``flags`` bytes (stages
+    1-2: which parameters have a gradient). One rank lends nothing it does not hold."""
+    if not ctx.reads_gradients or ranks <= 1:
+        return
+    comm["all_gather"] = comm.get("all_gather", 0) + gathered
+    if flags:
+        comm["all_reduce"] = comm.get("all_reduce", 0) + flags
+
+
 def _keeps_master(ctx: EstimateContext, master_weights: bool | None) -> bool:
     """Whether ZeRO keeps fp32 master weights: only of 16-bit parameters, and unless ``master_weights=False``."""
     return master_weights is not False and ctx.element_bytes < MASTER_BYTES
@@ -352,7 +373,10 @@ def estimate_zero12(
         )
         shard_bytes = _reduced_shard_bytes(buckets, n, master_weights)
         across = _across_replicas(comm, layout, shard_bytes)
-        ranks.append(RankEstimate(params, grads, optimizer, comm, act, other_groups=across))
+        whole = sum(padded_numel(bucket.numel, n) * bucket.element_size for bucket in buckets)
+        _zero_loan(ctx, comm, gathered=whole, flags=num_params * GRADIENT_FLAG_BYTES, ranks=n)
+        lent = whole if ctx.reads_gradients and n > 1 and stage == 2 else 0  # stage 1 gathers into its full bucket
+        ranks.append(RankEstimate(params, grads, optimizer, comm, act, lent=lent, other_groups=across))
     return ConfigEstimate(*_zero_name(ctx, stage, shard_size, layout), ranks)
 
 
@@ -402,6 +426,9 @@ def estimate_zero3(
     reduction = ctx.gradient_reduction if n > 1 else "reduce_scatter"
     comm = {"all_gather": gather * compute, reduction: scatter * e}
     across = _across_replicas(comm, layout, scatter // n * e)  # each unit's reduced shard
+    whole = sum(p.numel for p in params) * e  # each `DTensor` gradient gathered whole
+    _zero_loan(ctx, comm, gathered=whole, flags=0, ranks=n)
+    lent = whole if ctx.reads_gradients and n > 1 else 0
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
     act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_head=True)
     ranks = []
@@ -410,7 +437,9 @@ def estimate_zero3(
         chunk = [-(-d0 // n) for d0 in rows]
         local = sum(max(0, min(c, d0 - r * c)) * rn for c, d0, rn in zip(chunk, rows, row_numel, strict=True))
         held = sum(padded_shard) * e
-        ranks.append(RankEstimate(held, held, ctx.state_count * local * e, dict(comm), act, other_groups=across))
+        ranks.append(
+            RankEstimate(held, held, ctx.state_count * local * e, dict(comm), act, lent=lent, other_groups=across)
+        )
     name, strategy = _zero_name(ctx, 3, shard_size, layout)
     return ConfigEstimate(name, strategy, ranks, notes=notes)
 

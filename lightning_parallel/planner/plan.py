@@ -192,6 +192,7 @@ def plan(
     process_group_backend: str = "nccl",
     search_layouts: bool = True,
     dry_run: bool = False,
+    reads_gradients: bool = False,
 ) -> Plan:
     """Predict bytes held per rank and bytes communicated per step for every strategy configuration, and pick one.
 
@@ -247,6 +248,10 @@ def plan(
             Pipeline rows with ZeRO-3 inside, uneven stages or a 16-bit precision, mixed precisions, bare parameter
             counts and models that cannot run on fake tensors keep the formula (marked "formula").
             The search's extra layouts stay on the formula.
+        reads_gradients: code reads a parameter's ``.grad`` between backward and the step on every step (a
+            gradient-norm logger every step): ZeRO rows then count the loan of whole gradients (one more all-gather
+            of the gradient bytes a step; stages 2-3 hold those bytes from backward until the step). Code that reads on
+            a few steps only pays this on those steps (docs/zero.md).
 
     Raises:
         ValueError: for an unknown optimizer, precision, attention kernel or checkpointing mode, or a world size /
@@ -275,6 +280,7 @@ def plan(
             checkpointing=mode,
             attention=attention,
             gradient_reduction="all_reduce" if process_group_backend == "gloo" else "reduce_scatter",
+            reads_gradients=reads_gradients,
         )
 
     def pipelines(ctx: EstimateContext, zero_stage: int) -> list[ConfigEstimate]:

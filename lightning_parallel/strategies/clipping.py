@@ -13,7 +13,7 @@ adapter subclass created at run time that shares the plugin's attributes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -38,7 +38,7 @@ ClipFunction = Callable[[Optimizer, float], None]
 @dataclass(frozen=True, kw_only=True)
 class LentGradients:
     """How a strategy that lends whole gradients to the parameters' ``.grad`` between backward and the step
-    (``distributed/zero/hook_gradients.py``) lets the precision plugin act on them as on one device."""
+    (``distributed/zero/gradient_loan.py``) lets the precision plugin act on them as on one device."""
 
     hand_back: Callable[[], None]
     """Local. End the loan: called after the ``on_before_optimizer_step`` hooks, before Lightning's clipping and the
@@ -49,10 +49,13 @@ class LentGradients:
     """Local. While a loan is open, the module's parameters whose ``.grad`` hold the whole gradients ``optimizer``
     steps (a clip by the user, ``self.clip_gradients(opt, ...)`` in manual optimization, clips these: the ``.grad``
     read next is the clipped one, and what the loan's hand-back takes into the step); ``None`` when no loan is open."""
+    unwatched: Callable[[], AbstractContextManager[None]]
+    """Local. A context in which reading ``.grad`` lends nothing (the strategy lends at the first read): the clip
+    over ranks reads the shards in it."""
     taken_back: Callable[[], AbstractContextManager[None]]
     """Collective while a loan is open. A context in which the optimizer's own tensors hold the gradients (the loan
-    handed back on entry, lent again on exit): the grad scaler unscales in it (``16-mixed``), so that the hooks that
-    follow read unscaled gradients and a change they make is not taken back still scaled."""
+    handed back on entry, open again on exit: lent at the next read): the grad scaler unscales in it (``16-mixed``),
+    so that the hooks that follow read unscaled gradients and a change they make is not taken back still scaled."""
 
 
 class _ClippingOverRanks:
@@ -70,7 +73,8 @@ class _ClippingOverRanks:
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:  # Lightning's `Precision` hook
         lent = self._lent_parameters(optimizer)
         if lent is None:
-            self.clip_over_ranks(optimizer, float(clip_val))
+            with nullcontext() if self.lent is None else self.lent.unwatched():
+                self.clip_over_ranks(optimizer, float(clip_val))
         else:  # local: every rank holds every lent gradient whole (the same values), as one device does
             torch.nn.utils.clip_grad_norm_(lent, float(clip_val))
 

@@ -29,7 +29,7 @@ from lightning_parallel.distributed.mesh import MeshLayout, validate_tensor_para
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
 from lightning_parallel.distributed.zero.backends import ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
-from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
+from lightning_parallel.distributed.zero.gradient_loan import GradientLoan, LendOnRead
 from lightning_parallel.fault_tolerance.config import FaultTolerance
 from lightning_parallel.fault_tolerance.replicas import FaultTolerantReplicas
 from lightning_parallel.fault_tolerance.shard_state import OwnedShardState
@@ -39,7 +39,7 @@ from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.checkpointing import save_sharded
 from lightning_parallel.strategies.clipping import LentGradients
-from lightning_parallel.strategies.gradient_readers import reads_gradients
+from lightning_parallel.strategies.gradient_readers import gradient_readers, lends_every_step, reader_of_this_read
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
 from lightning_parallel.strategies.parameter_callbacks import (
@@ -208,8 +208,12 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         """World size 1 fitting 16-bit parameters with fp32 masters (set in ``setup``)."""
         self._memory_logged = False
         self._loan: GradientLoan | None = None
-        """Whole averaged gradients lent to the parameters' ``.grad`` from backward until the step (hooks read them)."""
-        self._reads_gradients: bool | None = None  # decided at the first backward of each fit
+        """Whole averaged gradients lent to the parameters' ``.grad`` from backward until the step (hooks read them):
+        after a sync, :attr:`_lend_on_read` (lends at the first read)."""
+        self._lend_on_read: LendOnRead | None = None  # made at the first synchronised backward of each fit
+        self._gradient_readers: list[str] | None = None  # decided at the first backward of each fit
+        self._lends_every_step = False  # `reads_gradients = True` somewhere: the loan made before the hooks
+        self._loan_reported = False
         self._syncs_gradients = True  # False inside `block_backward_sync` (accumulation)
         self.fault_tolerance = fault_tolerance
         self._replicas = replicas
@@ -354,9 +358,12 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             if self._replicas is not None:
                 self._replicas.check_supported(trainer, self.module)  # local; the groups are joined at train start
             self._backend.setup_optimizers(self.unwrapped_optimizers())
-        self._loan, self._reads_gradients = None, None
+        self._loan, self._lend_on_read, self._gradient_readers, self._loan_reported = None, None, None, False
         lent = LentGradients(
-            hand_back=self._hand_back_gradients, parameters=self._lent_parameters, taken_back=self._gradients_taken_back
+            hand_back=self._hand_back_gradients,
+            parameters=self._lent_parameters,
+            taken_back=self._gradients_taken_back,
+            unwatched=self._reading_own_gradients,
         )
         self.precision_plugin = zero_precision(self._backend, self.precision_plugin, self.root_device, lent=lent)
         self.setup_precision_plugin()
@@ -480,7 +487,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             held = self.backend.reduce_gradients()
             self._drop_gradients_if_skipped(held)  # every rank decided the same: no step on non-finite gradients
         if self._gradients_are_read():
-            self._loan = self.backend.lend_gradients(synced=self._syncs_gradients)
+            self._start_loan()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # `on_after_backward`
         if not self._syncs_gradients:  # accumulating: the next backward adds to the buckets, not to the loan
             self._hand_back_gradients()
@@ -498,11 +505,52 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     def _gradients_are_read(self) -> bool:
         """Whether code may read ``.grad`` between backward and the step: manual optimization, or a module or user
-        callback overriding ``on_after_backward`` / ``on_before_optimizer_step`` (decided once per fit)."""
-        if self._reads_gradients is None:
+        callback overriding ``on_after_backward`` / ``on_before_optimizer_step`` without ``reads_gradients = False``
+        (decided once per fit)."""
+        if self._gradient_readers is None:
             trainer: Any = self.module.trainer
-            self._reads_gradients = reads_gradients(self.module, trainer.callbacks)
-        return self._reads_gradients
+            self._gradient_readers = gradient_readers(self.module, trainer.callbacks)
+            self._lends_every_step = lends_every_step(self.module, trainer.callbacks)
+        return bool(self._gradient_readers)
+
+    def _start_loan(self) -> None:
+        """Local. After a sync: lend at the first read of a ``.grad`` (``LendOnRead``: collective then, on every rank),
+        so a step whose hooks read none costs nothing; in a micro-step without a sync: views of this rank's sums.
+        Collective (the loan, now) under ``reads_gradients = True``."""
+        if not self._syncs_gradients or self._lends_every_step:
+            self._loan = self.backend.lend_gradients(synced=self._syncs_gradients)
+            return
+        if self._lend_on_read is None:
+            self._lend_on_read = LendOnRead(
+                lambda: self.backend.lend_gradients(synced=True),
+                parameters=list(self.module.parameters()),
+                group=self.host_groups.world if self.world_size > 1 else None,
+                on_lend=self._report_first_loan,
+            )
+        self._lend_on_read.open()
+        self._loan = self._lend_on_read
+
+    def _report_first_loan(self, loan: GradientLoan, read_here: bool) -> None:
+        """Once a fit, on rank 0: what read a gradient and what lending costs on each step with such a read."""
+        if self._loan_reported:
+            return
+        self._loan_reported = True
+        where = f"in `{reader_of_this_read()}`" if read_here else "on another rank"
+        rank_zero_info(
+            f"ShardedOptimizerStrategy(stage={self.stage}): a parameter's `.grad` was read {where}, so every rank lends"
+            f" the whole averaged gradients to `.grad` for this step: {loan.gathered_bytes / 2**20:.2f} MiB"
+            f" all-gathered and {loan.allocated_bytes / 2**20:.2f} MiB more held until the step, per rank, on every"
+            f" step whose code reads a `.grad`. Code that may read: {', '.join(self._gradient_readers or [])}; one that"
+            " overrides a gradient hook without reading `.grad` can say so with the class attribute"
+            " `reads_gradients = False` (docs/zero.md)."
+        )
+
+    @contextmanager
+    def _reading_own_gradients(self) -> Generator[None, None, None]:
+        """Local. Our own reads of ``.grad`` (clipping over shards, the monitor's count) lend nothing."""
+        watch = self._lend_on_read
+        with nullcontext() if watch is None else watch.unwatched():
+            yield
 
     def _hand_back_gradients(self) -> None:
         """Local. End the loan of whole gradients to ``.grad``: this rank's slices of them go to the optimizer."""
@@ -513,20 +561,20 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     def _lent_parameters(self, optimizer: Optimizer) -> list[Tensor] | None:
         """Local. While gradients are lent: the module's parameters ``optimizer`` steps, whose ``.grad`` a clip by the
         user (``self.clip_gradients``) must clip so that the ``.grad`` read next and the step both see it."""
-        if self._loan is None:
-            return None
+        if self._loan is None or (isinstance(self._loan, LendOnRead) and self._loan.loan is None):
+            return None  # nothing lent (yet): the shards hold the gradients
         return list(self.backend.parameters_stepped_by(unwrap_optimizer(optimizer)))
 
     @contextmanager
     def _gradients_taken_back(self) -> Generator[None, None, None]:
-        """Collective while gradients are lent (the loan again on exit: one all-gather of the gradients). The loan
-        ended for the length of the block, so that the optimizer's own tensors hold every change made to ``.grad``:
-        the grad scaler unscales them in it (``16-mixed``)."""
+        """Collective while gradients are lent or watched (the loan's end agreed on entry; watched again on exit, so
+        a later read lends again). The loan ended for the length of the block, so that the optimizer's own tensors
+        hold every change made to ``.grad``: the grad scaler unscales them in it (``16-mixed``)."""
         lent = self._loan is not None
         self._hand_back_gradients()
         yield
         if lent:
-            self._loan = self.backend.lend_gradients(synced=self._syncs_gradients)
+            self._start_loan()
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -558,7 +606,9 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
 
     @override
     def gradient_tensors(self) -> list[Tensor]:
-        return [*super().gradient_tensors(), *self.backend.gradient_buffers()]
+        lent = [] if self._loan is None else self._loan.buffers()
+        with self._reading_own_gradients():
+            return [*super().gradient_tensors(), *self.backend.gradient_buffers(), *lent]
 
     @override
     def instrumentation(self) -> Instrumentation:
@@ -674,6 +724,8 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     @override
     def teardown(self) -> None:
         self._loan = None  # dropped, not handed back: training is over (or failed)
+        if self._lend_on_read is not None:
+            self._lend_on_read.discard()
         if self._replicas is not None:
             self._replicas.teardown()
         if self._backend is not None:  # setup may have failed before choosing it

@@ -13,7 +13,7 @@ hold a model with.
 * Stage 3: :mod:`.stage3` (FSDP2 ``fully_shard`` per block, consolidated state), :mod:`.stage3_access` (the module
   outside a Trainer), :mod:`.stage3_gloo` (FSDP2's collectives on gloo), :mod:`.stage3_compat` (torch-version
   differences).
-* :mod:`.hook_gradients`: the whole averaged gradients lent to ``.grad`` while hooks read them.
+* :mod:`.gradient_loan`: the whole averaged gradients lent to ``.grad`` while hooks read them.
 
 Nothing here imports Lightning or the pipeline (``tests/test_layers.py``); this ``__init__`` imports nothing, so a
 submodule is loaded only when used.

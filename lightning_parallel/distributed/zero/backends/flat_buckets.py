@@ -20,7 +20,7 @@ from lightning_parallel.distributed.zero.backends.replicated import ReplicatedBa
 from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
 from lightning_parallel.distributed.zero.config import ZeroConfig
 from lightning_parallel.distributed.zero.gather import OverlappedParameterGather
-from lightning_parallel.distributed.zero.hook_gradients import (
+from lightning_parallel.distributed.zero.gradient_loan import (
     BucketGradientLoan,
     GradientLoan,
     LocalBucketGradientLoan,

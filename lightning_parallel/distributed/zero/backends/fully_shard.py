@@ -27,7 +27,7 @@ from lightning_parallel.distributed.zero import stage3 as zero3
 from lightning_parallel.distributed.zero.backends.context import ZeroContext
 from lightning_parallel.distributed.zero.backends.replicated import ReplicatedBackend, group_params_of
 from lightning_parallel.distributed.zero.config import ZeroConfig
-from lightning_parallel.distributed.zero.hook_gradients import (
+from lightning_parallel.distributed.zero.gradient_loan import (
     GradientLoan,
     LocalShardedTensorGradientLoan,
     ShardedTensorGradientLoan,

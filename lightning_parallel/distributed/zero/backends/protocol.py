@@ -14,7 +14,7 @@ from lightning_parallel.distributed.checkpoint import ShardedPieces
 from lightning_parallel.distributed.gradient_sync import GradientSync
 from lightning_parallel.distributed.zero.backends.context import ZeroContext
 from lightning_parallel.distributed.zero.config import ZeroConfig
-from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
+from lightning_parallel.distributed.zero.gradient_loan import GradientLoan
 
 __all__ = ["ZeroBackend"]
 
@@ -92,7 +92,7 @@ class ZeroBackend(GradientSync, Protocol):
     def lend_gradients(self, *, synced: bool) -> GradientLoan | None:
         """After :meth:`reduce_gradients` (``synced``: the gradients were averaged over ranks; else a micro-step of
         gradient accumulation): give every parameter that has a gradient the ``.grad`` DDP would hold, for hooks to
-        read, until the loan's ``hand_back()`` (``distributed/zero/hook_gradients.py``). Collective when ``synced``
+        read, until the loan's ``hand_back()`` (``distributed/zero/gradient_loan.py``). Collective when ``synced``
         and sharding. ``None`` where ``.grad`` already is that."""
 
     def parameters_stepped_by(self, optimizer: Optimizer) -> list[nn.Parameter]:

@@ -29,7 +29,7 @@ from lightning_parallel.distributed.checkpoint import (
 from lightning_parallel.distributed.zero import stage3 as zero3
 from lightning_parallel.distributed.zero.backends.context import ZeroContext
 from lightning_parallel.distributed.zero.config import ZeroConfig
-from lightning_parallel.distributed.zero.hook_gradients import GradientLoan
+from lightning_parallel.distributed.zero.gradient_loan import GradientLoan
 
 __all__ = [
     "ReplicatedBackend",
