@@ -105,7 +105,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         timeout: seconds (or ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
-        bucket_cap_mb: size of the flat gradient buckets of stages 1-2, in MiB (stage 2: at most a sixteenth of the
+        bucket_cap_mb: size of the flat gradient buckets of stages 1-2, in MiB (stage 2: at most a thirty-second of the
             model, so that its peak stays at or below stage 1's).
         checkpoint_format: ``"consolidated"`` writes one Lightning ``.ckpt`` whose model and optimizer state have the
             plain single-device layout (rank 0 gathers); ``"sharded"`` writes a directory in parallel from all ranks

@@ -152,7 +152,7 @@ class ShardedParameterBuckets:
         replicas: instead of ``replicate_group``, any
             :class:`~lightning_parallel.distributed.zero.replicas.ReplicaReduction` of the reduced shards across the
             replicas (``FaultTolerance``: torchft's manager across replica groups, each its own job).
-        bucket_cap_mb: bucket size in MiB; at stage 2 at most a sixteenth of the model
+        bucket_cap_mb: bucket size in MiB; at stage 2 at most a thirty-second of the model
             (:data:`~lightning_parallel.distributed.zero.layout.STAGE2_MIN_BUCKETS`).
         frozen: parameters to bucket although ``requires_grad`` is off (those the optimizers hold, so unfreezing
             them later needs no new layout). Other frozen parameters stay outside the buckets, never communicated.
