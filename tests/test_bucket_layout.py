@@ -73,7 +73,7 @@ def _built_buckets(rank: int, world_size: int) -> dict[int, list[tuple[int, torc
 def test_planner_buckets_are_the_built_ones() -> None:
     (built,) = run_distributed(_built_buckets, world_size=1)
     assert built[1] == [(18, torch.float32), (40, torch.bfloat16), (35, torch.float32)]
-    # Stage 2: at most a sixteenth of the model's bytes per bucket (292 B -> 19 B), so every parameter alone.
+    # Stage 2: at most a thirty-second of the model's bytes per bucket (292 B -> 10 B), so every parameter alone.
     assert len(built[2]) == sum(1 for p in MixedDtypes().parameters())
     sizes = {torch.float32: 4, torch.bfloat16: 2}
     for stage in STAGES:
@@ -82,15 +82,15 @@ def test_planner_buckets_are_the_built_ones() -> None:
         assert [(b.numel, b.element_size) for b in planned] == expected
 
 
-def test_stage2_splits_a_model_under_the_cap_into_sixteen_buckets() -> None:
+def test_stage2_splits_a_model_under_the_cap_into_thirty_two_buckets() -> None:
     members = [BucketMember(100, 4, "fp32")] * 64  # 25,600 B, far under a 25 MiB cap
     assert len(bucket_layout(members, bucket_cap_mb=25.0, min_buckets=min_buckets(1))) == 1
     stage2 = bucket_layout(members, bucket_cap_mb=25.0, min_buckets=min_buckets(2))
-    assert len(stage2) == STAGE2_MIN_BUCKETS == 16
-    assert [len(bucket) for bucket in stage2] == [4] * 16
-    # Over 16 x the cap the cap decides, as before.
-    big = [BucketMember(2**20, 4, "fp32")] * 40  # 40 MiB of 4 MiB parameters under an 8 MiB cap
-    assert bucket_layout(big, bucket_cap_mb=8.0, min_buckets=16) == bucket_layout(big, bucket_cap_mb=8.0)
+    assert len(stage2) == STAGE2_MIN_BUCKETS == 32
+    assert [len(bucket) for bucket in stage2] == [2] * 32
+    # Over 32 x the cap the cap decides, as before.
+    big = [BucketMember(2**20, 4, "fp32")] * 80  # 320 MiB of 4 MiB parameters under an 8 MiB cap
+    assert bucket_layout(big, bucket_cap_mb=8.0, min_buckets=min_buckets(2)) == bucket_layout(big, bucket_cap_mb=8.0)
 
 
 def _measure(rank: int, world_size: int, devices: int) -> dict[int, dict]:

@@ -28,7 +28,13 @@ from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, i
 from lightning_parallel.distributed.mesh import MeshLayout, validate_tensor_parallel_size
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
 from lightning_parallel.distributed.zero.backends import ZeroBackend, ZeroContext, backend_type
-from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
+from lightning_parallel.distributed.zero.config import (
+    MasterWeights,
+    OverlapParamGather,
+    Stage,
+    ZeroConfig,
+    ZeroGradientCompression,
+)
 from lightning_parallel.distributed.zero.gradient_loan import GradientLoan, LendOnRead
 from lightning_parallel.fault_tolerance.config import FaultTolerance
 from lightning_parallel.fault_tolerance.replicas import FaultTolerantReplicas
@@ -106,7 +112,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"`` or ``"fork"`` (notebooks).
         timeout: seconds (or ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
-        bucket_cap_mb: size of the flat gradient buckets of stages 1-2, in MiB (stage 2: at most a sixteenth of the
+        bucket_cap_mb: size of the flat gradient buckets of stages 1-2, in MiB (stage 2: at most a thirty-second of the
             model, so that its peak stays at or below stage 1's).
         checkpoint_format: ``"consolidated"`` writes one Lightning ``.ckpt`` whose model and optimizer state have the
             plain single-device layout (rank 0 gathers); ``"sharded"`` writes a directory in parallel from all ranks
@@ -137,6 +143,15 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             already). World size 1 keeps the masters too (of every parameter: nothing to shard), so a run moved
             between 1 and N devices keeps its arithmetic. Consolidated checkpoints hold the 16-bit ``state_dict``
             and the masters under each optimizer state's ``"master_weights"`` entry, at every world size.
+        gradient_compression: ``"bf16"`` or ``"fp16"`` reduces the gradients in that dtype (half the bytes of fp32 on
+            the wire), as FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)`` and DeepSpeed's
+            ``communication_data_type`` do, and as ``DataParallelStrategy(gradient_compression=...)`` names it: each
+            rank's gradients are cast, divided by the world size, reduced (also across the replica groups under
+            ``shard_size``), and the result is written into the shard in its own dtype (fp32 under ``32-true`` or
+            beside fp32 masters), which the optimizer steps. Stages 1-2 cast each bucket as it is launched (the
+            unreduced sum of accumulated micro-batches stays in the bucket's dtype); stage 3 is FSDP2's
+            ``reduce_dtype`` (FSDP2 keeps a unit's unreduced sum over accumulated micro-batches in it). ``None``
+            (default): reduce in the shard's dtype. No effect at world size 1 (nothing is reduced). docs/zero.md.
         accelerator: set by the Trainer from its ``accelerator`` argument; pass it only to override Lightning's choice.
         parallel_devices: set by the Trainer from ``devices``.
         cluster_environment: set by the Trainer from the launcher it detects (torchrun, SLURM, MPI, ...).
@@ -161,6 +176,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         nonfinite_loss: NonFiniteLoss = "skip",
         activation_checkpointing: ActivationCheckpointing = False,
         master_weights: MasterWeights = "fp32",
+        gradient_compression: ZeroGradientCompression = None,
         overlap_param_gather: bool | Literal["auto"] = "auto",
         fault_tolerance: FaultTolerance | None = None,
         accelerator: Accelerator | None = None,
@@ -174,6 +190,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
             shard_size=shard_size,
             bucket_cap_mb=bucket_cap_mb,
             master_weights=master_weights,
+            gradient_compression=gradient_compression,
             overlap_param_gather=overlap_param_gather,
         )
         check_choice("checkpoint_format", checkpoint_format, CheckpointFormat)
@@ -234,6 +251,10 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     @property
     def master_weights(self) -> MasterWeights:
         return self.zero_config.master_weights
+
+    @property
+    def gradient_compression(self) -> ZeroGradientCompression:
+        return self.zero_config.gradient_compression
 
     @property
     def overlap_param_gather(self) -> OverlapParamGather:

@@ -152,7 +152,7 @@ class ShardedParameterBuckets:
         replicas: instead of ``replicate_group``, any
             :class:`~.replica_reduction.ReplicaReduction` of the reduced shards across the
             replicas (``FaultTolerance``: torchft's manager across replica groups, each its own job).
-        bucket_cap_mb: bucket size in MiB; at stage 2 at most a sixteenth of the model
+        bucket_cap_mb: bucket size in MiB; at stage 2 at most a thirty-second of the model
             (:data:`~lightning_parallel.distributed.zero.layout.STAGE2_MIN_BUCKETS`).
         frozen: parameters to bucket although ``requires_grad`` is off (those the optimizers hold, so unfreezing
             them later needs no new layout). Other frozen parameters stay outside the buckets, never communicated.
@@ -163,6 +163,11 @@ class ShardedParameterBuckets:
             parameters, which the optimizer steps, and reduces their gradients in fp32 (module docstring). No effect
             on buckets whose parameters already have at least that precision. ``None``: step the parameters
             themselves and reduce in their dtype.
+        reduce_dtype: the dtype gradients are reduced in on the wire (``torch.bfloat16``, ``torch.float16``:
+            ``ShardedOptimizerStrategy(gradient_compression=...)``): each bucket is cast to it when launched, divided,
+            reduced (also across the replicas under hybrid sharding) and the result copied into the shard, which keeps
+            its own dtype (fp32 beside a master or under fp32 parameters). ``None``: the master's dtype beside a
+            master, else the parameters'.
         gradient_reduction: ``"reduce_scatter"`` or ``"all_reduce"`` (each rank keeps its slice of the result);
             ``None``: the faster on ``group``'s backend (:func:`default_gradient_reduction`: all-reduce on gloo).
         parameter_gather: ``"all_gather"`` or ``"broadcasts"`` (one per rank, the same result); ``None``: the faster
@@ -189,6 +194,7 @@ class ShardedParameterBuckets:
         frozen: Iterable[nn.Parameter] = (),
         max_buckets_in_flight: int = DEFAULT_BUCKETS_IN_FLIGHT,
         master_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
         gradient_reduction: GradientReduction | None = None,
         parameter_gather: ParameterGather | None = None,
         gradient_hooks: bool = True,
@@ -202,6 +208,7 @@ class ShardedParameterBuckets:
             raise ValueError(f"`max_buckets_in_flight={max_buckets_in_flight!r}` is invalid: use 1 or more.")
         self.stage = stage
         self.master_dtype = master_dtype
+        self.reduce_dtype = reduce_dtype
         self.max_buckets_in_flight = max_buckets_in_flight
         self._in_flight: deque[FlatBucket] = deque()  # stage 2: launched reduce-scatters whose full buffer is alive
         self.group = group
@@ -414,10 +421,14 @@ class ShardedParameterBuckets:
                 bucket.numel, dtype=bucket.flat_params.dtype, device=bucket.flat_params.device
             )
         start_accumulation(bucket)
-        send = bucket.full_grads
-        if bucket.master is not None:  # reduce in the master's precision: an fp32 copy while the collective runs
-            send = bucket.send = bucket.full_grads.to(bucket.master.dtype)
-            if self.stage == 2:  # the fp32 copy is what is reduced: free the 16-bit bucket now
+        full = bucket.full_grads
+        wire = self._wire_dtype(bucket)
+        send = full
+        # Stage 1 keeps its 16-bit bucket beside a master (the views' `.grad`); otherwise the bucket is reduced in place
+        # when it already has the wire dtype.
+        if wire != full.dtype or (bucket.master is not None and self.stage == 1):
+            send = bucket.send = full.to(wire, copy=True)  # a copy in the wire dtype while the collective runs
+            if self.stage == 2:  # the copy is what is reduced: free the whole bucket now
                 bucket.full_grads = None
         send.div_(self.world_size * self.replicate_size)  # the average over every rank (hybrid: every group too)
         output = reduce_output(bucket)  # the shard, or beside it when views keep gradients (torch's `.grad`)
@@ -428,12 +439,23 @@ class ShardedParameterBuckets:
             start = self.rank * bucket.shard_numel
             owned = send[start : start + bucket.shard_numel]
             bucket.copy_after = None if output.data_ptr() == owned.data_ptr() else (output, owned)
+        elif output.dtype != send.dtype:  # into a shard of the wire dtype, copied into the output once complete
+            received = torch.empty(bucket.shard_numel, dtype=send.dtype, device=send.device)
+            bucket.work = _reduce_scatter(received, send, group=self.group)
+            bucket.copy_after = (output, received)
         else:
             bucket.work = _reduce_scatter(output, send, group=self.group)
         bucket.launched = True
         if self.stage == 2 or bucket.send is not None:  # stage 1 too when it reduces an fp32 copy of the bucket
             self._in_flight.append(bucket)
             self._release_reduced_buckets()
+
+    def _wire_dtype(self, bucket: FlatBucket) -> torch.dtype:
+        """The dtype ``bucket``'s gradients are reduced in: :attr:`reduce_dtype` if set, else the master's beside one,
+        else the parameters'."""
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return bucket.master.dtype if bucket.master is not None else bucket.flat_params.dtype
 
     def _complete(self, bucket: FlatBucket) -> None:
         """Wait for ``bucket``'s gradient collective; after an all-reduce, take this rank's slice of the result."""
@@ -542,7 +564,14 @@ class ShardedParameterBuckets:
         if self.replicas is None:
             return
         fresh = [b.shard_grads if b.pending_shard is None else b.pending_shard for b in self.buckets]
-        self.replicas.reduce(fresh, used, self.stats)
+        if self.reduce_dtype is None:
+            self.replicas.reduce(fresh, used, self.stats)
+            return
+        # Compressed: each shard holds what was reduced in the wire dtype, so casting it back is exact (an fp32 shard).
+        sent = [shard.to(self.reduce_dtype) for shard in fresh]
+        self.replicas.reduce(sent, used, self.stats)
+        for shard, summed in zip(fresh, sent, strict=True):
+            shard.copy_(summed)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

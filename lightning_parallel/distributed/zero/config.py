@@ -11,15 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from lightning_parallel.choices import check_choice
+from lightning_parallel.distributed.compression import compression_dtype
 from lightning_parallel.distributed.mesh import validate_shard_size
 
-__all__ = ["MasterWeights", "OverlapParamGather", "Stage", "ZeroConfig"]
+__all__ = ["MasterWeights", "OverlapParamGather", "Stage", "ZeroConfig", "ZeroGradientCompression"]
 
 Stage = Literal[1, 2, 3]
 MasterWeights = Literal["fp32"] | None
 """``"fp32"``: 16-bit parameters are stepped through fp32 master weights in the shard; ``None``: stepped directly."""
 OverlapParamGather = bool | Literal["auto"]
+ZeroGradientCompression = Literal["bf16", "fp16"] | None
+"""The dtype gradients are reduced in on the wire (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=)``, DeepSpeed's
+``communication_data_type``); ``None``: the gradients' own (fp32 beside fp32 masters). The name and values are
+``DataParallelStrategy(gradient_compression=)``'s, less ``"powersgd"``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +46,9 @@ class ZeroConfig:
     """With 16-bit parameters, ``"fp32"`` steps fp32 masters of this rank's shard; ``None`` the 16-bit parameters."""
     overlap_param_gather: OverlapParamGather = "auto"
     """Stages 1-2: ``True``/``"auto"`` overlap the all-gather after the step with the next forward; ``False`` waits."""
+    gradient_compression: ZeroGradientCompression = None
+    """``"bf16"``/``"fp16"``: reduce gradients in that dtype (half the bytes of fp32), accumulated into the shard in its
+    own dtype (fp32 under ``32-true`` or beside fp32 masters); ``None``: reduce in the shard's dtype."""
 
     def __post_init__(self) -> None:
         check_choice(
@@ -62,6 +72,22 @@ class ZeroConfig:
             OverlapParamGather,
             notes={"auto": "the default", True: "", False: ""},
         )
+        if self.gradient_compression == "powersgd":
+            raise ValueError(
+                "`gradient_compression='powersgd'` is not supported by ZeRO: its low-rank factors need whole gradient"
+                " matrices, which ZeRO reduces as flat buckets or FSDP2 shards. Use 'bf16' or 'fp16' (half the bytes"
+                " of fp32), or `DataParallelStrategy(gradient_compression='powersgd')`."
+            )
+        check_choice(
+            "gradient_compression",
+            self.gradient_compression,
+            ZeroGradientCompression,
+            notes={
+                None: "reduce in the gradients' shard dtype, the default",
+                "bf16": "reduce in bfloat16, half the bytes of fp32",
+                "fp16": "reduce in float16, half the bytes of fp32",
+            },
+        )
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"`bucket_cap_mb={self.bucket_cap_mb!r}` must be a positive number of MiB.")
         validate_shard_size(self.shard_size)
@@ -71,3 +97,8 @@ class ZeroConfig:
         whatever the callbacks, since the stale-read guard makes every read between steps wait for what it reads;
         one rank has nothing to gather."""
         return world_size > 1 and self.overlap_param_gather is not False
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """:attr:`gradient_compression` as the dtype gradients are reduced in, ``None`` without compression."""
+        return None if self.gradient_compression is None else compression_dtype(self.gradient_compression)

@@ -9,14 +9,18 @@ from typing import NamedTuple
 
 __all__ = ["STAGE2_MIN_BUCKETS", "BucketMember", "bucket_layout", "min_buckets", "padded_numel"]
 
-STAGE2_MIN_BUCKETS = 16
+STAGE2_MIN_BUCKETS = 32
 """ZeRO-2 splits a model into at least this many buckets (fewer only where single parameters are larger): it holds
-its gradient shards plus the whole buckets being filled or reduced (``max_buckets_in_flight``, 2 by default, and
-up to 2 more that gloo's worker threads release a moment late), while ZeRO-1 holds one full gradient. With one
-bucket for a model under the cap (25 MiB), ZeRO-2 held a whole gradient *and* its shard and peaked above ZeRO-1
-(the demo: 117.6 vs 111.2 MiB). A sixteenth of the model per bucket keeps it at or below ZeRO-1 at every size;
-models over 16 x the cap are unaffected (the cap decides), and a small model pays 16 small collectives instead of
-one (latency only: the same bytes)."""
+its gradient shards plus the whole buckets being filled or reduced (``max_buckets_in_flight``, 2 by default), while
+ZeRO-1 holds one full gradient. With one bucket for a model under the cap (25 MiB), ZeRO-2 held a whole gradient
+*and* its shard and peaked above ZeRO-1 (the demo: 117.6 vs 111.2 MiB). With a sixteenth of the model per bucket,
+the two buckets alive whenever one is launched while the next fills (a sixteenth of the gradient each) decided the
+peak wherever they met activations not yet freed: at 97.7M parameters on 2 ranks ZeRO-2 peaked 9.8 MiB above its
+floor (ZeRO-1's peak less the gradient bytes it shards) on one rank and not on the other, by the collectives'
+timing, and a run measured its RSS 6 MiB above the goal ``peak(zero1) - 0.9 (1 - 1/N) G`` (issue 46). A
+thirty-second keeps the peak at that floor there (measured: 1271.5 MiB of tensors, RSS 1674.5, against 1281.3 and
+1684.0). Models over 32 x the cap are unaffected (the cap decides), and a small model pays 32 small collectives
+instead of one (latency only: the same bytes)."""
 
 
 def min_buckets(stage: int) -> int:

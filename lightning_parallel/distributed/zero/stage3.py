@@ -129,13 +129,21 @@ def _is_fsdp_shard(param: Tensor) -> bool:
     return isinstance(param, DTensor) and "shard" in (param.device_mesh.mesh_dim_names or ())
 
 
-def master_weight_policy(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
-    """FSDP2 computes in ``compute_dtype`` from the fp32 sharded parameters and reduces gradients in fp32."""
-    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+def master_weight_policy(
+    compute_dtype: torch.dtype | None, *, reduce_dtype: torch.dtype | None = None
+) -> MixedPrecisionPolicy:
+    """FSDP2's policy: compute in ``compute_dtype`` from the fp32 sharded parameters (the masters; ``None``: in the
+    parameters' own dtype, no masters) and reduce gradients in ``reduce_dtype`` (``gradient_compression``; ``None``:
+    fp32 beside masters, else the parameters' dtype). FSDP2 casts the reduced shard to the sharded parameters' dtype
+    before adding it to their ``.grad``."""
+    if compute_dtype is None:
+        return MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype or torch.float32)
 
 
 def refresh_gradient_dtypes(unit: nn.Module) -> None:
-    """Local; call before each forward of a unit sharded with :func:`master_weight_policy`, while training.
+    """Local; call before each forward of a unit sharded with :func:`master_weight_policy` (fp32 masters or a
+    ``reduce_dtype``), while training.
 
     FSDP2 fixes a unit's gradient dtypes (``FSDPParamGroup._orig_dtype``/``_reduce_dtype``) at its first forward,
     from the parameters that require grad at that moment: a unit frozen then (``toggle_optimizer`` in a GAN's first

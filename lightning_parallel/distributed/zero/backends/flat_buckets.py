@@ -67,6 +67,7 @@ class FlatBucketBackend(ReplicatedBackend):
             bucket_cap_mb=self.config.bucket_cap_mb,
             frozen=held,
             master_dtype=torch.float32 if self.config.master_weights == "fp32" else None,
+            reduce_dtype=self.config.reduce_dtype,
             # A pipeline stage: the schedule leaves the gradients in `.grad`, taken in `reduce_gradients`.
             gradient_hooks=self.stage_extensions is None or not self.stage_extensions.reduce_after_backward,
             flags_group=self.host_group,

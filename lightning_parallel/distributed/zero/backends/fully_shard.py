@@ -3,6 +3,7 @@
 With 16-bit parameters and ``master_weights="fp32"`` the sharded parameters are the fp32 masters, which FSDP2 casts
 to the 16-bit dtype for compute (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); consolidated
 checkpoints hold the 16-bit model and the masters under the optimizer state's ``"master_weights"`` entry.
+``gradient_compression`` is FSDP2's ``reduce_dtype`` (``zero3.master_weight_policy``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, ClassVar, Literal, cast
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -78,9 +79,7 @@ class FullyShardBackend(ReplicatedBackend):
             zero3.broadcast_from_rank0(module, device)  # start from rank 0's weights, as stages 1-2 and DDP do
         if self.config.master_weights == "fp32":
             self.compute_dtype = zero3.upcast_16bit_parameters(module) or self.compute_dtype
-        policy = (
-            MixedPrecisionPolicy() if self.compute_dtype is None else zero3.master_weight_policy(self.compute_dtype)
-        )
+        policy = zero3.master_weight_policy(self.compute_dtype, reduce_dtype=self.config.reduce_dtype)
         self.units = zero3.apply_fully_shard(module, mesh, mp_policy=policy)
         self.tensor_parallel = is_tensor_parallel(module)
         if zero3.materialize_meta_module(module, device) and self.compute_dtype is not None:
@@ -95,7 +94,9 @@ class FullyShardBackend(ReplicatedBackend):
         self.averaged_copies = self.parameter_callbacks.hold_averaged_copies(module, ShardedCopyHolding(device))
         self.access = ShardedModuleAccess(module, self.units, world_size=self.world_size)
         self.access.running = True
-        if self.compute_dtype is not None:  # after the access guard's hook, which carries `requires_grad` changes
+        # After the access guard's hook, which carries `requires_grad` changes: FSDP2 fixes a unit's reduce dtype at its
+        # first forward, from the parameters training then (`zero3.refresh_gradient_dtypes`).
+        if self.compute_dtype is not None or self.config.reduce_dtype is not None:
             self._hooks = [
                 unit.register_forward_pre_hook(lambda unit, _: zero3.refresh_gradient_dtypes(unit))
                 for unit in self.units
