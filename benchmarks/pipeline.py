@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -100,8 +101,12 @@ def ours(schedule: str, num_microbatches: int, partition: str | list[int] = "com
     return Contender(
         name=f"{schedule}, m={num_microbatches}",
         label=f"ours: PipelineParallelStrategy({schedule}, m={num_microbatches})",
-        make_strategy=lambda: PipelineParallelStrategy(
-            start_method="fork", schedule=schedule, num_microbatches=num_microbatches, partition=partition
+        make_strategy=partial(
+            PipelineParallelStrategy,
+            start_method="fork",
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            partition=partition,
         ),
         is_ours=True,
     )
@@ -111,7 +116,7 @@ def raw(num_microbatches: int, boundaries: list[int]) -> Contender:
     return Contender(
         name="raw",
         label=f"anchor: raw torch.distributed.pipelining loop (1F1B, m={num_microbatches})",
-        run=lambda workload: _raw_run(workload, num_microbatches, boundaries),
+        run=partial(_raw_run, num_microbatches=num_microbatches, boundaries=boundaries),
     )
 
 

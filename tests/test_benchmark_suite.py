@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch  # imported before forking so the ranks inherit it
@@ -127,10 +128,12 @@ def test_tables_render_the_spread_and_the_load_warning() -> None:
     assert report.load_notes([]) == ["Load 1-min average during the runs: not recorded."]
 
 
-def test_an_anchor_that_cannot_start_is_reported_and_ours_is_not_excused() -> None:
-    def missing() -> None:
-        raise ImportError("not installed here")
+def _missing() -> None:
+    raise ImportError("not installed here")
 
+
+def test_an_anchor_that_cannot_start_is_reported_and_ours_is_not_excused() -> None:
+    missing = _missing  # module-level: every fit runs in a fresh process, which unpickles the contender
     workload = harness.Workload(preset="tiny", steps=2, warmup_steps=1, devices=1)
     anchor = harness.Contender(name="missing", label="anchor: missing", make_strategy=missing)
     outcomes = harness.run_interleaved([anchor], workload, repeats=2)
@@ -163,8 +166,9 @@ def test_an_error_raised_while_handling_another_names_both() -> None:
         )
 
 
-class _RecordsMonitor(lightning.pytorch.Callback):
-    """Appends, at the start of every fit, whether a ParallelismMonitor is among the Trainer's callbacks."""
+class _RecordsFits(lightning.pytorch.Callback):
+    """Appends a line at the start of every fit on every rank: whether a ParallelismMonitor is among the Trainer's
+    callbacks, the global rank, the rank's process id and its parent's."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -172,25 +176,52 @@ class _RecordsMonitor(lightning.pytorch.Callback):
     def on_train_start(self, trainer: lightning.pytorch.Trainer, pl_module: lightning.pytorch.LightningModule) -> None:
         monitored = any(isinstance(c, ParallelismMonitor) for c in trainer.callbacks)
         with self.path.open("a") as file:
-            file.write(f"{int(monitored)}")
+            file.write(f"{int(monitored)} {trainer.global_rank} {os.getpid()} {os.getppid()}\n")
+
+    @staticmethod
+    def read(path: Path) -> list[tuple[int, ...]]:
+        return [tuple(map(int, line.split())) for line in path.read_text().splitlines()]
+
+
+def _records_fits(path: Path) -> list[lightning.pytorch.Callback]:
+    return [_RecordsFits(path)]
+
+
+def _recorded_data_parallel(log: Path) -> harness.Contender:
+    """Ours, data parallel, writing a line per fit and rank to ``log`` (module-level parts: every fit runs in a fresh
+    process, which unpickles the contender)."""
+    return harness.Contender(
+        name="ours",
+        label="ours: data parallel",
+        make_strategy=partial(DataParallelStrategy, start_method="fork"),
+        make_callbacks=partial(_records_fits, log),
+        is_ours=True,
+    )
 
 
 def test_throughput_is_timed_without_the_monitor_and_figures_come_from_one_monitored_fit(tmp_path: Path) -> None:
     log = tmp_path / "fits"
     workload = harness.Workload(preset="tiny", steps=3, warmup_steps=1, devices=1)
-    contender = harness.Contender(
-        name="ours",
-        label="ours: data parallel",
-        make_strategy=lambda: DataParallelStrategy(start_method="fork"),
-        make_callbacks=lambda: [_RecordsMonitor(log)],
-        is_ours=True,
-    )
-    outcome = harness.run_interleaved([contender], workload, repeats=2)["ours"]
-    assert log.read_text() == "100"  # one fit under the monitor, then one timed fit per repeat without it
+    outcome = harness.run_interleaved([_recorded_data_parallel(log)], workload, repeats=2)["ours"]
+    # One fit under the monitor, then one timed fit per repeat without it.
+    assert [monitored for monitored, *_ in _RecordsFits.read(log)] == [1, 0, 0]
     first, second = outcome.runs
     assert len(first.step_s) == len(second.step_s) == 2 and first.step_s != second.step_s
     assert first.monitored_step_s == second.monitored_step_s and len(first.monitored_step_s or []) == 2
     assert first.held == second.held and first.held[0]["parameters"] > 0  # the monitor's figures, reused
+
+
+def test_every_fit_forks_its_ranks_from_a_process_of_its_own(tmp_path: Path) -> None:
+    """Issue 46: forking ~20 fits' ranks from one long-lived parent ended in a rank's SIGSEGV; each fit now runs in a
+    fresh process (benchmarks.isolation), which forks its ranks and exits with the fit."""
+    log = tmp_path / "fits"
+    workload = harness.Workload(preset="tiny", steps=2, warmup_steps=1, devices=2, batch_size=2, seq_len=16)
+    harness.run_interleaved([_recorded_data_parallel(log)], workload, repeats=2)  # one monitored fit, two timed
+    fits: dict[int, set[int]] = {}  # the process that forked the ranks -> their ranks
+    for _, rank, pid, parent in _RecordsFits.read(log):
+        assert os.getpid() not in (pid, parent)
+        fits.setdefault(parent, set()).add(rank)
+    assert list(fits.values()) == [{0, 1}] * 3  # three fits, each with its own parent of both ranks
 
 
 def test_fp16_compression_sends_exactly_half_the_bytes(suite: tuple[run_all.SuiteResults, Path]) -> None:
