@@ -25,6 +25,7 @@ if str(_REPO_ROOT) not in sys.path:  # `benchmarks` is a folder at the repositor
 from benchmarks import data_parallel, harness, pipeline, report, run_all, zero  # noqa: E402
 from lightning_parallel import DataParallelStrategy  # noqa: E402
 from lightning_parallel.monitor import ParallelismMonitor  # noqa: E402
+from lightning_parallel.planner.bubble import ActionCosts, schedule_order, simulated_bubble  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)  # the suite forks ~25 short fits; a hung rank fails the module
 
@@ -311,3 +312,29 @@ def test_presets_and_arguments_are_validated() -> None:
         harness.Workload(steps=4, warmup_steps=4)
     with pytest.raises(SystemExit):
         run_all.main(["--preset", "huge"])
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble", "DualPipeV"])
+def test_measured_chunk_costs_are_read_back_from_the_timelines(schedule: str) -> None:
+    """The bubble table's "planned with the measured chunk costs": timelines whose every chunk lasts what known costs
+    say give those costs back (per stage and kind), and the plan played with them."""
+    p, m, v = 2, 4, 1 if schedule == "1F1B" else 2
+    costs = ActionCosts(
+        forward=(1.0, 2.0, 3.0, 4.0)[: p * v], input_grad=(5.0, 6.0, 7.0, 8.0)[: p * v], weight_grad=(9.0,) * (p * v)
+    )
+    ranks = []
+    for actions in schedule_order(schedule, p, m, v):
+        timeline, clock = [], 0.0
+        for kind, stage, _ in (step for action in actions for step in action):
+            seconds = costs.of(kind, stage)
+            timeline.append(["B" if kind == "I" else kind, stage, clock, clock + seconds])
+            clock += seconds + 0.5  # time between chunks does not count
+        ranks.append({"steps": [{"timeline": timeline}] * 3})
+    run = harness.Run(step_s=[], tokens=0, held=[], peak=[], ranks=ranks)
+    measured = pipeline.measured_costs(schedule, p, m, run)
+    for stage in range(p * v):
+        for kind in "FB" if schedule == "1F1B" else "FIWB":  # 1F1B runs whole backwards: I and W are not seen apart
+            assert measured.of(kind, stage) == costs.of(kind, stage), (kind, stage)
+    kwargs = {"pipeline_parallel_size": p, "num_microbatches": m, "stages_per_rank": v}
+    planned = simulated_bubble(schedule, **kwargs, costs=costs)
+    assert pipeline.planned_with_measured_costs(schedule, p, m, run) == planned
