@@ -225,6 +225,15 @@ class Run:
     monitored_step_s: list[float] | None = None
     """The same step times in the fit under the monitor, whose figures this run carries (``None``: a raw loop that
     measures itself)."""
+    cpu_s: list[float] | None = None
+    """Per measured step of the fit timed without the monitor: the largest CPU seconds of a rank in the step's window
+    (``time.process_time()``, every thread of the rank). Work done rather than time waited: what other work on a
+    shared machine changes least. ``None``: not measured (a fit under the monitor)."""
+
+    @property
+    def cpu_per_step(self) -> float | None:
+        """The median of :attr:`cpu_s` (``None``: not measured)."""
+        return statistics.median(self.cpu_s) if self.cpu_s else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -274,20 +283,32 @@ class Run:
 
 
 class StepClock(UserTimingCallback):
-    """Every rank's step times (``on_train_batch_start`` to ``on_train_batch_end``, the monitor's window), written to
+    """Every rank's step times (``on_train_batch_start`` to ``on_train_batch_end``, the monitor's window) and CPU
+    seconds in the same window (``time.process_time()``: every thread of the rank), written to
     ``folder/steps-rank<r>.json`` at the end of the fit; nothing else (no dispatch mode, no collective)."""
 
     def __init__(self, folder: str) -> None:
         super().__init__()
         self.folder = folder
+        self.cpu_started = 0.0
+        self.cpu_seconds: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.cpu_started = time.process_time()
+        super().on_train_batch_start(*args)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        super().on_train_batch_end(*args)
+        self.cpu_seconds.append(time.process_time() - self.cpu_started)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        Path(self.folder, f"steps-rank{trainer.global_rank}.json").write_text(json.dumps(self.seconds))
+        record = {"wall": self.seconds, "cpu": self.cpu_seconds}
+        Path(self.folder, f"steps-rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
     @staticmethod
-    def slowest_rank(folder: str, world_size: int, warmup_steps: int) -> list[float]:
-        """Per step after the warm-up, the slowest rank's seconds."""
-        ranks = [json.loads(Path(folder, f"steps-rank{r}.json").read_text()) for r in range(world_size)]
+    def slowest_rank(folder: str, world_size: int, warmup_steps: int, *, clock: str = "wall") -> list[float]:
+        """Per step after the warm-up, the largest of the ranks' seconds on ``clock`` (``"wall"`` or ``"cpu"``)."""
+        ranks = [json.loads(Path(folder, f"steps-rank{r}.json").read_text())[clock] for r in range(world_size)]
         return [max(step) for step in zip(*(rank[warmup_steps:] for rank in ranks), strict=True)]
 
 
@@ -306,8 +327,8 @@ def train(contender: Contender, workload: Workload, *, figures: Run | None = Non
     if figures is None:
         figures = monitored_fit(contender, workload)
     start = os.getloadavg()[0]
-    step_s = _fit(contender, workload, monitored=False).step_s
-    return replace(figures, step_s=step_s, load=(start, os.getloadavg()[0]))
+    timed = _fit(contender, workload, monitored=False)
+    return replace(figures, step_s=timed.step_s, cpu_s=timed.cpu_s, load=(start, os.getloadavg()[0]))
 
 
 def monitored_fit(contender: Contender, workload: Workload) -> Run:
@@ -356,8 +377,11 @@ def _fit_here(contender: Contender, workload: Workload, *, monitored: bool) -> R
         with _restored_environ():
             trainer.fit(model, datamodule=data)
         if not monitored:
-            step_s = StepClock.slowest_rank(folder, workload.devices, workload.warmup_steps)
-            return Run(step_s=step_s, tokens=0, held=[], peak=[], world_size=workload.devices)
+            step_s, cpu_s = (
+                StepClock.slowest_rank(folder, workload.devices, workload.warmup_steps, clock=clock)
+                for clock in ("wall", "cpu")
+            )
+            return Run(step_s=step_s, tokens=0, held=[], peak=[], world_size=workload.devices, cpu_s=cpu_s)
         summary = json.loads(summary_path.read_text())
     return Run.from_summary(
         summary, warmup_steps=workload.warmup_steps, loss=trainer.callback_metrics.get("train_loss")
@@ -429,6 +453,9 @@ class Comparison:
     anchor: str
     throughput: list[float] = field(default_factory=list)
     """Tokens/s per repeat (the two ran back to back); > 1: ours faster."""
+    cpu: list[float] = field(default_factory=list)
+    """CPU seconds per step per repeat (:attr:`Run.cpu_s`); < 1: ours does less work per step. Empty where a side did
+    not measure it."""
     held: float | None = None
     """Bytes of parameters + gradients + optimizer state on the largest rank; < 1: ours holds less."""
     peak: float | None = None
@@ -452,6 +479,8 @@ def compare(ours: Outcome, anchor: Outcome) -> Comparison:
     if anchor.unavailable is None:
         pairs = zip(ours.runs, anchor.runs, strict=True)
         result.throughput = [a.tokens_per_s / b.tokens_per_s for a, b in pairs]
+        cpu = [(a.cpu_per_step, b.cpu_per_step) for a, b in zip(ours.runs, anchor.runs, strict=True)]
+        result.cpu = [a / b for a, b in cpu if a is not None and b]
         for name in ("held", "peak", "wire"):
             metric = attrgetter("wire" if name == "wire" else f"max_{name}")
             setattr(result, name, _ratio(ours.median(metric), anchor.median(metric)))

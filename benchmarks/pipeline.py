@@ -139,9 +139,9 @@ def _raw_rank(rank: int, workload: Workload, num_microbatches: int, boundaries: 
         optimizer = torch.optim.AdamW(module.parameters(), lr=3e-4, betas=(0.9, 0.95))
         data = TextDataModule(seq_len=workload.tokens_per_sequence, batch_size=workload.batch_size, max_bytes=400_000)
         data.setup("fit")
-        step_s = []
+        step_s, cpu_s = [], []
         for _, (inputs, targets) in zip(range(workload.steps), data.train_dataloader(), strict=False):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             optimizer.zero_grad()  # before the step, as Lightning does: the gradients are held when measured
             if rank == 0:
                 schedule.step(inputs.to(device))
@@ -153,8 +153,10 @@ def _raw_rank(rank: int, workload: Workload, num_microbatches: int, boundaries: 
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             step_s.append(time.perf_counter() - start)
+            cpu_s.append(time.process_time() - cpu_start)
         held = module_memory_report(module, optimizer)
         record = {"step_s": step_s[workload.warmup_steps :], "peak": peak_memory_bytes(device)}
+        record["cpu_s"] = cpu_s[workload.warmup_steps :]
         record["held"] = {k: v for k, v in held.as_dict().items() if k != "total"}
         Path(folder, f"rank{rank}.json").write_text(json.dumps(record))
     finally:
@@ -175,6 +177,7 @@ def _raw_run(workload: Workload, num_microbatches: int, boundaries: list[int]) -
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(workload.devices)]
     return Run(
         step_s=[max(step) for step in zip(*(r["step_s"] for r in ranks), strict=True)],
+        cpu_s=[max(step) for step in zip(*(r["cpu_s"] for r in ranks), strict=True)],
         tokens=workload.batch_size * workload.tokens_per_sequence,
         held=[r["held"] for r in ranks],
         peak=[r["peak"] for r in ranks],

@@ -119,6 +119,9 @@ def test_tables_render_the_spread_and_the_load_warning() -> None:
     comparison = harness.Comparison("ours: x", "anchor: y", throughput=[1.10, 0.90, 1.00], exposed_s=(0.012, None))
     table = report.comparison_table([comparison])
     assert "| 1.000 (0.900-1.100) | 1.100, 0.900, 1.000 | 12.0 / not measured |" in table
+    assert table.endswith("| - |")  # CPU seconds per step: not measured
+    comparison.cpu = [0.98, 0.96, 1.01]
+    assert report.comparison_table([comparison]).endswith("| 0.980 (0.960-1.010) |")
     outcome = harness.Outcome(harness.Contender(name="x", label="ours: x", is_ours=True))
     outcome.runs = [harness.Run(step_s=[1.0], tokens=1, held=[], peak=[], load=(0.5, 1.5))]
     notes = report.load_notes([outcome])
@@ -208,6 +211,7 @@ def test_throughput_is_timed_without_the_monitor_and_figures_come_from_one_monit
     assert [monitored for monitored, *_ in _RecordsFits.read(log)] == [1, 0, 0]
     first, second = outcome.runs
     assert len(first.step_s) == len(second.step_s) == 2 and first.step_s != second.step_s
+    assert first.cpu_s is not None and len(first.cpu_s) == 2 and all(seconds > 0 for seconds in first.cpu_s)
     assert first.monitored_step_s == second.monitored_step_s and len(first.monitored_step_s or []) == 2
     assert first.held == second.held and first.held[0]["parameters"] > 0  # the monitor's figures, reused
 
