@@ -5,7 +5,9 @@
   sides time a step from the batch in hand to the optimizer step done, the slowest rank's.
 * **Bubble**: every schedule at several micro-batch counts, one run each; the idle share of each rank's schedule
   (``ParallelismMonitor``'s ``bubble_fraction``: time outside its stages' forward/backward chunks) against theory
-  ``(p - 1) / (v m + p - 1)``, and the most micro-batches whose forward ran and backward did not (activations held).
+  ``(p - 1) / (v m + p - 1)`` and the planner's play of torch's order (unit costs, and the chunk costs the run measured:
+  :func:`planned_with_measured_costs`), and the most micro-batches whose forward ran and backward did not (activations
+  held).
 * **Picture**: one step per schedule (``figures/pipeline_timeline.png``) and the 1F1B step as a Chrome trace
   (``figures/pipeline_timeline.json``, for https://ui.perfetto.dev), from the monitor's per-rank timelines.
 """
