@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 from benchmarks.anchors import MeasuredDDPStrategy
 from benchmarks.harness import (
@@ -30,7 +31,7 @@ NAME = "data_parallel"
 _OURS = Contender(
     name="ours",
     label="ours: DataParallelStrategy",
-    make_strategy=lambda: DataParallelStrategy(start_method="fork"),
+    make_strategy=partial(DataParallelStrategy, start_method="fork"),
     is_ours=True,
 )
 _DDP = Contender(name="lightning_ddp", label="anchor: Lightning DDPStrategy", make_strategy=MeasuredDDPStrategy)
@@ -41,7 +42,7 @@ CONTENDERS: tuple[Contender, ...] = (
     Contender(
         name="ours_fp16",
         label="ours: DataParallelStrategy(gradient_compression='fp16')",
-        make_strategy=lambda: DataParallelStrategy(start_method="fork", gradient_compression="fp16"),
+        make_strategy=partial(DataParallelStrategy, start_method="fork", gradient_compression="fp16"),
         is_ours=True,
     ),
     # What a typical script gets: one plain callback that overrides `on_train_batch_end` and reads nothing.

@@ -10,14 +10,15 @@ else, tokens, bytes held per rank, peak memory, bytes per collective, exposed co
 and timeline, comes from one more fit per contender under
 :class:`~lightning_parallel.monitor.ParallelismMonitor` (its summary, which rank 0 writes as JSON, read back here),
 so ours and the anchors are measured by the same code. Every fit also records the machine's
-1-minute load average before and after it (:attr:`Run.load`), so a run disturbed by other work is visible. An anchor
+1-minute load average before and after it (:attr:`Run.load`), so a run disturbed by other work is visible. Every fit
+(and every raw loop) runs in a process of its own forked from a fresh interpreter (:mod:`benchmarks.isolation`), so
+contenders are built from picklable parts: module-level functions and ``functools.partial``, no lambdas. An anchor
 that raises (not installed, refuses the CPU) is kept with the reason as :attr:`Outcome.unavailable`; one of ours that
 raises fails the benchmark.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import statistics
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import Strategy
 
+from benchmarks.isolation import in_fresh_process, one_line
 from lightning_parallel.accounting import ring_wire_bytes
 from lightning_parallel.demos import GPTLightningModule, TextDataModule
 from lightning_parallel.demos.gpt import PRESETS as GPT_PRESETS
@@ -53,10 +56,12 @@ __all__ = [
     "compare",
     "compile_backend",
     "compiled",
+    "module_of",
     "monitored_fit",
     "one_line",
     "run_interleaved",
     "train",
+    "user_callbacks",
     "with_user_callback",
 ]
 
@@ -125,13 +130,18 @@ class UserTimingCallback(pl.Callback):
         self.seconds.append(time.perf_counter() - self.started)
 
 
+def user_callbacks() -> list[pl.Callback]:
+    """One :class:`UserTimingCallback`."""
+    return [UserTimingCallback()]
+
+
 def with_user_callback(contender: Contender) -> Contender:
     """``contender`` training with a :class:`UserTimingCallback` too, named ``<name>_user_callback``."""
     return replace(
         contender,
         name=f"{contender.name}_user_callback",
         label=f"{contender.label}, with a user callback",
-        make_callbacks=lambda: [UserTimingCallback()],
+        make_callbacks=user_callbacks,
     )
 
 
@@ -149,14 +159,21 @@ def compiled(
     """``make_module`` with its ``model`` compiled in place (``nn.Module.compile`` with :func:`compile_backend`), as a
     user compiles under our strategies (tests/test_compile.py): parameter names and the hooks on them are unchanged."""
 
-    def make(workload: Workload) -> pl.LightningModule:
-        module = make_module(workload)
-        model = module.model
-        assert isinstance(model, torch.nn.Module), f"{type(module).__name__}.model is not a module"
-        model.compile(backend=compile_backend(workload))
-        return module
+    return partial(_compiled_module, make_module)
 
-    return make
+
+def _compiled_module(make_module: Callable[[Workload], pl.LightningModule], workload: Workload) -> pl.LightningModule:
+    module = make_module(workload)
+    model = module.model
+    assert isinstance(model, torch.nn.Module), f"{type(module).__name__}.model is not a module"
+    model.compile(backend=compile_backend(workload))
+    return module
+
+
+def module_of(module_class: Callable[..., pl.LightningModule], workload: Workload) -> pl.LightningModule:
+    """``module_class(workload.preset, **workload.overrides)``: with ``functools.partial``, a contender's
+    ``make_module`` for a GPT LightningModule subclass that pickles (:mod:`benchmarks.isolation`)."""
+    return module_class(workload.preset, **workload.overrides)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +185,8 @@ class Contender:
     label: str
     """Text of the tables' first column."""
     make_strategy: Callable[[], Strategy] | None = None
-    """A fresh strategy that starts its ranks with ``fork`` (a re-launch would re-run the benchmark)."""
+    """A fresh strategy that starts its ranks with ``fork`` (a re-launch would re-run the benchmark); it must pickle
+    (a class, a module-level function or a ``functools.partial`` of one)."""
     run: Callable[[Workload], Run] | None = None
     """Trains without a Trainer (a raw torch loop) and measures itself, instead of :func:`train`'s fit."""
     make_module: Callable[[Workload], pl.LightningModule] = _gpt
@@ -207,6 +225,15 @@ class Run:
     monitored_step_s: list[float] | None = None
     """The same step times in the fit under the monitor, whose figures this run carries (``None``: a raw loop that
     measures itself)."""
+    cpu_s: list[float] | None = None
+    """Per measured step of the fit timed without the monitor: the largest CPU seconds of a rank in the step's window
+    (``time.process_time()``, every thread of the rank). Work done rather than time waited: what other work on a
+    shared machine changes least. ``None``: not measured (a fit under the monitor)."""
+
+    @property
+    def cpu_per_step(self) -> float | None:
+        """The median of :attr:`cpu_s` (``None``: not measured)."""
+        return statistics.median(self.cpu_s) if self.cpu_s else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -256,20 +283,32 @@ class Run:
 
 
 class StepClock(UserTimingCallback):
-    """Every rank's step times (``on_train_batch_start`` to ``on_train_batch_end``, the monitor's window), written to
+    """Every rank's step times (``on_train_batch_start`` to ``on_train_batch_end``, the monitor's window) and CPU
+    seconds in the same window (``time.process_time()``: every thread of the rank), written to
     ``folder/steps-rank<r>.json`` at the end of the fit; nothing else (no dispatch mode, no collective)."""
 
     def __init__(self, folder: str) -> None:
         super().__init__()
         self.folder = folder
+        self.cpu_started = 0.0
+        self.cpu_seconds: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.cpu_started = time.process_time()
+        super().on_train_batch_start(*args)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        super().on_train_batch_end(*args)
+        self.cpu_seconds.append(time.process_time() - self.cpu_started)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        Path(self.folder, f"steps-rank{trainer.global_rank}.json").write_text(json.dumps(self.seconds))
+        record = {"wall": self.seconds, "cpu": self.cpu_seconds}
+        Path(self.folder, f"steps-rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
     @staticmethod
-    def slowest_rank(folder: str, world_size: int, warmup_steps: int) -> list[float]:
-        """Per step after the warm-up, the slowest rank's seconds."""
-        ranks = [json.loads(Path(folder, f"steps-rank{r}.json").read_text()) for r in range(world_size)]
+    def slowest_rank(folder: str, world_size: int, warmup_steps: int, *, clock: str = "wall") -> list[float]:
+        """Per step after the warm-up, the largest of the ranks' seconds on ``clock`` (``"wall"`` or ``"cpu"``)."""
+        ranks = [json.loads(Path(folder, f"steps-rank{r}.json").read_text())[clock] for r in range(world_size)]
         return [max(step) for step in zip(*(rank[warmup_steps:] for rank in ranks), strict=True)]
 
 
@@ -280,7 +319,7 @@ def train(contender: Contender, workload: Workload, *, figures: Run | None = Non
     itself. The run records the machine's 1-minute load average at the start and the end of the timed fit."""
     if contender.run is not None:
         start = os.getloadavg()[0]
-        run = contender.run(workload)
+        run = in_fresh_process(contender.run, workload)
         run.load = (start, os.getloadavg()[0])
         return run
     if not workload.time_throughput:
@@ -288,8 +327,8 @@ def train(contender: Contender, workload: Workload, *, figures: Run | None = Non
     if figures is None:
         figures = monitored_fit(contender, workload)
     start = os.getloadavg()[0]
-    step_s = _fit(contender, workload, monitored=False).step_s
-    return replace(figures, step_s=step_s, load=(start, os.getloadavg()[0]))
+    timed = _fit(contender, workload, monitored=False)
+    return replace(figures, step_s=timed.step_s, cpu_s=timed.cpu_s, load=(start, os.getloadavg()[0]))
 
 
 def monitored_fit(contender: Contender, workload: Workload) -> Run:
@@ -303,8 +342,14 @@ def monitored_fit(contender: Contender, workload: Workload) -> Run:
 
 
 def _fit(contender: Contender, workload: Workload, *, monitored: bool) -> Run:
+    """One fit in a process of its own (:func:`~benchmarks.isolation.in_fresh_process`): forked from a fresh
+    interpreter, never from this long-lived one, which has run every fit before it."""
     assert contender.make_strategy is not None, f"{contender.name} has neither `make_strategy` nor `run`"
-    gc.collect()  # the previous fit's model (held in reference cycles) would otherwise be inherited by the ranks
+    return in_fresh_process(_fit_here, contender, workload, monitored=monitored)
+
+
+def _fit_here(contender: Contender, workload: Workload, *, monitored: bool) -> Run:
+    assert contender.make_strategy is not None
     torch.manual_seed(0)
     data = TextDataModule(seq_len=workload.tokens_per_sequence, batch_size=workload.batch_size, max_bytes=400_000)
     data.setup("fit")  # once here: the forked ranks inherit the corpus
@@ -332,30 +377,15 @@ def _fit(contender: Contender, workload: Workload, *, monitored: bool) -> Run:
         with _restored_environ():
             trainer.fit(model, datamodule=data)
         if not monitored:
-            step_s = StepClock.slowest_rank(folder, workload.devices, workload.warmup_steps)
-            return Run(step_s=step_s, tokens=0, held=[], peak=[], world_size=workload.devices)
+            step_s, cpu_s = (
+                StepClock.slowest_rank(folder, workload.devices, workload.warmup_steps, clock=clock)
+                for clock in ("wall", "cpu")
+            )
+            return Run(step_s=step_s, tokens=0, held=[], peak=[], world_size=workload.devices, cpu_s=cpu_s)
         summary = json.loads(summary_path.read_text())
     return Run.from_summary(
         summary, warmup_steps=workload.warmup_steps, loss=trainer.callback_metrics.get("train_loss")
     )
-
-
-def one_line(error: BaseException) -> str:
-    """The last non-empty line of an error's message (a forked rank's traceback ends with its real error), and that
-    of the error it was raised while handling, if any (a rank that died first: the launcher's teardown error that
-    follows names only its own symptom)."""
-
-    def last_line(exception: BaseException) -> str:
-        lines = [line.strip() for line in str(exception).splitlines() if line.strip()]
-        return f"{type(exception).__name__}: {lines[-1] if lines else ''}"
-
-    first = error.__cause__ if error.__cause__ is not None else None
-    if first is None and not error.__suppress_context__:  # `raise ... from None` hides the context on purpose
-        first = error.__context__
-    text = last_line(error)
-    if first is not None:
-        text += f" (while handling {last_line(first)})"
-    return text[:300]
 
 
 @dataclass
@@ -423,6 +453,9 @@ class Comparison:
     anchor: str
     throughput: list[float] = field(default_factory=list)
     """Tokens/s per repeat (the two ran back to back); > 1: ours faster."""
+    cpu: list[float] = field(default_factory=list)
+    """CPU seconds per step per repeat (:attr:`Run.cpu_s`); < 1: ours does less work per step. Empty where a side did
+    not measure it."""
     held: float | None = None
     """Bytes of parameters + gradients + optimizer state on the largest rank; < 1: ours holds less."""
     peak: float | None = None
@@ -446,6 +479,8 @@ def compare(ours: Outcome, anchor: Outcome) -> Comparison:
     if anchor.unavailable is None:
         pairs = zip(ours.runs, anchor.runs, strict=True)
         result.throughput = [a.tokens_per_s / b.tokens_per_s for a, b in pairs]
+        cpu = [(a.cpu_per_step, b.cpu_per_step) for a, b in zip(ours.runs, anchor.runs, strict=True)]
+        result.cpu = [a / b for a, b in cpu if a is not None and b]
         for name in ("held", "peak", "wire"):
             metric = attrgetter("wire" if name == "wire" else f"max_{name}")
             setattr(result, name, _ratio(ours.median(metric), anchor.median(metric)))

@@ -5,7 +5,9 @@
   sides time a step from the batch in hand to the optimizer step done, the slowest rank's.
 * **Bubble**: every schedule at several micro-batch counts, one run each; the idle share of each rank's schedule
   (``ParallelismMonitor``'s ``bubble_fraction``: time outside its stages' forward/backward chunks) against theory
-  ``(p - 1) / (v m + p - 1)``, and the most micro-batches whose forward ran and backward did not (activations held).
+  ``(p - 1) / (v m + p - 1)`` and the planner's play of torch's order (unit costs, and the chunk costs the run measured:
+  :func:`planned_with_measured_costs`), and the most micro-batches whose forward ran and backward did not (activations
+  held).
 * **Picture**: one step per schedule (``figures/pipeline_timeline.png``) and the 1F1B step as a Chrome trace
   (``figures/pipeline_timeline.json``, for https://ui.perfetto.dev), from the monitor's per-rank timelines.
 """
@@ -20,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 from lightning_parallel.distributed.pipeline.stage_module import StageModule
 from lightning_parallel.distributed.pipeline.stage_plan import StagePlan, plan_stages
 from lightning_parallel.planner import pipeline_bubble
+from lightning_parallel.planner.bubble import ActionCosts, schedule_order, simulated_bubble
 
 __all__ = ["NAME", "PRESETS", "Config", "PipelineResults", "measure", "render", "write_figures"]
 
@@ -102,8 +106,12 @@ def ours(schedule: str, num_microbatches: int, partition: str | list[int] = "com
     return Contender(
         name=f"{schedule}, m={num_microbatches}",
         label=f"ours: PipelineParallelStrategy({schedule}, m={num_microbatches})",
-        make_strategy=lambda: PipelineParallelStrategy(
-            start_method="fork", schedule=schedule, num_microbatches=num_microbatches, partition=partition
+        make_strategy=partial(
+            PipelineParallelStrategy,
+            start_method="fork",
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            partition=partition,
         ),
         is_ours=True,
     )
@@ -113,7 +121,7 @@ def raw(num_microbatches: int, boundaries: list[int]) -> Contender:
     return Contender(
         name="raw",
         label=f"anchor: raw torch.distributed.pipelining loop (1F1B, m={num_microbatches})",
-        run=lambda workload: _raw_run(workload, num_microbatches, boundaries),
+        run=partial(_raw_run, num_microbatches=num_microbatches, boundaries=boundaries),
     )
 
 
@@ -135,9 +143,9 @@ def _raw_rank(rank: int, workload: Workload, num_microbatches: int, boundaries: 
         optimizer = torch.optim.AdamW(module.parameters(), lr=3e-4, betas=(0.9, 0.95))
         data = TextDataModule(seq_len=workload.tokens_per_sequence, batch_size=workload.batch_size, max_bytes=400_000)
         data.setup("fit")
-        step_s = []
+        step_s, cpu_s = [], []
         for _, (inputs, targets) in zip(range(workload.steps), data.train_dataloader(), strict=False):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             optimizer.zero_grad()  # before the step, as Lightning does: the gradients are held when measured
             if rank == 0:
                 schedule.step(inputs.to(device))
@@ -149,8 +157,10 @@ def _raw_rank(rank: int, workload: Workload, num_microbatches: int, boundaries: 
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             step_s.append(time.perf_counter() - start)
+            cpu_s.append(time.process_time() - cpu_start)
         held = module_memory_report(module, optimizer)
         record = {"step_s": step_s[workload.warmup_steps :], "peak": peak_memory_bytes(device)}
+        record["cpu_s"] = cpu_s[workload.warmup_steps :]
         record["held"] = {k: v for k, v in held.as_dict().items() if k != "total"}
         Path(folder, f"rank{rank}.json").write_text(json.dumps(record))
     finally:
@@ -171,6 +181,7 @@ def _raw_run(workload: Workload, num_microbatches: int, boundaries: list[int]) -
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(workload.devices)]
     return Run(
         step_s=[max(step) for step in zip(*(r["step_s"] for r in ranks), strict=True)],
+        cpu_s=[max(step) for step in zip(*(r["cpu_s"] for r in ranks), strict=True)],
         tokens=workload.batch_size * workload.tokens_per_sequence,
         held=[r["held"] for r in ranks],
         peak=[r["peak"] for r in ranks],
@@ -229,6 +240,46 @@ def _planned(schedule: str, p: int, m: int) -> str:
     return f"{bubble:.3f}"
 
 
+def measured_costs(schedule: str, p: int, m: int, run: Run) -> ActionCosts:
+    """Each stage's median forward, input gradient and weight gradient chunk seconds in ``run``'s timelines.
+
+    Each rank's chunks are paired with its actions in torch's order of ``schedule`` (the planner's
+    :func:`~lightning_parallel.planner.bubble.schedule_order`), which says whether a backward chunk ``B`` was an input
+    gradient ``I`` or a whole backward (a step whose chunks do not pair up is left out). Where a stage ran only whole
+    backwards, its input and weight gradients are half of one each. The first stage's input gradient is free (torch
+    computes none), as :class:`ActionCosts` has it.
+    """
+    order = schedule_order(schedule, p, m, 2 if _two_stages(schedule) else 1)
+    chunks: dict[tuple[str, int], list[float]] = {}
+    for actions, rank in zip(order, run.ranks, strict=True):
+        planned = [step for action in actions for step in action]
+        for step in rank["steps"]:
+            events = step["timeline"]
+            if [("B" if k == "I" else k, s) for k, s, _ in planned] != [(k, s) for k, s, *_ in events]:
+                continue
+            for (kind, stage, _), (*_, start, end) in zip(planned, events, strict=True):
+                chunks.setdefault((kind, stage), []).append(end - start)
+    stages = range(p * (2 if _two_stages(schedule) else 1))
+
+    def median(kind: str, stage: int) -> float:
+        return statistics.median(chunks[(kind, stage)]) if (kind, stage) in chunks else 0.0
+
+    split = [("W", s) in chunks for s in stages]
+    return ActionCosts(
+        forward=tuple(median("F", s) for s in stages),
+        input_grad=tuple(median("I", s) if split[s] else median("B", s) / 2 for s in stages),
+        weight_grad=tuple(median("W", s) if split[s] else median("B", s) / 2 for s in stages),
+    )
+
+
+def planned_with_measured_costs(schedule: str, p: int, m: int, run: Run) -> float:
+    """The planner's play of torch's order of ``schedule`` with the chunk costs ``run`` measured: what the bubble
+    would be with those stages and no overhead between chunks (no P2P wait, no loss, no schedule work)."""
+    v = 2 if _two_stages(schedule) else 1
+    costs = measured_costs(schedule, p, m, run)
+    return simulated_bubble(schedule, pipeline_parallel_size=p, num_microbatches=m, stages_per_rank=v, costs=costs)
+
+
 def render(results: PipelineResults, *, command: str) -> str:
     cfg, p = results.config, results.config.workload.devices
     rows = []
@@ -237,9 +288,11 @@ def render(results: PipelineResults, *, command: str) -> str:
         in_flight = ", ".join(str(peak_in_flight(rank["steps"][0]["timeline"])) for rank in run.ranks)
         held = max(sum(rank.values()) for rank in run.held) / 2**20
         peak = max(run.peak) / 2**20
-        bubbles_cells = [_planned(schedule, p, m), f"{mean:.3f}", f"{worst:.3f}"]
+        with_costs = planned_with_measured_costs(schedule, p, m, run)
+        bubbles_cells = [_planned(schedule, p, m), f"{with_costs:.3f}", f"{mean:.3f}", f"{worst:.3f}"]
         rows.append([f"{schedule}, m={m}", *bubbles_cells, in_flight, f"{held:.1f}", f"{peak:.1f}"])
-    header = ["schedule", "bubble planned", "measured, mean of ranks", "worst rank"]
+    header = ["schedule", "bubble planned", "planned with the measured chunk costs", "measured, mean of ranks"]
+    header += ["worst rank"]
     header += ["peak in-flight micro-batches per rank", "held MiB/rank", "peak MiB/rank"]
     bubbles = markdown_table(header, rows)
     return section(
@@ -253,7 +306,11 @@ def render(results: PipelineResults, *, command: str) -> str:
             *load_notes(results.outcomes.values()),
             "Bubble: the monitor's idle share of each rank's schedule, median over 3 steps after the warm-up, beside"
             " the planner's prediction (`lightning-parallel plan`: torch's own order of the schedule's actions played"
-            " with equal blocks, F = I = W = 1 and free communication; planner/bubble.py)."
+            " with equal blocks, F = I = W = 1 and free communication; planner/bubble.py), and the same order played"
+            " with the chunk costs this run measured (each stage's median forward, input and weight gradient:"
+            " `planner.bubble.ActionCosts`): what unequal stages and I != W alone make of the plan. The rest of the"
+            " measured bubble is time between chunks: P2P waits, the last stage's loss (the step run per micro-batch),"
+            " the schedule's own work per action, and the step's outcome sent from the last stage."
             " In-flight micro-batches bound the activations a rank holds; held: parameters + gradients + optimizer"
             " state of the largest rank; peak: the largest rank's peak memory (RSS on CPU), 1F1B vs ZBV at the same m.",
         ],

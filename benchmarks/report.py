@@ -98,20 +98,20 @@ def outcome_table(outcomes: Iterable[Outcome]) -> str:
 
 def comparison_table(comparisons: Iterable[Comparison]) -> str:
     """One row per pair: throughput ratio (median, spread, per repeat), the exposed communication per step of both
-    sides (what explains much of a ratio) and the byte ratios; an anchor that did not run says why."""
+    sides (what explains much of a ratio), the byte ratios and the CPU seconds per step (work done, what load on a
+    shared machine changes least); an anchor that did not run says why."""
     header = ["ours", "anchor", "throughput ours/anchor, median (min-max); > 1: ours faster", "per repeat"]
     header += ["exposed comm ms/step, ours / anchor", "held bytes ratio (< 1: ours less)", "peak memory ratio"]
-    header += ["wire bytes ratio"]
+    header += ["wire bytes ratio", "CPU s/step ours/anchor, median (min-max); < 1: ours less work"]
     rows = []
     for c in comparisons:
         if c.unavailable is not None:
-            rows.append([c.ours, c.anchor, f"not available: `{c.unavailable}`", *["-"] * 5])
+            rows.append([c.ours, c.anchor, f"not available: `{c.unavailable}`", *["-"] * 6])
             continue
         per_repeat = ", ".join(f"{r:.3f}" for r in c.throughput)
         exposed = " / ".join(_ms(seconds) for seconds in c.exposed_s)
-        rows.append(
-            [c.ours, c.anchor, ratios_cell(c.throughput), per_repeat, exposed, _num(c.held), _num(c.peak), _num(c.wire)]
-        )
+        ratios = [_num(c.held), _num(c.peak), _num(c.wire), ratios_cell(c.cpu)]
+        rows.append([c.ours, c.anchor, ratios_cell(c.throughput), per_repeat, exposed, *ratios])
     return markdown_table(header, rows)
 
 

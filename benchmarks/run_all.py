@@ -19,7 +19,6 @@ others still run, and the exit status is 1.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 import traceback
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks import data_parallel, figures, pipeline, zero
+from benchmarks.isolation import return_freed_memory_to_os
 from benchmarks.report import RESULTS_PATH, comparison_table, load_notes, section, update_section
 from lightning_parallel.demos.main import quiet_lightning
 
@@ -101,21 +101,12 @@ class SuiteResults:
     """Benchmark name -> the error of those that raised."""
 
 
-def return_freed_memory_to_os() -> bool:
-    """Fix glibc's mmap threshold at 1 MiB before forking, so freed tensors leave the RSS at once (glibc otherwise
-    raises it after large frees and RSS shows the allocator's history); ``False`` where libc is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.mallopt(-3, 2**20))  # M_MMAP_THRESHOLD from <malloc.h>
-
-
 def run_suite(suite: SuiteConfig) -> SuiteResults:
     """Run the chosen benchmarks, write their sections, figures and the summary; return what was measured.
 
-    Sets one intra-op thread before the first fork (a forked child of a process whose OpenMP pool ran can hang) and
-    never initialises CUDA here (the ranks do).
+    Every fit runs in a process of its own forked from a fresh interpreter (:mod:`benchmarks.isolation`), which forks
+    the fit's ranks; this process sets one intra-op thread (a forked child of a process whose OpenMP pool ran can hang)
+    and never initialises CUDA (the ranks do).
     """
     torch.set_num_threads(1)
     quiet_lightning()
@@ -150,7 +141,10 @@ def run_suite(suite: SuiteConfig) -> SuiteResults:
             " order); ratios are ours / anchor. Bytes held and peak memory: largest rank; wire bytes: busiest rank per"
             " step (1: the same traffic; ZeRO-3 needs 1.5x DDP's by design, 2x on gloo, where its gradient reduction is"
             " an all-reduce, the faster there). Exposed communication: the monitor's"
-            " median per step, ours / anchor. Details in the sections below.",
+            " median per step, ours / anchor. CPU s/step: the largest rank's CPU seconds per step (every thread of"
+            " the rank) in the same timed fits, ours / anchor: the work done per step, which other work on a shared"
+            " machine changes far less than the seconds waited (`-`: a side that does not measure it). Details in"
+            " the sections below.",
             *load_notes(outcomes),
         ],
         blocks=blocks,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from benchmarks import figures
@@ -40,6 +41,7 @@ from benchmarks.harness import (
     compare,
     compile_backend,
     compiled,
+    module_of,
     run_interleaved,
     with_user_callback,
 )
@@ -58,7 +60,7 @@ def _ours(stage: int) -> Contender:
     return Contender(
         name=f"zero{stage}",
         label=f"ours: ShardedOptimizerStrategy(stage={stage})",
-        make_strategy=lambda: ShardedOptimizerStrategy(stage, start_method="fork"),
+        make_strategy=partial(ShardedOptimizerStrategy, stage, start_method="fork"),
         empty_init=stage == 3,
         is_ours=True,
     )
@@ -69,7 +71,7 @@ def _ours_without_overlap(stage: int) -> Contender:
     return Contender(
         name=f"zero{stage}_no_overlap",
         label=f"ours: ShardedOptimizerStrategy(stage={stage}, overlap_param_gather=False)",
-        make_strategy=lambda: ShardedOptimizerStrategy(stage, overlap_param_gather=False, start_method="fork"),
+        make_strategy=partial(ShardedOptimizerStrategy, stage, overlap_param_gather=False, start_method="fork"),
         is_ours=True,
     )
 
@@ -85,7 +87,7 @@ CONTENDERS: tuple[Contender, ...] = (
         name="ddp_zero_redundancy",
         label="anchor: Lightning DDP + ZeroRedundancyOptimizer",
         make_strategy=MeasuredDDPStrategy,
-        make_module=lambda w: ZeroRedundancyGPT(w.preset, **w.overrides),
+        make_module=partial(module_of, ZeroRedundancyGPT),
     ),
     Contender(
         name="fsdp_shard_grad_op",
@@ -95,12 +97,12 @@ CONTENDERS: tuple[Contender, ...] = (
     Contender(
         name="deepspeed_stage1",
         label="anchor: Lightning DeepSpeedStrategy(stage=1)",
-        make_strategy=lambda: deepspeed(1),
+        make_strategy=partial(deepspeed, 1),
     ),
     Contender(
         name="deepspeed_stage2",
         label="anchor: Lightning DeepSpeedStrategy(stage=2)",
-        make_strategy=lambda: deepspeed(2),
+        make_strategy=partial(deepspeed, 2),
     ),
     _ours_without_overlap(1),
     _ours_without_overlap(2),
@@ -108,13 +110,13 @@ CONTENDERS: tuple[Contender, ...] = (
         name="fsdp2",
         label="anchor: Lightning ModelParallelStrategy + fully_shard per block (FSDP2)",
         make_strategy=MeasuredModelParallelStrategy,
-        make_module=lambda w: FullyShardedGPT(w.preset, **w.overrides),
+        make_module=partial(module_of, FullyShardedGPT),
         empty_init=True,  # as ours at stage 3: Lightning materialises the meta model after `configure_model`
     ),
     Contender(
         name="zero2_compiled",
         label="ours: ShardedOptimizerStrategy(stage=2), model compiled",
-        make_strategy=lambda: ShardedOptimizerStrategy(2, start_method="fork"),
+        make_strategy=partial(ShardedOptimizerStrategy, 2, start_method="fork"),
         make_module=compiled(),
         is_ours=True,
     ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch  # imported before forking so the ranks inherit it
@@ -24,6 +25,7 @@ if str(_REPO_ROOT) not in sys.path:  # `benchmarks` is a folder at the repositor
 from benchmarks import data_parallel, harness, pipeline, report, run_all, zero  # noqa: E402
 from lightning_parallel import DataParallelStrategy  # noqa: E402
 from lightning_parallel.monitor import ParallelismMonitor  # noqa: E402
+from lightning_parallel.planner.bubble import ActionCosts, schedule_order, simulated_bubble  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)  # the suite forks ~25 short fits; a hung rank fails the module
 
@@ -117,6 +119,9 @@ def test_tables_render_the_spread_and_the_load_warning() -> None:
     comparison = harness.Comparison("ours: x", "anchor: y", throughput=[1.10, 0.90, 1.00], exposed_s=(0.012, None))
     table = report.comparison_table([comparison])
     assert "| 1.000 (0.900-1.100) | 1.100, 0.900, 1.000 | 12.0 / not measured |" in table
+    assert table.endswith("| - |")  # CPU seconds per step: not measured
+    comparison.cpu = [0.98, 0.96, 1.01]
+    assert report.comparison_table([comparison]).endswith("| 0.980 (0.960-1.010) |")
     outcome = harness.Outcome(harness.Contender(name="x", label="ours: x", is_ours=True))
     outcome.runs = [harness.Run(step_s=[1.0], tokens=1, held=[], peak=[], load=(0.5, 1.5))]
     notes = report.load_notes([outcome])
@@ -127,10 +132,12 @@ def test_tables_render_the_spread_and_the_load_warning() -> None:
     assert report.load_notes([]) == ["Load 1-min average during the runs: not recorded."]
 
 
-def test_an_anchor_that_cannot_start_is_reported_and_ours_is_not_excused() -> None:
-    def missing() -> None:
-        raise ImportError("not installed here")
+def _missing() -> None:
+    raise ImportError("not installed here")
 
+
+def test_an_anchor_that_cannot_start_is_reported_and_ours_is_not_excused() -> None:
+    missing = _missing  # module-level: every fit runs in a fresh process, which unpickles the contender
     workload = harness.Workload(preset="tiny", steps=2, warmup_steps=1, devices=1)
     anchor = harness.Contender(name="missing", label="anchor: missing", make_strategy=missing)
     outcomes = harness.run_interleaved([anchor], workload, repeats=2)
@@ -163,8 +170,9 @@ def test_an_error_raised_while_handling_another_names_both() -> None:
         )
 
 
-class _RecordsMonitor(lightning.pytorch.Callback):
-    """Appends, at the start of every fit, whether a ParallelismMonitor is among the Trainer's callbacks."""
+class _RecordsFits(lightning.pytorch.Callback):
+    """Appends a line at the start of every fit on every rank: whether a ParallelismMonitor is among the Trainer's
+    callbacks, the global rank, the rank's process id and its parent's."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -172,25 +180,53 @@ class _RecordsMonitor(lightning.pytorch.Callback):
     def on_train_start(self, trainer: lightning.pytorch.Trainer, pl_module: lightning.pytorch.LightningModule) -> None:
         monitored = any(isinstance(c, ParallelismMonitor) for c in trainer.callbacks)
         with self.path.open("a") as file:
-            file.write(f"{int(monitored)}")
+            file.write(f"{int(monitored)} {trainer.global_rank} {os.getpid()} {os.getppid()}\n")
+
+    @staticmethod
+    def read(path: Path) -> list[tuple[int, ...]]:
+        return [tuple(map(int, line.split())) for line in path.read_text().splitlines()]
+
+
+def _records_fits(path: Path) -> list[lightning.pytorch.Callback]:
+    return [_RecordsFits(path)]
+
+
+def _recorded_data_parallel(log: Path) -> harness.Contender:
+    """Ours, data parallel, writing a line per fit and rank to ``log`` (module-level parts: every fit runs in a fresh
+    process, which unpickles the contender)."""
+    return harness.Contender(
+        name="ours",
+        label="ours: data parallel",
+        make_strategy=partial(DataParallelStrategy, start_method="fork"),
+        make_callbacks=partial(_records_fits, log),
+        is_ours=True,
+    )
 
 
 def test_throughput_is_timed_without_the_monitor_and_figures_come_from_one_monitored_fit(tmp_path: Path) -> None:
     log = tmp_path / "fits"
     workload = harness.Workload(preset="tiny", steps=3, warmup_steps=1, devices=1)
-    contender = harness.Contender(
-        name="ours",
-        label="ours: data parallel",
-        make_strategy=lambda: DataParallelStrategy(start_method="fork"),
-        make_callbacks=lambda: [_RecordsMonitor(log)],
-        is_ours=True,
-    )
-    outcome = harness.run_interleaved([contender], workload, repeats=2)["ours"]
-    assert log.read_text() == "100"  # one fit under the monitor, then one timed fit per repeat without it
+    outcome = harness.run_interleaved([_recorded_data_parallel(log)], workload, repeats=2)["ours"]
+    # One fit under the monitor, then one timed fit per repeat without it.
+    assert [monitored for monitored, *_ in _RecordsFits.read(log)] == [1, 0, 0]
     first, second = outcome.runs
     assert len(first.step_s) == len(second.step_s) == 2 and first.step_s != second.step_s
+    assert first.cpu_s is not None and len(first.cpu_s) == 2 and all(seconds > 0 for seconds in first.cpu_s)
     assert first.monitored_step_s == second.monitored_step_s and len(first.monitored_step_s or []) == 2
     assert first.held == second.held and first.held[0]["parameters"] > 0  # the monitor's figures, reused
+
+
+def test_every_fit_forks_its_ranks_from_a_process_of_its_own(tmp_path: Path) -> None:
+    """Issue 46: forking ~20 fits' ranks from one long-lived parent ended in a rank's SIGSEGV; each fit now runs in a
+    fresh process (benchmarks.isolation), which forks its ranks and exits with the fit."""
+    log = tmp_path / "fits"
+    workload = harness.Workload(preset="tiny", steps=2, warmup_steps=1, devices=2, batch_size=2, seq_len=16)
+    harness.run_interleaved([_recorded_data_parallel(log)], workload, repeats=2)  # one monitored fit, two timed
+    fits: dict[int, set[int]] = {}  # the process that forked the ranks -> their ranks
+    for _, rank, pid, parent in _RecordsFits.read(log):
+        assert os.getpid() not in (pid, parent)
+        fits.setdefault(parent, set()).add(rank)
+    assert list(fits.values()) == [{0, 1}] * 3  # three fits, each with its own parent of both ranks
 
 
 def test_fp16_compression_sends_exactly_half_the_bytes(suite: tuple[run_all.SuiteResults, Path]) -> None:
@@ -280,3 +316,29 @@ def test_presets_and_arguments_are_validated() -> None:
         harness.Workload(steps=4, warmup_steps=4)
     with pytest.raises(SystemExit):
         run_all.main(["--preset", "huge"])
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble", "DualPipeV"])
+def test_measured_chunk_costs_are_read_back_from_the_timelines(schedule: str) -> None:
+    """The bubble table's "planned with the measured chunk costs": timelines whose every chunk lasts what known costs
+    say give those costs back (per stage and kind), and the plan played with them."""
+    p, m, v = 2, 4, 1 if schedule == "1F1B" else 2
+    costs = ActionCosts(
+        forward=(1.0, 2.0, 3.0, 4.0)[: p * v], input_grad=(5.0, 6.0, 7.0, 8.0)[: p * v], weight_grad=(9.0,) * (p * v)
+    )
+    ranks = []
+    for actions in schedule_order(schedule, p, m, v):
+        timeline, clock = [], 0.0
+        for kind, stage, _ in (step for action in actions for step in action):
+            seconds = costs.of(kind, stage)
+            timeline.append(["B" if kind == "I" else kind, stage, clock, clock + seconds])
+            clock += seconds + 0.5  # time between chunks does not count
+        ranks.append({"steps": [{"timeline": timeline}] * 3})
+    run = harness.Run(step_s=[], tokens=0, held=[], peak=[], ranks=ranks)
+    measured = pipeline.measured_costs(schedule, p, m, run)
+    for stage in range(p * v):
+        for kind in "FB" if schedule == "1F1B" else "FIWB":  # 1F1B runs whole backwards: I and W are not seen apart
+            assert measured.of(kind, stage) == costs.of(kind, stage), (kind, stage)
+    kwargs = {"pipeline_parallel_size": p, "num_microbatches": m, "stages_per_rank": v}
+    planned = simulated_bubble(schedule, **kwargs, costs=costs)
+    assert pipeline.planned_with_measured_costs(schedule, p, m, run) == planned

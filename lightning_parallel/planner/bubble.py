@@ -7,7 +7,12 @@ without a process group or a model (stand-in stages that carry only the indices 
 each rank runs its actions in order, an action starting once the rank is free and what it needs is done (the
 previous stage's forward of the micro-batch, the next stage's input gradient, its own input gradient for ``W``).
 Costs are in units of one stage's forward: ``F = I = W = 1``, ``B = 2`` (a matrix product's input and weight
-gradients each cost about its forward), communication free, equal stages.
+gradients each cost about its forward), communication free, equal stages. As torch runs it, the first stage computes no
+input gradient (its input is the batch): its ``I`` costs nothing and its ``W`` is its whole backward.
+:class:`ActionCosts` plays the same order with other costs: each stage's own ``F``, ``I`` and ``W`` (unequal stages, a
+last stage that also computes the loss, input gradients dearer than weight gradients where attention has no weights)
+and a fixed cost per action (the schedule's own work and its P2P calls); the benchmark plays it with the costs it
+measured, which tells a plan's stage imbalance from its overheads.
 
 Why not the formulas: ``(p-1)/(m+p-1)`` and Megatron's interleaved ``(p-1)/(vm+p-1)`` describe 1F1B and one
 interleaved order; zero-bubble and V-shaped schedules (``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``)
@@ -27,10 +32,55 @@ from torch import nn
 
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 
-__all__ = ["Order", "ScheduleTimes", "schedule_order", "simulate_schedule", "simulated_bubble"]
+__all__ = ["ActionCosts", "Order", "ScheduleTimes", "schedule_order", "simulate_schedule", "simulated_bubble"]
 
-_COST = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
-"""Cost of one action on one stage, in units of that stage's forward."""
+_KINDS = ("F", "I", "W", "B")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActionCosts:
+    """What each action of a schedule costs, in any one unit: per stage, its forward, input gradient and weight
+    gradient; a full backward ``B`` is ``I + W``. The first stage's input gradient is never computed (torch skips it:
+    the first stage's input is the batch), so there ``I`` is free and ``W`` (or ``B``) costs its ``I + W``.
+    The default is the planner's: every stage ``F = I = W = 1``, no overhead."""
+
+    forward: tuple[float, ...] = ()
+    """Per stage index; ``()``: 1 for every stage."""
+    input_grad: tuple[float, ...] = ()
+    """Per stage index; ``()``: 1 for every stage."""
+    weight_grad: tuple[float, ...] = ()
+    """Per stage index; ``()``: 1 for every stage."""
+    per_action: float = 0.0
+    """Added to every action, busy time included: the schedule's own work and its P2P calls around a chunk."""
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "input_grad", "weight_grad"):
+            values = getattr(self, name)
+            if any(not v >= 0 for v in values):  # `not >=` also catches NaN
+                raise ValueError(f"`{name}={values}`: costs must be non-negative numbers.")
+        if not self.per_action >= 0:
+            raise ValueError(f"`per_action={self.per_action}` must be a non-negative number.")
+
+    def of(self, kind: str, stage: int) -> float:
+        """The cost of one ``kind`` (``F``, ``I``, ``W``, ``B``) action of ``stage``."""
+        if kind == "F":
+            return self._stage(self.forward, stage) + self.per_action
+        input_grad = self._stage(self.input_grad, stage)
+        weight_grad = self._stage(self.weight_grad, stage)
+        if stage == 0:  # no input gradient: the whole backward runs as the weight gradient's action
+            input_grad, weight_grad = 0.0, input_grad + weight_grad
+        return {"I": input_grad, "W": weight_grad, "B": input_grad + weight_grad}[kind] + self.per_action
+
+    @staticmethod
+    def _stage(values: tuple[float, ...], stage: int) -> float:
+        if not values:
+            return 1.0
+        if stage >= len(values):
+            raise ValueError(f"No cost for stage {stage}: {len(values)} given ({values}); give one per stage.")
+        return values[stage]
+
+
+UNIT_COSTS = ActionCosts()
 
 
 @dataclass
@@ -97,7 +147,7 @@ def _skip(*args: Any, **kwargs: Any) -> None:
 
 
 def _computes(action: Any) -> bool:
-    return action is not None and (action.sub_actions is not None or action.computation_type.value in _COST)
+    return action is not None and (action.sub_actions is not None or action.computation_type.value in _KINDS)
 
 
 def _single_stage_order(name: str, rank: int, p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
@@ -118,7 +168,7 @@ def _flatten(action: Any) -> tuple[tuple[str, int, int], ...]:
 
 @dataclass(frozen=True)
 class ScheduleTimes:
-    """One step of a schedule played with unit costs."""
+    """One step of a schedule played with :class:`ActionCosts`."""
 
     busy: tuple[float, ...]
     """Per rank: the time it computes."""
@@ -131,8 +181,9 @@ class ScheduleTimes:
         return sum(1.0 - busy / self.makespan for busy in self.busy) / len(self.busy)
 
 
-def simulate_schedule(order: Order) -> ScheduleTimes:
-    """Play per-rank action lists (:func:`schedule_order`) with unit costs; see the module docstring.
+def simulate_schedule(order: Order, costs: ActionCosts = UNIT_COSTS) -> ScheduleTimes:
+    """Play per-rank action lists (:func:`schedule_order`) with ``costs`` (default: the planner's unit costs); see the
+    module docstring.
 
     Raises:
         RuntimeError: If the order cannot finish (an action waits for one that never runs before it).
@@ -153,8 +204,9 @@ def simulate_schedule(order: Order) -> ScheduleTimes:
                     break
                 for step, needs in zip(steps, needed, strict=True):
                     start = max([clock[rank], *(done[need] for need in needs)])
-                    clock[rank] = start + _COST[step[0]]
-                    busy[rank] += _COST[step[0]]
+                    cost = costs.of(step[0], step[1])
+                    clock[rank] = start + cost
+                    busy[rank] += cost
                     done[_event(step)] = clock[rank]
                     if step[0] == "B":  # a full backward is its weight gradients' end too
                         done[("W", step[1], step[2])] = clock[rank]
@@ -188,9 +240,17 @@ def _needs(step: tuple[str, int, int], last_stage: int) -> list[tuple[str, int, 
 
 
 @functools.lru_cache(maxsize=1024)
-def simulated_bubble(name: str, *, pipeline_parallel_size: int, num_microbatches: int, stages_per_rank: int) -> float:
-    """The idle share of a step of torch's schedule ``name`` (mean over ranks), played with unit costs."""
+def simulated_bubble(
+    name: str,
+    *,
+    pipeline_parallel_size: int,
+    num_microbatches: int,
+    stages_per_rank: int,
+    costs: ActionCosts = UNIT_COSTS,
+) -> float:
+    """The idle share of a step of torch's schedule ``name`` (mean over ranks), played with ``costs`` (default: unit
+    costs, the planner's)."""
     if pipeline_parallel_size == 1:
         return 0.0
     order = schedule_order(name, pipeline_parallel_size, num_microbatches, stages_per_rank)
-    return simulate_schedule(order).bubble
+    return simulate_schedule(order, costs).bubble
