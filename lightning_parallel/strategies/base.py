@@ -30,14 +30,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.module import LightningModule
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from torch import Tensor, nn
@@ -75,7 +71,11 @@ from lightning_parallel.strategies.nonfinite import (
     start_finite_check,
     validate_nonfinite,
 )
+from lightning_parallel.strategies.options import BaseOptions
 from lightning_parallel.strategies.shutdown import note_failed_run
+
+if TYPE_CHECKING:
+    from lightning_parallel.fault_tolerance.replicas import FaultTolerantReplicas
 
 __all__ = ["LightningParallelStrategy"]
 
@@ -88,9 +88,11 @@ class LightningParallelStrategy(DDPStrategy):
     ``DistributedDataParallel``) only for the strategy that wraps the model in DDP.
 
     Args:
-        start_method: ``"popen"``, ``"spawn"`` or ``"fork"`` (validated here, on every rank).
-        timeout: seconds or a ``timedelta`` a collective may wait.
-        process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
+        options: the subclass's ``start_method`` (``"popen"``, ``"spawn"`` or ``"fork"``, validated here, on every
+            rank), ``timeout`` (seconds or a ``timedelta`` a collective may wait), ``process_group_backend``
+            (``None`` picks NCCL on CUDA and gloo on CPU) and the plugins the Trainer sets (``accelerator``,
+            ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``), as it got them
+            (:func:`~lightning_parallel.strategies.options.base_options`).
         nonfinite_loss: ``"skip"``, ``"stop"`` or ``"ignore"`` (see ``strategies/nonfinite.py``).
         activation_checkpointing: ``False``, ``True`` (every repeated block) or a set of module classes to recompute
             in backward; ``"selective"`` (or ``SelectiveCheckpointing(blocks=...)``) keeps torchtitan's per-op
@@ -102,6 +104,9 @@ class LightningParallelStrategy(DDPStrategy):
     launcher_type: ClassVar[type[ForkSafeLauncher]] = ForkSafeLauncher
     """The launcher for ``start_method="fork"``/``"spawn"``."""
 
+    _replicas: FaultTolerantReplicas | None = None
+    """This job as one replica group of a fault-tolerant run (``fault_tolerance=``, where a subclass takes it)."""
+
     layout_from_environment: ClassVar[bool] = False
     """``True`` where the cluster environment alone says the world size and local ranks, so ``devices``/``num_nodes``
     are not checked against it (Ray Train places its workers on nodes itself: ``lightning_parallel.integrations.ray``).
@@ -110,32 +115,16 @@ class LightningParallelStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        start_method: StartMethod,
-        timeout: timedelta | float,
-        process_group_backend: str | None,
+        options: BaseOptions,
         nonfinite_loss: NonFiniteLoss,
         activation_checkpointing: ActivationCheckpointing = False,
-        accelerator: Accelerator | None,
-        parallel_devices: list[torch.device] | None,
-        cluster_environment: ClusterEnvironment | None,
-        checkpoint_io: CheckpointIO | None,
-        precision_plugin: Precision | None,
         **ddp_options: Any,
     ) -> None:
-        validate_start_method(start_method)
+        validate_start_method(options["start_method"])
         validate_nonfinite(nonfinite_loss)
         validate_activation_checkpointing(activation_checkpointing)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=to_timeout(timeout),
-            start_method=start_method,
-            **ddp_options,
-        )
+        forwarded: dict[str, Any] = {**options, "timeout": to_timeout(options["timeout"])}
+        super().__init__(**forwarded, **ddp_options)
         self.nonfinite_loss = nonfinite_loss
         self.activation_checkpointing = activation_checkpointing
         self.track_communication = False
@@ -196,6 +185,8 @@ class LightningParallelStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._replicas is not None:  # one of several fault-tolerant replica groups: the group's share, then ours
+            return self._replicas.sampler_kwargs(group_rank=self.global_rank, group_world_size=self.world_size)
         # Every rank of `replicate` x `shard` reads its own slice of the batch; a pipeline's ranks read the same one.
         layout = self.mesh_layout
         return {"num_replicas": layout.data_parallel_size, "rank": layout.data_parallel_rank(self.global_rank)}

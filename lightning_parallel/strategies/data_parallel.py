@@ -40,6 +40,7 @@ from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.launch import StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
+from lightning_parallel.strategies.options import base_options
 from lightning_parallel.strategies.tensor_parallel import refuse_tensor_parallel
 
 __all__ = ["UNUSED_PARAMETERS_MESSAGE", "DataParallelStrategy", "UnevenInputs"]
@@ -147,16 +148,9 @@ class DataParallelStrategy(LightningParallelStrategy):
         if not bucket_cap_mb > 0:
             raise ValueError(f"`bucket_cap_mb={bucket_cap_mb!r}` must be a positive number of MiB (25 is DDP's).")
         super().__init__(
-            start_method=start_method,
-            timeout=timeout,
-            process_group_backend=process_group_backend,
+            options=base_options(locals()),
             nonfinite_loss=nonfinite_loss,
             activation_checkpointing=activation_checkpointing,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
             bucket_cap_mb=bucket_cap_mb,
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
@@ -194,13 +188,6 @@ class DataParallelStrategy(LightningParallelStrategy):
                 group_world_size=self.world_size,
                 store=(environment.main_address, environment.main_port),
             )
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._replicas is None:
-            return super().distributed_sampler_kwargs
-        return self._replicas.sampler_kwargs(group_rank=self.global_rank, group_world_size=self.world_size)
 
     @override
     def configure_ddp(self) -> None:

@@ -61,7 +61,13 @@ from lightning_parallel.distributed.pipeline.stage_split import (
 from lightning_parallel.distributed.pipeline.tied import TiedLayout
 from lightning_parallel.distributed.pipeline.verify import closure_evaluated_twice
 from lightning_parallel.distributed.pipeline.zero import PipelineZeroStage, pipeline_zero_config
-from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, ZeroConfig
+from lightning_parallel.distributed.zero.config import (
+    MasterWeights,
+    OverlapParamGather,
+    ZeroConfig,
+    ZeroGradientCompression,
+    zero_options,
+)
 from lightning_parallel.instrumentation import Instrumentation
 from lightning_parallel.lightning_optimizer import unwrap_optimizer
 from lightning_parallel.strategies import pipeline_setup
@@ -69,6 +75,7 @@ from lightning_parallel.strategies.base import LightningParallelStrategy
 from lightning_parallel.strategies.batchnorm import check_layer_sync
 from lightning_parallel.strategies.clipping import with_clipping
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
+from lightning_parallel.strategies.options import FieldOf, base_options
 from lightning_parallel.strategies.parameter_callbacks import hold_averaged_copies
 from lightning_parallel.strategies.pipeline_hooks import HookWindows
 from lightning_parallel.strategies.pipeline_setup import CheckpointFormatName
@@ -139,6 +146,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         bucket_cap_mb: ``zero_stage`` 1-2: size of the flat gradient buckets, in MiB.
         master_weights: ``zero_stage`` 1-3 under ``precision="bf16-true"``: ``"fp32"`` steps fp32 masters of the
             shard (kept without data parallelism too); ``None`` steps the 16-bit parameters.
+        gradient_compression: ``zero_stage`` 1-3: ``"bf16"`` or ``"fp16"`` reduces each stage's gradients over its
+            replicas in that dtype (half the bytes of fp32), written into the shard in its own dtype, as
+            ``ShardedOptimizerStrategy(gradient_compression=...)`` does; ``None`` (default): the shard's dtype.
+            Refused at ``zero_stage=0``.
         overlap_param_gather: ``zero_stage`` 1-2: overlap the all-gather of the stepped parameters with the next
             forward (``True``/``"auto"``) or wait at the end of the step (``False``).
         tensor_parallel_size: 1 only, for now: tensor parallelism inside each stage is not built yet (a
@@ -173,6 +184,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         shard_size: int | None = None,
         bucket_cap_mb: float = 25.0,
         master_weights: MasterWeights = "fp32",
+        gradient_compression: ZeroGradientCompression = None,
         overlap_param_gather: OverlapParamGather = "auto",
         tensor_parallel_size: int = 1,
         start_method: StartMethod = "popen",
@@ -198,26 +210,13 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         )
         zero_config = pipeline_zero_config(  # ShardedOptimizerStrategy's ZeroConfig and messages
             zero_stage,
-            partial(
-                ZeroConfig,
-                shard_size=shard_size,
-                bucket_cap_mb=bucket_cap_mb,
-                master_weights=master_weights,
-                overlap_param_gather=overlap_param_gather,
-            ),
+            partial(ZeroConfig, **zero_options(locals())),
             checkpoint_format=checkpoint_format,
             schedule=self.schedule,
         )
         super().__init__(
-            start_method=start_method,
-            timeout=timeout,
-            process_group_backend=process_group_backend,
+            options=base_options(locals()),
             nonfinite_loss="ignore",  # not checked: the loss of a step exists on the last stage only
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
             activation_checkpointing=activation_checkpointing,
         )
         self._pipeline_parallel_size_arg = pipeline_parallel_size
@@ -265,28 +264,17 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def checkpoint_format(self, value: str) -> None:
         self._checkpoints = CHECKPOINT_FORMATS[value]
 
-    @property
-    def pipeline_parallel_size(self) -> int:
-        """Ranks per pipeline (``"auto"``: the world size)."""
-        return self.pipeline_config.pipeline_parallel_size
-
-    @property
-    def stages_per_rank(self) -> int:
-        """Virtual stages per rank; 1 when a pipeline has one rank (the whole model is then one stage)."""
-        return self.pipeline_config.stages_per_rank
-
-    @property
-    def effective_schedule(self) -> str:
-        """The schedule that runs: ``schedule``, or ``"1F1B"`` on a one-rank pipeline."""
-        return self.pipeline_config.effective_schedule
-
-    @property
-    def num_stages(self) -> int:
-        return self.pipeline_config.num_stages
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.pipeline_config.num_microbatches
+    # Read from `pipeline_config`:
+    pipeline_parallel_size = FieldOf[int]("pipeline_config", 'Ranks per pipeline (``"auto"``: the world size).')
+    stages_per_rank = FieldOf[int](
+        "pipeline_config",
+        "Virtual stages per rank; 1 when a pipeline has one rank (the whole model is then one stage).",
+    )
+    effective_schedule = FieldOf[str](
+        "pipeline_config", 'The schedule that runs: ``schedule``, or ``"1F1B"`` on a one-rank pipeline.'
+    )
+    num_stages = FieldOf[int]("pipeline_config")
+    num_microbatches = FieldOf[int]("pipeline_config")
 
     @property
     def parallel_dims(self) -> ParallelDims:

@@ -34,6 +34,7 @@ from lightning_parallel.distributed.zero.config import (
     Stage,
     ZeroConfig,
     ZeroGradientCompression,
+    zero_options,
 )
 from lightning_parallel.distributed.zero.gradient_loan import GradientLoan, LendOnRead
 from lightning_parallel.fault_tolerance.config import FaultTolerance
@@ -48,6 +49,7 @@ from lightning_parallel.strategies.clipping import LentGradients
 from lightning_parallel.strategies.gradient_readers import gradient_readers, lends_every_step, reader_of_this_read
 from lightning_parallel.strategies.launch import ConsolidatingLauncher, StartMethod
 from lightning_parallel.strategies.nonfinite import NonFiniteLoss
+from lightning_parallel.strategies.options import FieldOf, base_options
 from lightning_parallel.strategies.parameter_callbacks import (
     TrainerParameterCallbacks,
     check_averaging_checkpoint_format,
@@ -185,14 +187,7 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        config = ZeroConfig(  # validates (before any collective)
-            stage=stage,
-            shard_size=shard_size,
-            bucket_cap_mb=bucket_cap_mb,
-            master_weights=master_weights,
-            gradient_compression=gradient_compression,
-            overlap_param_gather=overlap_param_gather,
-        )
+        config = ZeroConfig(stage=stage, **zero_options(locals()))  # validates (before any collective)
         check_choice("checkpoint_format", checkpoint_format, CheckpointFormat)
         _check_tensor_parallel_options(tensor_parallel_size, config, checkpoint_format, fault_tolerance)
         if fault_tolerance is not None and stage == 3:
@@ -205,16 +200,9 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         if fault_tolerance is not None:
             replicas = FaultTolerantReplicas(fault_tolerance, owner=f"ShardedOptimizerStrategy(stage={stage})")
         super().__init__(
-            start_method=start_method,
-            timeout=timeout,
-            process_group_backend=process_group_backend,
+            options=base_options(locals()),
             nonfinite_loss=nonfinite_loss,
             activation_checkpointing=activation_checkpointing,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
         )
         self.zero_config = config
         """The ZeRO settings of the arguments above, validated; the backend chosen in ``setup`` is built from it."""
@@ -236,29 +224,12 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
         self._replicas = replicas
 
     # ------------------------------------------------------------------ settings (read from `zero_config`)
-    @property
-    def stage(self) -> Stage:
-        return self.zero_config.stage
-
-    @property
-    def shard_size(self) -> int | None:
-        return self.zero_config.shard_size
-
-    @property
-    def bucket_cap_mb(self) -> float:
-        return self.zero_config.bucket_cap_mb
-
-    @property
-    def master_weights(self) -> MasterWeights:
-        return self.zero_config.master_weights
-
-    @property
-    def gradient_compression(self) -> ZeroGradientCompression:
-        return self.zero_config.gradient_compression
-
-    @property
-    def overlap_param_gather(self) -> OverlapParamGather:
-        return self.zero_config.overlap_param_gather
+    stage = FieldOf[Stage]("zero_config")
+    shard_size = FieldOf[int | None]("zero_config")
+    bucket_cap_mb = FieldOf[float]("zero_config")
+    master_weights = FieldOf[MasterWeights]("zero_config")
+    gradient_compression = FieldOf[ZeroGradientCompression]("zero_config")
+    overlap_param_gather = FieldOf[OverlapParamGather]("zero_config")
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -298,13 +269,6 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
                 f" the groups themselves (torchft). Pass `shard_size={self.world_size}` or `shard_size=None`, and run"
                 " more replica groups instead of several shard groups per job."
             )
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._replicas is None:
-            return super().distributed_sampler_kwargs
-        return self._replicas.sampler_kwargs(group_rank=self.global_rank, group_world_size=self.world_size)
 
     @property
     def is_sharding(self) -> bool:

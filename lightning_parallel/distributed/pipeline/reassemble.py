@@ -23,10 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parallel.distributed.pipeline.layer_registration import Registration
-from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
-from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
+from lightning_parallel.distributed.pipeline.split_layers import SplitLayers
 from lightning_parallel.distributed.pipeline.tied import TiedParameter
 from lightning_parallel.distributed.pipeline.transfer import broadcast_tensor
 
@@ -59,18 +57,11 @@ def offload_layers(layers: Sequence[nn.Module], indices: Sequence[int], *, keep:
 
 
 def reassemble(
-    module: nn.Module,
-    *,
-    layers: Sequence[nn.Module],
-    registrations: Sequence[Sequence[Registration]],
-    plan: StagePlan,
-    dims: ParallelDims,
-    device: torch.device,
-    tied: Sequence[TiedParameter] = (),
+    module: nn.Module, split: SplitLayers, *, device: torch.device, tied: Sequence[TiedParameter] = ()
 ) -> None:
     """Give every rank of the pipeline the whole model back, on the host (a collective over the pipeline group).
 
-    ``layers`` are all pipeline layers: this rank's real ones and the others as left by :func:`offload_layers`.
+    ``split.layers`` are all pipeline layers: this rank's real ones and the others as left by :func:`offload_layers`.
     Each layer's owner first tells the others what it holds (one ``all_gather_object``), then broadcasts every
     tensor through ``device`` (the device the pipeline group communicates on), one at a time; the receivers copy each
     to the host as it arrives, assign the tensors to the offloaded layer (``requires_grad`` as on the owner) and put
@@ -82,8 +73,9 @@ def reassemble(
     A parameter of ``tied`` is sent once, with its first user's layer; afterwards every user holds one and the same
     ``nn.Parameter`` again: this rank's own copy where it held one, else the one received.
     """
+    layers, plan, dims = split.layers, split.plan, split.dims
     p = dims.pipeline_parallel_size
-    local = {i for stage in plan.stages_of(dims.pipeline_rank) for i in plan.layers_of(stage)}
+    local = split.local
     if p == 1:  # nothing left this rank (ZeRO-3's restore already put the user's layers back, on the host)
         module.cpu()
         return
@@ -117,7 +109,7 @@ def reassemble(
         _retie(layers, t, local)
     # After the ties: a tensor an adapter holds itself is registered as the adapter holds it now (a tied one, the
     # one parameter every user holds).
-    for registration in (r for i, rs in enumerate(registrations) if i not in local for r in rs):
+    for registration in (r for i, rs in enumerate(split.registrations) if i not in local for r in rs):
         registration.place(module)
     module.cpu()  # this rank's own layers and what the module holds besides (the received layers are there already)
 

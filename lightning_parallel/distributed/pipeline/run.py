@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,9 +22,9 @@ from lightning_parallel.distributed.pipeline.consolidate import (
 )
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
 from lightning_parallel.distributed.pipeline.fully_shard import load_whole_parameters
-from lightning_parallel.distributed.pipeline.layer_registration import Registration
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, reassemble
+from lightning_parallel.distributed.pipeline.split_layers import SplitLayers
 from lightning_parallel.distributed.pipeline.stage_holder import HeldStage
 from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, canonical_names
@@ -41,17 +41,17 @@ class PipelineRun:
 
     Made by :func:`~.stage_split.split_into_stages`; :meth:`reassemble` gives the module back whole.
 
-    The live part (:attr:`engine`, :attr:`layers`, :attr:`registrations`) exists while the module holds only this
+    The live part (:attr:`engine`, the layers of :attr:`split`) exists while the module holds only this
     rank's stages. The rest stays after the reassembly (teardown), so that after ``fit`` the strategy still answers
     ``stage_plan`` and writes checkpoints of the stage it trained; the next split replaces the whole record.
     """
 
     module: nn.Module
     """The split module (whole again after :meth:`reassemble`)."""
-    dims: ParallelDims
-    """Ranks and process groups (reused by later splits: the groups are created once)."""
-    plan: StagePlan
-    """Which layers form which stage."""
+    split: SplitLayers
+    """Every pipeline layer (other ranks' on ``meta`` while split), where each sits in the module, the stage plan and
+    the ranks (reused by later splits: the groups are created once); the layers and their registrations are dropped
+    when the module is whole again."""
     tied: TiedGradientSync
     """Tied parameters, the pipeline ranks holding a copy of each, and the groups summing their gradients."""
     aliases: dict[str, str]
@@ -69,14 +69,20 @@ class PipelineRun:
     one chooser picked and, at ZeRO-3, the stage's sharded copies."""
     engine: PipelineEngine | None
     """Runs the steps; ``None`` once the module is whole again."""
-    layers: list[nn.Module]
-    """Every pipeline layer; other ranks' ones on ``meta`` while split."""
-    registrations: list[list[Registration]]
-    """Where each layer's modules sit in the module."""
     failed: bool = False
     """Training failed: the teardown leaves the split module alone (no collective with failed peers)."""
     pending_grads: list[Tensor | None] | None = None
     """The last training step's gradients, handed over in ``backward`` after Lightning's ``zero_grad``."""
+
+    @property
+    def dims(self) -> ParallelDims:
+        """Ranks and process groups."""
+        return self.split.dims
+
+    @property
+    def plan(self) -> StagePlan:
+        """Which layers form which stage."""
+        return self.split.plan
 
     @property
     def backend(self) -> ZeroBackend:
@@ -91,7 +97,7 @@ class PipelineRun:
 
     def drop_split(self) -> None:
         """The module is whole again: forget the engine and the layers."""
-        self.engine, self.layers, self.registrations = None, [], []
+        self.engine, self.split = None, replace(self.split, layers=[], registrations=[])
 
     @contextmanager
     def gradients_set_aside(self, module: nn.Module) -> Iterator[None]:
@@ -128,15 +134,7 @@ class PipelineRun:
         self.backend.wait_for_parameters()
         if self.held.copies is not None:  # ZeRO-3: the shards gathered into the user's layers, back in the module
             self.held.copies.restore()
-        reassemble(
-            module,
-            layers=self.layers,
-            registrations=self.registrations,
-            plan=self.plan,
-            dims=self.dims,
-            device=device,
-            tied=self.tied.layout.parameters,
-        )
+        reassemble(module, self.split, device=device, tied=self.tied.layout.parameters)
         self.drop_split()
 
     def whole_model_view(
@@ -144,16 +142,7 @@ class PipelineRun:
     ) -> WholeModelView:
         """Local. A view that puts the whole model in the split ``module`` for the length of a hook (opening it is a
         collective; :mod:`.whole_model_view`)."""
-        return WholeModelView(
-            module,
-            layers=self.layers,
-            registrations=self.registrations,
-            plan=self.plan,
-            dims=self.dims,
-            aliases=self.aliases,
-            device=device,
-            stats=stats,
-        )
+        return WholeModelView(module, self.split, aliases=self.aliases, device=device, stats=stats)
 
     def load_model_state(self, module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
         """Local. Load this rank's entries of the whole model's ``state_dict`` into the split ``module``."""

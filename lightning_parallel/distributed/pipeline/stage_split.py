@@ -39,7 +39,6 @@ from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout
 from lightning_parallel.distributed.pipeline.contract import ModelCall
 from lightning_parallel.distributed.pipeline.engine import PipelineEngine
 from lightning_parallel.distributed.pipeline.layer_registration import (
-    Registration,
     check_parameter_ownership,
     layer_registrations,
     local_module_ids,
@@ -52,13 +51,14 @@ from lightning_parallel.distributed.pipeline.reassemble import offload_layers
 from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 from lightning_parallel.distributed.pipeline.run import PipelineRun
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
+from lightning_parallel.distributed.pipeline.split_layers import SplitLayers
 from lightning_parallel.distributed.pipeline.stage_holder import (
     StageHolding,
     check_holdable,
     hold_stage,
     stage_backend_type,
 )
-from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod, StagePlan
+from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod
 from lightning_parallel.distributed.pipeline.tied import (
     TiedGradientSync,
     TiedLayout,
@@ -201,7 +201,8 @@ def split_into_stages(
     broadcast_from_rank0(module, device)  # every stage and replica starts from rank 0's weights
     layout = TiedLayout(tuple(tied), plan)
     tied_sync = tied_gradient_sync(layout, dims, previous)
-    local = keep_local_layers(module, layers, registrations, plan, dims.pipeline_rank)
+    split = SplitLayers(layers=list(layers), registrations=registrations, plan=plan, dims=dims)
+    local = keep_local_layers(module, split)
     canonical_held = set(canonical_names(module, aliases).values())
     if holding.convert is not None:
         holding.convert(module)
@@ -235,8 +236,7 @@ def split_into_stages(
     )
     return PipelineRun(
         module=module,
-        dims=dims,
-        plan=plan,
+        split=split,
         tied=tied_sync,
         aliases=aliases,
         full_state_keys=full_state_keys,
@@ -245,23 +245,14 @@ def split_into_stages(
         local_parameter_names=canonical_held - layout.uncounted(dims.pipeline_rank),
         held=held,
         engine=engine,
-        layers=layers,
-        registrations=registrations,
     )
 
 
-def keep_local_layers(
-    module: nn.Module,
-    layers: Sequence[nn.Module],
-    registrations: Sequence[Sequence[Registration]],
-    plan: StagePlan,
-    pipeline_rank: int,
-) -> set[int]:
+def keep_local_layers(module: nn.Module, split: SplitLayers) -> set[int]:
     """Local. Replace the layers of other pipeline ranks by placeholders in ``module`` and move them to ``meta`` (a
     module a local layer shares stays); returns the indices of this rank's layers."""
-    local_stages = plan.stages_of(pipeline_rank)
-    local = {i for s in local_stages for i in plan.layers_of(s)}
-    shared = local_module_ids(layers, plan, local_stages)
-    remove_remote_layers(module, registrations, plan, local_stages, keep=shared)
+    local_stages, local, layers = split.local_stages, split.local, split.layers
+    shared = local_module_ids(layers, split.plan, local_stages)
+    remove_remote_layers(module, split.registrations, split.plan, local_stages, keep=shared)
     offload_layers(layers, [i for i in range(len(layers)) if i not in local], keep=shared)
     return local

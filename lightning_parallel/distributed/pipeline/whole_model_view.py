@@ -32,7 +32,7 @@ queued before it; one read per parameter would wait as many times).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -41,9 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.accounting import CommunicationStats
-from lightning_parallel.distributed.pipeline.layer_registration import Registration
-from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
-from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
+from lightning_parallel.distributed.pipeline.split_layers import SplitLayers
 
 __all__ = ["GradientMode", "HookCost", "OpenView", "WholeModelView"]
 
@@ -127,10 +125,8 @@ class WholeModelView:
 
     Args:
         module: The user's split module.
-        layers: Every pipeline layer (other ranks' on ``meta``), as the split keeps them.
-        registrations: Where each layer's modules sit in ``module``.
-        plan: Which layers form which stage.
-        dims: Ranks and process groups.
+        split: Every pipeline layer (other ranks' on ``meta``), where each sits in ``module``, which stage holds it,
+            and the ranks, as the split keeps them.
         aliases: Other name -> canonical name of every parameter with several names (tied weights).
         device: Where received tensors are put (this rank's device).
         stats: Where to count the bytes (``None``: not counted), asked at every open.
@@ -139,23 +135,20 @@ class WholeModelView:
     def __init__(
         self,
         module: nn.Module,
+        split: SplitLayers,
         *,
-        layers: Sequence[nn.Module],
-        registrations: Sequence[Sequence[Registration]],
-        plan: StagePlan,
-        dims: ParallelDims,
         aliases: Mapping[str, str],
         device: torch.device,
         stats: Callable[[], CommunicationStats | None] = lambda: None,
     ) -> None:
         self.module = module
-        self.layers = list(layers)
-        self.registrations = [list(r) for r in registrations]
-        self.dims = dims
+        self.layers = list(split.layers)
+        self.registrations = [list(r) for r in split.registrations]
+        self.dims = split.dims
         self.aliases = dict(aliases)
         self.device = device
         self.stats = stats
-        self.local = {i for s in plan.stages_of(dims.pipeline_rank) for i in plan.layers_of(s)}
+        self.local = split.local
         self.local_modules = {id(m) for i in self.local for m in self.layers[i].modules()}
         self._held: list[list[_Held]] | None = None  # per pipeline rank, gathered at the first open
 

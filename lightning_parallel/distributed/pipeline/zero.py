@@ -97,6 +97,13 @@ def pipeline_zero_config(
     )
     config = settings(stage=zero_stage or 1)  # validates the options whatever the stage
     if zero_stage == 0:
+        if config.gradient_compression is not None:
+            raise ValueError(
+                f"`gradient_compression={config.gradient_compression!r}` reduces ZeRO's gradients in that dtype, but"
+                " `zero_stage=0` holds each stage without ZeRO (its replicas average the gradients in their own"
+                " dtype). Pass `zero_stage=1`, 2 or 3 (the same weights and checkpoints as 0), or leave"
+                " `gradient_compression=None`."
+            )
         defaults = ZeroConfig()
         given = {name: getattr(config, name) for name in _ZERO_ONLY}
         changed = [f"`{name}={value!r}`" for name, value in given.items() if value != getattr(defaults, name)]

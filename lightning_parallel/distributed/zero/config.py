@@ -8,8 +8,9 @@ size is checked once the world size is known (:class:`~lightning_parallel.distri
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 import torch
 
@@ -17,7 +18,7 @@ from lightning_parallel.choices import check_choice
 from lightning_parallel.distributed.compression import compression_dtype
 from lightning_parallel.distributed.mesh import validate_shard_size
 
-__all__ = ["MasterWeights", "OverlapParamGather", "Stage", "ZeroConfig", "ZeroGradientCompression"]
+__all__ = ["MasterWeights", "OverlapParamGather", "Stage", "ZeroConfig", "ZeroGradientCompression", "zero_options"]
 
 Stage = Literal[1, 2, 3]
 MasterWeights = Literal["fp32"] | None
@@ -102,3 +103,10 @@ class ZeroConfig:
     def reduce_dtype(self) -> torch.dtype | None:
         """:attr:`gradient_compression` as the dtype gradients are reduced in, ``None`` without compression."""
         return None if self.gradient_compression is None else compression_dtype(self.gradient_compression)
+
+
+def zero_options(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`ZeroConfig` fields other than ``stage`` among a strategy ``__init__``'s arguments (its
+    ``locals()``): the ZeRO options both ZeRO strategies take under the same names, forwarded in one place
+    (``ZeroConfig(stage=..., **zero_options(locals()))``; :class:`ZeroConfig` validates them)."""
+    return {field.name: arguments[field.name] for field in fields(ZeroConfig) if field.name != "stage"}
