@@ -27,6 +27,7 @@ FOREIGN = {
     "torch/distributed/_tools/mem_tracker.py": "torch's source, quoted",
     "torchtitan/distributed/activation_checkpoint.py": "torchtitan's source, quoted",
     "docs/performance.md": "torchtitan's docs, quoted",
+    "transformers/distributed/tensor_parallel.py": "transformers' source, quoted",
 }
 _TOKEN = re.compile(r"(?<![\w./-])((?:\.\./)*(?:[\w.-]+/)*[\w-]+\.(?:py|md))(?![\w/])")
 

@@ -135,11 +135,15 @@ def _fit_monitored(stage: int, world_size: int, rank: int, reads_on: int | None)
     trainer = zoo.trainer(strategy, world_size, max_steps=STEPS, callbacks=callbacks)
     messages = _Messages()
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    # INFO whatever ran before in this process (the demo quiets Lightning's loggers to WARNING)
+    level = logger.level
+    logger.setLevel(logging.INFO)
     logger.addHandler(messages)
     try:
         trainer.fit(Mlp(), zoo.loader(world_size, rank))
     finally:
         logger.removeHandler(messages)
+        logger.setLevel(level)
     parameters = list(trainer.lightning_module.parameters())
     if stage == 3:  # each `DTensor` gradient gathered whole
         lent, flags = sum(param.numel() for param in parameters) * FLOAT, 0
