@@ -278,7 +278,13 @@ def _trainer_peaks(
     peaks = {}
     for name in strategies:
         torch.manual_seed(0)
-        strategy = DataParallelStrategy() if name == "data_parallel" else ShardedOptimizerStrategy(stage=int(name[-1]))
+        # "zero3_tp2": `ShardedOptimizerStrategy(stage=3, tensor_parallel_size=2)` (test_planner_tensor_parallel.py)
+        tensor = int(name.partition("_tp")[2] or 1)
+        strategy = (
+            DataParallelStrategy()
+            if name == "data_parallel"
+            else ShardedOptimizerStrategy(stage=int(name[4]), tensor_parallel_size=tensor)
+        )
         monitor = ParallelismMonitor(peak_tensors_step=1, figure_path=False, summary_path=None)
         trainer = make_trainer(strategy, devices=world_size, max_steps=2, callbacks=[monitor], precision=precision)
         trainer.fit(_llama_module(), train_dataloaders=DataLoader(data, batch_size=4))

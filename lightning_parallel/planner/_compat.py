@@ -7,6 +7,12 @@
   that torch's own tests and torchtitan use to act as one rank of any world.
 * ``disable_current_modes`` (``torch.utils._python_dispatch._disable_current_modes``): leaves the fake mode for a
   moment (a device mesh computes its coordinates from a real tensor).
+* ``DeviceMesh._concatenate``: FSDP2 joins a tensor-parallel weight's data and tensor sub-meshes into one with it
+  (torch 2.11-2.14: ``FSDPParam``), computing the new mesh's coordinates from real tensors:
+  :func:`meshes_made_outside_fake_mode` gives the dry run versions of it and of ``DeviceMesh.__getitem__`` that
+  leave the fake mode.
+* ``torch.ops._c10d_functional.wait_tensor`` (:data:`WAIT_TENSOR`): the wait on a functional collective (DTensor's
+  redistributions), which the dry run answers as the eager kernel does (its input back).
 * :func:`forget_cached_shardings`: DTensor's process-wide caches keyed on a device mesh (the sharding propagator's,
   the redistribution planner's, ``MeshTopoInfo.build_from_mesh``'s), each cleared where this torch has it.
 
@@ -16,11 +22,45 @@ way to write a dispatch mode; pytrees), unchanged since torch 2.0; they are impo
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
 
-__all__ = ["FakeStore", "FakeTensorMode", "disable_current_modes", "forget_cached_shardings"]
+__all__ = [
+    "WAIT_TENSOR",
+    "FakeStore",
+    "FakeTensorMode",
+    "disable_current_modes",
+    "forget_cached_shardings",
+    "meshes_made_outside_fake_mode",
+]
+
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+"""The wait on a functional collective's result (torch 2.11-2.14)."""
+
+
+def meshes_made_outside_fake_mode() -> list[tuple[Any, str, Any]]:
+    """``(DeviceMesh, name, replacement)`` for the dry run's ``answered_locally``: a sub-mesh (``mesh["shard"]``) and
+    FSDP2's join of a tensor-parallel weight's sub-meshes (``DeviceMesh._concatenate``) computed outside the fake
+    mode. Both compute the new mesh's coordinates from the meshes' real tensors: in the fake mode the join has no
+    kernel (``nonzero``) and a sub-mesh's local rank would read a fake scalar (measured: a shard rank of 1 in a shard
+    group of 1, every unsplit parameter's local shard empty)."""
+
+    def outside_fake_mode(method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with disable_current_modes():
+                return method(*args, **kwargs)
+
+        return call
+
+    return [
+        (DeviceMesh, "_concatenate", staticmethod(outside_fake_mode(DeviceMesh._concatenate))),
+        (DeviceMesh, "__getitem__", outside_fake_mode(DeviceMesh.__getitem__)),
+    ]
 
 
 def forget_cached_shardings() -> None:

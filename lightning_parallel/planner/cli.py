@@ -78,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
         " cannot run on fake tensors keep the"
         " formula ('formula' in that column). Needs transformers for a Hugging Face config.",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="above 1: one more row, ZeRO-3 with the model's tensor-parallel plan split over that many ranks"
+        " (a LightningModule path with a tensor_parallel_plan() or a Hugging Face model inside)",
+    )
     return parser
 
 

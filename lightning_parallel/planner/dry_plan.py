@@ -118,17 +118,18 @@ def _layout(
     config: ConfigEstimate, *, world_size: int, bucket_cap_mb: float, backend: str, precision: str
 ) -> DryRunLayout | None:
     """The dry-run layout of a data-parallel / ZeRO table row, or ``None`` for another row."""
-    name = config.name
-    strategy, _, shard = name.partition(" shard=")
+    strategy, *options = config.name.split(" ")  # "zero3", "zero2 shard=4", "zero3 tp=2"
     if strategy not in ("data_parallel", "zero1", "zero2", "zero3"):
         return None
+    values = dict(option.split("=", 1) for option in options)
     return DryRunLayout(
         strategy=strategy,
         world_size=world_size,
-        shard_size=int(shard) if shard else None,
+        shard_size=int(values["shard"]) if "shard" in values else None,
         bucket_cap_mb=bucket_cap_mb,
         backend=backend,
         precision=precision,
+        tensor_parallel_size=int(values.get("tp", 1)),
     )
 
 

@@ -57,9 +57,17 @@ from torch.utils._pytree import tree_flatten
 from lightning_parallel.accounting import LiveTensorPeak, PeakMemory, live_tensors, optimizer_state_tensors
 from lightning_parallel.distributed.activation_checkpointing import apply_activation_checkpointing
 from lightning_parallel.distributed.mesh import MeshLayout
+from lightning_parallel.distributed.tensor_parallel import apply_tensor_parallel, resolve_plan
 from lightning_parallel.distributed.zero.backends import ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero.config import MasterWeights, OverlapParamGather, Stage, ZeroConfig
-from lightning_parallel.planner._compat import FakeStore, FakeTensorMode, disable_current_modes, forget_cached_shardings
+from lightning_parallel.planner._compat import (
+    WAIT_TENSOR,
+    FakeStore,
+    FakeTensorMode,
+    disable_current_modes,
+    forget_cached_shardings,
+    meshes_made_outside_fake_mode,
+)
 
 __all__ = [
     "DRY_RUN_STRATEGIES",
@@ -111,6 +119,10 @@ class DryRunLayout:
     overlap_param_gather: OverlapParamGather = "auto"
     """ZeRO-1/2, as ``ShardedOptimizerStrategy``'s: the all-gather after the step in flight through the next
     forward (``"auto"``/``True``) or waited for at once (``False``)."""
+    tensor_parallel_size: int = 1
+    """ZeRO-3, as ``ShardedOptimizerStrategy``'s: ranks that split each layer of the model's tensor-parallel plan
+    (``tensor_parallel_plan()`` or a Hugging Face ``tp_plan``) over the mesh's innermost ``tensor`` axis, ZeRO-3
+    sharding over the ``world_size / tensor_parallel_size`` data-parallel ranks (docs/tensor_parallel.md)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in DRY_RUN_STRATEGIES:
@@ -121,9 +133,19 @@ class DryRunLayout:
             raise ValueError(f"`rank={self.rank}` is outside the world of {self.world_size} ranks.")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f'`backend={self.backend!r}` is invalid: use "nccl" or "gloo".')
-        MeshLayout.for_sharding(self.world_size, self.shard_size)  # validates shard_size
+        if self.tensor_parallel_size != 1 and self.strategy != "zero3":
+            raise ValueError(
+                f"`tensor_parallel_size={self.tensor_parallel_size}` is dry-run with `strategy='zero3'` only (as"
+                f" `ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)` takes it), not {self.strategy!r}."
+            )
+        self.mesh_layout  # noqa: B018  # validates shard_size and tensor_parallel_size
         if self.strategy != "data_parallel":
             self.zero_config  # noqa: B018  # validates the ZeRO settings
+
+    @property
+    def mesh_layout(self) -> MeshLayout:
+        """The strategy's mesh layout for this world: ``(replicate, shard, pp)``, and ``tensor`` when splitting."""
+        return MeshLayout.for_sharding(self.world_size, self.shard_size, tensor_parallel_size=self.tensor_parallel_size)
 
     @property
     def zero_config(self) -> ZeroConfig:
@@ -181,10 +203,17 @@ class StepPeak:
 # ------------------------------------------------------------------------------------------------- fake scalars
 class _ControlScalars(TorchDispatchMode):
     """Gives data-dependent reads of fake tensors a value: the constant torch kept for a small tensor made from a
-    literal (also through a collective, which on one simulated rank leaves rank-agreed values as they are), else 1."""
+    literal (also through a collective, which on one simulated rank leaves rank-agreed values as they are), else 1.
+
+    Also waits on a functional collective (``_c10d_functional.wait_tensor``, what ``DTensor``'s redistributions of
+    tensor parallelism issue) as torch's eager kernel does, returning its input: the fake kernel returns a new
+    tensor, which would count every gathered or reduced activation twice (measured: one extra logits-sized tensor
+    in a Llama's vocabulary-gathered LM head)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is WAIT_TENSOR:
+            return args[0]
         if func is torch.ops.aten._local_scalar_dense.default:
             tensor = args[0]
             constant = getattr(tensor, "constant", None)
@@ -307,8 +336,14 @@ class _StepRunner:
             self.optimizer = workload.make_optimizer(module.parameters())
             return
         self.backend = _zero_backend(layout, device)
-        # `ShardedOptimizerStrategy.setup`'s order: convert, checkpoint activations, hold the module, the optimizer.
+        # `ShardedOptimizerStrategy.setup`'s order: convert, split (tensor parallel), checkpoint activations, hold the
+        # module, the optimizer.
         self.backend.convert_module(module, convert=lambda m: cast_floating_tensors(m, layout.dtype))
+        if layout.tensor_parallel_size > 1:  # the strategy's `split_module`, on the backend's (fake) mesh
+            mesh = getattr(self.backend, "mesh", None)
+            assert mesh is not None  # a tensor axis needs 2 ranks or more
+            plan = resolve_plan(module, owner=f"the dry run's tensor_parallel_size={layout.tensor_parallel_size}")
+            apply_tensor_parallel(module, plan, mesh["tensor"], device)
         if workload.activation_checkpointing:
             apply_activation_checkpointing(module, workload.activation_checkpointing)
         self.backend.setup_module(module, device)
@@ -377,14 +412,14 @@ class _StepRunner:
 
 def _zero_backend(layout: DryRunLayout, device: torch.device) -> ZeroBackend:
     """The backend ``ShardedOptimizerStrategy`` holds the model with in ``layout`` (its chooser, its records), on the
-    strategy's ``("replicate", "shard", "pp")`` mesh of this (real or fake) world."""
+    strategy's ``("replicate", "shard", "pp")`` mesh of this (real or fake) world (and ``"tensor"`` when splitting)."""
     config = layout.zero_config
     is_sharding = layout.world_size > 1
     keeps_masters = layout.dtype != torch.float32 and config.master_weights == "fp32"
     mesh = None
     if is_sharding:
         with disable_current_modes():  # a device mesh computes its coordinates from real tensors
-            mesh = MeshLayout.for_sharding(layout.world_size, layout.shard_size).build(device.type)
+            mesh = layout.mesh_layout.build(device.type)
     context = ZeroContext(rank=dist.get_rank(), world_size=layout.world_size, mesh=mesh)
     return backend_type(config.stage, is_sharding=is_sharding, keeps_masters=keeps_masters)(config, context)
 
@@ -473,7 +508,11 @@ def fake_world_answers(backend: str) -> list[Replacement]:
         del group
         return backend
 
-    return [(dist, "get_backend", get_backend), (nn.Module, "to", _to_unless_there(nn.Module.to))]
+    return [
+        (dist, "get_backend", get_backend),
+        (nn.Module, "to", _to_unless_there(nn.Module.to)),
+        *meshes_made_outside_fake_mode(),
+    ]
 
 
 def _to_unless_there(module_to: Callable[..., nn.Module]) -> Callable[..., nn.Module]:

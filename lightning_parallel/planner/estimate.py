@@ -72,6 +72,7 @@ from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layo
 from lightning_parallel.planner.activations import activation_bytes
 from lightning_parallel.planner.bubble import simulated_bubble
 from lightning_parallel.planner.spec import ModelSpec, ParamSpec
+from lightning_parallel.planner.tensor_parallel import split_parameters, split_shape, tensor_parallel_communication
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -225,11 +226,15 @@ def _activations(
     with_embedding: bool = True,
     recompute_samples: float | None = None,
     batches: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> int | None:
-    """Peak activation bytes (:func:`.activations.activation_bytes`); ``None`` without a transformer shape."""
+    """Peak activation bytes (:func:`.activations.activation_bytes`); ``None`` without a transformer shape. Under
+    tensor parallelism, of the shape one tensor rank computes (:func:`.tensor_parallel.split_shape`)."""
     shape = ctx.spec.shape
     if shape is None:
         return None
+    if tensor_parallel_size > 1:
+        shape = split_shape(shape, tensor_parallel_size)
     return activation_bytes(
         shape,
         seq_len=ctx.seq_len,
@@ -399,17 +404,24 @@ def _across_replicas(comm: dict[str, int], layout: MeshLayout, num_bytes: int) -
 
 
 def estimate_zero3(
-    ctx: EstimateContext, *, master_weights: bool | None = None, shard_size: int | None = None
+    ctx: EstimateContext,
+    *,
+    master_weights: bool | None = None,
+    shard_size: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> ConfigEstimate:
     """ZeRO-3 (FSDP2). ``master_weights``: fp32 sharded masters of 16-bit parameters; ``None``: when 16-bit.
     ``shard_size``: HSDP over groups of that many ranks (``None``: every rank); each unit's reduced gradient shard
-    is then all-reduced across the replica groups."""
-    layout = MeshLayout.for_sharding(ctx.world_size, shard_size)
+    is then all-reduced across the replica groups. ``tensor_parallel_size``: the layers of the model's
+    tensor-parallel plan split over that many ranks first (:mod:`.tensor_parallel`: local shapes, their
+    collectives over the tensor group, the split layers' activations), ZeRO-3 over the remaining data axes."""
+    t = tensor_parallel_size
+    layout = MeshLayout.for_sharding(ctx.world_size, shard_size, tensor_parallel_size=t)
     n, e = layout.shard_size, ctx.element_bytes
     compute = e  # bytes per element all-gathered for compute
     if _keeps_master(ctx, master_weights):
         e = MASTER_BYTES  # the shards, their gradients (reduced in fp32) and the optimizer state
-    params = ctx.spec.params
+    params = ctx.spec.params if t == 1 else split_parameters(ctx.spec, t)
     rows = [p.shape[0] if p.shape else 1 for p in params]
     row_numel = [p.numel // d0 if d0 else 0 for p, d0 in zip(params, rows, strict=True)]
     padded_shard = [-(-d0 // n) * rn for d0, rn in zip(rows, row_numel, strict=True)]
@@ -430,7 +442,13 @@ def estimate_zero3(
     _zero_loan(ctx, comm, gathered=whole, flags=0, ranks=n)
     lent = whole if ctx.reads_gradients and n > 1 else 0
     layers = ctx.spec.shape.num_layers if ctx.spec.shape else 0
-    act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_head=True)
+    act = _activations(ctx, blocks=layers, samples=ctx.batch_size, with_head=True, tensor_parallel_size=t)
+    if t > 1:
+        tokens = ctx.batch_size * ctx.seq_len
+        split = tensor_parallel_communication(ctx.spec, tokens=tokens, element_bytes=ctx.activation_bytes)
+        for kind, num_bytes in split.items():
+            comm[kind] = comm.get(kind, 0) + num_bytes
+            across.append((kind, num_bytes, t))
     ranks = []
     for rank in range(ctx.world_size):
         r = layout.shard_rank(rank)
@@ -441,6 +459,11 @@ def estimate_zero3(
             RankEstimate(held, held, ctx.state_count * local * e, dict(comm), act, lent=lent, other_groups=across)
         )
     name, strategy = _zero_name(ctx, 3, shard_size, layout)
+    if t > 1:
+        sharding = f", shard_size={layout.shard_size}" if layout.replicate_size > 1 else ""
+        checkpointing = f", {_CHECKPOINTING_ARGUMENTS[ctx.checkpointing]}" if ctx.checkpointing != "none" else ""
+        name = f"{name} tp={t}"
+        strategy = f"ShardedOptimizerStrategy(stage=3{sharding}, tensor_parallel_size={t}{checkpointing})"
     return ConfigEstimate(name, strategy, ranks, notes=notes)
 
 

@@ -193,6 +193,7 @@ def plan(
     search_layouts: bool = True,
     dry_run: bool = False,
     reads_gradients: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> Plan:
     """Predict bytes held per rank and bytes communicated per step for every strategy configuration, and pick one.
 
@@ -252,6 +253,10 @@ def plan(
             gradient-norm logger every step): ZeRO rows then count the loan of whole gradients (one more all-gather
             of the gradient bytes a step; stages 2-3 hold those bytes from backward until the step). Code that reads on
             a few steps only pays this on those steps (docs/zero.md).
+        tensor_parallel_size: above 1, one more row, ``zero3 tp=T``: ``ShardedOptimizerStrategy(stage=3,
+            tensor_parallel_size=T)``, the layers of the model's tensor-parallel plan split over ``T`` ranks and ZeRO-3
+            over the rest (:mod:`lightning_parallel.planner.tensor_parallel`; the dry run plays it). Needs a module
+            with a plan (``tensor_parallel_plan()`` or a Hugging Face model inside), not a config or a count.
 
     Raises:
         ValueError: for an unknown optimizer, precision, attention kernel or checkpointing mode, or a world size /
@@ -288,6 +293,10 @@ def plan(
 
     ctx = context(checkpointing)
     configs = _table(ctx, num_nodes=num_nodes, bucket_cap_mb=bucket_cap_mb, pipelines=pipelines)
+    if tensor_parallel_size > 1:
+        configs.insert(
+            4 if world_size > 1 else len(configs), estimate_zero3(ctx, tensor_parallel_size=tensor_parallel_size)
+        )
     for config in configs:
         config.checkpointing = checkpointing
     dry_notes: list[str] = []
