@@ -29,7 +29,7 @@ class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(64)
-        self.up, self.down = nn.Linear(64, 256, bias=False), nn.Linear(256, 64, bias=False)
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
 
     def forward(self, x: Tensor) -> Tensor:
         return x + self.down(torch.relu(self.up(self.norm(x))))
