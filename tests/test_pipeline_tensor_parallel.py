@@ -45,7 +45,7 @@ class OwnModel(PlannedModel):
         return [self.embed, *self.blocks, self.head]
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        logits = self(batch[:, :-1])
+        logits = self(batch[:, :-1].contiguous())  # torch 2.11's stage checks the strides of its example's inputs
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
         self.log("train_loss", loss)
         return loss
