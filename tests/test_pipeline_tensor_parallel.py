@@ -2,8 +2,8 @@
 tensor_parallel_size=2)`` on 4 forked gloo ranks (pipeline 2 x tensor 2, ``zero_stage=0``, no data parallelism).
 
 * unit: the ranks of the pipeline on the mesh with the tensor axis innermost (each tensor rank's pipeline group, the
-  replica's source of batches); refusals of what is not built yet (ZeRO inside, data-parallel replicas), before
-  any process group.
+  replica's source of batches); refused on every rank before any process group: what is not built yet (ZeRO inside,
+  data-parallel replicas), a module without a plan, a head count the tensor size does not divide.
 * integration, against one device on the same batches: a Hugging Face Llama with nothing written for it (the
   pipeline's split from its ``base_model_pp_plan``, the tensor split from its own ``tp_plan``) and a module of our
   own through its ``pipeline_layers()`` and ``tensor_parallel_plan()`` train with AdamW and clipping on the global
@@ -78,20 +78,38 @@ def test_refuses_what_is_not_built_yet() -> None:
         PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=3)
 
 
-def _fit_refused(rank: int, world_size: int) -> str:
-    strategy = PipelineParallelStrategy(pipeline_parallel_size=1, tensor_parallel_size=2)
+class Unplanned(OwnModel):
+    """Pipeline layers, but no ``tensor_parallel_plan()`` and no Hugging Face model."""
+
+    tensor_parallel_plan = None  # type: ignore[assignment]
+
+
+REFUSED = {
+    "replicas": (OwnModel, 1, "would make 2 data-parallel replicas, which tensor parallelism inside the stages"),
+    "no plan": (Unplanned, 2, "define `tensor_parallel_plan(self)`"),
+    "heads": (
+        lambda: Llama(num_attention_heads=2, num_key_value_heads=1),
+        2,
+        "does not divide `model.config.num_key_value_heads` = 1",
+    ),
+}
+
+
+def _fit_refused(rank: int, world_size: int, case: str) -> str:
+    make, pipeline, _ = REFUSED[case]
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=pipeline, tensor_parallel_size=2)
     try:
-        trainer(strategy, world_size, max_steps=1).fit(OwnModel(), _loader())
+        trainer(strategy, world_size, max_steps=1).fit(make(), _loader())
     except ValueError as error:
         assert not dist.is_initialized()
         return str(error)
     raise AssertionError("not refused")
 
 
-def test_data_parallel_replicas_refused_before_the_process_group() -> None:
-    messages = run_distributed(_fit_refused, 4, init_process_group=False, timeout=60)
-    expected = "would make 2 data-parallel replicas, which tensor parallelism inside the stages does not average yet"
-    assert all(expected in message for message in messages), messages
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_on_every_rank_before_the_process_group(case: str) -> None:
+    messages = run_distributed(_fit_refused, 4, args=(case,), init_process_group=False, timeout=60)
+    assert all(REFUSED[case][2] in message for message in messages), messages
 
 
 # ---------------------------------------------------------------------- integration: equal to one device
