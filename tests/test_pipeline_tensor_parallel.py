@@ -159,7 +159,14 @@ def _fit(name: str, world_size: int, directory: str) -> dict[str, Any]:
 
 
 def _in_ranks(rank: int, world_size: int, directory: str = "") -> dict[str, Any]:
-    return {name: _fit(name, world_size, directory) for name in MODELS}
+    results = {name: _fit(name, world_size, directory) for name in MODELS}
+    if world_size > 1:  # resuming into tensor-parallel stages is refused on every rank, naming what to do instead
+        strategy = PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2)
+        with pytest.raises(ValueError, match=r"Resuming a checkpoint into .*tensor_parallel_size=2\)` is not built"):
+            trainer(strategy, world_size, max_steps=STEPS + 1).fit(
+                OwnModel(), _loader(), ckpt_path=f"{directory}/own.ckpt"
+            )
+    return results
 
 
 def test_two_stages_by_two_tensor_ranks_train_like_one_device(tmp_path: Path) -> None:

@@ -671,13 +671,27 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.is_split:
             return super().load_model_state_dict(checkpoint, strict=strict)
+        self._refuse_loading_into_tensor_parallel()
         self._current_run.load_model_state(self.module, checkpoint["state_dict"], strict=strict)
         return None
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        self._refuse_loading_into_tensor_parallel()
         self._current_run.load_optimizer_states(self.unwrapped_optimizers(), checkpoint["optimizer_states"])
         _compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _refuse_loading_into_tensor_parallel(self) -> None:
+        """Every rank, at the same point of the restore (no collective pending): a checkpoint's state is not cut into
+        the split layers' slices yet (the weights, restored before the split, are)."""
+        if self.tensor_parallel_size > 1:
+            size = self.tensor_parallel_size
+            raise ValueError(
+                f"Resuming a checkpoint into `PipelineParallelStrategy(tensor_parallel_size={size})` is not built yet"
+                " (its optimizer state is not cut into the split layers' slices). Resume under"
+                " `tensor_parallel_size=1`, or `ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)`; the"
+                " checkpoint itself is in the single-device layout."
+            )
 
     @override
     def teardown(self) -> None:
