@@ -677,20 +677,18 @@ class PipelineParallelStrategy(LightningParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        self._refuse_loading_into_tensor_parallel()
         self._current_run.load_optimizer_states(self.unwrapped_optimizers(), checkpoint["optimizer_states"])
         _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _refuse_loading_into_tensor_parallel(self) -> None:
-        """Every rank, at the same point of the restore (no collective pending): a checkpoint's state is not cut into
-        the split layers' slices yet (the weights, restored before the split, are)."""
+        """Every rank, at the same point (no collective pending): weights are not cut into the split layers' slices
+        once split (a ``fit(ckpt_path=...)`` loads them before the split, which cuts them)."""
         if self.tensor_parallel_size > 1:
             size = self.tensor_parallel_size
             raise ValueError(
-                f"Resuming a checkpoint into `PipelineParallelStrategy(tensor_parallel_size={size})` is not built yet"
-                " (its optimizer state is not cut into the split layers' slices). Resume under"
-                " `tensor_parallel_size=1`, or `ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)`; the"
-                " checkpoint itself is in the single-device layout."
+                f"Loading weights into the split stages of `PipelineParallelStrategy(tensor_parallel_size={size})` is"
+                " not built yet: pass the checkpoint to `trainer.fit(ckpt_path=...)` (loaded before the split), or"
+                " load it into the module before `fit`."
             )
 
     @override

@@ -27,7 +27,11 @@ from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, re
 from lightning_parallel.distributed.pipeline.split_layers import SplitLayers
 from lightning_parallel.distributed.pipeline.stage_holder import HeldStage
 from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
-from lightning_parallel.distributed.pipeline.tensor_parallel_stage import StageTensorParallel, placed_like_parameters
+from lightning_parallel.distributed.pipeline.tensor_parallel_stage import (
+    StageTensorParallel,
+    place_optimizer_state,
+    placed_like_parameters,
+)
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, canonical_names
 from lightning_parallel.distributed.pipeline.whole_model_view import WholeModelView
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within
@@ -228,6 +232,8 @@ class PipelineRun:
         stepped = self.backend.parameters_stepped_by(optimizer)
         group_params = [[param for param in stepped if names[id(param)] in group] for group in groups]
         self.backend.load_optimizer_state(optimizer, state.slice_for(optimizer, names, group_params=group_params))
+        if self.tensor_parallel is not None:  # the split weights' moments cut into their slices
+            place_optimizer_state(optimizer)
 
     def stage_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
         """Local. ``(canonical name, parameter)`` of what this rank holds, and the pieces of the sharded format this

@@ -22,13 +22,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import Optimizer
 
 from lightning_parallel.distributed.pipeline.remote_layer import RemoteLayer
 from lightning_parallel.distributed.tensor_parallel import TensorParallelPlan
 from lightning_parallel.distributed.tensor_parallel.apply import parallelize
 
-__all__ = ["StageTensorParallel", "placed_like_parameters", "split_stage"]
+__all__ = ["StageTensorParallel", "place_optimizer_state", "placed_like_parameters", "split_stage"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,22 @@ def placed_like_parameters(params: list[nn.Parameter], grads: list[torch.Tensor 
         else grad
         for param, grad in zip(params, grads, strict=True)
     ]
+
+
+@torch.no_grad()
+def place_optimizer_state(optimizer: Optimizer) -> None:
+    """Local. The state of each split parameter loaded whole (a single-device checkpoint's moments) cut into the
+    parameter's own slice (``distribute_tensor`` without a source rank: every rank slices its copy)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not isinstance(param, DTensor) or not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+                    state[key] = distribute_tensor(
+                        value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+                    )
 
 
 def split_stage(module: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> StageTensorParallel:
