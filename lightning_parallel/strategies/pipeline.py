@@ -82,7 +82,6 @@ from lightning_parallel.strategies.pipeline_setup import CheckpointFormatName
 from lightning_parallel.strategies.tensor_parallel import (
     check_pipeline_tensor_parallel,
     check_plan_early,
-    refuse_data_parallel_tensor_parallel,
     tensor_parallel_plan,
 )
 
@@ -158,9 +157,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         overlap_param_gather: ``zero_stage`` 1-2: overlap the all-gather of the stepped parameters with the next
             forward (``True``/``"auto"``) or wait at the end of the step (``False``).
         tensor_parallel_size: Ranks splitting each stage's layers (the mesh's innermost ``tensor`` axis), from the
-            module's ``tensor_parallel_plan()`` or a Hugging Face model's own plan; ``zero_stage=0`` and no data
-            parallelism only, for now (``world_size = pipeline_parallel_size x tensor_parallel_size``;
-            docs/tensor_parallel.md).
+            module's ``tensor_parallel_plan()`` or a Hugging Face model's own plan; ``zero_stage=0`` only, for now
+            (the data-parallel replicas of a stage average their gradients' local shards; docs/tensor_parallel.md).
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
@@ -330,7 +328,6 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         counts = f" (`pipeline_parallel_size={self.pipeline_parallel_size}` x `stages_per_rank={self.stages_per_rank}`)"
         check_splittable(model, num_stages=self.num_stages, counts=counts)
         if self.tensor_parallel_size > 1:
-            refuse_data_parallel_tensor_parallel(self.mesh_layout)
             check_plan_early(model, self.tensor_parallel_size, owner="PipelineParallelStrategy")
 
     @override

@@ -2,8 +2,8 @@
 the plan resolved and checked before the processes join, the module split in ``setup``.
 
 ``ShardedOptimizerStrategy(tensor_parallel_size=T)`` takes it (stage 3: TP inside, FSDP2 over the data axes);
-``PipelineParallelStrategy(tensor_parallel_size=T)`` splits each stage's layers (``zero_stage=0``, no data
-parallelism, for now: :func:`check_pipeline_tensor_parallel`); ``DataParallelStrategy`` refuses it naming those
+``PipelineParallelStrategy(tensor_parallel_size=T)`` splits each stage's layers (``zero_stage=0`` for now:
+:func:`check_pipeline_tensor_parallel`); ``DataParallelStrategy`` refuses it naming those
 strategies (:func:`refuse_tensor_parallel`). docs/tensor_parallel.md.
 """
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.distributed.mesh import MeshLayout, validate_tensor_parallel_size
+from lightning_parallel.distributed.mesh import validate_tensor_parallel_size
 from lightning_parallel.distributed.tensor_parallel import (
     TensorParallelPlan,
     apply_tensor_parallel,
@@ -25,7 +25,6 @@ __all__ = [
     "TAKEN_BY",
     "check_pipeline_tensor_parallel",
     "check_plan_early",
-    "refuse_data_parallel_tensor_parallel",
     "refuse_tensor_parallel",
     "split_module",
     "tensor_parallel_plan",
@@ -59,19 +58,6 @@ def check_pipeline_tensor_parallel(tensor_parallel_size: object, *, zero_stage: 
             " parallelism inside the stages runs with `zero_stage=0` only, for now (the stage's ZeRO backends do not"
             " hold split weights yet). Use `zero_stage=0`, or `ShardedOptimizerStrategy(stage=3,"
             f" tensor_parallel_size={tensor_parallel_size})` without a pipeline."
-        )
-
-
-def refuse_data_parallel_tensor_parallel(layout: MeshLayout) -> None:
-    """Local, on every rank before the process group is joined: a pipeline with tensor parallelism has no
-    data-parallel replicas yet (``ValueError`` naming the sizes and the fix)."""
-    if layout.data_parallel_size > 1:
-        p, t = layout.pipeline_parallel_size, layout.tensor_parallel_size
-        raise ValueError(
-            f"`PipelineParallelStrategy(pipeline_parallel_size={p}, tensor_parallel_size={t})` on {layout.world_size}"
-            f" ranks would make {layout.data_parallel_size} data-parallel replicas, which tensor parallelism inside"
-            f" the stages does not average yet: run on {p * t} devices, or set `pipeline_parallel_size` to"
-            f" {layout.world_size // t}."
         )
 
 
