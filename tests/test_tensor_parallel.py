@@ -257,8 +257,8 @@ def test_strategies_refuse_what_does_not_compose() -> None:
         ValueError, match=r"`DataParallelStrategy` does not split layers.*ShardedOptimizerStrategy\(stage=3"
     ):
         DataParallelStrategy(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"`PipelineParallelStrategy` does not split layers yet.*stage=3"):
-        PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2, zero_stage=1\)`: tensor parallelism inside"):
+        PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=1)
     with pytest.raises(ValueError, match="stages 1-2 keep whole parameters in flat buckets"):
         ShardedOptimizerStrategy(stage=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="checkpoints are written consolidated"):

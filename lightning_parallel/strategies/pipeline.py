@@ -79,7 +79,11 @@ from lightning_parallel.strategies.options import FieldOf, base_options
 from lightning_parallel.strategies.parameter_callbacks import hold_averaged_copies
 from lightning_parallel.strategies.pipeline_hooks import HookWindows
 from lightning_parallel.strategies.pipeline_setup import CheckpointFormatName
-from lightning_parallel.strategies.tensor_parallel import refuse_tensor_parallel
+from lightning_parallel.strategies.tensor_parallel import (
+    check_pipeline_tensor_parallel,
+    check_plan_early,
+    tensor_parallel_plan,
+)
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -152,8 +156,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             Refused at ``zero_stage=0``.
         overlap_param_gather: ``zero_stage`` 1-2: overlap the all-gather of the stepped parameters with the next
             forward (``True``/``"auto"``) or wait at the end of the step (``False``).
-        tensor_parallel_size: 1 only, for now: tensor parallelism inside each stage is not built yet (a
-            ``ValueError`` names ``ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)``, which takes it).
+        tensor_parallel_size: Ranks splitting each stage's layers (the mesh's innermost ``tensor`` axis), from the
+            module's ``tensor_parallel_plan()`` or a Hugging Face model's own plan; ``zero_stage=0`` only, for now
+            (the data-parallel replicas of a stage average their gradients' local shards; docs/tensor_parallel.md).
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
@@ -197,7 +202,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self.schedule = resolve_schedule(schedule)
-        refuse_tensor_parallel(tensor_parallel_size, owner="PipelineParallelStrategy", supported_later=True)
+        check_pipeline_tensor_parallel(tensor_parallel_size, zero_stage=zero_stage)
         pipeline_setup.check_arguments(
             pipeline_parallel_size=pipeline_parallel_size,
             num_microbatches=num_microbatches,
@@ -238,6 +243,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._skip_warned = False
         self._hook_windows = HookWindows()  # the whole model in the module's own hooks (`pipeline_hooks.py`)
         self._batch_bytes: deque[int] = deque()  # each fetched training batch's broadcast, until its step starts
+        self.tensor_parallel_size = tensor_parallel_size
+        """Ranks splitting each stage's layers (the mesh's ``tensor`` axis; 1: no tensor parallelism)."""
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -320,6 +327,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         check_layer_sync(_compat.layer_sync_of(self), self.strategy_name, self.root_device, supported=False)
         counts = f" (`pipeline_parallel_size={self.pipeline_parallel_size}` x `stages_per_rank={self.stages_per_rank}`)"
         check_splittable(model, num_stages=self.num_stages, counts=counts)
+        if self.tensor_parallel_size > 1:
+            check_plan_early(model, self.tensor_parallel_size, owner="PipelineParallelStrategy")
 
     @override
     def setup_environment(self) -> None:
@@ -340,8 +349,10 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def mesh_layout(self) -> MeshLayout:
         """``replicate x shard x P``: the data-parallel replicas of each stage on the ``replicate`` axis, or with ZeRO
         on the ``shard`` axis (``shard_size`` of them; the rest on ``replicate``: hybrid sharding)."""
-        p = self.pipeline_parallel_size
-        return pipeline_mesh_layout(self.world_size, pipeline_parallel_size=p, zero_config=self.zero_config)
+        p, t = self.pipeline_parallel_size, self.tensor_parallel_size
+        return pipeline_mesh_layout(
+            self.world_size, pipeline_parallel_size=p, zero_config=self.zero_config, tensor_parallel_size=t
+        )
 
     # ------------------------------------------------------------------ setup
     @override
@@ -400,13 +411,14 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 self.global_rank,
                 pipeline_parallel_size=p,
                 zero_config=zero_config,
+                tensor_parallel_size=self.tensor_parallel_size,
                 mesh=self.device_mesh,
                 host_data_parallel_group=self.host_groups.data_parallel if self.world_size > 1 else None,
             )
         example = pipeline_setup.example_model_inputs(trainer, module, call, num_microbatches=self.num_microbatches)
         if dims.pipeline_parallel_size > 1:  # planned from the first stage's batch on every rank, as it trains
-            first = dims.pipeline_global_rank(0)
-            example, _ = broadcast_batch(example, BatchBroadcast(dims.pipeline_group, first, self.root_device))
+            first = dims.replica_source(0)
+            example, _ = broadcast_batch(example, BatchBroadcast(dims.replica_group, first, self.root_device))
         # Recorded whatever runs first, so that a later `fit` of this Trainer can still write consolidated checkpoints.
         layouts = pipeline_setup.whole_model_optimizer_layouts(module, fitting=fitting)
         precision = self.precision_plugin.precision
@@ -431,6 +443,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
                 convert=self.precision_plugin.convert_module,
                 warn=rank_zero_warn,
                 stats=self._tracked_stats,
+                tensor_parallel=tensor_parallel_plan(module, self.tensor_parallel_size, owner=self.strategy_name),
             ),
             optimizer_layouts=layouts,
             on_chunk=self.events.chunk,
@@ -496,8 +509,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         if self._run is not None and self.pipeline_parallel_size > 1:
             dims = self._run.dims
             tell_data_parallel_rank(dataloader, rank=dims.data_parallel_rank, size=dims.data_parallel_size)
-            first = dims.pipeline_global_rank(self._run.plan.rank_of_stage(0))
-            exchange = BatchBroadcast(group=dims.pipeline_group, src=first, device=self.root_device)
+            first = dims.replica_source(self._run.plan.rank_of_stage(0))  # with TP: its tensor rank 0
+            exchange = BatchBroadcast(group=dims.replica_group, src=first, device=self.root_device)
             dataloader = replica_batches(dataloader, exchange, self._batch_bytes.append if training else None)
         if not training:
             return dataloader
@@ -655,6 +668,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.is_split:
             return super().load_model_state_dict(checkpoint, strict=strict)
+        self._refuse_loading_into_tensor_parallel()
         self._current_run.load_model_state(self.module, checkpoint["state_dict"], strict=strict)
         return None
 
@@ -662,6 +676,17 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         self._current_run.load_optimizer_states(self.unwrapped_optimizers(), checkpoint["optimizer_states"])
         _compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _refuse_loading_into_tensor_parallel(self) -> None:
+        """Every rank, at the same point (no collective pending): weights are not cut into the split layers' slices
+        once split (a ``fit(ckpt_path=...)`` loads them before the split, which cuts them)."""
+        if self.tensor_parallel_size > 1:
+            size = self.tensor_parallel_size
+            raise ValueError(
+                f"Loading weights into the split stages of `PipelineParallelStrategy(tensor_parallel_size={size})` is"
+                " not built yet: pass the checkpoint to `trainer.fit(ckpt_path=...)` (loaded before the split), or"
+                " load it into the module before `fit`."
+            )
 
     @override
     def teardown(self) -> None:

@@ -2,8 +2,9 @@
 the plan resolved and checked before the processes join, the module split in ``setup``.
 
 ``ShardedOptimizerStrategy(tensor_parallel_size=T)`` takes it (stage 3: TP inside, FSDP2 over the data axes);
-``DataParallelStrategy`` refuses it naming that strategy, and ``PipelineParallelStrategy`` does not take it yet
-(:func:`refuse_tensor_parallel`). docs/tensor_parallel.md.
+``PipelineParallelStrategy(tensor_parallel_size=T)`` splits each stage's layers (``zero_stage=0`` for now:
+:func:`check_pipeline_tensor_parallel`); ``DataParallelStrategy`` refuses it naming those
+strategies (:func:`refuse_tensor_parallel`). docs/tensor_parallel.md.
 """
 
 from __future__ import annotations
@@ -20,23 +21,50 @@ from lightning_parallel.distributed.tensor_parallel import (
     resolve_plan,
 )
 
-__all__ = ["TAKEN_BY", "check_plan_early", "refuse_tensor_parallel", "split_module"]
+__all__ = [
+    "TAKEN_BY",
+    "check_pipeline_tensor_parallel",
+    "check_plan_early",
+    "refuse_tensor_parallel",
+    "split_module",
+    "tensor_parallel_plan",
+]
 
-TAKEN_BY = "`ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)`"
+TAKEN_BY = (
+    "`ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)` or"
+    " `PipelineParallelStrategy(tensor_parallel_size=...)`"
+)
 """The strategies that take ``tensor_parallel_size``, as refusals name them."""
 
 
-def refuse_tensor_parallel(tensor_parallel_size: object, *, owner: str, supported_later: bool = False) -> None:
-    """Local, in ``__init__``: ``owner`` takes no tensor parallelism (``supported_later``: not yet); ``ValueError``
-    naming the strategies that do unless ``tensor_parallel_size`` is 1."""
+def refuse_tensor_parallel(tensor_parallel_size: object, *, owner: str) -> None:
+    """Local, in ``__init__``: ``owner`` takes no tensor parallelism; ``ValueError`` naming the strategies that do
+    unless ``tensor_parallel_size`` is 1."""
     validate_tensor_parallel_size(tensor_parallel_size)
     if tensor_parallel_size != 1:
-        does_not = "does not split layers yet" if supported_later else "does not split layers"
         raise ValueError(
-            f"`{owner}` {does_not}: `tensor_parallel_size={tensor_parallel_size}` is taken by {TAKEN_BY}"
-            " (tensor parallelism inside, ZeRO-3 over the data-parallel ranks). Use that strategy, or drop the"
-            " argument."
+            f"`{owner}` does not split layers: `tensor_parallel_size={tensor_parallel_size}` is taken by {TAKEN_BY}."
+            " Use one of those strategies, or drop the argument."
         )
+
+
+def check_pipeline_tensor_parallel(tensor_parallel_size: object, *, zero_stage: object) -> None:
+    """Local, in ``PipelineParallelStrategy.__init__``: tensor parallelism inside the stages is built for
+    ``zero_stage=0``; ``ValueError`` naming the sizes otherwise."""
+    validate_tensor_parallel_size(tensor_parallel_size)
+    if tensor_parallel_size != 1 and zero_stage != 0:
+        raise ValueError(
+            f"`PipelineParallelStrategy(tensor_parallel_size={tensor_parallel_size}, zero_stage={zero_stage})`: tensor"
+            " parallelism inside the stages runs with `zero_stage=0` only, for now (the stage's ZeRO backends do not"
+            " hold split weights yet). Use `zero_stage=0`, or `ShardedOptimizerStrategy(stage=3,"
+            f" tensor_parallel_size={tensor_parallel_size})` without a pipeline."
+        )
+
+
+def tensor_parallel_plan(module: nn.Module, tensor_parallel_size: int, *, owner: str) -> TensorParallelPlan | None:
+    """Local. ``module``'s resolved plan (:func:`~lightning_parallel.distributed.tensor_parallel.resolve_plan`), or
+    ``None`` when ``tensor_parallel_size`` is 1."""
+    return resolve_plan(module, owner=owner) if tensor_parallel_size > 1 else None
 
 
 def check_plan_early(module: nn.Module | None, tensor_parallel_size: int, *, owner: str) -> None:

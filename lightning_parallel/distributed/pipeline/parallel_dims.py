@@ -22,11 +22,14 @@ __all__ = ["ParallelDims", "build_parallel_dims", "pipeline_mesh_layout"]
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """A pipeline rank's view of the shared mesh (``distributed/mesh.py``): ``replicate x shard x pp`` ranks, the
-    pipeline ranks of a replica adjacent, the data-parallel replicas of each stage on the mesh's data axes
-    (``replicate``, and ``shard`` where ZeRO shards the stage over them).
+    """A pipeline rank's view of the shared mesh (``distributed/mesh.py``): ``replicate x shard x pp (x tensor)``
+    ranks, the pipeline ranks of a replica adjacent (each with its ``tensor`` ranks innermost), the data-parallel
+    replicas of each stage on the mesh's data axes (``replicate``, and ``shard`` where ZeRO shards the stage over
+    them).
 
-    ``global_rank = data_parallel_rank * pipeline_parallel_size + pipeline_rank``.
+    ``global_rank = (data_parallel_rank * pipeline_parallel_size + pipeline_rank) * tensor_parallel_size +
+    tensor_rank``. With tensor parallelism, :attr:`pipeline_group` holds the ranks of this rank's tensor rank: every
+    tensor rank of a stage exchanges the (whole) activations with the same tensor rank of the next stage.
     """
 
     world_size: int
@@ -34,9 +37,12 @@ class ParallelDims:
     pipeline_parallel_size: int
     shard_size: int = 1
     """Ranks of the ``shard`` axis: the replicas of a stage that ZeRO shards it over (1 without ZeRO)."""
+    tensor_parallel_size: int = 1
+    """Ranks of the ``tensor`` axis: the ranks splitting each layer of a stage (1: no tensor parallelism)."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
-    """The strategy's mesh, axes ``("replicate", "shard", "pp")``; with both data axes larger than one also the
-    flattened ``"dp"`` axis (:meth:`flatten_data_axes`); ``None`` until :meth:`with_groups` built one or the
+    """The strategy's mesh, axes ``("replicate", "shard", "pp")`` (and ``"tensor"`` with tensor parallelism); with
+    both data axes larger than one also the flattened ``"dp"`` axis, with tensor parallelism in a pipeline the
+    flattened ``"pp_tensor"`` axis (:meth:`flatten_data_axes`); ``None`` until :meth:`with_groups` built one or the
     strategy handed its own."""
     host_data_parallel_group: Any = field(default=None, repr=False)
     """A CPU (gloo) group of :attr:`data_parallel_group`'s ranks (``HostGroups.data_parallel``), for the per-step
@@ -46,7 +52,10 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         layout = MeshLayout(
-            self.world_size, shard_size=self.shard_size, pipeline_parallel_size=self.pipeline_parallel_size
+            self.world_size,
+            shard_size=self.shard_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
         object.__setattr__(self, "layout", layout)  # frozen: set once, here
 
@@ -54,6 +63,16 @@ class ParallelDims:
     def pipeline_group(self) -> Any:
         """Process group of this rank's pipeline (the ranks of one replica): the mesh's ``"pp"`` axis."""
         return self._mesh().get_group("pp")
+
+    @property
+    def tensor_group(self) -> Any:
+        """Process group of the ranks splitting this rank's layers: the mesh's ``"tensor"`` axis (``None`` without
+        tensor parallelism)."""
+        return self._mesh().get_group("tensor") if self.tensor_parallel_size > 1 else None
+
+    @property
+    def tensor_rank(self) -> int:
+        return self.layout.tensor_rank(self.global_rank)
 
     @property
     def data_parallel_group(self) -> Any:
@@ -68,9 +87,24 @@ class ParallelDims:
 
     def flatten_data_axes(self) -> None:
         """Collective (every rank, once, after the mesh is set): with both data axes larger than one, create the
-        flattened ``"dp"`` axis :attr:`data_parallel_group` returns (a process group of its own)."""
+        flattened ``"dp"`` axis :attr:`data_parallel_group` returns (a process group of its own); with tensor
+        parallelism in a pipeline, the flattened ``"pp_tensor"`` axis :attr:`replica_group` returns."""
         if self.layout.is_hybrid:
             self._mesh()["replicate", "shard"]._flatten("dp")  # torchtitan's way; no public API in torch 2.13
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            self._mesh()["pp", "tensor"]._flatten("pp_tensor")  # the replica's ranks: `replica_group`
+
+    @property
+    def replica_group(self) -> Any:
+        """Process group of every rank of this rank's pipeline replica: :attr:`pipeline_group`, with tensor
+        parallelism also every tensor rank of each stage (they all train on one batch: ``replica_batches.py``)."""
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            return self._mesh()["pp_tensor"].get_group()
+        return self.pipeline_group if self.tensor_parallel_size == 1 else self.tensor_group
+
+    def replica_source(self, pipeline_rank: int) -> int:
+        """Global rank of ``pipeline_rank`` at tensor rank 0 in this rank's replica (whose batch the replica reads)."""
+        return (self.data_parallel_rank * self.pipeline_parallel_size + pipeline_rank) * self.tensor_parallel_size
 
     @property
     def device(self) -> torch.device:
@@ -99,8 +133,10 @@ class ParallelDims:
         return self.layout.data_parallel_rank(self.global_rank)
 
     def pipeline_global_rank(self, pipeline_rank: int) -> int:
-        """Global rank of ``pipeline_rank`` in this rank's replica."""
-        return self.data_parallel_rank * self.pipeline_parallel_size + pipeline_rank
+        """Global rank of ``pipeline_rank`` in this rank's replica (at this rank's tensor rank)."""
+        return (self.data_parallel_rank * self.pipeline_parallel_size + pipeline_rank) * self.tensor_parallel_size + (
+            self.tensor_rank
+        )
 
     def with_groups(self, device_type: str) -> ParallelDims:
         """Collective: a copy holding a new mesh and its process groups, created on every rank in the same order (a
@@ -109,15 +145,20 @@ class ParallelDims:
 
 
 def pipeline_mesh_layout(
-    world_size: int, *, pipeline_parallel_size: int, zero_config: ZeroConfig | None = None
+    world_size: int,
+    *,
+    pipeline_parallel_size: int,
+    zero_config: ZeroConfig | None = None,
+    tensor_parallel_size: int = 1,
 ) -> MeshLayout:
-    """``replicate x shard x pp``: the data-parallel replicas of each stage on the ``replicate`` axis, or with ZeRO on
-    the ``shard`` axis (``zero_config.shard_size`` of them, the rest on ``replicate``: hybrid sharding)."""
-    p = pipeline_parallel_size
-    if zero_config is None or world_size % p:
-        return MeshLayout(world_size, pipeline_parallel_size=p)
-    shard_size = zero_config.shard_size or world_size // p
-    return MeshLayout(world_size, shard_size=shard_size, pipeline_parallel_size=p)
+    """``replicate x shard x pp (x tensor)``: the data-parallel replicas of each stage on the ``replicate`` axis, or
+    with ZeRO on the ``shard`` axis (``zero_config.shard_size`` of them, the rest on ``replicate``: hybrid sharding);
+    ``tensor_parallel_size`` ranks split each stage's layers (innermost)."""
+    p, t = pipeline_parallel_size, tensor_parallel_size
+    if zero_config is None or world_size % (p * t):
+        return MeshLayout(world_size, pipeline_parallel_size=p, tensor_parallel_size=t)
+    shard_size = zero_config.shard_size or world_size // (p * t)
+    return MeshLayout(world_size, shard_size=shard_size, pipeline_parallel_size=p, tensor_parallel_size=t)
 
 
 def build_parallel_dims(
@@ -126,6 +167,7 @@ def build_parallel_dims(
     *,
     pipeline_parallel_size: int,
     zero_config: ZeroConfig | None = None,
+    tensor_parallel_size: int = 1,
     mesh: DeviceMesh | None = None,
     device_type: str = "cpu",
     host_data_parallel_group: Any = None,
@@ -133,12 +175,18 @@ def build_parallel_dims(
     """Collective (every rank, once). This rank's :class:`~.parallel_dims.ParallelDims` on ``mesh`` (the
     :func:`pipeline_mesh_layout`'s, built on ``device_type`` when not given) with the groups a split needs
     (``host_data_parallel_group``: see :attr:`~.parallel_dims.ParallelDims.host_data_parallel_group`)."""
-    layout = pipeline_mesh_layout(world_size, pipeline_parallel_size=pipeline_parallel_size, zero_config=zero_config)
+    layout = pipeline_mesh_layout(
+        world_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        zero_config=zero_config,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     dims = ParallelDims(
         world_size,
         global_rank,
         pipeline_parallel_size,
         shard_size=layout.shard_size,
+        tensor_parallel_size=tensor_parallel_size,
         mesh=mesh,
         host_data_parallel_group=host_data_parallel_group,
     )

@@ -27,6 +27,11 @@ from lightning_parallel.distributed.pipeline.reassemble import mark_orphaned, re
 from lightning_parallel.distributed.pipeline.split_layers import SplitLayers
 from lightning_parallel.distributed.pipeline.stage_holder import HeldStage
 from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
+from lightning_parallel.distributed.pipeline.tensor_parallel_stage import (
+    StageTensorParallel,
+    place_optimizer_state,
+    placed_like_parameters,
+)
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, canonical_names
 from lightning_parallel.distributed.pipeline.whole_model_view import WholeModelView
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters_within
@@ -69,6 +74,9 @@ class PipelineRun:
     one chooser picked and, at ZeRO-3, the stage's sharded copies."""
     engine: PipelineEngine | None
     """Runs the steps; ``None`` once the module is whole again."""
+    tensor_parallel: StageTensorParallel | None = None
+    """The stage's layers split over the ``tensor`` axis (``None``: no tensor parallelism); made whole again first
+    when the module is reassembled."""
     failed: bool = False
     """Training failed: the teardown leaves the split module alone (no collective with failed peers)."""
     pending_grads: list[Tensor | None] | None = None
@@ -112,6 +120,8 @@ class PipelineRun:
             yield
         finally:
             self.pending_grads = [p.grad for p in params]
+            if self.tensor_parallel is not None:  # each split weight's gradient on its own shard
+                self.pending_grads = placed_like_parameters(params, self.pending_grads)
             for p, grad in zip(params, previous, strict=True):
                 p.grad = grad
 
@@ -134,6 +144,8 @@ class PipelineRun:
         self.backend.wait_for_parameters()
         if self.held.copies is not None:  # ZeRO-3: the shards gathered into the user's layers, back in the module
             self.held.copies.restore()
+        if self.tensor_parallel is not None:  # the stage's layers whole again (a collective over the tensor group)
+            self.tensor_parallel.gather(module)
         reassemble(module, self.split, device=device, tied=self.tied.layout.parameters)
         self.drop_split()
 
@@ -220,6 +232,8 @@ class PipelineRun:
         stepped = self.backend.parameters_stepped_by(optimizer)
         group_params = [[param for param in stepped if names[id(param)] in group] for group in groups]
         self.backend.load_optimizer_state(optimizer, state.slice_for(optimizer, names, group_params=group_params))
+        if self.tensor_parallel is not None:  # the split weights' moments cut into their slices
+            place_optimizer_state(optimizer)
 
     def stage_pieces(self, optimizer: Optimizer | None) -> tuple[list[tuple[str, Tensor]], list[FlatPiece]]:
         """Local. ``(canonical name, parameter)`` of what this rank holds, and the pieces of the sharded format this

@@ -33,8 +33,10 @@ from lightning_parallel.distributed.pipeline.fully_shard import PipelineFullySha
 from lightning_parallel.distributed.pipeline.layer_registration import Registration
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.stage_plan import StagePlan
+from lightning_parallel.distributed.pipeline.tensor_parallel_stage import StageTensorParallel
 from lightning_parallel.distributed.pipeline.tied import TiedGradientSync, TiedParameter, canonical_names
 from lightning_parallel.distributed.pipeline.zero import TiedCopiesSum, check_no_tie_within_a_rank
+from lightning_parallel.distributed.tensor_parallel import TensorParallelPlan
 from lightning_parallel.distributed.zero.backends import StageExtensions, ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero.config import ZeroConfig
 
@@ -66,6 +68,9 @@ class StageHolding:
     """How the backend warns (an optimizer not known to update element-wise)."""
     stats: Callable[[], CommunicationStats | None] = field(default=_not_counted)
     """Where collective bytes are counted now (``None``: not counted; a monitor switches counting on per run)."""
+    tensor_parallel: TensorParallelPlan | None = None
+    """The whole module's tensor-parallel plan: this rank's layers are split over the mesh's ``tensor`` axis after
+    the pipeline split (``tensor_parallel_stage.py``); ``None``: no tensor parallelism."""
 
 
 @dataclass(frozen=True)
@@ -109,10 +114,12 @@ def hold_stage(
     aliases: Mapping[str, str],
     device: torch.device,
     previous: HeldStage | None = None,
+    tensor_parallel: StageTensorParallel | None = None,
 ) -> HeldStage:
     """Collective over the stage's replicas (ZeRO-3: FSDP2's set-up) or local. Build ``chosen`` holding this rank's
     ``layers`` of the split ``module`` (every replica from rank 0's weights already), with the pipeline's extensions.
-    The optimizers come later: ``backend.setup_optimizers`` (fitting only)."""
+    The optimizers come later: ``backend.setup_optimizers`` (fitting only). ``tensor_parallel``: the stage's layers
+    are split over the tensor group, whose ranks the clipping norm also sums over (each element counted once)."""
     sharded_names = dict(previous.sharded_names) if previous is not None else {}
     reusable = chosen.shards_gradients and not chosen.shards_parameters  # the fit's shard views stay the state
     if previous is not None and not holding.fitting and reusable and type(previous.backend) is chosen:
@@ -125,11 +132,14 @@ def hold_stage(
     held = copies.container if copies is not None else module
     uncounted = tied.layout.uncounted(dims.pipeline_rank)
     names = canonical_names(module, aliases)
+    replicated = tensor_parallel.replicated_names(held, dims.tensor_rank) if tensor_parallel is not None else set()
     extensions = StageExtensions(
         after_reduction=TiedCopiesSum(module, tied, dims, aliases, stats=holding.stats),
-        norm_groups=(dims.pipeline_group,),
+        norm_groups=(dims.pipeline_group,) if dims.tensor_group is None else (dims.pipeline_group, dims.tensor_group),
         uncounted=frozenset(
-            name for name, param in held.named_parameters(remove_duplicate=False) if names.get(id(param)) in uncounted
+            name
+            for name, param in held.named_parameters(remove_duplicate=False)
+            if names.get(id(param)) in uncounted or name in replicated
         ),
         device=device,
     )

@@ -59,6 +59,7 @@ from lightning_parallel.distributed.pipeline.stage_holder import (
     stage_backend_type,
 )
 from lightning_parallel.distributed.pipeline.stage_plan import PartitionMethod
+from lightning_parallel.distributed.pipeline.tensor_parallel_stage import split_stage
 from lightning_parallel.distributed.pipeline.tied import (
     TiedGradientSync,
     TiedLayout,
@@ -207,6 +208,9 @@ def split_into_stages(
     if holding.convert is not None:
         holding.convert(module)
     module.to(device)
+    tensor_parallel = (
+        split_stage(module, holding.tensor_parallel, mesh["tensor"]) if holding.tensor_parallel is not None else None
+    )
     # ZeRO-3: the local layers' sharded copies run the stages (the optimizers are built after this).
     held = hold_stage(
         chosen,
@@ -220,6 +224,7 @@ def split_into_stages(
         aliases=aliases,
         device=device,
         previous=previous.held if previous is not None else None,
+        tensor_parallel=tensor_parallel,
     )
     running = held.layers
     engine = PipelineEngine(
@@ -245,6 +250,7 @@ def split_into_stages(
         local_parameter_names=canonical_held - layout.uncounted(dims.pipeline_rank),
         held=held,
         engine=engine,
+        tensor_parallel=tensor_parallel,
     )
 
 

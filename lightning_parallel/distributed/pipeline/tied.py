@@ -126,15 +126,18 @@ class TiedGradientSync:
 
     def __init__(self, layout: TiedLayout, dims: ParallelDims) -> None:
         self.layout = layout
-        p = dims.pipeline_parallel_size
+        p, t = dims.pipeline_parallel_size, dims.tensor_parallel_size
         self._groups: list[tuple[Any, list[str]]] = []
         """(process group, canonical names) of the sets this rank belongs to."""
         for ranks, names in layout.rank_sets().items():
             for replica in range(dims.data_parallel_size):
-                members = [replica * p + r for r in ranks]  # pipeline ranks `ranks` of data-parallel replica `replica`
-                group = dims.pipeline_group if len(ranks) == p else dist.new_group(members)
-                if replica == dims.data_parallel_rank and dims.pipeline_rank in ranks:
-                    self._groups.append((group, names))
+                for tensor_rank in range(t):
+                    # pipeline ranks `ranks` of data-parallel replica `replica`, at tensor rank `tensor_rank`
+                    members = [(replica * p + r) * t + tensor_rank for r in ranks]
+                    group = dims.pipeline_group if len(ranks) == p else dist.new_group(members)
+                    mine = replica == dims.data_parallel_rank and tensor_rank == dims.tensor_rank
+                    if mine and dims.pipeline_rank in ranks:
+                        self._groups.append((group, names))
 
     def all_reduce(
         self, module: nn.Module, aliases: Mapping[str, str], *, stats: CommunicationStats | None = None

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.distributed.checkpoint import host_copy
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
@@ -103,8 +104,9 @@ def broadcast_tensor(
 
 
 def gather_to_pipeline_root(value: Any, dims: ParallelDims) -> list[Any] | None:
-    """Collective over the pipeline group. ``value`` of every pipeline rank of this replica, in pipeline-rank order,
-    on pipeline rank 0 with every tensor a host copy (``None`` elsewhere).
+    """Collective over the pipeline group (and the tensor group: ``DTensor``s are gathered whole first). ``value`` of
+    every pipeline rank of this replica, in pipeline-rank order, on pipeline rank 0 with every tensor a host copy
+    (``None`` elsewhere).
 
     ``value`` holds tensors anywhere (the device, the host) in nested dicts, lists, tuples and dataclasses. The
     structures go in one ``all_gather_object`` (no tensor in it); then rank 1's tensors one at a time
@@ -113,6 +115,9 @@ def gather_to_pipeline_root(value: Any, dims: ParallelDims) -> list[Any] | None:
     training holds. (A broadcast rather than a send: it runs on the group's own communicator, where point-to-point
     pairs of ranks that are not neighbours would each open one more; the other ranks drop what they receive.)
     """
+    # Tensor parallelism: each split tensor whole first (a collective over the tensor group, whose ranks hold the same
+    # stage and walk the same structure), as torch's consolidation gathers a `DTensor` (`full_tensor()`).
+    value = apply_to_collection(value, DTensor, DTensor.full_tensor)
     own = apply_to_collection(value, Tensor, host_copy) if dims.pipeline_rank == 0 else None
     if dims.pipeline_parallel_size == 1:
         return [own]

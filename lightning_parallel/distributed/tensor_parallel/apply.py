@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0
 from lightning_parallel.distributed.tensor_parallel.plan import TensorParallelPlan, check_divisible
 
-__all__ = ["apply_tensor_parallel", "is_tensor_parallel"]
+__all__ = ["apply_tensor_parallel", "is_tensor_parallel", "parallelize"]
 
 
 def apply_tensor_parallel(module: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh, device: torch.device) -> None:
@@ -39,6 +39,13 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorParallelPlan, mesh: Dev
         )
     check_divisible(module, plan, mesh.size())
     broadcast_from_rank0(module, device)
+    parallelize(module, plan, mesh)
+
+
+def parallelize(module: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
+    """Collective over ``mesh`` (the ``tensor`` sub-mesh; its ranks hold the same weights already). Split
+    ``module``'s layers as ``plan`` says, tied weights kept tied (see :func:`apply_tensor_parallel`)."""
+    check_divisible(module, plan, mesh.size())
     ties = _tied_parameters(module)
     parallelize_module(module, mesh, plan.styles)
     _retie(module, ties)

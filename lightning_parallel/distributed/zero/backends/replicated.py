@@ -116,7 +116,9 @@ class ReplicatedBackend:
         """Collective over the replicas (``ZeroContext.data_parallel_group``), then the pipeline's tied sum, if any."""
         if self.data_parallel_group is not None:
             grads = [p.grad for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
-            average_across_replicas(grads, group=self.data_parallel_group, stats=self.stats)
+            # A tensor-parallel stage's split gradients: their local shards (the same storage), averaged in place.
+            local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+            average_across_replicas(local, group=self.data_parallel_group, stats=self.stats)
         self._after_reduction(None)
         return ()
 
