@@ -20,7 +20,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from distributed_harness import run_distributed
 from model_zoo import trainer
 from test_tensor_parallel import SEQ, VOCAB
@@ -29,6 +28,7 @@ from test_tensor_parallel import OwnModel as PlannedModel
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
+from training_helpers import refusal_before_the_process_group
 
 from lightning_parallel import PipelineParallelStrategy
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
@@ -96,12 +96,7 @@ REFUSED = {
 def _fit_refused(rank: int, world_size: int, case: str) -> str:
     make, _ = REFUSED[case]
     strategy = PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)
-    try:
-        trainer(strategy, world_size, max_steps=1).fit(make(), _loader())
-    except ValueError as error:
-        assert not dist.is_initialized()
-        return str(error)
-    raise AssertionError("not refused")
+    return refusal_before_the_process_group(lambda: trainer(strategy, world_size, max_steps=1).fit(make(), _loader()))
 
 
 @pytest.mark.parametrize("case", list(REFUSED))

@@ -19,13 +19,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from distributed_harness import run_distributed
 from model_zoo import trainer
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, DistributedSampler
+from training_helpers import refusal_before_the_process_group
 
 from lightning_parallel import (
     DataParallelStrategy,
@@ -287,12 +287,7 @@ REFUSED = {
 def _fit_refused(rank: int, world_size: int, case: str) -> str:
     make, tensor, _ = REFUSED[case]
     strategy = ShardedOptimizerStrategy(stage=3, tensor_parallel_size=tensor, start_method="popen")
-    try:
-        trainer(strategy, world_size, max_steps=1).fit(make(), _loader(1))
-    except ValueError as error:
-        assert not dist.is_initialized()
-        return str(error)
-    raise AssertionError("not refused")
+    return refusal_before_the_process_group(lambda: trainer(strategy, world_size, max_steps=1).fit(make(), _loader(1)))
 
 
 @pytest.mark.parametrize("case", list(REFUSED))

@@ -92,6 +92,18 @@ def fit_tiny(
     return {name: tensor.detach().clone() for name, tensor in state.items()}
 
 
+def refusal_before_the_process_group(fit: Any) -> str:
+    """``fit()``'s ``ValueError`` message, asserting it was raised before any process group was built."""
+    import torch.distributed as dist
+
+    try:
+        fit()
+    except ValueError as error:
+        assert not dist.is_initialized()
+        return str(error)
+    raise AssertionError("not refused")
+
+
 def _loader_for(devices: int, per_device_batch: int) -> DataLoader:
     """96 seeded samples; at one device the permutation Lightning's DistributedSampler uses, made explicit."""
     dataset = RandomTokenDataset(96, SEQ_LEN, seed=7)
