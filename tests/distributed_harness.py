@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import random
 import socket
 import tempfile
 import time
@@ -30,10 +31,40 @@ class DistributedTestError(AssertionError):
     """One or more ranks failed or timed out; the message holds each failed rank's traceback."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range, not handed out before by this process.
+
+    A port the kernel picked for ``bind(0)`` lies in the ephemeral range, which every outgoing connection (gloo's
+    pairs, the torchft lighthouse's clients, ...) also draws from: in the seconds a spawned process takes to import
+    torch and bind it, another connection could take it (one CI run's rendezvous failed so). Ports below the range
+    are only ever taken by an explicit bind.
+    """
+    low, _ = _ephemeral_ports()
+    first = 20000 if low > 21000 else 1024
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(first, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port found in [{first}, {low})")
 
 
 def _rank_main(
