@@ -208,3 +208,26 @@ def test_the_layer_check_runs_alone_without_side_effects(wrong):
         check_layers_compose_to_forward(module, module.pipeline_layers(), ((x,), {}))
     assert_weights_close(zoo.state_of(module), before, rtol=0, atol=0)
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class _SlicedInputGPT(zoo.TiedGPT):
+    """Feeds the model a non-contiguous slice of the batch (``tokens[:, :-1]``), as language models often do."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        sliced = tokens[:, :-1]
+        assert not sliced.is_contiguous()
+        return nn.functional.cross_entropy(self(sliced).flatten(0, 1), targets[:, :-1].flatten())
+
+
+def _sliced_input(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    strategy = PipelineParallelStrategy(num_microbatches=2, timeout=120)
+    return zoo.fit_in_rank(_SlicedInputGPT, strategy, world_size, kind="tokens")
+
+
+def test_a_non_contiguous_model_input_trains_like_one_device():
+    """torch 2.11's first stage compared its input's strides with the example it inferred shapes from, and raised
+    ``PipeliningShapeError: stride mismatch`` for a sliced batch."""
+    reference = zoo.single_device(_SlicedInputGPT, kind="tokens")
+    rank0, _ = run_distributed(_sliced_input, 2, init_process_group=False, timeout=180)
+    assert_weights_close(rank0, reference, **TOLERANCE)

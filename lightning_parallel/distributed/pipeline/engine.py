@@ -159,6 +159,10 @@ class PipelineEngine:
         with recording_draws(device=self.device, seed=seed, source=source, exhaustive=not declared) as draws:
             model_inputs = model_inputs_of_batch(self.module, step, args, kwargs, call=self.call)
         self._draws = draws if self.has_last_stage else None  # only the last stage runs the step again
+        # torch 2.11's first stage compares each micro-batch's strides with the example it inferred shapes from (a
+        # contiguous one): a sliced batch (`self(tokens[:, :-1])`) raised "stride mismatch". Row chunks of a
+        # contiguous input are contiguous on every release; the copy is the input's, not the activations'.
+        model_inputs = apply_to_collection(model_inputs, Tensor, Tensor.contiguous)
         size = batch_size_of(model_inputs)
         if size is None:
             raise ContractError(
