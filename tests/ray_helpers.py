@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import ray.train
 import torch
 import torch.distributed as dist
+from launch_helpers import GLOBAL_BATCH, SEQ_LEN  # the Ray runs are compared with the launchers' reference
 from lightning.pytorch.callbacks import Callback
 from ray.train.lightning import RayLightningEnvironment
 from streamed_data import StreamedMLP, batch_indices
@@ -41,7 +42,6 @@ from lightning_parallel.integrations.ray import (
     resume_checkpoint_path,
 )
 
-GLOBAL_BATCH, SEQ_LEN = 8, 16
 EQUAL_STEPS = 3  # as tests/launch_helpers.py's reference_weights
 STEPS_PER_EPOCH, EPOCHS = 2, 4  # the resumable run: a checkpoint reported to Ray every 2 steps
 KILL_STEP, KILL_RANK = 5, 1
