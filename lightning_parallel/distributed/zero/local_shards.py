@@ -27,9 +27,10 @@ def local_tensor(tensor: Tensor) -> Tensor:
 
 
 def local_gradient_of(param: Tensor) -> Tensor | None:
-    """Local. The local tensor of ``param.grad`` on ``param``'s placements: the backward of a vocabulary-parallel
-    embedding (or of a gathered LM head) can leave a split weight's gradient ``Replicate``d, whole on every tensor
-    rank; the bucket holds the parameter's own slice of it (a local slice, no communication)."""
+    """The local tensor of ``param.grad`` on ``param``'s placements: the backward of a vocabulary-parallel embedding
+    (or of a gathered LM head) can leave a split weight's gradient ``Replicate``d, whole on every tensor rank; the
+    bucket holds the parameter's own slice of it (a local slice, no communication; a gradient left ``Partial`` would
+    be summed over the tensor ranks, every rank reaching the same parameter in the same backward order)."""
     grad = param.grad
     if isinstance(grad, DTensor) and isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
         grad = grad.redistribute(param.device_mesh, param.placements)
