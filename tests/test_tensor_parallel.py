@@ -160,11 +160,13 @@ MODELS = {
     "llama_checkpointed": Llama,
     "llama_reads_gradients": GradientReader,
     "llama_hybrid": Llama,
+    "llama_accumulated": GradientReader,
 }
 """Cases by name: ``*_bf16`` trains with ``precision="bf16-true"`` and fp32 master weights (one device: the strategy at
 world size 1, which keeps them too), ``*_checkpointed`` with ``activation_checkpointing=True``, ``*_hybrid`` with
-``shard_size=1`` (4 ranks: 2 replicas x 1 shard x 2 tensor ranks, HSDP over the data axes); ``llama_reads_gradients``
-logs the sum of its gradients' norms beside each loss."""
+``shard_size=1`` (4 ranks: 2 replicas x 1 shard x 2 tensor ranks, HSDP over the data axes), ``*_accumulated`` with
+``accumulate_grad_batches=2``; ``llama_reads_gradients`` and ``llama_accumulated`` log the sum of their gradients'
+norms beside each loss."""
 BF16_CLOSE = {"rtol": 0.0, "atol": 2**-8}
 """One bf16 step at the weights' scale (below 1): the split layers sum their partial products in another order."""
 
@@ -332,6 +334,7 @@ def _fit(name: str, rank: int, world_size: int, tensor: int, directory: str, sta
         gradient_clip_val=CLIP,
         use_distributed_sampler=distributed,
         precision=precision,
+        accumulate_grad_batches=2 if name.endswith("_accumulated") else 1,
     )
     fit.fit(module, _loader(world_size // tensor if world_size > 1 else 0))
     (optimizer,) = fit.optimizers
@@ -383,7 +386,7 @@ def _assert_like_one_device(result: dict[str, Any], reference: dict[str, Any], *
 def test_one_by_two_trains_like_one_device(references: dict[str, Any], tmp_path: Path) -> None:
     cases = [(name, 2, 3) for name in MODELS if not name.endswith("_hybrid")]
     ranks = run_distributed(_in_ranks, 2, args=(cases, str(tmp_path)), init_process_group=False, timeout=300)
-    for name in ("own", "llama", "qwen2", "llama_checkpointed", "llama_reads_gradients"):
+    for name in ("own", "llama", "qwen2", "llama_checkpointed", "llama_reads_gradients", "llama_accumulated"):
         _assert_like_one_device(ranks[0][name], references[name])
         assert ranks[1][name]["losses"] == ranks[0][name]["losses"]  # both tensor ranks read the same batch
         assert [rank[name]["sampler"] for rank in ranks] == [{"num_replicas": 1, "rank": 0}] * 2
@@ -514,6 +517,8 @@ ZERO12 = [
     ("llama_bf16", 2),
     ("llama_reads_gradients", 1),
     ("llama_reads_gradients", 2),
+    ("llama_accumulated", 1),
+    ("llama_accumulated", 2),
 ]
 """ZeRO-1/2 with tensor parallelism: the flat buckets hold each split weight's local shard."""
 
