@@ -2,14 +2,15 @@
 tensor_parallel_size=2)`` on 4 forked gloo ranks (pipeline 2 x tensor 2, ``zero_stage=0``, no data parallelism).
 
 * unit: the ranks of the pipeline on the mesh with the tensor axis innermost (each tensor rank's pipeline group, the
-  replica's source of batches); refused on every rank before any process group: ZeRO inside (not built yet), a
+  replica's source of batches); every ``zero_stage`` taken; refused on every rank before any process group: a
   module without a plan, a head count the tensor size does not divide.
 * integration, against one device on the same batches: a Hugging Face Llama with nothing written for it (the
   pipeline's split from its ``base_model_pp_plan``, the tensor split from its own ``tp_plan``) and a module of our
   own through its ``pipeline_layers()`` and ``tensor_parallel_plan()`` train with AdamW and clipping on the global
   norm to one device's weights, AdamW moments and logged losses; the consolidated checkpoint written during the run
   (``DTensor``s gathered whole) loads into a plain module on one device; after the run the module is whole and
-  plain on every rank.
+  plain on every rank. With 2 data-parallel replicas (8 ranks) at ``zero_stage`` 0-3: one device's weights and AdamW
+  moments, and the ZeRO-3 run's checkpoint resumed at ZeRO-2 to the weights one device reaches resuming it.
 """
 
 from __future__ import annotations
