@@ -9,6 +9,9 @@ over the data axes (torchtitan's TP + FSDP2), equal to one device.
   moments and logged losses, with gradient clipping on the global norm, Lightning's ``DistributedSampler`` giving
   both tensor ranks the same batch; the consolidated checkpoint loads into a plain module. A 2 x 2 run on 4 processes
   checks the same for Llama with ZeRO-3 sharding over 2 data-parallel ranks.
+* ZeRO-1/2 (``stage=1`` or ``2``): the flat buckets hold the split weights' local slices; the same cases (own module,
+  Llama, tied Qwen2, bf16 with fp32 masters, a hook reading the gradients, gradient accumulation) at 1 x 2, Llama at
+  2 x 2 (hybrid too), and a one-device checkpoint resumed at each stage.
 """
 
 from __future__ import annotations
