@@ -2,14 +2,15 @@
 tensor_parallel_size=2)`` on 4 forked gloo ranks (pipeline 2 x tensor 2, ``zero_stage=0``, no data parallelism).
 
 * unit: the ranks of the pipeline on the mesh with the tensor axis innermost (each tensor rank's pipeline group, the
-  replica's source of batches); refused on every rank before any process group: ZeRO inside (not built yet), a
+  replica's source of batches); every ``zero_stage`` taken; refused on every rank before any process group: a
   module without a plan, a head count the tensor size does not divide.
 * integration, against one device on the same batches: a Hugging Face Llama with nothing written for it (the
   pipeline's split from its ``base_model_pp_plan``, the tensor split from its own ``tp_plan``) and a module of our
   own through its ``pipeline_layers()`` and ``tensor_parallel_plan()`` train with AdamW and clipping on the global
   norm to one device's weights, AdamW moments and logged losses; the consolidated checkpoint written during the run
   (``DTensor``s gathered whole) loads into a plain module on one device; after the run the module is whole and
-  plain on every rank.
+  plain on every rank. With 2 data-parallel replicas (8 ranks) at ``zero_stage`` 0-3: one device's weights and AdamW
+  moments, and the ZeRO-3 run's checkpoint resumed at ZeRO-2 to the weights one device reaches resuming it.
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ def test_pipeline_ranks_with_the_tensor_axis_innermost() -> None:
     assert dims.layout.group_ranks("pp", 5) == [5, 7] and dims.layout.group_ranks("tensor", 5) == [4, 5]
 
 
-def test_refuses_what_is_not_built_yet() -> None:
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2, zero_stage=3\)`: tensor parallelism inside"):
-        PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=3)
+def test_takes_every_zero_stage() -> None:
+    for zero_stage in (0, 1, 2, 3):
+        strategy = PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=zero_stage)
+        assert strategy.tensor_parallel_size == 2
 
 
 class Unplanned(OwnModel):
@@ -199,24 +201,62 @@ def test_two_stages_by_two_tensor_ranks_train_like_one_device(tmp_path: Path) ->
 
 
 # ---------------------------------------------------------------------- integration: with data-parallel replicas
-def _replicas_fit(rank: int, world_size: int) -> dict[str, Tensor]:
-    """2 replicas x 2 stages x 2 tensor ranks on 8 ranks, replica ``r`` reading the half ``r`` of every global batch
-    (one device: the whole batch)."""
-    pl.seed_everything(0, verbose=False)
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _replicas_fit(rank: int, world_size: int, directory: str) -> dict[Any, Any]:
+    """2 replicas x 2 stages x 2 tensor ranks on 8 ranks at each ``zero_stage`` in turn (the stage's ZeRO over its 2
+    replicas: 0 averages the gradients' local shards, 1-2 hold the split weights' local slices in flat buckets, 3
+    shards them with FSDP2), replica ``r`` reading the half ``r`` of every global batch (one device: the whole batch).
+    Then one step more from the ``zero_stage=3`` run's checkpoint, at ``zero_stage=2`` (one device: the same
+    checkpoint)."""
     tokens = list(_loader().dataset)
-    strategy: Any = "auto"
     batch_size = BATCH
     if world_size > 1:
         replica, batch_size = rank // 4, BATCH // 2
         tokens = [tokens[k * BATCH + replica * batch_size + i] for k in range(STEPS) for i in range(batch_size)]
-        strategy = PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2)
-    record = Record("")
-    fit = trainer(strategy, world_size, max_steps=STEPS, gradient_clip_val=CLIP, callbacks=[record])
-    fit.fit(OwnModel(), DataLoader(tokens, batch_size=batch_size))
-    return record.state["weights"]
+
+    def fit(zero_stage: int, *, steps: int = STEPS, path: str = "", resume: str | None = None) -> dict[str, Any]:
+        pl.seed_everything(0, verbose=False)
+        strategy: Any = "auto"
+        if world_size > 1:
+            strategy = PipelineParallelStrategy(
+                pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2, zero_stage=zero_stage
+            )
+        record, module = Record(path), OwnModel()
+        fitted = trainer(strategy, world_size, max_steps=steps, gradient_clip_val=CLIP, callbacks=[record])
+        fitted.fit(module, DataLoader(tokens, batch_size=batch_size), ckpt_path=resume)
+        after = module.state_dict()
+        plain = all(type(v) is Tensor for v in after.values())
+        return {**record.state, "after": {k: v.detach().clone() for k, v in after.items()}, "plain": plain}
+
+    path = f"{directory}/zero3.ckpt"
+    results: dict[Any, Any] = {}
+    if world_size > 1:
+        results = {stage: fit(stage, path=path if stage == 3 else "") for stage in ZERO_STAGES}
+    else:
+        results = {stage: fit(0) for stage in (0,)}
+    results["resumed"] = fit(2 if world_size > 1 else 0, steps=STEPS + 1, resume=path)["weights"]
+    return results
 
 
-def test_data_parallel_replicas_of_tensor_parallel_stages_train_like_one_device() -> None:
-    (reference,) = run_distributed(_replicas_fit, 1, init_process_group=False, launcher_env=False, timeout=180)
-    ranks = run_distributed(_replicas_fit, 8, init_process_group=False, timeout=300)
-    torch.testing.assert_close(ranks[0], reference, **TOLERANCE)  # the replicas' gradients' local shards averaged
+def test_data_parallel_replicas_of_tensor_parallel_stages_train_like_one_device(tmp_path: Path) -> None:
+    ranks = run_distributed(_replicas_fit, 8, args=(str(tmp_path),), init_process_group=False, timeout=500)
+    (reference,) = run_distributed(
+        _replicas_fit, 1, args=(str(tmp_path),), init_process_group=False, launcher_env=False, timeout=180
+    )
+    expected = reference[0]
+    for stage in ZERO_STAGES:  # the replicas' gradients averaged over the stage's replicas, each ZeRO stage's way
+        result = ranks[0][stage]
+        assert list(result["weights"]) == list(expected["weights"])  # the single-device numbering
+        torch.testing.assert_close(result["weights"], expected["weights"], **TOLERANCE)
+        torch.testing.assert_close(result["optimizer"]["state"], expected["optimizer"]["state"], **TOLERANCE)
+        for rank in ranks:  # the module whole and plain after the run
+            assert rank[stage]["plain"]
+            torch.testing.assert_close(rank[stage]["after"], expected["after"], **TOLERANCE)
+    # The ZeRO-3 run's consolidated checkpoint loads into the plain module on one device, and resumes at ZeRO-2 to
+    # the weights one device reaches resuming it.
+    plain = OwnModel()
+    plain.load_state_dict(torch.load(tmp_path / "zero3.ckpt", weights_only=False)["state_dict"])
+    torch.testing.assert_close(plain.state_dict(), expected["weights"], **TOLERANCE)
+    torch.testing.assert_close(ranks[0]["resumed"], reference["resumed"], **TOLERANCE)

@@ -9,6 +9,9 @@ over the data axes (torchtitan's TP + FSDP2), equal to one device.
   moments and logged losses, with gradient clipping on the global norm, Lightning's ``DistributedSampler`` giving
   both tensor ranks the same batch; the consolidated checkpoint loads into a plain module. A 2 x 2 run on 4 processes
   checks the same for Llama with ZeRO-3 sharding over 2 data-parallel ranks.
+* ZeRO-1/2 (``stage=1`` or ``2``): the flat buckets hold the split weights' local slices; the same cases (own module,
+  Llama, tied Qwen2, bf16 with fp32 masters, a hook reading the gradients, gradient accumulation) at 1 x 2, Llama at
+  2 x 2 (hybrid too), and a one-device checkpoint resumed at each stage.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from training_helpers import refusal_before_the_process_group
 from lightning_parallel import (
     DataParallelStrategy,
     ParallelismMonitor,
-    PipelineParallelStrategy,
     ShardedOptimizerStrategy,
 )
 from lightning_parallel.distributed.mesh import MeshLayout
 from lightning_parallel.distributed.tensor_parallel import check_divisible, resolve_plan
+from lightning_parallel.fault_tolerance import FaultTolerance
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,11 +163,13 @@ MODELS = {
     "llama_checkpointed": Llama,
     "llama_reads_gradients": GradientReader,
     "llama_hybrid": Llama,
+    "llama_accumulated": GradientReader,
 }
 """Cases by name: ``*_bf16`` trains with ``precision="bf16-true"`` and fp32 master weights (one device: the strategy at
 world size 1, which keeps them too), ``*_checkpointed`` with ``activation_checkpointing=True``, ``*_hybrid`` with
-``shard_size=1`` (4 ranks: 2 replicas x 1 shard x 2 tensor ranks, HSDP over the data axes); ``llama_reads_gradients``
-logs the sum of its gradients' norms beside each loss."""
+``shard_size=1`` (4 ranks: 2 replicas x 1 shard x 2 tensor ranks, HSDP over the data axes), ``*_accumulated`` with
+``accumulate_grad_batches=2``; ``llama_reads_gradients`` and ``llama_accumulated`` log the sum of their gradients'
+norms beside each loss."""
 BF16_CLOSE = {"rtol": 0.0, "atol": 2**-8}
 """One bf16 step at the weights' scale (below 1): the split layers sum their partial products in another order."""
 
@@ -254,13 +259,13 @@ def test_sizes_that_do_not_divide_are_refused() -> None:
 
 def test_strategies_refuse_what_does_not_compose() -> None:
     with pytest.raises(
-        ValueError, match=r"`DataParallelStrategy` does not split layers.*ShardedOptimizerStrategy\(stage=3"
+        ValueError, match=r"`DataParallelStrategy` does not split layers.*ShardedOptimizerStrategy\(tensor_parallel"
     ):
         DataParallelStrategy(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2, zero_stage=1\)`: tensor parallelism inside"):
-        PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=1)
-    with pytest.raises(ValueError, match="stages 1-2 keep whole parameters in flat buckets"):
-        ShardedOptimizerStrategy(stage=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="fault tolerance across replica groups runs without tensor parallelism"):
+        ShardedOptimizerStrategy(
+            stage=2, tensor_parallel_size=2, fault_tolerance=FaultTolerance(replica_group=0, num_replica_groups=2)
+        )
     with pytest.raises(ValueError, match="checkpoints are written consolidated"):
         ShardedOptimizerStrategy(stage=3, tensor_parallel_size=2, checkpoint_format="sharded")
     assert ShardedOptimizerStrategy(stage=2, tensor_parallel_size=1).tensor_parallel_size == 1
@@ -313,14 +318,14 @@ def _loader(replicas: int) -> DataLoader:
     return DataLoader(data, batch_size=GLOBAL_BATCH // replicas, shuffle=False)  # type: ignore[arg-type]
 
 
-def _fit(name: str, rank: int, world_size: int, tensor: int, directory: str) -> dict[str, Any]:
+def _fit(name: str, rank: int, world_size: int, tensor: int, directory: str, stage: int = 3) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     module = MODELS[name]()
     precision = "bf16-true" if name.endswith("_bf16") else "32-true"
     checkpointing = name.endswith("_checkpointed")
     shard_size = 1 if name.endswith("_hybrid") else None
     strategy: Any = ShardedOptimizerStrategy(
-        stage=3, tensor_parallel_size=tensor, shard_size=shard_size, activation_checkpointing=checkpointing
+        stage=stage, tensor_parallel_size=tensor, shard_size=shard_size, activation_checkpointing=checkpointing
     )
     if world_size == 1:
         strategy = ShardedOptimizerStrategy(stage=3) if precision == "bf16-true" else "auto"
@@ -332,6 +337,7 @@ def _fit(name: str, rank: int, world_size: int, tensor: int, directory: str) -> 
         gradient_clip_val=CLIP,
         use_distributed_sampler=distributed,
         precision=precision,
+        accumulate_grad_batches=2 if name.endswith("_accumulated") else 1,
     )
     fit.fit(module, _loader(world_size // tensor if world_size > 1 else 0))
     (optimizer,) = fit.optimizers
@@ -348,20 +354,25 @@ def _fit(name: str, rank: int, world_size: int, tensor: int, directory: str) -> 
             if isinstance(p, DTensor) and "tensor" in p.device_mesh.mesh_dim_names
         ]
         result["split"] = split
-        path = f"{directory}/{name}-{world_size}.ckpt"  # rank 0 writes, every rank calls
+        path = f"{directory}/{name}-{world_size}-{stage}.ckpt"  # rank 0 writes, every rank calls
         fit.save_checkpoint(path)
         result["checkpoint"] = path if rank == 0 else None
         result["tied"] = name == "qwen2" and module.model.lm_head.weight is module.model.model.embed_tokens.weight
     return result
 
 
-def _in_ranks(rank: int, world_size: int, cases: list[tuple[str, int]], directory: str = "") -> dict[str, Any]:
-    return {name: _fit(name, rank, world_size, tensor, directory) for name, tensor in cases}
+def _in_ranks(rank: int, world_size: int, cases: list[tuple[str, int, int]], directory: str = "") -> dict[str, Any]:
+    """Each case ``(name, tensor_parallel_size, stage)`` fitted in turn; results under the name (ZeRO-3) or
+    ``name@zero1``/``name@zero2``."""
+    return {
+        name if stage == 3 else f"{name}@zero{stage}": _fit(name, rank, world_size, tensor, directory, stage)
+        for name, tensor, stage in cases
+    }
 
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, Any]:
-    cases = [(name, 1) for name in MODELS]
+    cases = [(name, 1, 3) for name in MODELS]
     (result,) = run_distributed(_in_ranks, 1, args=(cases,), init_process_group=False, launcher_env=False, timeout=180)
     return result
 
@@ -376,9 +387,9 @@ def _assert_like_one_device(result: dict[str, Any], reference: dict[str, Any], *
 
 
 def test_one_by_two_trains_like_one_device(references: dict[str, Any], tmp_path: Path) -> None:
-    cases = [(name, 2) for name in MODELS if not name.endswith("_hybrid")]
+    cases = [(name, 2, 3) for name in MODELS if not name.endswith("_hybrid")]
     ranks = run_distributed(_in_ranks, 2, args=(cases, str(tmp_path)), init_process_group=False, timeout=300)
-    for name in ("own", "llama", "qwen2", "llama_checkpointed", "llama_reads_gradients"):
+    for name in ("own", "llama", "qwen2", "llama_checkpointed", "llama_reads_gradients", "llama_accumulated"):
         _assert_like_one_device(ranks[0][name], references[name])
         assert ranks[1][name]["losses"] == ranks[0][name]["losses"]  # both tensor ranks read the same batch
         assert [rank[name]["sampler"] for rank in ranks] == [{"num_replicas": 1, "rank": 0}] * 2
@@ -398,10 +409,11 @@ def test_one_by_two_trains_like_one_device(references: dict[str, Any], tmp_path:
 
 @pytest.mark.slow
 def test_two_by_two_trains_like_one_device(references: dict[str, Any], tmp_path: Path) -> None:
-    cases = [("llama", 2), ("llama_hybrid", 2)]
+    # ZeRO-1/2 too: the buckets sharded over the 2 data-parallel ranks (or replicated across 2 groups of 1: hybrid).
+    cases = [("llama", 2, 3), ("llama_hybrid", 2, 3), ("llama", 2, 1), ("llama", 2, 2), ("llama_hybrid", 2, 2)]
     ranks = run_distributed(_in_ranks, 4, args=(cases, str(tmp_path)), init_process_group=False, timeout=420)
-    _assert_like_one_device(ranks[0]["llama_hybrid"], references["llama"], losses=False)
-    _assert_like_one_device(ranks[0]["llama"], references["llama"], losses=False)
+    for name in ("llama_hybrid", "llama", "llama@zero1", "llama@zero2", "llama_hybrid@zero2"):
+        _assert_like_one_device(ranks[0][name], references["llama"], losses=False)
     assert [rank["llama"]["sampler"] for rank in ranks] == [{"num_replicas": 2, "rank": r // 2} for r in range(4)]
     assert ranks[1]["llama"]["losses"] == ranks[0]["llama"]["losses"]  # a tensor-parallel group: one batch
     # Each data-parallel rank's loss is the mean over its half of the batch: their mean is the one device's.
@@ -410,29 +422,39 @@ def test_two_by_two_trains_like_one_device(references: dict[str, Any], tmp_path:
 
 
 # ---------------------------------------------------------------------- resumed at another layout
-def _resume(rank: int, world_size: int, directory: str, steps: int, resume: bool) -> dict[str, Tensor]:
-    """One device saves after ``STEPS`` (one epoch), or resumes from it; 2 ranks (1 x 2) resume from it too."""
-    pl.seed_everything(0, verbose=False)
-    module = Llama()
-    strategy: Any = "auto" if world_size == 1 else ShardedOptimizerStrategy(stage=3, tensor_parallel_size=2)
-    fit = trainer(strategy, world_size, max_steps=steps, gradient_clip_val=CLIP, use_distributed_sampler=world_size > 1)
-    path = f"{directory}/one-device.ckpt"
-    fit.fit(module, _loader(1 if world_size > 1 else 0), ckpt_path=path if resume else None)
-    if world_size == 1 and steps == STEPS:
-        fit.save_checkpoint(path)
-    return {key: value.detach().clone() for key, value in fit.strategy.lightning_module_state_dict().items()}
+def _resume(rank: int, world_size: int, directory: str, steps: int, resume: bool) -> dict[int, dict[str, Tensor]]:
+    """One device saves after ``STEPS`` (one epoch), or resumes from it; 2 ranks (1 x 2) resume from it too, at each
+    ZeRO stage in turn (the results by stage)."""
+    results = {}
+    for stage in (1, 2, 3) if world_size > 1 else (0,):
+        pl.seed_everything(0, verbose=False)
+        module = Llama()
+        strategy: Any = "auto" if world_size == 1 else ShardedOptimizerStrategy(stage=stage, tensor_parallel_size=2)
+        distributed = world_size > 1
+        fit = trainer(
+            strategy, world_size, max_steps=steps, gradient_clip_val=CLIP, use_distributed_sampler=distributed
+        )
+        path = f"{directory}/one-device.ckpt"
+        fit.fit(module, _loader(1 if world_size > 1 else 0), ckpt_path=path if resume else None)
+        if world_size == 1 and steps == STEPS:
+            fit.save_checkpoint(path)
+        results[stage] = {
+            key: value.detach().clone() for key, value in fit.strategy.lightning_module_state_dict().items()
+        }
+    return results
 
 
 def test_one_device_checkpoint_resumes_under_tensor_parallelism(tmp_path: Path) -> None:
     def one_device(steps: int, resume: bool) -> dict[str, Tensor]:
         args = (str(tmp_path), steps, resume)
         (weights,) = run_distributed(_resume, 1, args=args, init_process_group=False, launcher_env=False, timeout=120)
-        return weights
+        return weights[0]
 
     one_device(STEPS, False)  # saves its checkpoint after the first epoch
     expected = one_device(2 * STEPS, True)  # Lightning's resume, on one device (weights, AdamW moments, loop state)
-    resumed = run_distributed(_resume, 2, args=(str(tmp_path), 2 * STEPS, True), init_process_group=False, timeout=180)
-    torch.testing.assert_close(resumed[0], expected, **TOLERANCE)
+    resumed = run_distributed(_resume, 2, args=(str(tmp_path), 2 * STEPS, True), init_process_group=False, timeout=240)
+    for stage in (1, 2, 3):  # ZeRO-1/2: the moments cut into each split weight's local slice of the buckets
+        torch.testing.assert_close(resumed[0][stage], expected, **TOLERANCE)
 
 
 def _sharded_then_tensor_parallel(rank: int, world_size: int, directory: str, tensor: int) -> dict[str, Tensor]:
@@ -485,3 +507,39 @@ def test_monitor_counts_tensor_parallel_all_reduces() -> None:
     (counted, _) = run_distributed(_monitored, 2, init_process_group=False, timeout=180)
     activation = GLOBAL_BATCH * (SEQ - 1) * HIDDEN * 4
     assert counted["all_reduce"] == STEPS * 2 * (2 + 4) * activation
+
+
+# ---------------------------------------------------------------------- ZeRO-1/2 over the data axes
+ZERO12 = [
+    ("own", 1),
+    ("own", 2),
+    ("llama", 1),
+    ("llama", 2),
+    ("qwen2", 2),
+    ("llama_bf16", 1),
+    ("llama_bf16", 2),
+    ("llama_reads_gradients", 1),
+    ("llama_reads_gradients", 2),
+    ("llama_accumulated", 1),
+    ("llama_accumulated", 2),
+]
+"""ZeRO-1/2 with tensor parallelism: the flat buckets hold each split weight's local shard."""
+
+
+def test_zero12_one_by_two_trains_like_one_device(references: dict[str, Any], tmp_path: Path) -> None:
+    cases = [(name, 2, stage) for name, stage in ZERO12]
+    ranks = run_distributed(_in_ranks, 2, args=(cases, str(tmp_path)), init_process_group=False, timeout=300)
+    for name, stage in ZERO12:
+        result, reference = ranks[0][f"{name}@zero{stage}"], references[name]
+        if name.endswith("_bf16"):
+            assert all(value.dtype == torch.bfloat16 for value in result["weights"].values())
+            torch.testing.assert_close(result["weights"], reference["weights"], **BF16_CLOSE)
+            torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-4, atol=0)
+            continue
+        _assert_like_one_device(result, reference)
+        assert ranks[1][f"{name}@zero{stage}"]["losses"] == result["losses"]
+    assert ranks[0]["qwen2@zero2"]["tied"]
+    checkpoint = torch.load(ranks[0]["llama@zero1"]["checkpoint"], weights_only=False)
+    plain = Llama()
+    plain.load_state_dict(checkpoint["state_dict"])
+    torch.testing.assert_close(plain.state_dict(), references["llama"]["weights"], **TOLERANCE)

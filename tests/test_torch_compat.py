@@ -91,3 +91,27 @@ def _zero_gradients(rank: int, world_size: int) -> dict[str, Any]:
     gradients = [output.grad, *(r.grad for r in received)]  # the received ones unused: zeros, not None
     values = [None if g is None else g.tolist() for g in gradients]
     return {"output": values[0], "received": values[1:]}
+
+
+def _moves_a_split_weight(rank: int, world_size: int) -> list[float]:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_parallel.distributed.zero.local_shards import as_placed, local_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tensor",))
+    param = nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
+    flat = torch.arange(20, dtype=torch.float32)
+    with torch.no_grad():
+        local_tensor(param).data = flat[2:14].view(4, 3)  # what the ZeRO-1/2 buckets do to a split weight
+    flat.add_(1)  # the bucket's step
+    grad = as_placed(param, flat[:12])
+    return [float(param.full_tensor().sum()), float(grad.full_tensor().sum())]
+
+
+def test_the_tensor_a_split_weight_wraps_is_its_storage() -> None:
+    """``stage3_compat.wrapped_local_tensor`` (``DTensor._local_tensor``): setting its ``.data`` moves the parameter
+    into a bucket (torch 2.13's ``to_local()`` returns a view of it on a parameter, which would not)."""
+    (sums,) = run_distributed(_moves_a_split_weight, 1, timeout=60)
+    assert sums == [float(sum(range(3, 15))), float(sum(range(1, 13)))]

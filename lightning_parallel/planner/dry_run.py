@@ -89,6 +89,9 @@ DRY_RUN_STRATEGIES = ("data_parallel", "zero1", "zero2", "zero3")
 PRECISIONS: dict[str, torch.dtype] = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
 """The Lightning precisions the dry run plays, with the dtype each converts the module (and floating inputs) to."""
 
+TENSOR_PARALLEL_STRATEGIES = ("zero1", "zero2", "zero3")
+"""The rows the dry run plays with ``tensor_parallel_size > 1`` (``ShardedOptimizerStrategy``'s stages)."""
+
 
 class DryRunError(RuntimeError):
     """The model could not run one step on fake tensors (data-dependent code, an op without a fake kernel, ...)."""
@@ -120,9 +123,10 @@ class DryRunLayout:
     """ZeRO-1/2, as ``ShardedOptimizerStrategy``'s: the all-gather after the step in flight through the next
     forward (``"auto"``/``True``) or waited for at once (``False``)."""
     tensor_parallel_size: int = 1
-    """ZeRO-3, as ``ShardedOptimizerStrategy``'s: ranks that split each layer of the model's tensor-parallel plan
-    (``tensor_parallel_plan()`` or a Hugging Face ``tp_plan``) over the mesh's innermost ``tensor`` axis, ZeRO-3
-    sharding over the ``world_size / tensor_parallel_size`` data-parallel ranks (docs/tensor_parallel.md)."""
+    """ZeRO (stages 1-3), as ``ShardedOptimizerStrategy``'s: ranks that split each layer of the model's tensor-parallel
+    plan (``tensor_parallel_plan()`` or a Hugging Face ``tp_plan``) over the mesh's innermost ``tensor`` axis, ZeRO
+    sharding over the ``world_size / tensor_parallel_size`` data-parallel ranks (stages 1-2: flat buckets of the split
+    weights' local slices; docs/tensor_parallel.md)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in DRY_RUN_STRATEGIES:
@@ -133,10 +137,11 @@ class DryRunLayout:
             raise ValueError(f"`rank={self.rank}` is outside the world of {self.world_size} ranks.")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f'`backend={self.backend!r}` is invalid: use "nccl" or "gloo".')
-        if self.tensor_parallel_size != 1 and self.strategy != "zero3":
+        if self.tensor_parallel_size != 1 and self.strategy not in TENSOR_PARALLEL_STRATEGIES:
             raise ValueError(
-                f"`tensor_parallel_size={self.tensor_parallel_size}` is dry-run with `strategy='zero3'` only (as"
-                f" `ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)` takes it), not {self.strategy!r}."
+                f"`tensor_parallel_size={self.tensor_parallel_size}` is dry-run with ZeRO only (`strategy='zero1'`,"
+                f" `'zero2'` or `'zero3'`, as `ShardedOptimizerStrategy(tensor_parallel_size=...)` takes it), not"
+                f" {self.strategy!r}."
             )
         self.mesh_layout  # noqa: B018  # validates shard_size and tensor_parallel_size
         if self.strategy != "data_parallel":

@@ -28,7 +28,7 @@ from lightning_parallel import _compat
 from lightning_parallel.accounting import CommunicationStats, MemoryReport
 from lightning_parallel.distributed.activation_checkpointing import ActivationCheckpointing
 from lightning_parallel.distributed.data_shards import tell_data_parallel_rank
-from lightning_parallel.distributed.mesh import MeshLayout
+from lightning_parallel.distributed.mesh import MeshLayout, validate_tensor_parallel_size
 from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.checkpoint_format import (
     CHECKPOINT_FORMATS,
@@ -79,11 +79,7 @@ from lightning_parallel.strategies.options import FieldOf, base_options
 from lightning_parallel.strategies.parameter_callbacks import hold_averaged_copies
 from lightning_parallel.strategies.pipeline_hooks import HookWindows
 from lightning_parallel.strategies.pipeline_setup import CheckpointFormatName
-from lightning_parallel.strategies.tensor_parallel import (
-    check_pipeline_tensor_parallel,
-    check_plan_early,
-    tensor_parallel_plan,
-)
+from lightning_parallel.strategies.tensor_parallel import check_plan_early, tensor_parallel_plan
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -157,8 +153,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         overlap_param_gather: ``zero_stage`` 1-2: overlap the all-gather of the stepped parameters with the next
             forward (``True``/``"auto"``) or wait at the end of the step (``False``).
         tensor_parallel_size: Ranks splitting each stage's layers (the mesh's innermost ``tensor`` axis), from the
-            module's ``tensor_parallel_plan()`` or a Hugging Face model's own plan; ``zero_stage=0`` only, for now
-            (the data-parallel replicas of a stage average their gradients' local shards; docs/tensor_parallel.md).
+            module's ``tensor_parallel_plan()`` or a Hugging Face model's own plan, with the stage's ZeRO over its
+            data-parallel replicas (``zero_stage`` 0: they average their gradients' local shards; 1-2: the flat
+            buckets hold each split weight's local slice; 3: FSDP2 shards the split weights; docs/tensor_parallel.md).
         start_method: ``"popen"`` (scripts, CLI, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails.
         process_group_backend: ``None`` picks NCCL on CUDA, gloo on CPU.
@@ -202,7 +199,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self.schedule = resolve_schedule(schedule)
-        check_pipeline_tensor_parallel(tensor_parallel_size, zero_stage=zero_stage)
+        validate_tensor_parallel_size(tensor_parallel_size)
         pipeline_setup.check_arguments(
             pipeline_parallel_size=pipeline_parallel_size,
             num_microbatches=num_microbatches,

@@ -102,10 +102,12 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
     Args:
         stage: 1, 2 or 3.
         tensor_parallel_size: ranks that split each layer's matrices (tensor parallelism, the mesh's innermost
-            ``tensor`` axis; stage 3 only; default 1: off). The layers to split come from the LightningModule's
-            ``tensor_parallel_plan()`` or the Hugging Face model's ``tp_plan`` (docs/tensor_parallel.md); ZeRO-3
-            then shards over the ``world_size / tensor_parallel_size`` data-parallel ranks, each tensor-parallel
-            group reading the same slice of the batch. Checkpoints stay consolidated in the single-device layout.
+            ``tensor`` axis; default 1: off). The layers to split come from the LightningModule's
+            ``tensor_parallel_plan()`` or the Hugging Face model's ``tp_plan`` (docs/tensor_parallel.md); the ZeRO
+            stage then shards over the ``world_size / tensor_parallel_size`` data-parallel ranks (stages 1-2: the
+            flat buckets hold each split weight's local slice), each tensor-parallel group reading the same slice of
+            the batch. Clipping is on the global norm, hooks read whole gradients, checkpoints stay consolidated in
+            the single-device layout.
         shard_size: ranks per shard group (a divisor of the world size); ``None`` (default) shards over every rank.
             Stages 1-2 reduce-scatter (gloo: all-reduce) each gradient bucket within the group, all-reduce the
             ``1/K`` shard across the groups and all-gather the stepped parameters within the group; stage 3 is
@@ -732,23 +734,21 @@ def _check_tensor_parallel_options(
     tensor_parallel_size: object, config: ZeroConfig, checkpoint_format: str, fault_tolerance: FaultTolerance | None
 ) -> None:
     """Local, in ``__init__``: ``tensor_parallel_size`` is a positive integer, and above 1 only with what composes
-    with it (stage 3, consolidated checkpoints, no fault tolerance)."""
+    with it (consolidated checkpoints, no fault tolerance)."""
     validate_tensor_parallel_size(tensor_parallel_size)
     if tensor_parallel_size == 1:
         return
     given = f"ShardedOptimizerStrategy(stage={config.stage}, tensor_parallel_size={tensor_parallel_size}"
-    if config.stage != 3:
-        raise ValueError(
-            f"`{given})` is not supported: stages 1-2 keep whole parameters in flat buckets, and tensor parallelism"
-            " splits them. Use `stage=3` (tensor parallel inside, FSDP2 over the data-parallel ranks, as torchtitan)."
-        )
     if checkpoint_format != "consolidated":
         raise ValueError(
             f"`{given}, checkpoint_format={checkpoint_format!r})` is not supported: with tensor parallelism"
             " checkpoints are written consolidated (the single-device layout). Use `checkpoint_format='consolidated'`."
         )
     if fault_tolerance is not None:
-        raise ValueError(f"`{given}, fault_tolerance=...)` is not supported: fault tolerance works with stages 1-2.")
+        raise ValueError(
+            f"`{given}, fault_tolerance=...)` is not supported: fault tolerance across replica groups runs without"
+            " tensor parallelism. Drop `fault_tolerance` or `tensor_parallel_size`."
+        )
 
 
 def _has_16bit_parameters(module: nn.Module) -> bool:

@@ -1,10 +1,10 @@
 """The strategies' side of tensor parallelism (``distributed/tensor_parallel/``): the option checked in ``__init__``,
 the plan resolved and checked before the processes join, the module split in ``setup``.
 
-``ShardedOptimizerStrategy(tensor_parallel_size=T)`` takes it (stage 3: TP inside, FSDP2 over the data axes);
-``PipelineParallelStrategy(tensor_parallel_size=T)`` splits each stage's layers (``zero_stage=0`` for now:
-:func:`check_pipeline_tensor_parallel`); ``DataParallelStrategy`` refuses it naming those
-strategies (:func:`refuse_tensor_parallel`). docs/tensor_parallel.md.
+``ShardedOptimizerStrategy(tensor_parallel_size=T)`` takes it (TP inside, ZeRO-1/2/3 over the data axes);
+``PipelineParallelStrategy(tensor_parallel_size=T)`` splits each stage's layers (with the stage's ZeRO over its
+replicas, every ``zero_stage``); ``DataParallelStrategy`` refuses it naming those strategies
+(:func:`refuse_tensor_parallel`). docs/tensor_parallel.md.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from lightning_parallel.distributed.tensor_parallel import (
 
 __all__ = [
     "TAKEN_BY",
-    "check_pipeline_tensor_parallel",
     "check_plan_early",
     "refuse_tensor_parallel",
     "split_module",
@@ -31,8 +30,7 @@ __all__ = [
 ]
 
 TAKEN_BY = (
-    "`ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)` or"
-    " `PipelineParallelStrategy(tensor_parallel_size=...)`"
+    "`ShardedOptimizerStrategy(tensor_parallel_size=...)` or `PipelineParallelStrategy(tensor_parallel_size=...)`"
 )
 """The strategies that take ``tensor_parallel_size``, as refusals name them."""
 
@@ -45,19 +43,6 @@ def refuse_tensor_parallel(tensor_parallel_size: object, *, owner: str) -> None:
         raise ValueError(
             f"`{owner}` does not split layers: `tensor_parallel_size={tensor_parallel_size}` is taken by {TAKEN_BY}."
             " Use one of those strategies, or drop the argument."
-        )
-
-
-def check_pipeline_tensor_parallel(tensor_parallel_size: object, *, zero_stage: object) -> None:
-    """Local, in ``PipelineParallelStrategy.__init__``: tensor parallelism inside the stages is built for
-    ``zero_stage=0``; ``ValueError`` naming the sizes otherwise."""
-    validate_tensor_parallel_size(tensor_parallel_size)
-    if tensor_parallel_size != 1 and zero_stage != 0:
-        raise ValueError(
-            f"`PipelineParallelStrategy(tensor_parallel_size={tensor_parallel_size}, zero_stage={zero_stage})`: tensor"
-            " parallelism inside the stages runs with `zero_stage=0` only, for now (the stage's ZeRO backends do not"
-            " hold split weights yet). Use `zero_stage=0`, or `ShardedOptimizerStrategy(stage=3,"
-            f" tensor_parallel_size={tensor_parallel_size})` without a pipeline."
         )
 
 

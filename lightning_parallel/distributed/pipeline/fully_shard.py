@@ -44,6 +44,7 @@ from lightning_parallel.distributed.checkpoint import FlatPiece, host_copy
 from lightning_parallel.distributed.pipeline.consolidate import MASTER_WEIGHTS, local_optimizer_state
 from lightning_parallel.distributed.pipeline.layer_registration import Registration
 from lightning_parallel.distributed.pipeline.tied import canonical_names
+from lightning_parallel.distributed.zero.local_shards import local_piece, local_tensor
 from lightning_parallel.distributed.zero.optimizer import check_shardable
 from lightning_parallel.distributed.zero.stage3 import cast_parameters, named_sharded_pieces, shard_coordinates
 
@@ -191,7 +192,8 @@ class PipelineFullyShard:
         for original, sharded in zip(self.originals, self.container.layers, strict=True):
             values = full_tensors(_named_tensors(sharded))
             for name, tensor in _named_tensors(original).items():
-                tensor.data = values[name].to(tensor.dtype)
+                # A split weight (tensor parallelism) takes this tensor rank's slice, into the tensor it wraps.
+                local_tensor(tensor).data = local_piece(tensor, values[name]).to(tensor.dtype)
         for registration in self._registrations:
             registration.place(self.module)
         self.is_restored = True
@@ -272,4 +274,5 @@ def _release(layers: Sequence[nn.Module]) -> None:
     """Local. Free the storage of the layers' tensors in place (the objects, their ``requires_grad`` and ties stay)."""
     for layer in layers:
         for tensor in _named_tensors(layer).values():
-            tensor.data = tensor.data.new_empty(0)
+            local = local_tensor(tensor)  # a split weight's storage is the tensor it wraps
+            local.data = local.data.new_empty(0)

@@ -6,20 +6,60 @@ the plan leaves whole (a norm's) on the ``"shard"`` mesh alone, replicated over 
 such models with its own function). Here each rank takes the norm of its local pieces that it is the first holder of
 (rank 0 on every axis of the strategy's mesh that does not shard the gradient), and the p-th powers are summed over
 every rank (:func:`~lightning_parallel.distributed.clipping.norm_over_ranks`): each element counted exactly once.
+
+Under ZeRO-1/2 the optimizer steps flat pieces of each parameter's local tensor (``distributed/zero/buckets.py``), no
+longer ``DTensor``s: :func:`counted_once` sorts those pieces by their parameter, a split weight's counted on every
+tensor rank (each holds other elements), a weight the plan leaves whole on tensor rank 0 only, and the norm is summed
+over the data (shard) group and the :class:`TensorAxis`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.distributed.clipping import norm_over_ranks
+from lightning_parallel.distributed.tensor_parallel.apply import is_tensor_parallel
 
-__all__ = ["clip_grad_norm_of_placed_"]
+__all__ = ["TensorAxis", "clip_grad_norm_of_placed_", "counted_once", "is_split", "tensor_axis_of"]
+
+
+@dataclass(frozen=True)
+class TensorAxis:
+    """This rank's place on the mesh's ``tensor`` axis."""
+
+    group: Any
+    """The process group of the tensor ranks holding the other slices of this rank's split weights."""
+    rank: int
+    """This rank's coordinate on the axis."""
+
+
+def tensor_axis_of(mesh: DeviceMesh | None, module: nn.Module) -> TensorAxis | None:
+    """Local. The ``tensor`` axis of ``mesh`` when ``module``'s layers are split over it, else ``None``."""
+    if mesh is None or not is_tensor_parallel(module):
+        return None
+    return TensorAxis(group=mesh.get_group("tensor"), rank=mesh.get_local_rank("tensor"))
+
+
+def is_split(param: Tensor) -> bool:
+    """Whether ``param`` is a ``DTensor`` whose tensor ranks hold different elements (not replicated on every axis)."""
+    return isinstance(param, DTensor) and not all(placement.is_replicate() for placement in param.placements)
+
+
+def counted_once(pieces: Iterable[tuple[Tensor, Tensor]], *, tensor_rank: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Local. ``(counted, copies)`` of the ``(parameter, piece)`` pairs: a split parameter's piece is counted on every
+    tensor rank, a whole one's on tensor rank 0 only (elsewhere a copy: scaled, not counted)."""
+    counted: list[Tensor] = []
+    copies: list[Tensor] = []
+    for param, piece in pieces:
+        (counted if tensor_rank == 0 or is_split(param) else copies).append(piece)
+    return counted, copies
 
 
 def _counted_here(grad: Tensor, mesh: DeviceMesh) -> bool:

@@ -86,6 +86,7 @@ from lightning_parallel.distributed.zero.accumulation import (
 )
 from lightning_parallel.distributed.zero.flat_bucket import FlatBucket, Segment, ShardView
 from lightning_parallel.distributed.zero.layout import BucketMember, bucket_layout, min_buckets, padded_numel
+from lightning_parallel.distributed.zero.local_shards import as_placed, local_gradient_of, local_tensor
 from lightning_parallel.distributed.zero.replica_reduction import ProcessGroupReplicas, ReplicaReduction
 
 __all__ = [
@@ -257,19 +258,22 @@ class ShardedParameterBuckets:
 
     # ------------------------------------------------------------------ layout
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]], bucket_cap_mb: float) -> list[FlatBucket]:
-        members = [BucketMember(p.numel(), p.element_size(), (p.dtype, p.device)) for _, p in named]
+        # A tensor-parallel weight is bucketed as its local shard (`distributed/zero/local_shards.py`).
+        tensors = [local_tensor(p) for _, p in named]
+        members = [BucketMember(t.numel(), t.element_size(), (t.dtype, t.device)) for t in tensors]
         layout = bucket_layout(members, bucket_cap_mb=bucket_cap_mb, min_buckets=min_buckets(self.stage))
         return [self._make_bucket([named[i] for i in indices]) for indices in layout]
 
     def _make_bucket(self, members: list[tuple[str, nn.Parameter]]) -> FlatBucket:
-        padded = padded_numel(sum(param.numel() for _, param in members), self.world_size)
-        reference = members[0][1]
+        padded = padded_numel(sum(local_tensor(param).numel() for _, param in members), self.world_size)
+        reference = local_tensor(members[0][1])
         flat = torch.zeros(padded, dtype=reference.dtype, device=reference.device)
         segments, offset = [], 0
         for name, param in members:
-            numel = param.numel()
-            flat[offset : offset + numel].copy_(param.detach().reshape(-1))
-            param.data = flat[offset : offset + numel].view_as(param)
+            local = local_tensor(param)  # the parameter itself, or a split weight's local shard
+            numel = local.numel()
+            flat[offset : offset + numel].copy_(local.detach().reshape(-1))
+            local.data = flat[offset : offset + numel].view_as(local)
             segments.append(Segment(param=param, name=name, offset=offset, numel=numel))
             offset += numel
         shard_numel = padded // self.world_size
@@ -368,15 +372,16 @@ class ShardedParameterBuckets:
         elif self._in_flight:  # free what finished since the last gradient before autograd allocates the next one
             self._release_reduced_buckets()
         start_accumulation(bucket)
-        assert param.grad is not None
+        grad = local_gradient_of(param)
+        assert grad is not None
         target = bucket.full_grads[segment.offset : segment.offset + segment.numel]
-        if self.stage == 1 and _same_memory(param.grad, target):
+        if self.stage == 1 and _same_memory(grad, target):
             pass  # stage 1: `.grad` is a view into the persistent bucket and autograd accumulated in place
         else:
-            target.add_(param.grad.reshape(-1))
+            target.add_(grad.reshape(-1))
             # Stage 1 points `.grad` at its slot in the persistent bucket (no allocation or copy from the next
             # step on, like DDP's gradient_as_bucket_view); stage 2 frees it, keeping only the bucket until sync.
-            param.grad = target.view_as(param) if self.stage == 1 else None
+            param.grad = as_placed(param, target) if self.stage == 1 else None
         self._used[segment.index] = 1
         bucket.ready += 1
         if bucket.ready >= bucket.expected:

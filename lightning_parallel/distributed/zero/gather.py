@@ -45,6 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
@@ -223,6 +224,8 @@ class _StaleReadGuard(TorchFunctionMode):
 
 def _collect_storages(values: Any, found: set[int]) -> None:
     """Add the storage address of every tensor in ``values`` (nested lists, tuples, dicts) to ``found``."""
+    if isinstance(values, DTensor):  # a split weight (tensor parallelism): its local tensor is a bucket view
+        values = values.to_local()
     if isinstance(values, Tensor):
         try:
             found.add(values.untyped_storage().data_ptr())

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_parallel.distributed.zero.accumulation import clear_unowned
+from lightning_parallel.distributed.zero.local_shards import as_placed, local_piece, whole_tensor
 from lightning_parallel.distributed.zero.stage3_compat import (
     current_function_mode,
     local_gradient,
@@ -101,7 +102,8 @@ class BucketGradientLoan:
                 if not has_grad[segment.index]:
                     param.grad = None
                     continue
-                grad = whole[segment.offset : segment.offset + segment.numel].view_as(param)
+                # A split weight's local gradient gathered over the tensor ranks (collective): a plain whole `.grad`.
+                grad = whole_tensor(param, whole[segment.offset : segment.offset + segment.numel])
                 param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
                 self._lent[id(param)] = (param.grad, param.grad._version)
 
@@ -176,9 +178,10 @@ def _take_back(view: ShardView, *, zeroed: bool, unchanged: bool) -> None:
     if zeroed or grad is None:  # the optimizer's `zero_grad()` ran since the loan, or the hook dropped the gradient
         view.tensor.grad = None
         return
-    piece = grad.detach().reshape(-1)[view.start : view.stop]
-    if not unchanged and piece.data_ptr() != view.grad.data_ptr():
-        view.grad.copy_(piece)
+    if not unchanged:  # a split weight's whole `.grad`: this rank's slice of it first
+        piece = local_piece(view.param, grad.detach()).reshape(-1)[view.start : view.stop]
+        if piece.data_ptr() != view.grad.data_ptr():
+            view.grad.copy_(piece)
     view.tensor.grad = view.grad
 
 
@@ -189,14 +192,14 @@ def _restore_between_syncs(bucket: FlatBucket, whole: Tensor, *, rank: int, stag
         owned = {id(segment.param) for segment in bucket.owned_segments}
         for segment in bucket.segments:
             if id(segment.param) not in owned:  # autograd accumulates into the bucket slot in place again
-                segment.param.grad = whole[segment.offset : segment.offset + segment.numel].view_as(segment.param)
+                segment.param.grad = as_placed(segment.param, whole[segment.offset : segment.offset + segment.numel])
         return
     full = bucket.full_grads if stage == 1 else None  # stage 1 with masters: (zeroed) views of its 16-bit bucket
     if full is not None and full is whole:  # it held the lent gradients: zero again for the next accumulation
         full.zero_()
     for segment in bucket.segments:
         slot = None if full is None else full[segment.offset : segment.offset + segment.numel]
-        segment.param.grad = None if slot is None else slot.view_as(segment.param)
+        segment.param.grad = None if slot is None else as_placed(segment.param, slot)
 
 
 class LocalBucketGradientLoan:
@@ -213,7 +216,7 @@ class LocalBucketGradientLoan:
             for segment in bucket.segments:
                 if buckets.got_gradient_here(segment.param):
                     view = bucket.full_grads[segment.offset : segment.offset + segment.numel]
-                    segment.param.grad = view.view_as(segment.param)
+                    segment.param.grad = as_placed(segment.param, view)
                     self.params.append(segment.param)
 
     def hand_back(self) -> None:

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from lightning_parallel.distributed.checkpoint import FlatPiece, ShardedCheckpointReader, host_copy, place_scalar_state
 from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
 from lightning_parallel.distributed.zero.flat_bucket import ShardView
+from lightning_parallel.distributed.zero.local_shards import local_piece, local_tensor, whole_tensor
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "check_shardable"]
 
@@ -161,11 +162,12 @@ class ShardedOptimizer:
                     if index is None or key not in state_of.get(index, ((), {}))[0]:
                         continue
                     piece = full[segment.offset : segment.offset + segment.numel]
-                    state[index][key] = piece.view_as(segment.param).clone()
+                    state[index][key] = piece.view(local_tensor(segment.param).shape).clone()
         masters = self._gather_master_weights(destination, index_of, staging)
         del staging
         if not is_destination:
             return {}
+        self._gather_split_parameters(state, masters)
         for index, (_, scalars) in state_of.items():
             state[index].update({key: value.clone() for key, value in scalars.items()})
         groups = []
@@ -182,6 +184,18 @@ class ShardedOptimizer:
         if masters:
             consolidated["master_weights"] = masters
         return consolidated
+
+    def _gather_split_parameters(self, state: dict[int, dict[str, Any]], masters: dict[int, Tensor]) -> None:
+        """Collective over the tensor ranks (every destination of a tensor-parallel group, the same parameters and
+        keys in the same order). Each split weight's state and master, in its local shape so far, gathered whole: the
+        single-device layout (``distributed/zero/local_shards.py``; a plain parameter is left as it is)."""
+        params = self._indexed_params()
+        for index in sorted(state):
+            for key, value in state[index].items():
+                if value.dim() > 0:
+                    state[index][key] = whole_tensor(params[index], value)
+        for index in sorted(masters):
+            masters[index] = whole_tensor(params[index], masters[index])
 
     def _gather_master_weights(
         self, destination: int, index_of: dict[nn.Parameter, int], staging: _GatherStaging
@@ -200,7 +214,7 @@ class ShardedOptimizer:
                 index = index_of.get(segment.param)
                 if index is not None:
                     piece = full[segment.offset : segment.offset + segment.numel]
-                    masters[index] = piece.view(segment.param.shape).clone()
+                    masters[index] = piece.view(local_tensor(segment.param).shape).clone()
         return masters
 
     def sharded_pieces(self) -> list[FlatPiece]:
@@ -294,7 +308,7 @@ class ShardedOptimizer:
             for view in self.views_of[param]:
                 if _is_master(view):
                     with torch.no_grad():
-                        view.tensor.copy_(master.reshape(-1)[view.start : view.stop])
+                        view.tensor.copy_(local_piece(view.param, master).reshape(-1)[view.start : view.stop])
 
 
 def load_from_reader(sharded: ShardedOptimizer, reader: ShardedCheckpointReader, module: nn.Module) -> None:
@@ -351,7 +365,7 @@ def _is_master(view: ShardView) -> bool:
 
 def _slice_state(key: str, value: Any, view: ShardView, group: dict[str, Any]) -> Any:
     if isinstance(value, Tensor) and value.dim() > 0:
-        piece = value.reshape(-1)[view.start : view.stop]
+        piece = local_piece(view.param, value).reshape(-1)[view.start : view.stop]
         return piece.to(device=view.tensor.device, dtype=view.tensor.dtype).clone()
     return place_scalar_state(key, value, param=view.tensor, group=group)
 

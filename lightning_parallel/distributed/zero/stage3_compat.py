@@ -21,6 +21,12 @@ And what ZeRO-3's gloo gradient reduction (``distributed/zero/stage3_gloo.py``) 
 each unit's ``FSDPParam`` records (:func:`sharded_gradient_params`), whether it has an all-reduce hook
 (:func:`has_all_reduce_hook`) or a sharded parameter a post-accumulate-grad hook (:func:`post_accumulate_grad_hooks`),
 and the autograd engine's end-of-backward callback (:func:`queue_at_end_of_backward`).
+
+And the one private of the stage 1-2 buckets under tensor parallelism (``distributed/zero/local_shards.py``):
+:func:`wrapped_local_tensor` (``DTensor._local_tensor``), the plain tensor a split weight wraps, whose ``.data`` the
+buckets point into their flat buffer. ``to_local()`` returns that very tensor under ``no_grad`` up to torch 2.12, but a
+fresh view of it for a parameter since 2.13 (so setting its ``.data`` would leave the weight where it was); setting
+the ``DTensor`` parameter's own ``.data`` moves only the wrapper. Checked on torch 2.11 and 2.13.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ __all__ = [
     "reset_iteration",
     "reshard_after_forward_disabled",
     "sharded_gradient_params",
+    "wrapped_local_tensor",
 ]
 
 
@@ -208,3 +215,15 @@ def queue_at_end_of_backward(callback: Callable[[], None]) -> bool:
     except RuntimeError:  # "Final callbacks can only be installed during backward pass."
         return False
     return True
+
+
+def wrapped_local_tensor(tensor: Tensor) -> Tensor:
+    """The plain tensor a ``DTensor`` wraps, itself (not a view): its storage is the ``DTensor``'s."""
+    try:
+        return tensor._local_tensor  # type: ignore[attr-defined]
+    except AttributeError as error:
+        raise RuntimeError(
+            "This torch version's DTensor keeps no `_local_tensor` where lightning_parallel expects it (written for"
+            " torch 2.11-2.13); ZeRO-1/2 cannot hold tensor-parallel weights in its buckets. Use"
+            " `ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)`."
+        ) from error

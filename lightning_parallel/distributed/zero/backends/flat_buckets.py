@@ -15,6 +15,8 @@ from torch.optim import Optimizer
 
 from lightning_parallel.accounting import MemoryReport
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, ShardedPieces
+from lightning_parallel.distributed.clipping import clip_grad_norm_over_ranks_
+from lightning_parallel.distributed.tensor_parallel.norm import counted_once, tensor_axis_of
 from lightning_parallel.distributed.zero.backends.context import ZeroContext
 from lightning_parallel.distributed.zero.backends.replicated import ReplicatedBackend
 from lightning_parallel.distributed.zero.buckets import ShardedParameterBuckets
@@ -90,6 +92,13 @@ class FlatBucketBackend(ReplicatedBackend):
         assert self.buckets is not None
         views = self.sharded_for(optimizer).views
         extensions = self.stage_extensions
+        tensor_axis = tensor_axis_of(self.mesh, self.held)
+        if extensions is None and tensor_axis is not None:
+            # Split weights' shards summed over the tensor ranks too; a weight they all hold whole, counted once.
+            counted, copies = counted_once(((view.param, view.tensor) for view in views), tensor_rank=tensor_axis.rank)
+            groups = [self.buckets.group, tensor_axis.group]
+            device = self.buckets.device
+            return clip_grad_norm_over_ranks_(counted, float(max_norm), groups=groups, device=device, copies=copies)
         if extensions is None:
             return self.buckets.clip_grad_norm_(float(max_norm), views=views)
         named = [(view.name, view.tensor) for view in views]

@@ -108,8 +108,10 @@ class FullyShardBackend(ReplicatedBackend):
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         """Collective. torch's clip over ``optimizer``'s parameters; under tensor parallelism the norm counts each
-        local piece once over every rank (``clip_grad_norm_of_placed_``)."""
-        if not self.tensor_parallel:
+        local piece once over every rank (``clip_grad_norm_of_placed_``); a pipeline stage's norm is the stage
+        extensions' (its whole weights left out on tensor ranks other than 0, the sum also over ``pp`` and
+        ``tensor``)."""
+        if not self.tensor_parallel or self.stage_extensions is not None:
             return super().clip_grad_norm_(optimizer, max_norm)
         params = [param for group in optimizer.param_groups for param in group["params"]]
         device = next(iter(self.held.parameters())).device

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_parallel.accounting import CommunicationStats, MemoryReport, module_memory_report
+from lightning_parallel.distributed.averaged_copy import shard_whole_state
 from lightning_parallel.distributed.checkpoint import (
     ShardedCheckpointReader,
     ShardedPieces,
@@ -26,6 +27,7 @@ from lightning_parallel.distributed.checkpoint import (
     replicated_pieces,
     scalar_states,
 )
+from lightning_parallel.distributed.tensor_parallel import is_tensor_parallel
 from lightning_parallel.distributed.zero import stage3 as zero3
 from lightning_parallel.distributed.zero.backends.context import ZeroContext
 from lightning_parallel.distributed.zero.config import ZeroConfig
@@ -103,7 +105,8 @@ class ReplicatedBackend:
         self.module = module
         zero3.materialize_meta_module(module, device)  # `empty_init` of a stage-3 model at world size 1
         module.to(device)
-        self.sync_module_states(module)
+        if not is_tensor_parallel(module):  # a split module was cut from rank 0's broadcast weights already
+            self.sync_module_states(module)
 
     def setup_optimizers(self, optimizers: list[Optimizer]) -> None:
         self.optimizers = list(optimizers)
@@ -172,7 +175,8 @@ class ReplicatedBackend:
     def load_model_state(self, state: Any, *, strict: bool) -> None:
         if isinstance(state, ShardedCheckpointReader):
             state = full_state_from_reader(state)
-        load_module_state(self.held, state, strict=strict)
+        # A split weight (tensor parallelism) takes this rank's slice of the whole tensor.
+        load_module_state(self.held, shard_whole_state(self.held, state), strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` with every tensor copied to the CPU (as the sharded backends assemble it)."""
@@ -234,12 +238,16 @@ def full_state_from_reader(reader: ShardedCheckpointReader) -> dict[str, Tensor]
 
 
 def cloned_state(module: nn.Module) -> dict[str, Any]:
-    """``module``'s state dict with every tensor copied to the CPU, one at a time.
+    """``module``'s state dict with every tensor copied to the CPU, one at a time. Collective over the tensor ranks
+    when layers are split (each ``DTensor`` gathered whole: the single-device numbering and shapes), else local.
 
     Plain, independent tensors (parameters may be views into flat buckets), and never a second copy of the model on
     the device: a model that fits only because ZeRO shards its optimizer state must still be able to save.
     """
-    return {name: host_copy(tensor) for name, tensor in module.state_dict().items()}
+    return {
+        name: host_copy(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+        for name, tensor in module.state_dict().items()
+    }
 
 
 def group_params_of(optimizer: Optimizer | None) -> list[list[nn.Parameter]] | None:
