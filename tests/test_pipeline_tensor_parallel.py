@@ -80,6 +80,16 @@ def test_takes_every_zero_stage() -> None:
         assert strategy.tensor_parallel_size == 2
 
 
+@pytest.mark.parametrize(("devices", "expected"), [(4, 2), (8, 4), (2, 1)])
+def test_automatic_pipeline_size_leaves_room_for_the_tensor_axis(devices: int, expected: int) -> None:
+    """``pipeline_parallel_size="auto"`` is every rank of one tensor rank (it was the world size, which the mesh then
+    refused as ``P x T`` > world)."""
+    strategy = PipelineParallelStrategy(tensor_parallel_size=2)
+    pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False)
+    assert strategy.pipeline_parallel_size == expected
+    assert strategy.mesh_layout.data_parallel_size == 1
+
+
 class Unplanned(OwnModel):
     """Pipeline layers, but no ``tensor_parallel_plan()`` and no Hugging Face model."""
 

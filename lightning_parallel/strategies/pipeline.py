@@ -118,7 +118,8 @@ class PipelineParallelStrategy(LightningParallelStrategy):
     Each argument at length: ``docs/pipeline.md``, "The arguments at length".
 
     Args:
-        pipeline_parallel_size: Ranks per pipeline; ``"auto"`` uses all ranks (no data parallelism).
+        pipeline_parallel_size: Ranks per pipeline; ``"auto"`` uses all ranks (no data parallelism; with
+            ``tensor_parallel_size=T``, the world size over ``T``).
         schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, or the
             V-shaped ``"ZBVZeroBubble"`` / ``"DualPipeV"`` (two stages per rank, rank ``r`` holding ``r`` and
             ``2p - 1 - r``).
@@ -257,6 +258,7 @@ class PipelineParallelStrategy(LightningParallelStrategy):
             schedule=self.schedule,
             stages_per_rank=self._stages_per_rank_arg,
             num_microbatches=self._num_microbatches_arg,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     @property
@@ -269,7 +271,9 @@ class PipelineParallelStrategy(LightningParallelStrategy):
         self._checkpoints = CHECKPOINT_FORMATS[value]
 
     # Read from `pipeline_config`:
-    pipeline_parallel_size = FieldOf[int]("pipeline_config", 'Ranks per pipeline (``"auto"``: the world size).')
+    pipeline_parallel_size = FieldOf[int](
+        "pipeline_config", 'Ranks per pipeline (``"auto"``: the world size over the tensor size).'
+    )
     stages_per_rank = FieldOf[int](
         "pipeline_config",
         "Virtual stages per rank; 1 when a pipeline has one rank (the whole model is then one stage).",

@@ -55,11 +55,13 @@ class PipelineConfig:
         schedule: str,
         stages_per_rank: Count,
         num_microbatches: Count,
+        tensor_parallel_size: int = 1,
     ) -> PipelineConfig:
-        """Replace every ``"auto"``: ``pipeline_parallel_size`` = the world size, ``stages_per_rank`` = the schedule's
-        default (2 for the multi-stage schedules, else 1), ``num_microbatches`` = the number of stages. Does not
-        validate the counts."""
-        p = world_size if pipeline_parallel_size == "auto" else int(pipeline_parallel_size)
+        """Replace every ``"auto"``: ``pipeline_parallel_size`` = the world size over ``tensor_parallel_size`` (every
+        rank of one tensor rank in the pipeline), ``stages_per_rank`` = the schedule's default (2 for the multi-stage
+        schedules, else 1), ``num_microbatches`` = the number of stages. Does not validate the counts."""
+        automatic = max(1, world_size // tensor_parallel_size)  # a size that does not divide: the mesh names it
+        p = automatic if pipeline_parallel_size == "auto" else int(pipeline_parallel_size)
         if p == 1:
             per_rank = 1
         elif stages_per_rank == "auto":
@@ -74,11 +76,6 @@ class PipelineConfig:
             stages_per_rank=per_rank,
             num_microbatches=microbatches,
         )
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Replicas of the pipeline."""
-        return self.world_size // self.pipeline_parallel_size
 
     @property
     def num_stages(self) -> int:
