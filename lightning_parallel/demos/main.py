@@ -295,7 +295,9 @@ def table_notes(config: DemoConfig) -> str:
         " process (exact, from the strategy's memory_report()). peak tensors MiB: the peak bytes of live tensors"
         " during one training step after the warm-up (exact: activations, gradients in flight and temporaries"
         " included). Peak RSS comes last: it includes the Python/torch runtime and memory the allocator keeps after"
-        " freeing, which hide the differences between strategies at this size."
+        " freeing, which hide the differences between strategies at this size. The tensor-parallel row splits the"
+        " blocks' layers over pairs of processes (the GPT's tensor_parallel_plan()); both of a pair compute the pair's"
+        " whole batch, so at this size it peaks above ZeRO-3 alone."
     )
     return textwrap.fill(text, width=118)
 
