@@ -13,6 +13,7 @@ from pathlib import Path
 import lightning.pytorch  # noqa: F401  (imported before forking so the ranks inherit it)
 import pytest
 import torch
+from distributed_harness import run_distributed
 
 from lightning_parallel.demos import main as demo
 
@@ -79,6 +80,14 @@ def test_demo_main_equal_losses_exact_memory_and_no_noise(tmp_path: Path) -> Non
         assert values["data_parallel"][column] >= zero1 >= zero2 >= zero3, (zero1, zero2, zero3)
     assert "losses are equal up to floating-point rounding" in " ".join(proc.stdout.split())
     assert png.is_file() and png.stat().st_size > 10_000
+    # In a forked child: the dry run's backward starts autograd's threads, after which (torch 2.11) this process
+    # could no longer fork the next test's ranks ("Unable to handle autograd's threading ... fork").
+    run_distributed(
+        _dry_run_in_a_child, world_size=1, args=(values,), timeout=240, init_process_group=False, launcher_env=False
+    )
+
+
+def _dry_run_in_a_child(rank: int, world_size: int, values: dict[str, list[float]]) -> None:
     _assert_dry_run_predicts_the_table(values)
 
 
