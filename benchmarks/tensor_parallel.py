@@ -62,7 +62,8 @@ PAIRS: tuple[tuple[str, str], ...] = (("zero3_tp", "model_parallel_tp"),)
 
 def _cpu_processes() -> int:
     """4 processes (2 data x 2 tensor) where this process may run on 4 cores or more, else 2 (1 x 2)."""
-    return 4 if len(os.sched_getaffinity(0)) >= 4 else 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # not on macOS
+    return 4 if cores >= 4 else 2
 
 
 Config = PairedConfig
