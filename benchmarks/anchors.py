@@ -10,7 +10,9 @@ all-reduce, reduce-scatter, all-gather and P2P), so that anchor's bytes on the w
 :class:`MeasuredModelParallelStrategy` with :class:`FullyShardedGPT` is Lightning's FSDP2 path:
 ``ModelParallelStrategy`` (data parallel over every rank) and ``fully_shard`` applied per transformer block and to the
 model in the module's ``configure_model``, as Lightning's documentation shows; the monitor counts FSDP2's all-gathers
-and reduce-scatters with the same scoped tap it uses for our ZeRO-3 (which is FSDP2 too).
+and reduce-scatters with the same scoped tap it uses for our ZeRO-3 (which is FSDP2 too). With
+``tensor_parallel_size=T`` and :class:`TensorParallelGPT` it is Lightning's TP + FSDP2 path (the plan written by hand
+in ``configure_model``); the same tap counts tensor parallelism's ``DTensor`` collectives, as it does ours.
 
 Lightning's ``FSDPStrategy``, ``ModelParallelStrategy`` and ``DeepSpeedStrategy`` re-run the script in every rank by
 default; :func:`forked` (and :class:`MeasuredModelParallelStrategy`) starts them with ``fork`` instead. Where one
@@ -29,6 +31,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from typing_extensions import override
 
 from lightning_parallel._compat import MultiProcessingLauncher
@@ -41,6 +45,7 @@ __all__ = [
     "FullyShardedGPT",
     "MeasuredDDPStrategy",
     "MeasuredModelParallelStrategy",
+    "TensorParallelGPT",
     "ZeroRedundancyGPT",
     "deepspeed",
     "forked",
@@ -113,18 +118,26 @@ class _KeepParentWeightsLauncher(MultiProcessingLauncher):
 
 
 class MeasuredModelParallelStrategy(ModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` (fork, every rank data parallel), its FSDP2 collectives counted by the
-    monitor's tap; gloo on CPU (Lightning picks the backend from the device)."""
+    """Lightning's ``ModelParallelStrategy`` (fork; every rank data parallel, or ``tensor_parallel_size`` ranks per
+    tensor-parallel group and the rest data parallel), its FSDP2 and ``DTensor`` collectives counted by the monitor's
+    tap; gloo on CPU (Lightning picks the backend from the device)."""
 
-    def __init__(self) -> None:
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1)
+    def __init__(self, tensor_parallel_size: int = 1) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=tensor_parallel_size)
         self.track_communication = False
         self.communication_stats = CommunicationStats()
         self.events = StrategyEvents()  # never emits: FSDP2's waits run inside its hooks and autograd
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        size = self._tensor_parallel_size
+        assert isinstance(size, int), "set in __init__"
+        return size
+
     @override
     def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_processes * self.num_nodes  # "auto" would be the number of nodes
+        # "auto" would be the number of nodes: every process not in a tensor-parallel group is data parallel.
+        self._data_parallel_size = self.num_processes * self.num_nodes // self.tensor_parallel_size
         super().setup_environment()
 
     @override
@@ -132,7 +145,33 @@ class MeasuredModelParallelStrategy(ModelParallelStrategy):
         self._launcher = _KeepParentWeightsLauncher(self, start_method="fork")
 
     def instrumentation(self) -> Instrumentation:
-        return Instrumentation(data_parallel_size=self.world_size, tap="fsdp")
+        return Instrumentation(data_parallel_size=self.world_size // self.tensor_parallel_size, tap="fsdp")
+
+
+class TensorParallelGPT(GPTLightningModule):
+    """The demo module split by tensor parallelism and sharded with FSDP2 in ``configure_model``, as a user of
+    Lightning's ``ModelParallelStrategy`` writes it (Lightning's TP + FSDP2 example): the plan by hand in torch's
+    styles, ``parallelize_module`` on each block over the mesh's ``tensor_parallel`` axis, then ``fully_shard`` on
+    each block and on the model over its ``data_parallel`` axis. The same plan as the GPT's own
+    ``tensor_parallel_plan()``, which ours reads: the MLP split Megatron's way, the attention's fused q/k/v projection
+    split with its output gathered (whole heads on every rank) and its output projection split on its input features.
+    """
+
+    @override
+    def configure_model(self) -> None:
+        assert self.device_mesh is not None, "ModelParallelStrategy sets the mesh before `configure_model`"
+        tensor_mesh, data_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        plan = {
+            "attn.c_attn": ColwiseParallel(output_layouts=Replicate()),
+            "attn.c_proj": RowwiseParallel(input_layouts=Replicate()),
+            "mlp.c_fc": ColwiseParallel(),
+            "mlp.c_proj": RowwiseParallel(),
+        }
+        for block in self.model.blocks:
+            parallelize_module(block, tensor_mesh, plan)
+        for block in self.model.blocks:
+            fully_shard(block, mesh=data_mesh)
+        fully_shard(self.model, mesh=data_mesh)
 
 
 def forked(strategy_class: type[Strategy]) -> type[Strategy]:

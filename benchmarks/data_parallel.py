@@ -8,20 +8,11 @@ exactly half the all-reduce bytes (wire bytes ratio 0.5). Ours and the anchor al
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from functools import partial
 
 from benchmarks.anchors import MeasuredDDPStrategy
-from benchmarks.harness import (
-    Comparison,
-    Contender,
-    Outcome,
-    Workload,
-    compare,
-    run_interleaved,
-    with_user_callback,
-)
-from benchmarks.report import comparison_table, load_notes, outcome_table, section
+from benchmarks.harness import Contender, PairedConfig, PairedResults, Workload, measure_pairs, with_user_callback
+from benchmarks.report import load_notes, paired_blocks, section
 from lightning_parallel.strategies import DataParallelStrategy
 
 __all__ = ["CONTENDERS", "NAME", "PAIRS", "PRESETS", "Config", "DataParallelResults", "measure", "render"]
@@ -56,10 +47,7 @@ PAIRS: tuple[tuple[str, str], ...] = (
 )
 
 
-@dataclass(frozen=True, kw_only=True)
-class Config:
-    workload: Workload
-    repeats: int = 3
+Config = PairedConfig
 
 
 PRESETS: dict[str, Config] = {
@@ -74,16 +62,11 @@ PRESETS: dict[str, Config] = {
 }
 
 
-@dataclass
-class DataParallelResults:
-    config: Config
-    outcomes: dict[str, Outcome]
-    comparisons: list[Comparison]
+DataParallelResults = PairedResults
 
 
 def measure(config: Config) -> DataParallelResults:
-    outcomes = run_interleaved(CONTENDERS, config.workload, repeats=config.repeats)
-    return DataParallelResults(config, outcomes, [compare(outcomes[a], outcomes[b]) for a, b in PAIRS])
+    return measure_pairs(CONTENDERS, PAIRS, config)
 
 
 def render(results: DataParallelResults, *, command: str) -> str:
@@ -98,10 +81,7 @@ def render(results: DataParallelResults, *, command: str) -> str:
             " time of the slowest rank in fits without the monitor (a step clock callback only)."
             " DDP's all-reduce waits run inside autograd: the monitor cannot time its exposed communication.",
         ],
-        blocks={
-            "Ours / anchor": comparison_table(results.comparisons),
-            "Medians over repeats": outcome_table(results.outcomes.values()),
-        },
+        blocks=paired_blocks(results.comparisons, results.outcomes.values()),
     )
 
 

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from benchmarks.gpu_check_runs import Probe, read_peaks, read_states
 from lightning_parallel.demos import GPTLightningModule, RandomTokenDataset
+from lightning_parallel.demos.main import _restored_environ  # Lightning's launchers write MASTER_PORT, WORLD_SIZE here
 from lightning_parallel.demos.report import DemoRecorder, read_recording
 
 __all__ = [
@@ -192,7 +193,8 @@ def fit(settings: CheckSettings, plan: FitPlan, directory: Path) -> Fitted:
     start = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
     trainer = _trainer(settings, plan, directory, Probe(directory, save_at=settings.save_at))
-    trainer.fit(_module(settings, seed=0), _loader(settings, plan))
+    with _restored_environ():  # an in-process fit at world size 1 leaves WORLD_SIZE etc.: the next spawn would refuse
+        trainer.fit(_module(settings, seed=0), _loader(settings, plan))
     losses = _step_losses(read_recording(trainer).losses, plan.accumulate)
     states = read_states(directory)
     seconds = time.perf_counter() - start  # all of it, reading the checkpoints back too: the budget's unit
@@ -205,7 +207,8 @@ def resume(settings: CheckSettings, plan: FitPlan, checkpoint: Path, directory: 
     start = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
     trainer = _trainer(settings, plan, directory, Probe(directory, save_at=None))
-    trainer.fit(_module(settings, seed=1), _loader(settings, plan), ckpt_path=checkpoint)
+    with _restored_environ():
+        trainer.fit(_module(settings, seed=1), _loader(settings, plan), ckpt_path=checkpoint)
     losses = _step_losses(read_recording(trainer).losses, plan.accumulate)
     states = read_states(directory, ("end",))
     return Fitted(time.perf_counter() - start, losses, read_peaks(trainer.callback_metrics), states)

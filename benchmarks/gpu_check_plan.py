@@ -10,7 +10,7 @@ or more, multi-rank rows follow. The most telling rows come first, so a short bu
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from lightning.pytorch.strategies import Strategy
@@ -24,12 +24,25 @@ from benchmarks.gpu_check_runs import (
 )
 from lightning_parallel.strategies import DataParallelStrategy, PipelineParallelStrategy, ShardedOptimizerStrategy
 
-__all__ = ["FORK", "NUM_MICROBATCHES", "REPEAT", "STALE", "TORCHFT", "Row", "fit_plan", "plan", "reference_plan"]
+__all__ = [
+    "FORK",
+    "NUM_MICROBATCHES",
+    "REPEAT",
+    "STALE",
+    "TENSOR_PARALLEL",
+    "TORCHFT",
+    "Row",
+    "fit_plan",
+    "plan",
+    "reference_plan",
+]
 
 REPEAT, STALE = "control: one device again", "control: stale forward"
 """The positive control (must pass) and the negative control (must be rejected)."""
 TORCHFT = "torchft: 2 replica groups"
 FORK = "fork refused after CUDA"
+TENSOR_PARALLEL = "zero3 tp=2"
+"""``ShardedOptimizerStrategy(stage=3, tensor_parallel_size=2)``: the demo GPT's own plan over pairs of GPUs."""
 NUM_MICROBATCHES = 2
 """Micro-batches per step of the pipeline rows (and of their one-device reference)."""
 
@@ -78,9 +91,13 @@ def _single_device_rows(device: str) -> list[Row]:
 
 def _multi_device_rows(num_gpus: int) -> list[Row]:
     names = ["data_parallel", "zero1", "zero2", "zero3", "zero2 hybrid", "zero3 hybrid", "pipeline"]
-    names += ["pipeline zero_stage=1", "pipeline zero_stage=2", "pipeline zero_stage=3"]
+    names += ["pipeline zero_stage=1", "pipeline zero_stage=2", "pipeline zero_stage=3", TENSOR_PARALLEL]
     rows = [Row(name, precision, num_gpus) for precision in ("32-true", "bf16-mixed") for name in names]
-    return rows + [Row(name, "bf16-true", num_gpus) for name in names if name.startswith("zero")]
+    rows += [Row(name, "bf16-true", num_gpus) for name in names if name.startswith("zero")]
+    if num_gpus % 2:
+        odd = "tensor parallelism splits layers over pairs of GPUs: an even number is needed"
+        rows = [replace(row, skip=odd) if row.name == TENSOR_PARALLEL else row for row in rows]
+    return rows
 
 
 def plan(device: str, *, num_gpus: int) -> list[Row]:
@@ -122,7 +139,17 @@ def _strategy(name: str, world_size: int) -> Strategy | str:
             start_method=start,
         )
     shard_size = max(world_size // 2, 1) if name.endswith("hybrid") else None  # 2 groups of world_size / 2 ranks
-    return ShardedOptimizerStrategy(int(name[4]), shard_size=shard_size, overlap_param_gather=True, start_method=start)  # type: ignore[arg-type]
+    return ShardedOptimizerStrategy(
+        int(name[4]),  # type: ignore[arg-type]
+        shard_size=shard_size,
+        tensor_parallel_size=_tensor_parallel_size(name),
+        overlap_param_gather=True,
+        start_method=start,
+    )
+
+
+def _tensor_parallel_size(name: str) -> int:
+    return 2 if name == TENSOR_PARALLEL else 1
 
 
 def fit_plan(row: Row) -> FitPlan:
@@ -132,7 +159,7 @@ def fit_plan(row: Row) -> FitPlan:
         strategy=_strategy(row.name, row.world_size),
         precision=row.precision,
         devices=row.world_size,
-        replicas=row.world_size // stages,
+        replicas=row.world_size // stages // _tensor_parallel_size(row.name),  # a tensor-parallel pair reads one batch
         extra=[StaleForward()] if row.name == STALE else [],
     )
 

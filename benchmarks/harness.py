@@ -49,6 +49,8 @@ __all__ = [
     "Comparison",
     "Contender",
     "Outcome",
+    "PairedConfig",
+    "PairedResults",
     "Run",
     "StepClock",
     "UserTimingCallback",
@@ -56,6 +58,7 @@ __all__ = [
     "compare",
     "compile_backend",
     "compiled",
+    "measure_pairs",
     "module_of",
     "monitored_fit",
     "one_line",
@@ -486,3 +489,28 @@ def compare(ours: Outcome, anchor: Outcome) -> Comparison:
             setattr(result, name, _ratio(ours.median(metric), anchor.median(metric)))
         result.exposed_s = (ours.median(attrgetter("exposed_s")), anchor.median(attrgetter("exposed_s")))
     return result
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairedConfig:
+    """A benchmark whose contenders all train one workload, compared in pairs."""
+
+    workload: Workload
+    repeats: int = 3
+
+
+@dataclass
+class PairedResults:
+    """What :func:`measure_pairs` measured."""
+
+    config: PairedConfig
+    outcomes: dict[str, Outcome]
+    comparisons: list[Comparison]
+
+
+def measure_pairs(
+    contenders: Sequence[Contender], pairs: Sequence[tuple[str, str]], config: PairedConfig
+) -> PairedResults:
+    """:func:`run_interleaved` over ``contenders``, then :func:`compare` of each ``(ours, anchor)`` pair of names."""
+    outcomes = run_interleaved(contenders, config.workload, repeats=config.repeats)
+    return PairedResults(config, outcomes, [compare(outcomes[ours], outcomes[anchor]) for ours, anchor in pairs])

@@ -22,6 +22,7 @@ __all__ = [
     "markdown_table",
     "mib",
     "outcome_table",
+    "paired_blocks",
     "ratios_cell",
     "section",
     "update_section",
@@ -113,6 +114,12 @@ def comparison_table(comparisons: Iterable[Comparison]) -> str:
         ratios = [_num(c.held), _num(c.peak), _num(c.wire), ratios_cell(c.cpu)]
         rows.append([c.ours, c.anchor, ratios_cell(c.throughput), per_repeat, exposed, *ratios])
     return markdown_table(header, rows)
+
+
+def paired_blocks(comparisons: Iterable[Comparison], outcomes: Iterable[Outcome]) -> dict[str, str]:
+    """The tables of a section whose contenders train one workload in pairs: ours / anchor, then every contender's
+    medians over repeats."""
+    return {"Ours / anchor": comparison_table(comparisons), "Medians over repeats": outcome_table(outcomes)}
 
 
 def load_notes(outcomes: Iterable[Outcome]) -> list[str]:

@@ -6,7 +6,8 @@ Usage::
                                  [--output benchmarks/RESULTS.md]
 
 ``medium`` (default, ``make bench``, ~35 minutes on 2 cores) is the CPU suite at a realistic size: ``gpt-20m`` (20.5 M
-parameters) at world size 2, ours and every anchor interleaved in 3 repeats (scaling at 1, 2, 4 on a 12.7 M model);
+parameters) at world size 2, ours and every anchor interleaved in 3 repeats (scaling at 1, 2, 4 on a 12.7 M model;
+tensor parallelism 1 data x 2 tensor, 2 x 2 on 4 processes where 4 cores are there);
 ``small`` the same on the 3 M demo model (faster, less decisive); ``large`` the GPU sizes (``gpt-125m``, NCCL), not run
 by us yet; ``tiny`` takes a few minutes (what the tests run). Every section records the machine's load during its runs
 and warns when other work competed for the cores. A benchmark is a module with ``NAME``,
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import data_parallel, figures, pipeline, zero
+from benchmarks import data_parallel, figures, pipeline, tensor_parallel, zero
 from benchmarks.isolation import return_freed_memory_to_os
 from benchmarks.report import RESULTS_PATH, comparison_table, load_notes, section, update_section
 from lightning_parallel.demos.main import quiet_lightning
@@ -45,7 +46,7 @@ __all__ = [
     "run_suite",
 ]
 
-BENCHMARKS: dict[str, ModuleType] = {module.NAME: module for module in (data_parallel, zero, pipeline)}
+BENCHMARKS: dict[str, ModuleType] = {module.NAME: module for module in (data_parallel, zero, pipeline, tensor_parallel)}
 PRESET_NAMES = ("tiny", "small", "medium", "large")
 DEFAULT_PRESET = "medium"
 

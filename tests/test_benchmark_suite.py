@@ -22,7 +22,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:  # `benchmarks` is a folder at the repository root, not an installed package
     sys.path.insert(0, str(_REPO_ROOT))
 
-from benchmarks import data_parallel, harness, pipeline, report, run_all, zero  # noqa: E402
+from benchmarks import data_parallel, harness, pipeline, report, run_all, tensor_parallel, zero  # noqa: E402
 from lightning_parallel import DataParallelStrategy  # noqa: E402
 from lightning_parallel.monitor import ParallelismMonitor  # noqa: E402
 from lightning_parallel.planner.bubble import ActionCosts, schedule_order, simulated_bubble  # noqa: E402
@@ -52,9 +52,14 @@ def _label(contenders: tuple[harness.Contender, ...], name: str) -> str:
 def test_every_pair_ran_or_its_anchor_says_why(suite: tuple[run_all.SuiteResults, Path]) -> None:
     results, path = suite
     assert results.failed == {}
-    assert list(results.benchmarks) == ["data_parallel", "zero", "pipeline"]
+    assert list(results.benchmarks) == ["data_parallel", "zero", "pipeline", "tensor_parallel"]
     text = path.read_text()
-    pairs = {"data_parallel": data_parallel.PAIRS, "zero": zero.PAIRS, "pipeline": (("1F1B, m=4", "raw"),)}
+    pairs = {
+        "data_parallel": data_parallel.PAIRS,
+        "zero": zero.PAIRS,
+        "pipeline": (("1F1B, m=4", "raw"),),
+        "tensor_parallel": tensor_parallel.PAIRS,
+    }
     for name, expected in pairs.items():
         comparisons = results.benchmarks[name].comparisons
         assert len(comparisons) == len(expected), name
@@ -77,7 +82,7 @@ def test_every_fit_records_the_load_and_every_section_shows_it(suite: tuple[run_
                 assert run.load is not None and len(run.load) == 2, (name, outcome.contender.name)
                 assert all(math.isfinite(value) and value >= 0 for value in run.load)
     text = path.read_text()
-    sections = ("summary", "data_parallel", "zero", "pipeline")
+    sections = ("summary", "data_parallel", "zero", "pipeline", "tensor_parallel")
     for name in sections:
         body = text.split(f"<!-- begin {name} -->")[1].split(f"<!-- end {name} -->")[0]
         assert "Load 1-min average during the runs" in body, name
@@ -288,10 +293,38 @@ def test_pipeline_pair_holds_the_same_bytes_and_schedules_keep_their_micro_batch
         assert 0 < mean <= worst < 1
 
 
+def test_tensor_parallel_pair_trains_alike_and_holds_and_sends_what_lightnings_does(
+    suite: tuple[run_all.SuiteResults, Path],
+) -> None:
+    """Ours (the GPT's own plan) and Lightning's ModelParallelStrategy (the same plan by hand in `configure_model`):
+    the same losses, the same bytes held (the planner's `zero3 tp=2` row, exactly) and the same collectives."""
+    from lightning_parallel.demos import GPTLightningModule
+    from lightning_parallel.planner import plan
+
+    results = suite[0].benchmarks["tensor_parallel"]
+    comparison = results.comparisons[0]
+    assert comparison.unavailable is None  # ModelParallelStrategy, parallelize_module and fully_shard run on gloo
+    assert comparison.held == 1.0 and comparison.wire == 1.0
+    ours, anchor = (results.outcomes[name].runs[0] for name in ("zero3_tp", "model_parallel_tp"))
+    assert ours.loss is not None and ours.loss == pytest.approx(anchor.loss, abs=1e-5)  # same weights, same batches
+    assert ours.payload is not None and ours.payload == anchor.payload
+    workload = tensor_parallel.PRESETS["tiny"].workload
+    planned = plan(
+        GPTLightningModule(workload.preset),
+        world_size=workload.devices,
+        batch_size=workload.batch_size,
+        seq_len=workload.tokens_per_sequence,
+        tensor_parallel_size=tensor_parallel.TENSOR_PARALLEL_SIZE,
+        process_group_backend="gloo",
+    ).configuration(f"zero3 tp={tensor_parallel.TENSOR_PARALLEL_SIZE}")
+    assert [sum(rank.values()) for rank in ours.held] == [rank.held for rank in planned.ranks]
+
+
 def test_results_md_has_the_summary_first_and_every_figure(suite: tuple[run_all.SuiteResults, Path]) -> None:
     _, path = suite
     text = path.read_text()
-    starts = [text.index(f"<!-- begin {name} -->") for name in ("summary", "data_parallel", "zero", "pipeline")]
+    sections = ("summary", "data_parallel", "zero", "pipeline", "tensor_parallel")
+    starts = [text.index(f"<!-- begin {name} -->") for name in sections]
     assert starts == sorted(starts)
     for name in ("throughput_ratios", "scaling", "pipeline_timeline"):
         assert (path.parent / "figures" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name

@@ -24,6 +24,7 @@ from lightning_parallel.demos import (
     load_corpus,
     num_parameters,
 )
+from lightning_parallel.distributed.tensor_parallel import check_divisible, resolve_plan
 
 
 def _tiny_model(seed: int = 0, **overrides: int) -> GPT:
@@ -130,6 +131,19 @@ def test_module_hparams_optimizer_groups_and_predict() -> None:
     assert isinstance(GPTLightningModule().configure_optimizers(), torch.optim.AdamW)
     inputs = torch.randint(0, 256, (2, 8))
     assert module.predict_step((inputs, inputs), 0).shape == (2, 8)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_tensor_parallel_plan_names_the_blocks_layers_and_splits_every_preset_in_two(preset: str) -> None:
+    with torch.device("meta"):
+        module = GPTLightningModule(preset)
+    plan = resolve_plan(module, owner="ShardedOptimizerStrategy")
+    assert plan.source == "GPTLightningModule.tensor_parallel_plan()"
+    layers = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert sorted(plan.styles) == sorted(
+        f"model.blocks.{i}.{layer}" for i in range(module.config.n_layer) for layer in layers
+    )
+    check_divisible(module, plan, 2)  # no ValueError: every split dimension is even
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from distributed_harness import run_distributed
 
 from benchmarks.gpu_check import Check
 from benchmarks.gpu_check_fit import CheckSettings
-from benchmarks.gpu_check_plan import FORK, REPEAT, STALE, TORCHFT, Row, plan
+from benchmarks.gpu_check_plan import FORK, REPEAT, STALE, TENSOR_PARALLEL, TORCHFT, Row, fit_plan, plan
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 # The only reasons a row of the CPU stand-in may give for not running.
@@ -51,6 +51,18 @@ def test_without_cuda_it_stops_at_once_and_says_why(tmp_path: Path) -> None:
     assert "The GPU check needs a CUDA GPU: torch.cuda.is_available() is False" in proc.stderr
     assert "--device cpu" in proc.stderr
     assert not out.exists()  # nothing written, nothing trained
+
+
+def test_the_tensor_parallel_row_runs_on_pairs_of_gpus() -> None:
+    """Several GPUs: ZeRO-3 x tensor parallel 2 at every precision, a pair reading one batch; an odd count skips it."""
+    rows = [row for row in plan("cuda", num_gpus=4) if row.name == TENSOR_PARALLEL]
+    assert [row.precision for row in rows] == ["32-true", "bf16-mixed", "bf16-true"]
+    assert all(row.skip is None and row.resumes for row in rows)
+    fitted = fit_plan(rows[0])
+    assert fitted.replicas == 2 and getattr(fitted.strategy, "tensor_parallel_size", None) == 2
+    odd = [row for row in plan("cuda", num_gpus=3) if row.name == TENSOR_PARALLEL]
+    assert len(odd) == 3 and all(row.skip and "even number" in row.skip for row in odd)
+    assert not [row for row in plan("cuda", num_gpus=1) if row.name == TENSOR_PARALLEL]
 
 
 def test_cpu_stand_in_runs_every_row_and_deletes_every_checkpoint(tmp_path: Path) -> None:

@@ -269,6 +269,26 @@ class GPT(nn.Module):
         """
         return [self.embedding, *self.blocks, self.norm, self.head]
 
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Which layers tensor parallelism splits, and how: module names relative to this model, ``*`` for one level
+        of the name, and Hugging Face's style names (docs/tensor_parallel.md).
+
+        The MLP is split Megatron's way: ``c_fc`` by columns (each tensor rank computes its slice of the ``4C``
+        hidden features and their GELU), ``c_proj`` by rows (the partial products summed by one all-reduce). The
+        attention's projections are split too, but its heads are not: ``c_attn`` holds the queries, keys and values
+        in one ``(3C, C)`` matrix, so a plain column split would give a rank all the queries and half the keys rather
+        than whole heads. Its output is gathered instead (``colwise_rep``: an all-gather of ``(B, T, 3C)``), every
+        tensor rank attends over all heads, and ``c_proj`` takes that replicated input split on its features
+        (``rowwise_rep``). Splitting the heads needs separate ``q``/``k``/``v`` layers (or a strided split of the
+        fused one). The embeddings, the LayerNorms and the LM head stay whole on every tensor rank.
+        """
+        return {
+            "blocks.*.attn.c_attn": "colwise_rep",
+            "blocks.*.attn.c_proj": "rowwise_rep",
+            "blocks.*.mlp.c_fc": "colwise",
+            "blocks.*.mlp.c_proj": "rowwise",
+        }
+
     def num_parameters(self) -> int:
         """Total number of parameters (every parameter is counted once; nothing is shared)."""
         return sum(p.numel() for p in self.parameters())

@@ -4,7 +4,8 @@ Run it as ``python -m lightning_parallel.demos.main`` (``make demo``). Each stra
 same initial weights, on the Python standard library's source code for ``--steps`` optimizer steps on ``--devices``
 CPU processes started with ``fork``, so that every run's numbers come back to this process. Every row trains the
 same global batch (``batch_size x devices`` sequences, split over the row's data-parallel replicas: a 2-stage
-pipeline on 2 processes is one replica and takes the whole global batch) for the same number of optimizer steps, so
+pipeline on 2 processes is one replica and takes the whole global batch, and so is a pair of tensor-parallel ranks,
+which read the same batch) for the same number of optimizer steps, so
 the losses agree up to floating-point rounding. The table shows the training loss at the end, the throughput in
 tokens per second (summed over processes, after a warm-up), the all-reduce payload per optimizer step, the bytes of
 parameters + gradients + optimizer state each process holds (exact, from the strategy's ``memory_report()``), the
@@ -79,6 +80,11 @@ def _pipeline_stages(devices: int) -> int:
     return 2 if devices % 2 == 0 else 1
 
 
+def _tensor_parallel_size(devices: int) -> int:
+    """The demo's tensor-parallel degree: 2 when the processes split evenly into pairs, else 1 (plain ZeRO-3)."""
+    return 2 if devices % 2 == 0 else 1
+
+
 STRATEGY_ROWS: tuple[StrategyRow, ...] = (
     StrategyRow(
         "data_parallel",
@@ -102,6 +108,15 @@ STRATEGY_ROWS: tuple[StrategyRow, ...] = (
     StrategyRow("zero1", "zero1 (optimizer state sharded)", lambda d: ShardedOptimizerStrategy(1, start_method="fork")),
     StrategyRow("zero2", "zero2 (+ gradients sharded)", lambda d: ShardedOptimizerStrategy(2, start_method="fork")),
     StrategyRow("zero3", "zero3 (+ parameters sharded)", lambda d: ShardedOptimizerStrategy(3, start_method="fork")),
+    StrategyRow(
+        "zero3_tp",
+        # The layers of `GPT.tensor_parallel_plan()` split over pairs of processes, ZeRO-3 over the pairs (1 x 2 on 2).
+        "zero3 x tensor parallel 2",
+        lambda devices: ShardedOptimizerStrategy(
+            3, tensor_parallel_size=_tensor_parallel_size(devices), start_method="fork"
+        ),
+        num_replicas=lambda devices: devices // _tensor_parallel_size(devices),
+    ),
 )
 """The strategies the demo compares, in table order. Later strategies add a row here."""
 
@@ -280,7 +295,9 @@ def table_notes(config: DemoConfig) -> str:
         " process (exact, from the strategy's memory_report()). peak tensors MiB: the peak bytes of live tensors"
         " during one training step after the warm-up (exact: activations, gradients in flight and temporaries"
         " included). Peak RSS comes last: it includes the Python/torch runtime and memory the allocator keeps after"
-        " freeing, which hide the differences between strategies at this size."
+        " freeing, which hide the differences between strategies at this size. The tensor-parallel row splits the"
+        " blocks' layers over pairs of processes (the GPT's tensor_parallel_plan()); both of a pair compute the pair's"
+        " whole batch, so at this size it peaks above ZeRO-3 alone."
     )
     return textwrap.fill(text, width=118)
 
@@ -336,6 +353,10 @@ def quiet_lightning() -> None:
     """Keep Lightning's start-up chatter and the CPU data-loading hint out of the demo's output."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # torch (2.13) logs, on every rank, that gathering a weight split by both FSDP2 and tensor parallelism
+    # (`(_StridedShard(0), Shard(0))`) whole takes 2 all-gathers instead of one: the consolidated state dict that the
+    # fork launcher brings back after the tensor-parallel row's fit. Once per fit, not per step.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     for message in (".*does not have many workers.*", ".*LeafSpec.*"):
         warnings.filterwarnings("ignore", message)
 

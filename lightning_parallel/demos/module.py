@@ -92,6 +92,11 @@ class GPTLightningModule(LightningModule):
         """The model as a flat list of layers whose composition is :meth:`forward` (see :meth:`GPT.pipeline_layers`)."""
         return self.model.pipeline_layers()
 
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """The tensor-parallel plan of ``ShardedOptimizerStrategy(stage=3, tensor_parallel_size=T)`` and
+        ``PipelineParallelStrategy(tensor_parallel_size=T)``: :meth:`GPT.tensor_parallel_plan` under ``model.``."""
+        return {f"model.{name}": style for name, style in self.model.tensor_parallel_plan().items()}
+
     def transformer_shape(self) -> TransformerShape:
         """The planner's hook (:class:`~lightning_parallel.planner.ProvidesTransformerShape`): the GPT's shape."""
         return self.model.transformer_shape()
