@@ -335,22 +335,23 @@ def planned_with_measured_costs(schedule: str, p: int, m: int, run: Run) -> floa
 
 
 def planned_with_run_costs(schedule: str, p: int, m: int, run: Run) -> float:
-    """The plan with everything ``run`` measured outside the waits between ranks: each step played with its own chunk
-    costs (the median over its micro-batches per stage and kind: a shared machine slows some steps' chunks, and the
-    waits they cause are the plan's to play) and the run's time outside chunks (:func:`measured_overheads`); the
-    median over steps. What remains between this and the measured bubble is P2P latency and the spread of chunk
-    times within a step."""
+    """The plan with everything ``run`` measured outside the waits between ranks: each step played as it ran, every
+    chunk with its own time (:attr:`ActionCosts.actions`: on a shared machine one slow chunk makes the ranks that need
+    it wait, and that wait is the plan's to play), plus the run's time outside chunks (:func:`measured_overheads`);
+    the median over steps whose chunks pair up with the order on every rank. What remains between this and the
+    measured bubble is time between chunks that no measured overhead explains: P2P latency and waits."""
     v = 2 if _two_stages(schedule) else 1
     overheads = measured_overheads(schedule, p, m, run)
-    bubbles = []
-    for index in range(min(len(rank["steps"]) for rank in run.ranks)):
-        step = replace(run, ranks=[{**rank, "steps": [rank["steps"][index]]} for rank in run.ranks])
-        chunks = measured_costs(schedule, p, m, step)
-        if not chunks.forward or not any(chunks.forward):  # the step's chunks did not pair up with the order
-            continue
-        costs = replace(chunks, between_actions=overheads.between_actions, loss=overheads.loss, edges=overheads.edges)
-        order = schedule_order(schedule, p, m, v)
-        bubbles.append(simulate_schedule(order, costs).bubble)
+    steps: dict[int, dict[int, tuple[tuple[Step, float], ...]]] = {}
+    for rank, planned, events, record in _paired_steps(schedule, p, m, run):
+        timed = tuple((step, end - start) for step, (*_, start, end) in zip(planned, events, strict=True))
+        steps.setdefault(record["step"], {})[rank] = timed
+    order = schedule_order(schedule, p, m, v)
+    bubbles = [
+        simulate_schedule(order, replace(overheads, actions=sum(ranks.values(), ()))).bubble
+        for ranks in steps.values()
+        if len(ranks) == p
+    ]
     return statistics.median(bubbles) if bubbles else float("nan")
 
 
@@ -387,10 +388,11 @@ def render(results: PipelineResults, *, command: str) -> str:
             " `planner.bubble.ActionCosts`): what unequal stages and I != W alone make of the plan. The rest of the"
             " measured bubble is time between chunks: P2P waits, the last stage's loss (the step run per micro-batch),"
             " the schedule's own work per action, and the step's outcome sent from the last stage."
-            " Planned with the run's costs: each step played with its own chunk costs plus the time the run spent"
-            " outside chunks without waiting for another rank (`ActionCosts.between_actions`, `loss`, `edges`,"
-            " measured from the gaps before actions whose inputs are local: `measured_overheads`), median over steps;"
-            " the goal (issue 46) is the measured bubble within 1.5x of it."
+            " Planned with the run's costs: each step played as it ran, every chunk with its own time"
+            " (`ActionCosts.actions`), plus the time the run spent outside chunks without waiting for another rank"
+            " (`ActionCosts.between_actions`, `loss`, `edges`, measured from the gaps before actions whose inputs are"
+            " local: `measured_overheads`), median over steps; the goal (issue 46) is the measured bubble within 1.5x"
+            " of it. What remains between the two is waiting that the plan does not play: P2P latency."
             " In-flight micro-batches bound the activations a rank holds; held: parameters + gradients + optimizer"
             " state of the largest rank; peak: the largest rank's peak memory (RSS on CPU), 1F1B vs ZBV at the same m.",
         ],

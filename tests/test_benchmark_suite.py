@@ -377,5 +377,5 @@ def test_time_outside_chunks_is_read_back_from_the_timelines(schedule: str) -> N
     measured = pipeline.measured_overheads(schedule, p, m, run)
     assert (measured.between_actions, measured.loss) == (0.5, 0.25)
     assert measured.edges == pytest.approx(2.0)
-    # Every step's chunks alike: the per-step play is the play with the run's costs.
+    # Every chunk lasts its stage's cost: the play of each step as it ran is the play with the run's costs.
     assert pipeline.planned_with_run_costs(schedule, p, m, run) == simulate_schedule(order, measured).bubble

@@ -75,6 +75,16 @@ def test_time_outside_chunks_played_by_hand() -> None:
     assert times.ends == (11.5, 9.5)
 
 
+def test_a_measured_step_played_as_it_ran() -> None:
+    # 1F1B, p=2, m=2, unit chunks but micro-batch 0's forward on stage 0 took 3: every later action waits 2 more.
+    order = schedule_order("1F1B", 2, 2, 1)
+    slow = ActionCosts(actions=((("F", 0, 0), 3.0),))
+    assert [slow.of("F", 0, 0), slow.of("F", 0, 1), slow.of("F", 0)] == [3.0, 1.0, 1.0]
+    plain, played = simulate_schedule(order), simulate_schedule(order, slow)
+    assert played.makespan == plain.makespan + 2.0
+    assert played.busy == (plain.busy[0] + 2.0, plain.busy[1])
+
+
 @pytest.mark.parametrize(("schedule", "v"), SCHEDULES.items())
 def test_time_outside_chunks_is_idle_and_never_shortens_a_step(schedule: str, v: int) -> None:
     order = schedule_order(schedule, 2, 4, v)
@@ -94,5 +104,7 @@ def test_bad_costs_name_the_value_and_the_fix() -> None:
     for name in ("between_actions", "loss", "edges"):
         with pytest.raises(ValueError, match=f"`{name}=-1.0` must be a non-negative number"):
             ActionCosts(**{name: -1.0})
+    with pytest.raises(ValueError, match=r"`actions=\(\(\('F', 0, 0\), -1.0\),\)`: costs must be non-negative"):
+        ActionCosts(actions=((("F", 0, 0), -1.0),))
     with pytest.raises(ValueError, match=r"No cost for stage 2: 2 given \(\(1.0, 1.0\)\); give one per stage"):
         simulate_schedule(schedule_order("1F1B", 3, 3, 1), ActionCosts(forward=(1.0, 1.0)))

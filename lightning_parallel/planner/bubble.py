@@ -72,6 +72,9 @@ class ActionCosts:
     edges: float = 0.0
     """Per step, time of the step's window outside the schedule's actions, idle on every rank: splitting the batch,
     the step's outcome sent from the last stage."""
+    actions: tuple[tuple[tuple[str, int, int], float], ...] = ()
+    """``((kind, stage, micro-batch), cost)`` of particular actions, replacing their stage's cost (busy time; the first
+    stage's input gradient as given): one measured step played as it ran, each chunk with its own time."""
 
     def __post_init__(self) -> None:
         for name in ("forward", "input_grad", "weight_grad"):
@@ -81,9 +84,18 @@ class ActionCosts:
         for name in ("per_action", "between_actions", "loss", "edges"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"`{name}={getattr(self, name)}` must be a non-negative number.")
+        if any(not cost >= 0 for _, cost in self.actions):
+            raise ValueError(f"`actions={self.actions}`: costs must be non-negative numbers.")
 
-    def of(self, kind: str, stage: int) -> float:
-        """The cost of one ``kind`` (``F``, ``I``, ``W``, ``B``) action of ``stage``."""
+    @functools.cached_property
+    def _actions(self) -> dict[tuple[str, int, int | None], float]:
+        return dict(self.actions)
+
+    def of(self, kind: str, stage: int, microbatch: int | None = None) -> float:
+        """The cost of one ``kind`` (``F``, ``I``, ``W``, ``B``) action of ``stage`` (of ``microbatch``, where
+        :attr:`actions` gives it)."""
+        if (kind, stage, microbatch) in self._actions:
+            return self._actions[(kind, stage, microbatch)] + self.per_action
         if kind == "F":
             return self._stage(self.forward, stage) + self.per_action
         input_grad = self._stage(self.input_grad, stage)
@@ -232,7 +244,7 @@ def simulate_schedule(order: Order, costs: ActionCosts = UNIT_COSTS) -> Schedule
                     start = max([clock[rank] + costs.between_actions, *(done[need] for need in needs)])
                     if position[rank] == 0 and step is steps[0]:
                         starts[rank] = start
-                    cost = costs.of(step[0], step[1])
+                    cost = costs.of(*step)
                     clock[rank] = start + cost
                     busy[rank] += cost
                     done[_event(step)] = clock[rank]
