@@ -25,7 +25,12 @@ if str(_REPO_ROOT) not in sys.path:  # `benchmarks` is a folder at the repositor
 from benchmarks import data_parallel, harness, pipeline, report, run_all, tensor_parallel, zero  # noqa: E402
 from lightning_parallel import DataParallelStrategy  # noqa: E402
 from lightning_parallel.monitor import ParallelismMonitor  # noqa: E402
-from lightning_parallel.planner.bubble import ActionCosts, schedule_order, simulated_bubble  # noqa: E402
+from lightning_parallel.planner.bubble import (  # noqa: E402
+    ActionCosts,
+    schedule_order,
+    simulate_schedule,
+    simulated_bubble,
+)
 
 pytestmark = pytest.mark.timeout(300)  # the suite forks ~25 short fits; a hung rank fails the module
 
@@ -375,3 +380,35 @@ def test_measured_chunk_costs_are_read_back_from_the_timelines(schedule: str) ->
     kwargs = {"pipeline_parallel_size": p, "num_microbatches": m, "stages_per_rank": v}
     planned = simulated_bubble(schedule, **kwargs, costs=costs)
     assert pipeline.planned_with_measured_costs(schedule, p, m, run) == planned
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble", "DualPipeV"])
+def test_time_outside_chunks_is_read_back_from_the_timelines(schedule: str) -> None:
+    """The bubble table's "planned with the run's costs": timelines with 0.5 before every chunk and 0.75 after a
+    forward of the last stage, whose windows hold the plan's waits and 2.0 more, give back 0.5 between actions,
+    0.25 of loss and 2.0 at the edges, and the plan played with them and the chunk costs."""
+    p, m, v = 2, 4, 1 if schedule == "1F1B" else 2
+    chunks = ActionCosts(
+        forward=(1.0, 2.0, 3.0, 4.0)[: p * v], input_grad=(5.0, 6.0, 7.0, 8.0)[: p * v], weight_grad=(9.0,) * (p * v)
+    )
+    costs = ActionCosts(**{**vars(chunks), "between_actions": 0.5, "loss": 0.25, "edges": 2.0})
+    order = schedule_order(schedule, p, m, v)
+    played = simulate_schedule(order, costs)
+    ranks = []
+    for rank, actions in enumerate(order):
+        timeline, clock = [], 0.0
+        for kind, stage, _ in (step for action in actions for step in action):
+            seconds = costs.of(kind, stage)
+            timeline.append(["B" if kind == "I" else kind, stage, clock, clock + seconds])
+            clock += seconds + (0.75 if (kind, stage) == ("F", p * v - 1) else 0.5)
+        busy = sum(end - start for *_, start, end in timeline)
+        span = timeline[-1][3] - timeline[0][2]
+        waits = played.starts[rank] + (played.makespan - costs.edges) - played.ends[rank]
+        idle = span + waits + 2.0 - busy
+        ranks.append({"steps": [{"step": step, "timeline": timeline, "pipeline_idle_s": idle} for step in range(3)]})
+    run = harness.Run(step_s=[], tokens=0, held=[], peak=[], ranks=ranks)
+    measured = pipeline.measured_overheads(schedule, p, m, run)
+    assert (measured.between_actions, measured.loss) == (0.5, 0.25)
+    assert measured.edges == pytest.approx(2.0)
+    # Every chunk lasts its stage's cost: the play of each step as it ran is the play with the run's costs.
+    assert pipeline.planned_with_run_costs(schedule, p, m, run) == simulate_schedule(order, measured).bubble

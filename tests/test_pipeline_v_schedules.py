@@ -178,3 +178,40 @@ def test_v_schedule_replays_the_steps_draws_on_rank_0_which_holds_the_first_and_
     last, first = run_distributed(_denoise, 2, init_process_group=False, timeout=180)
     assert first["score"] == last["score"] < 0.2  # learned (predicting no noise scores 1.0), the same on both ranks
     draws._assert_noise_is_consistent(first, last, len(draws.RECORDED_BATCHES))
+
+
+@pytest.mark.parametrize("schedule", ["DualPipeV", "ZBVZeroBubble"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_an_overlapped_pairs_forward_output_is_sent_before_its_backward_runs(schedule: str, p: int) -> None:
+    """DualPipeV's runtime ran an overlapped forward/backward pair's sends after both; the rewrite runs the pair as its
+    forward, its send, its backward, its send: the same compute in the same order, the same sends, none of them later
+    than before. A schedule without pairs (ZBV) is unchanged."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    from lightning_parallel.distributed.pipeline import _compat
+    from lightning_parallel.planner.bubble import _StandInStage
+
+    stages = [_StandInStage(i, 2 * p, p, 0, nn.Identity()) for i in (0, 2 * p - 1)]
+    built: Any = schedule_spec(schedule).torch_class(stages, 2 * p)
+    before = {rank: list(actions) for rank, actions in built.pipeline_order_with_comms.items()}
+    _compat.send_between_overlapped_actions(built)
+    sends = (_ComputationType.SEND_F, _ComputationType.SEND_B)
+
+    def compute(actions: list[Any]) -> list[str]:
+        flat = [sub for a in actions for sub in (a.sub_actions or (a,))]
+        return [str(a) for a in flat if a.computation_type not in sends]
+
+    for rank, after in built.pipeline_order_with_comms.items():
+        assert compute(after) == compute(before[rank])
+        assert sorted(str(a) for a in after if a.computation_type in sends) == sorted(
+            str(a) for a in before[rank] if a.computation_type in sends
+        )
+        paired = [a for a in before[rank] if a.computation_type == _ComputationType.OVERLAP_F_B]
+        assert (schedule == "DualPipeV") == bool(paired)
+        for pair in paired:
+            forward = pair.sub_actions[0]
+            send = f"{forward.stage_index}SEND_F{forward.microbatch_index}"
+            if send in [str(a) for a in after]:  # not where the next stage is on this rank (the V's tip)
+                assert [str(a) for a in after].index(send) == [str(a) for a in after].index(str(forward)) + 1
+        if not paired:
+            assert after == before[rank]

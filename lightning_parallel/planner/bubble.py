@@ -11,8 +11,10 @@ gradients each cost about its forward), communication free, equal stages. As tor
 input gradient (its input is the batch): its ``I`` costs nothing and its ``W`` is its whole backward.
 :class:`ActionCosts` plays the same order with other costs: each stage's own ``F``, ``I`` and ``W`` (unequal stages, a
 last stage that also computes the loss, input gradients dearer than weight gradients where attention has no weights)
-and a fixed cost per action (the schedule's own work and its P2P calls); the benchmark plays it with the costs it
-measured, which tells a plan's stage imbalance from its overheads.
+and the time a monitor counts idle although the rank is not waiting: before every action (the schedule's own work and
+its P2P calls), after each forward of the last stage (the loss) and at the step's edges (splitting the batch, the
+outcome sent). The benchmark plays it with the costs it measured, which tells a plan's stage imbalance from its
+overheads.
 
 Why not the formulas: ``(p-1)/(m+p-1)`` and Megatron's interleaved ``(p-1)/(vm+p-1)`` describe 1F1B and one
 interleaved order; zero-bubble and V-shaped schedules (``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``)
@@ -32,7 +34,15 @@ from torch import nn
 
 from lightning_parallel.distributed.pipeline.schedule import schedule_spec
 
-__all__ = ["ActionCosts", "Order", "ScheduleTimes", "schedule_order", "simulate_schedule", "simulated_bubble"]
+__all__ = [
+    "ActionCosts",
+    "Order",
+    "ScheduleTimes",
+    "action_needs",
+    "schedule_order",
+    "simulate_schedule",
+    "simulated_bubble",
+]
 
 _KINDS = ("F", "I", "W", "B")
 
@@ -51,18 +61,41 @@ class ActionCosts:
     weight_grad: tuple[float, ...] = ()
     """Per stage index; ``()``: 1 for every stage."""
     per_action: float = 0.0
-    """Added to every action, busy time included: the schedule's own work and its P2P calls around a chunk."""
+    """Added to every action, busy time included: work a chunk does that scales with the number of actions."""
+    between_actions: float = 0.0
+    """Time a rank spends before each action outside any chunk, idle as a monitor counts it (time outside the
+    forward and backward chunks): the schedule's own work and its P2P calls (posting receives, issuing and waiting
+    for sends) around a chunk."""
+    loss: float = 0.0
+    """Time after each forward of the last stage, idle as a monitor counts it: the loss, which torch computes outside
+    the forward chunk (under ``PipelineParallelStrategy``, the step run on the micro-batch's output)."""
+    edges: float = 0.0
+    """Per step, time of the step's window outside the schedule's actions, idle on every rank: splitting the batch,
+    the step's outcome sent from the last stage."""
+    actions: tuple[tuple[tuple[str, int, int], float], ...] = ()
+    """``((kind, stage, micro-batch), cost)`` of particular actions, replacing their stage's cost (busy time; the first
+    stage's input gradient as given): one measured step played as it ran, each chunk with its own time."""
 
     def __post_init__(self) -> None:
         for name in ("forward", "input_grad", "weight_grad"):
             values = getattr(self, name)
             if any(not v >= 0 for v in values):  # `not >=` also catches NaN
                 raise ValueError(f"`{name}={values}`: costs must be non-negative numbers.")
-        if not self.per_action >= 0:
-            raise ValueError(f"`per_action={self.per_action}` must be a non-negative number.")
+        for name in ("per_action", "between_actions", "loss", "edges"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"`{name}={getattr(self, name)}` must be a non-negative number.")
+        if any(not cost >= 0 for _, cost in self.actions):
+            raise ValueError(f"`actions={self.actions}`: costs must be non-negative numbers.")
 
-    def of(self, kind: str, stage: int) -> float:
-        """The cost of one ``kind`` (``F``, ``I``, ``W``, ``B``) action of ``stage``."""
+    @functools.cached_property
+    def _actions(self) -> dict[tuple[str, int, int | None], float]:
+        return dict(self.actions)
+
+    def of(self, kind: str, stage: int, microbatch: int | None = None) -> float:
+        """The cost of one ``kind`` (``F``, ``I``, ``W``, ``B``) action of ``stage`` (of ``microbatch``, where
+        :attr:`actions` gives it)."""
+        if (kind, stage, microbatch) in self._actions:
+            return self._actions[(kind, stage, microbatch)] + self.per_action
         if kind == "F":
             return self._stage(self.forward, stage) + self.per_action
         input_grad = self._stage(self.input_grad, stage)
@@ -171,9 +204,13 @@ class ScheduleTimes:
     """One step of a schedule played with :class:`ActionCosts`."""
 
     busy: tuple[float, ...]
-    """Per rank: the time it computes."""
+    """Per rank: the time it computes (its chunks)."""
     makespan: float
-    """The step's length: the last action's end on any rank."""
+    """The step's length: the last action's end on any rank, plus :attr:`ActionCosts.edges`."""
+    starts: tuple[float, ...] = ()
+    """Per rank: its first chunk's start."""
+    ends: tuple[float, ...] = ()
+    """Per rank: its last chunk's end (with the last stage's loss where that is its last action)."""
 
     @property
     def bubble(self) -> float:
@@ -190,6 +227,7 @@ def simulate_schedule(order: Order, costs: ActionCosts = UNIT_COSTS) -> Schedule
     """
     done: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * len(order)
+    starts = [0.0] * len(order)
     busy = [0.0] * len(order)
     position = [0] * len(order)
     last_stage = max((stage for rank in order for action in rank for _, stage, _ in action), default=0)
@@ -199,17 +237,21 @@ def simulate_schedule(order: Order, costs: ActionCosts = UNIT_COSTS) -> Schedule
         for rank, actions in enumerate(order):
             while position[rank] < len(actions):
                 steps = actions[position[rank]]
-                needed = [_needs(step, last_stage) for step in steps]
+                needed = [action_needs(step, last_stage) for step in steps]
                 if any(need not in done for needs in needed for need in needs):
                     break
                 for step, needs in zip(steps, needed, strict=True):
-                    start = max([clock[rank], *(done[need] for need in needs)])
-                    cost = costs.of(step[0], step[1])
+                    start = max([clock[rank] + costs.between_actions, *(done[need] for need in needs)])
+                    if position[rank] == 0 and step is steps[0]:
+                        starts[rank] = start
+                    cost = costs.of(*step)
                     clock[rank] = start + cost
                     busy[rank] += cost
                     done[_event(step)] = clock[rank]
                     if step[0] == "B":  # a full backward is its weight gradients' end too
                         done[("W", step[1], step[2])] = clock[rank]
+                    if step[0] == "F" and step[1] == last_stage:
+                        clock[rank] += costs.loss
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
@@ -218,7 +260,7 @@ def simulate_schedule(order: Order, costs: ActionCosts = UNIT_COSTS) -> Schedule
                 rank: actions[position[rank]] for rank, actions in enumerate(order) if position[rank] < len(actions)
             }
             raise RuntimeError(f"The schedule's order cannot finish: every rank waits ({stuck}).")
-    return ScheduleTimes(tuple(busy), max(clock))
+    return ScheduleTimes(tuple(busy), max(clock) + costs.edges, tuple(starts), tuple(clock))
 
 
 def _event(step: tuple[str, int, int]) -> tuple[str, int, int]:
@@ -227,7 +269,9 @@ def _event(step: tuple[str, int, int]) -> tuple[str, int, int]:
     return ("G" if kind in ("I", "B") else kind, stage, microbatch)
 
 
-def _needs(step: tuple[str, int, int], last_stage: int) -> list[tuple[str, int, int]]:
+def action_needs(step: tuple[str, int, int], last_stage: int) -> list[tuple[str, int, int]]:
+    """What ``step`` ``(kind, stage, micro-batch)`` waits for: ``("F", stage, mb)`` a forward's output, ``("G", stage,
+    mb)`` an input gradient (of ``I`` or ``B``); nothing for the first stage's forwards."""
     kind, stage, microbatch = step
     if kind == "F":
         return [("F", stage - 1, microbatch)] if stage > 0 else []

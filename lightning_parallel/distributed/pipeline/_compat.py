@@ -33,6 +33,11 @@ layer-sync flag) are in :mod:`lightning_parallel._compat`, so this package impor
 * ``FakeTensorMode`` (``torch._subclasses.fake_tensor``): :mod:`.flops` counts a layer's FLOPs with fake stand-ins
   for its parameters (shapes without memory that report their real device), as torch's own ``FlopCounterMode`` tests
   and ``torch.export`` do.
+* ``pipeline_order_with_comms``, ``_comp_type_to_function_map`` and ``_ComputationType`` / ``_Action`` (torch's
+  runtime of multi-stage schedules, ``schedules._PipelineScheduleRuntime``): :func:`send_between_overlapped_actions`
+  rewrites a rank's action list so that an overlapped forward/backward pair (DualPipeV's ``OVERLAP_F_B``, which the
+  runtime runs as its two actions one after the other) sends its forward's output before its backward runs, not
+  after both (checked with torch 2.11 and 2.13).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ __all__ = [
     "local_metadata_inference",
     "p2p_peer",
     "schedule_backward_initialized",
+    "send_between_overlapped_actions",
     "stage_inference_method",
 ]
 
@@ -158,3 +164,43 @@ def _object_list_answers(stage_outputs: Callable[[int], tuple[Any, ...]]) -> lis
         (dist, "recv_object_list", recv_object_list),
         (dist, "send_object_list", send_object_list),
     ]
+
+
+def send_between_overlapped_actions(schedule: Any) -> None:
+    """Run each overlapped forward/backward pair of ``schedule``'s action lists (DualPipeV's ``OVERLAP_F_B``) as its
+    forward, the forward's send, its backward, the backward's send.
+
+    torch's runtime runs such a pair as its two actions one after the other (no overlap unless a function is
+    registered for the pair: then nothing is changed) and issues the pair's sends after both, so the next rank, whose
+    next forward needs the pair's forward output, waited for the pair's backward too (on 2 CPU ranks DualPipeV's
+    measured bubble was 1.5-1.9x the plan played with the run's own chunk times). Same compute in the same order; each
+    send issued as soon as its chunk is done, as for every action outside a pair. A schedule without a runtime action
+    list is left alone.
+    """
+    from torch.distributed.pipelining import schedules
+
+    kinds = schedules._ComputationType
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order or kinds.OVERLAP_F_B in getattr(schedule, "_comp_type_to_function_map", {}):
+        return
+    send_of = {kinds.FORWARD: kinds.SEND_F, kinds.FULL_BACKWARD: kinds.SEND_B, kinds.BACKWARD_INPUT: kinds.SEND_B}
+
+    def key(action: Any) -> tuple[Any, int, int | None]:
+        return action.computation_type, action.stage_index, action.microbatch_index
+
+    for rank, actions in order.items():
+        sends = {key(a): a for a in actions if a is not None and a.computation_type in (kinds.SEND_F, kinds.SEND_B)}
+        moved: set[tuple[Any, int, int | None]] = set()
+        rewritten: list[Any] = []
+        for action in actions:
+            if action is None or action.computation_type != kinds.OVERLAP_F_B or action.sub_actions is None:
+                if action is None or key(action) not in moved:
+                    rewritten.append(action)
+                continue
+            for sub in action.sub_actions:
+                rewritten.append(sub)
+                wanted = (send_of.get(sub.computation_type), sub.stage_index, sub.microbatch_index)
+                if wanted in sends:
+                    rewritten.append(sends[wanted])
+                    moved.add(wanted)
+        order[rank] = rewritten

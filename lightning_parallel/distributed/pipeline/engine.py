@@ -11,6 +11,7 @@ random draws before ``self(...)`` are recorded in the first run and replayed in 
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -136,6 +137,8 @@ class PipelineEngine:
         self._draws: RecordedDraws | None = None  # the last `capture_inputs`'s, until its step runs
         self._draw_base_seed: int | None = None
         self._batches_drawn = 0
+        self._sending: list[tuple[dist.Work, Tensor]] = []
+        """The last outcome's sends and their buffers (the last stage's rank), until waited for."""
 
     @property
     def last_stage_global_rank(self) -> int:
@@ -348,16 +351,41 @@ class PipelineEngine:
         return self._torch_schedules[key]
 
     def _broadcast(self, outcome: StepOutcome | None) -> StepOutcome:
+        """Collective over the pipeline group: the outcome of the last stage's rank on every rank of the pipeline.
+
+        The last stage's rank sends without waiting for the others to receive (``broadcast_object_list`` blocked it
+        until the slowest rank arrived, often the first stage still running its last backward): it goes on to its
+        optimizer step as a raw torch loop does. Its sends are waited for at the next broadcast.
+        """
         if self.dims.pipeline_parallel_size == 1:
             assert outcome is not None
             return outcome
-        box = [outcome]
-        dist.broadcast_object_list(box, src=self.last_stage_global_rank, group=self.dims.pipeline_group)
-        assert box[0] is not None
-        return box[0]
+        self._finish_sending()
+        src, group, device = self.last_stage_global_rank, self.dims.pipeline_group, self.dims.device
+        if self.dims.global_rank == src:  # pickled into bytes on the group's device, sent in two broadcasts
+            assert outcome is not None
+            data = torch.frombuffer(bytearray(pickle.dumps(outcome)), dtype=torch.uint8).to(device)
+            size = torch.tensor([data.numel()], dtype=torch.long, device=device)
+            works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in (size, data)]
+            self._sending = [(work, tensor) for work, tensor in zip(works, (size, data), strict=True) if work]
+            return outcome
+        size = torch.empty(1, dtype=torch.long, device=device)
+        dist.broadcast(size, src=src, group=group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.broadcast(data, src=src, group=group)
+        received: StepOutcome = pickle.loads(data.cpu().numpy().tobytes())
+        return received
+
+    def _finish_sending(self) -> None:
+        """Wait for the last outcome's sends (done long before: every rank received it to end its step)."""
+        sending, self._sending = self._sending, []
+        for work, _ in sending:
+            work.wait()
 
     def clear(self) -> None:
-        """Drop the cached stages and schedules (their receive buffers)."""
+        """Local. Drop the cached stages and schedules (their receive buffers) and the last outcome's sends (not waited
+        for: every rank received them to end its step, and after a failure a peer may never)."""
+        self._sending = []
         self._torch_schedules.clear()
 
 

@@ -103,6 +103,7 @@ def build_torch_schedule(
     torch_schedule: PipelineScheduleSingle | PipelineScheduleMulti
     if issubclass(schedule_class, PipelineScheduleMulti):  # spec.is_multi_stage, spelled so that mypy narrows it
         torch_schedule = schedule_class([*stages], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        _compat.send_between_overlapped_actions(torch_schedule)  # DualPipeV: a pair's forward output sent before its B
     else:
         torch_schedule = schedule_class(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
     return TorchSchedule(schedule=torch_schedule, stages=stages)
