@@ -5,9 +5,9 @@ DeepSpeed.
   bytes held, peak memory, bytes on the wire and exposed communication per step of the same runs. Besides the
   anchors: ours at stages 1 and 2 with ``overlap_param_gather=False`` (what overlapping the parameter all-gather with
   the next forward buys), ZeRO-3 against Lightning's FSDP2 path (``ModelParallelStrategy`` + ``fully_shard`` per
-  block), ZeRO-2 and Lightning's DDP each with the model compiled in place (the compiled ratio), and ZeRO-1/2/3 and
-  Lightning's DDP each with a plain user callback (``harness.UserTimingCallback``: overrides ``on_train_batch_end``,
-  reads nothing), what a typical training script gets.
+  block), ZeRO-2 and Lightning's DDP each with the model compiled in place (the compiled ratio), and ZeRO-1/2/3,
+  Lightning's DDP and the FSDP2 path each with a plain user callback (``harness.UserTimingCallback``: overrides
+  ``on_train_batch_end``, reads nothing), what a typical training script gets.
 * **Scaling** (``scaling``, a model whose AdamW state dominates): ours and DDP once at each of ``world_sizes``;
   bytes held by the largest rank and on the wire per step, beside ``lightning_parallel.planner.plan``'s prediction
   for those and larger world sizes.
@@ -77,6 +77,13 @@ def _ours_without_overlap(stage: int) -> Contender:
 
 
 _DDP_CONTENDER = Contender(name=DDP, label="anchor: Lightning DDPStrategy", make_strategy=MeasuredDDPStrategy)
+_FSDP2_CONTENDER = Contender(
+    name="fsdp2",
+    label="anchor: Lightning ModelParallelStrategy + fully_shard per block (FSDP2)",
+    make_strategy=MeasuredModelParallelStrategy,
+    make_module=partial(module_of, FullyShardedGPT),
+    empty_init=True,  # as ours at stage 3: Lightning materialises the meta model after `configure_model`
+)
 
 CONTENDERS: tuple[Contender, ...] = (
     _ours(1),
@@ -106,13 +113,7 @@ CONTENDERS: tuple[Contender, ...] = (
     ),
     _ours_without_overlap(1),
     _ours_without_overlap(2),
-    Contender(
-        name="fsdp2",
-        label="anchor: Lightning ModelParallelStrategy + fully_shard per block (FSDP2)",
-        make_strategy=MeasuredModelParallelStrategy,
-        make_module=partial(module_of, FullyShardedGPT),
-        empty_init=True,  # as ours at stage 3: Lightning materialises the meta model after `configure_model`
-    ),
+    _FSDP2_CONTENDER,
     Contender(
         name="zero2_compiled",
         label="ours: ShardedOptimizerStrategy(stage=2), model compiled",
@@ -129,6 +130,7 @@ CONTENDERS: tuple[Contender, ...] = (
     # What a typical script gets: one plain callback that overrides `on_train_batch_end` and reads nothing.
     *(with_user_callback(_ours(stage)) for stage in (1, 2, 3)),
     with_user_callback(_DDP_CONTENDER),
+    with_user_callback(_FSDP2_CONTENDER),
 )
 """Every configuration of the throughput part, in the order of the first repeat."""
 PAIRS: tuple[tuple[str, str], ...] = (
@@ -141,6 +143,7 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("zero1", "zero1_no_overlap"),
     ("zero2", "zero2_no_overlap"),
     *((f"zero{stage}_user_callback", f"{DDP}_user_callback") for stage in (1, 2, 3)),
+    ("zero3_user_callback", "fsdp2_user_callback"),
     ("zero2_user_callback", "zero2"),
 )
 """(ours, anchor) compared in the summary."""

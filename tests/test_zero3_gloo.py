@@ -17,9 +17,14 @@ from distributed_harness import run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightning_parallel.accounting import CommunicationStats
 from lightning_parallel.distributed.zero import stage3 as zero3
 from lightning_parallel.distributed.zero.stage3_compat import initialise_root
-from lightning_parallel.distributed.zero.stage3_gloo import GlooAllGather, GlooGradientReduction
+from lightning_parallel.distributed.zero.stage3_gloo import (
+    GlooAllGather,
+    GlooGradientReduction,
+    install_gloo_collectives,
+)
 
 WIDTH = 24
 NUM_BLOCKS = 6
@@ -39,9 +44,13 @@ class _Model(nn.Module):
         super().__init__()
         self.blocks = nn.Sequential(*(_Block() for _ in range(NUM_BLOCKS)))
         self.head = nn.Linear(WIDTH, 1)
+        self.skip: int | None = None
+        """A block the forward leaves out (a forward taking another path than the first)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x))
+        for index, block in enumerate(self.blocks):
+            x = x if index == self.skip else block(x)
+        return self.head(x)
 
 
 def _sharded(base: nn.Module, mesh: Any, reduction: GlooGradientReduction | None) -> nn.Module:
@@ -59,12 +68,17 @@ def _local(tensors: Any) -> list[torch.Tensor]:
     return [t.to_local().clone() for t in tensors]
 
 
-def _rank(rank: int, world_size: int) -> dict[str, Any]:
+def _start(rank: int, world_size: int) -> tuple[nn.Module, Any, list[torch.Tensor]]:
+    """The model every rank starts from, the mesh, and this rank's batches."""
     torch.manual_seed(0)
     base = _Model()
     mesh = init_device_mesh("cpu", (world_size,))
     generator = torch.Generator().manual_seed(rank)
-    batches = [torch.randn(4, WIDTH, generator=generator) for _ in range(4)]
+    return base, mesh, [torch.randn(4, WIDTH, generator=generator) for _ in range(4)]
+
+
+def _rank(rank: int, world_size: int) -> dict[str, Any]:
+    base, mesh, batches = _start(rank, world_size)
     results: dict[str, Any] = {}
     for case in ("deferred", "accumulating", "zeros_not_none", "post_accumulate_hook"):
         reduction = GlooGradientReduction(max_in_flight=2)
@@ -126,3 +140,54 @@ def test_zero3_gloo_reduction_equals_fsdp2_and_stays_in_flight_only_where_fsdp2_
         assert result["post_accumulate_hook"]["hooks_equal"] and result["post_accumulate_hook"]["hook_calls"] == 4
         # Every backward returns with every reduction done: a hook or optimizer step after it reads final gradients.
         assert result["after_backward"] and set(result["after_backward"]) == {0}
+
+
+def _prefetch_rank(rank: int, world_size: int) -> dict[str, Any]:
+    base, mesh, batches = _start(rank, world_size)
+    stats = CommunicationStats()
+    ours = _Model()
+    ours.load_state_dict(base.state_dict())
+    units = zero3.apply_fully_shard(ours, mesh)
+    initialise_root(units[-1])
+    install_gloo_collectives(units, mesh.get_group(), replicated=False, stats=stats)
+    plain = _sharded(base, mesh, None)
+    # All-gathers issued when each block computes (inside its forward, after FSDP2's pre-forward), per forward.
+    gathers: list[list[int]] = []
+    for block in ours.blocks:
+        block.linear.register_forward_hook(lambda *_: gathers[-1].append(stats.calls))
+    steps = []
+    for model in (ours, plain):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        for step, inputs in enumerate(batches):
+            model.skip = 3 if step == 2 else None  # step 2: block 2 prefetches block 3, which does not run
+            stats.reset()
+            gathers.append([])
+            model(inputs).square().mean().backward()
+            grads = [torch.empty(0) if p.grad is None else p.grad.to_local().clone() for p in model.parameters()]
+            steps.append((grads, _local(model.parameters())))
+            optimizer.step()
+            optimizer.zero_grad()
+    ours_steps, plain_steps = steps[: len(batches)], steps[len(batches) :]
+    equal = all(
+        all(torch.equal(a, b) for a, b in zip(o[0] + o[1], p[0] + p[1], strict=True))
+        for o, p in zip(ours_steps, plain_steps, strict=True)
+    )
+    return {"equal": equal, "gathers": gathers[: len(batches)]}
+
+
+def test_zero3_gloo_prefetches_the_next_unit_in_forward_and_equals_fsdp2() -> None:
+    """From the second forward on, each unit starts the next unit's all-gather before it computes (the order learned
+    in the first forward), so the broadcasts overlap this unit's compute; a prefetched unit that the forward leaves
+    out is harmless; weights and gradients equal plain FSDP2's bit for bit."""
+    # Units: the blocks, the head, the root (no parameters of its own). Block i computes after gather i + 1.
+    own = list(range(1, NUM_BLOCKS + 1))
+    for result in run_distributed(_prefetch_rank, 2, timeout=120):
+        assert result["equal"]
+        first, second, skipping, fourth = result["gathers"]
+        assert first == own  # the order is not known yet: each unit gathers at its own forward
+        # The next unit's gather started before this one computes (the root started block 0's; the last block the
+        # head's).
+        assert second == fourth == [n + 1 for n in own]
+        # Block 3 is left out: block 2 prefetched it (gather 4, unused), block 4 gathers at its own forward (5) and
+        # prefetches block 5 (6).
+        assert skipping == [2, 3, 4, 6, 7]

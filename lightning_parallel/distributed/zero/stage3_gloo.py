@@ -4,13 +4,16 @@
 Why our own, not FSDP2's: on gloo both of FSDP2's collectives are the slow ones. Its all-gather: gloo's
 ``all_gather_into_tensor`` takes about three times as long as one broadcast per rank
 (``distributed/gloo_collectives.py``: 20.5M fp32 elements at 2 ranks, 27 against 85 ms); :class:`GlooAllGather`
-broadcasts (FSDP2 has already copied this rank's shard into its slice of the output) and hands FSDP2 one ``Work``. Its
-reduce-scatter: FSDP2 (torch 2.13) calls it synchronously and ignores what it returns, so on gloo every unit's reduction
-blocks backward, and gloo's ``reduce_scatter_tensor`` is slower than its all-reduce (``distributed/zero/buckets.py``,
-``default_gradient_reduction``; stages 1-2 all-reduce and slice on gloo for the same reason).
-:class:`GlooGradientReduction` gives each unit an object with FSDP2's ``ReduceScatter`` interface (``allocate(size, *,
-dtype, device)``, ``__call__(output_tensor, input_tensor, group, op)``). Measured (``benchmarks/zero3_async_reduce.py``,
-13.8M-parameter GPT, 2 gloo ranks): 0.89-0.93x FSDP2's step time, bit-identical weights.
+broadcasts (FSDP2 has already copied this rank's shard into its slice of the output) and hands FSDP2 one ``Work``, also
+when FSDP2 asks for a synchronous gather, so FSDP2 waits for it only at its copy-out; with :class:`ForwardPrefetch` each
+unit's forward starts the next unit's gather, which then moves while this unit computes (FSDP2 overlaps forward gathers
+through CUDA streams only; backward it prefetches itself). Its reduce-scatter: FSDP2 (torch 2.13) calls it synchronously
+and ignores what it returns, so on gloo every unit's reduction blocks backward, and gloo's ``reduce_scatter_tensor`` is
+slower than its all-reduce (``distributed/zero/buckets.py``, ``default_gradient_reduction``; stages 1-2 all-reduce and
+slice on gloo for the same reason). :class:`GlooGradientReduction` gives each unit an object with FSDP2's
+``ReduceScatter`` interface (``allocate(size, *, dtype, device)``, ``__call__(output_tensor, input_tensor, group,
+op)``). Measured (``benchmarks/zero3_async_reduce.py``, 13.8M-parameter GPT, 2 gloo ranks): 0.89-0.93x FSDP2's step
+time, bit-identical weights.
 
 The call starts an async all-reduce (``SUM``) of FSDP2's input (the unit's whole gradients, laid out rank by rank)
 and returns; the rank's slice is copied into FSDP2's output and divided by the group size later: when more than
@@ -54,7 +57,7 @@ from lightning_parallel.distributed.zero.stage3_compat import (
     sharded_gradient_params,
 )
 
-__all__ = ["GlooAllGather", "GlooGradientReduction", "install_gloo_collectives"]
+__all__ = ["ForwardPrefetch", "GlooAllGather", "GlooGradientReduction", "install_gloo_collectives"]
 
 
 def install_gloo_collectives(
@@ -72,6 +75,7 @@ def install_gloo_collectives(
     if dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
         return None
     GlooAllGather(stats).install(units)
+    ForwardPrefetch(units)
     reduction = GlooGradientReduction()
     reduction.install(units, replicated=replicated)
     return reduction
@@ -110,11 +114,43 @@ class GlooAllGather:
         assert output_tensor.numel() == size * input_tensor.numel()
         if self.stats is not None:
             self.stats.record("all_gather", output_tensor.numel() * output_tensor.element_size())
-        work = all_gather_by_broadcasts(output_tensor, group)
-        if async_op:
-            return work
-        work.wait()
-        return None
+        # Returned even when FSDP2 asks for a synchronous gather (its default, `unshard_async_op=False`): FSDP2 waits
+        # on any `Work` it gets back before its copy-out (`foreach_all_gather_copy_out`), so the broadcasts run in
+        # gloo's threads while this rank computes until then (a prefetched unit's gather: during the unit before).
+        return all_gather_by_broadcasts(output_tensor, group)
+
+
+class ForwardPrefetch:
+    """Each unit starts the next unit's all-gather in its forward (FSDP2's public ``set_modules_to_forward_prefetch``),
+    in the order the units ran in the first forward.
+
+    Why: FSDP2 overlaps a unit's all-gather with the previous unit's forward only through CUDA streams; on the CPU the
+    gather is issued at the unit's own pre-forward and waited for at once. With a prefetch issued one unit ahead (and
+    :class:`GlooAllGather` returning its ``Work``), gloo's threads move the next unit's parameters while this one
+    computes. Backward needs nothing: FSDP2 prefetches there itself (the next unit in reverse forward order).
+
+    The order is recorded by forward pre-hooks until a unit runs a second time (the second forward, or a unit called
+    twice in one forward), then the hooks are removed. A unit prefetched and not run (a later forward taking another
+    path) is waited for and freed by FSDP2 at the end of backward. Every rank runs the same forward, so every rank
+    issues the same gathers in the same order. Costs one unit's gathered parameters more at a time in forward.
+    """
+
+    def __init__(self, units: Sequence[FSDPModule]) -> None:
+        self.order: list[FSDPModule] = []
+        self._handles = [cast(Any, unit).register_forward_pre_hook(self._record) for unit in units]
+
+    def _record(self, unit: Any, args: Any) -> None:
+        if any(seen is unit for seen in self.order):
+            self._apply()
+            return
+        self.order.append(unit)
+
+    def _apply(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for unit, following in zip(self.order, self.order[1:], strict=False):
+            unit.set_modules_to_forward_prefetch([following])
 
 
 @dataclass
