@@ -77,11 +77,17 @@ def _layout(world_size: int, tensor: int, rank: int, strategy: str = "zero3") ->
 
 
 def _real_peaks(rank: int, world_size: int, cases: list[tuple[str, int, int, str]]) -> dict[tuple[str, str], int]:
+    """Each case's measured peak on this rank: the smaller of two measurements of the same step. gloo drops a
+    finished collective's tensors on its worker thread a moment after the wait returns, so on a busy machine one
+    measurement can count tensors already dead (once in the full suite: +458,676 B, 9.8%, on rank 0 of the 1 x 2
+    Llama); what the step itself holds is the same in both."""
     peaks = {}
     for model, _, tensor, strategy in cases:
-        torch.manual_seed(0)
-        layout = _layout(world_size, tensor, rank, strategy)
-        peaks[(model, strategy)] = measure_step(_workload(model), layout).peak_bytes
+        layout, measured = _layout(world_size, tensor, rank, strategy), []
+        for _ in range(2):
+            torch.manual_seed(0)
+            measured.append(measure_step(_workload(model), layout).peak_bytes)
+        peaks[(model, strategy)] = min(measured)
     return peaks
 
 
