@@ -27,6 +27,10 @@ And the one private of the stage 1-2 buckets under tensor parallelism (``distrib
 buckets point into their flat buffer. ``to_local()`` returns that very tensor under ``no_grad`` up to torch 2.12, but a
 fresh view of it for a parameter since 2.13 (so setting its ``.data`` would leave the weight where it was); setting
 the ``DTensor`` parameter's own ``.data`` moves only the wrapper. Checked on torch 2.11 and 2.13.
+
+And one of the optimizer's: :func:`run_step_post_hook_first` moves a step post hook ahead of those registered before it
+(``Optimizer._optimizer_step_post_hooks``, an ordered dict; ``register_step_post_hook`` has no ``prepend``), so that
+the local-shard step puts the ``DTensor`` parameters back before a user's post hook (an EMA) reads them.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ __all__ = [
     "queue_at_end_of_backward",
     "reset_iteration",
     "reshard_after_forward_disabled",
+    "run_step_post_hook_first",
     "sharded_gradient_params",
     "wrapped_local_tensor",
 ]
@@ -227,3 +232,11 @@ def wrapped_local_tensor(tensor: Tensor) -> Tensor:
             " torch 2.11-2.13); ZeRO-1/2 cannot hold tensor-parallel weights in its buckets. Use"
             " `ShardedOptimizerStrategy(stage=3, tensor_parallel_size=...)`."
         ) from error
+
+
+def run_step_post_hook_first(optimizer: Any, handle: Any) -> None:
+    """Make the step post hook of ``handle`` (from ``optimizer.register_step_post_hook``) run before the others; where
+    a torch release keeps them elsewhere it stays last (only a post hook reading the parameters would see aliases)."""
+    hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)
+    if hooks is not None and handle.id in hooks:
+        hooks.move_to_end(handle.id, last=False)

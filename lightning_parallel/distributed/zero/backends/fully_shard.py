@@ -33,6 +33,7 @@ from lightning_parallel.distributed.zero.gradient_loan import (
     LocalShardedTensorGradientLoan,
     ShardedTensorGradientLoan,
 )
+from lightning_parallel.distributed.zero.local_step import LocalShardStep, local_shard_steps
 from lightning_parallel.distributed.zero.stage3_access import ShardedModuleAccess, reset_after_failure
 from lightning_parallel.distributed.zero.stage3_compat import initialise_root
 from lightning_parallel.distributed.zero.stage3_gloo import GlooGradientReduction, install_gloo_collectives
@@ -63,6 +64,8 @@ class FullyShardBackend(ReplicatedBackend):
         self._hooks: list[RemovableHandle] = []
         self.gloo_reduction: GlooGradientReduction | None = None
         """On gloo, each unit's reduce-scatter as an all-reduce in flight through backward (``stage3_gloo.py``)."""
+        self.local_steps: list[LocalShardStep] = []
+        """The optimizers stepping the local shards of ``DTensor`` parameters (``distributed/zero/local_step.py``)."""
         self.tensor_parallel = False
         """Whether layers were split over the mesh's ``tensor`` axis before sharding (``distributed/tensor_parallel``):
         the gradients are then ``DTensor``s on two meshes, which torch's clip cannot stack."""
@@ -101,6 +104,12 @@ class FullyShardBackend(ReplicatedBackend):
                 unit.register_forward_pre_hook(lambda unit, _: zero3.refresh_gradient_dtypes(unit))
                 for unit in self.units
             ]
+
+    def setup_optimizers(self, optimizers: list[Optimizer]) -> None:
+        super().setup_optimizers(optimizers)
+        for step in self.local_steps:  # a later fit's optimizers
+            step.remove()
+        self.local_steps = local_shard_steps(self.optimizers)
 
     @property
     def clips_over_ranks(self) -> bool:
@@ -187,6 +196,8 @@ class FullyShardBackend(ReplicatedBackend):
             zero3.load_consolidated_model_state(self.held, dict(state), strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        for step in self.local_steps:
+            step.restore()  # a step that raised left the aliases in place
         with_master = self.compute_dtype is not None
         return zero3.consolidated_optimizer_state(self.held, optimizer, with_master_weights=with_master)
 
@@ -226,3 +237,6 @@ class FullyShardBackend(ReplicatedBackend):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        for step in self.local_steps:
+            step.remove()
+        self.local_steps = []
