@@ -316,15 +316,17 @@ class StepClock(UserTimingCallback):
 
 
 def train(contender: Contender, workload: Workload, *, figures: Run | None = None) -> Run:
-    """Fit the demo model with ``contender`` and time it without the monitor; the other figures come from
+    """Fit the demo model with ``contender`` and time it without the monitor (glibc's own allocator settings, as a user
+    runs); the other figures come from
     ``figures`` (an earlier run of the same contender and workload) or, when ``None``, from one more fit under a
     :class:`ParallelismMonitor` first (:func:`monitored_fit`). A contender with its own ``run`` (a raw loop) measures
     itself. The run records the machine's 1-minute load average at the start and the end of the timed fit."""
     if contender.run is not None:
+        if figures is None:  # its memory figures, from a run with glibc's mmap threshold fixed (`isolation.py`)
+            figures = in_fresh_process(contender.run, workload)
         start = os.getloadavg()[0]
-        run = in_fresh_process(contender.run, workload)
-        run.load = (start, os.getloadavg()[0])
-        return run
+        timed = in_fresh_process(contender.run, workload, release_freed_memory=False)
+        return replace(figures, step_s=timed.step_s, cpu_s=timed.cpu_s, load=(start, os.getloadavg()[0]))
     if not workload.time_throughput:
         return monitored_fit(contender, workload)
     if figures is None:
@@ -348,7 +350,8 @@ def _fit(contender: Contender, workload: Workload, *, monitored: bool) -> Run:
     """One fit in a process of its own (:func:`~benchmarks.isolation.in_fresh_process`): forked from a fresh
     interpreter, never from this long-lived one, which has run every fit before it."""
     assert contender.make_strategy is not None, f"{contender.name} has neither `make_strategy` nor `run`"
-    return in_fresh_process(_fit_here, contender, workload, monitored=monitored)
+    # Timed fits run with glibc's own allocator settings, as users' do; monitored ones measure RSS (`isolation.py`).
+    return in_fresh_process(_fit_here, contender, workload, monitored=monitored, release_freed_memory=monitored)
 
 
 def _fit_here(contender: Contender, workload: Workload, *, monitored: bool) -> Run:

@@ -91,7 +91,7 @@ PRESETS: dict[str, Config] = {
     # compute per step is that of a data-parallel rank of 8 sequences); fewer bubble runs than `small`, which show the
     # same arithmetic.
     "medium": Config(
-        workload=Workload(preset="gpt-20m", batch_size=16, steps=6, warmup_steps=2),
+        workload=Workload(preset="gpt-20m", batch_size=16, steps=10, warmup_steps=3),  # 7 measured steps per fit
         bubble_microbatches=(4, 8),
         interleaved_microbatches=(4,),
     ),

@@ -140,8 +140,7 @@ def run_suite(suite: SuiteConfig) -> SuiteResults:
         notes=[
             "Each row pairs two configurations of one benchmark, run back to back in every repeat (alternating"
             " order); ratios are ours / anchor. Bytes held and peak memory: largest rank; wire bytes: busiest rank per"
-            " step (1: the same traffic; ZeRO-3 needs 1.5x DDP's by design, 2x on gloo, where its gradient reduction is"
-            " an all-reduce, the faster there). Exposed communication: the monitor's"
+            " step (1: the same traffic; ZeRO-3 needs 1.5x DDP's by design). Exposed communication: the monitor's"
             " median per step, ours / anchor. CPU s/step: the largest rank's CPU seconds per step (every thread of"
             " the rank) in the same timed fits, ours / anchor: the work done per step, which other work on a shared"
             " machine changes far less than the seconds waited (`-`: a side that does not measure it). Details in"

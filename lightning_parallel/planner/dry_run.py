@@ -111,9 +111,10 @@ class DryRunLayout:
     bucket_cap_mb: float = 25.0
     """ZeRO-1/2 bucket size, and DDP's."""
     backend: str = "nccl"
-    """The backend the real run will use: on ``"gloo"`` ZeRO all-reduces gradient buckets and broadcasts parameter
-    shards (what :func:`~lightning_parallel.distributed.zero.buckets.default_gradient_reduction` and
-    ``stage3_gloo.py`` pick there), on ``"nccl"`` it reduce-scatters and all-gathers."""
+    """The backend the real run will use: on ``"gloo"`` ZeRO-1/2 all-reduce gradient buckets, ZeRO-3 reduce-scatters
+    by point-to-point sends, and both broadcast parameter shards (what
+    :func:`~lightning_parallel.distributed.zero.buckets.default_gradient_reduction` and ``stage3_gloo.py`` pick
+    there), on ``"nccl"`` they reduce-scatter and all-gather."""
     precision: str = "32-true"
     """As the Trainer's: one of :data:`PRECISIONS` (``"bf16-true"``: a bf16 model, which ZeRO steps through fp32
     masters unless ``master_weights=None``)."""

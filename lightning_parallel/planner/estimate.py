@@ -209,8 +209,8 @@ class EstimateContext:
     attention: str = "flash"
     """The attention kernel: ``"flash"`` (fused; no scores stored) or ``"math"`` (the ``s^2`` probabilities stored)."""
     gradient_reduction: str = "reduce_scatter"
-    """How ZeRO-1/2 average their gradient buckets and ZeRO-3 its units' gradients: ``"reduce_scatter"`` (NCCL) or
-    ``"all_reduce"`` (gloo: each rank keeps its slice)."""
+    """How ZeRO-1/2 average their gradient buckets: ``"reduce_scatter"`` (NCCL) or ``"all_reduce"`` (gloo: each rank
+    keeps its slice). ZeRO-3 reduce-scatters on both."""
     reads_gradients: bool = False
     """Code reads a parameter's ``.grad`` between backward and the step on every step (a gradient-norm logger): ZeRO
     then lends the whole gradients each step (:func:`_zero_loan`). A hook that reads on a few steps costs this on those
@@ -434,9 +434,8 @@ def estimate_zero3(
         notes.append("FSDP2 units unknown: one unit gathered in forward and backward assumed.")
     gather = sum((1 if u.is_root else 2) * n * sum(padded_shard[i] for i in u.params) for u in units)
     scatter = sum(n * sum(padded_shard[i] for i in u.params) for u in units)
-    # On gloo each unit's reduce-scatter runs as an all-reduce of the same payload (`distributed/zero/stage3_gloo.py`).
-    reduction = ctx.gradient_reduction if n > 1 else "reduce_scatter"
-    comm = {"all_gather": gather * compute, reduction: scatter * e}
+    # A reduce-scatter on every backend (on gloo built from point-to-point sends: `distributed/zero/stage3_gloo.py`).
+    comm = {"all_gather": gather * compute, "reduce_scatter": scatter * e}
     across = _across_replicas(comm, layout, scatter // n * e)  # each unit's reduced shard
     whole = sum(p.numel for p in params) * e  # each `DTensor` gradient gathered whole
     _zero_loan(ctx, comm, gathered=whole, flags=0, ranks=n)

@@ -234,9 +234,9 @@ def plan(
             ``"math"`` (the probabilities stored); ``None``: ``"flash"`` for ``process_group_backend="nccl"`` (GPU
             plans), ``"math"`` for ``"gloo"`` (CPU plans; an upper bound there: torch's CPU SDPA kernel is fused too).
         process_group_backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs): on gloo ZeRO-1/2 all-reduce their gradient
-            buckets and ZeRO-3 its units' gradients (each rank keeps its slice) instead of reduce-scattering them,
-            which is faster there (:func:`~lightning_parallel.distributed.zero.buckets.default_gradient_reduction`,
-            ``distributed/zero/stage3_gloo.py``); bytes held do not change.
+            buckets (each rank keeps its slice) instead of reduce-scattering them, which is faster there
+            (:func:`~lightning_parallel.distributed.zero.buckets.default_gradient_reduction`); ZeRO-3 reduce-scatters
+            on both (on gloo by point-to-point sends, ``distributed/zero/stage3_gloo.py``); bytes held do not change.
         search_layouts: with ``device_memory``, search every option for the cheapest layout that fits and recommend
             it; ``False`` keeps to the table's rows (:func:`~lightning_parallel.planner.largest_fitting` does, to
             stay fast).

@@ -197,7 +197,9 @@ class PipelineEngine:
             # the device (a device tensor's `.item()` there was one sync per micro-batch, issue 36 item 5).
             target = torch.arange(m) if built.has_last_stage else None
             inputs_args, inputs_kwargs = model_inputs if built.has_first_stage else ((), {})
-            built.schedule.step(*inputs_args, target=target, **inputs_kwargs)
+            # `return_outputs=False`: the loss already ran per micro-batch in `_loss_fn`; torch would otherwise keep
+            # every micro-batch's last-stage output (the logits) until the step ends and concatenate them (a copy).
+            built.schedule.step(*inputs_args, target=target, return_outputs=False, **inputs_kwargs)
         finally:
             self._state, self._current = None, None
         outcome = None

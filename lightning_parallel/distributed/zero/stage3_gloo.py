@@ -15,14 +15,18 @@ slice on gloo for the same reason). :class:`GlooGradientReduction` gives each un
 op)``). Measured (``benchmarks/zero3_async_reduce.py``, 13.8M-parameter GPT, 2 gloo ranks): 0.89-0.93x FSDP2's step
 time, bit-identical weights.
 
-The call starts an async all-reduce (``SUM``) of FSDP2's input (the unit's whole gradients, laid out rank by rank)
-and returns; the rank's slice is copied into FSDP2's output and divided by the group size later: when more than
-``max_in_flight`` reductions are in flight (memory: each holds its unit's whole gradients), and at the end of the
-backward (an autograd end-of-backward callback, queued at the first deferred reduction, which runs before
-``backward()`` returns and so before any hook, clipping or optimizer step reads a gradient).
+The call starts an exchange (``distributed/gloo_collectives.py``, :func:`reduce_scatter_by_exchange`): each rank
+sends every other rank that rank's slice of FSDP2's input (the unit's whole gradients, laid out rank by rank) and
+receives its own slice from each, into FSDP2's output (at two ranks; into shard-sized buffers from the others); a
+reduce-scatter's bytes, where the async all-reduce used before (gloo's ``reduce_scatter_tensor`` being slower still)
+moved twice as many. The received slices are summed into the output with this rank's own, in rank order, and divided
+by the group size later: when more than ``max_in_flight`` reductions are in flight (memory: each holds its unit's
+whole gradients), and at the end of the backward (an autograd end-of-backward callback, queued at the first deferred
+reduction, which runs before ``backward()`` returns and so before any hook, clipping or optimizer step reads a
+gradient).
 
 FSDP2 assigns each sharded parameter's ``.grad`` as a view of that output without reading it, except in cases that
-read it at once; a reduction is completed before the call returns (no overlap, still the faster all-reduce) when
+read it at once; a reduction is completed before the call returns (no overlap) when
 any holds, checked at every call:
 
 * the unit's group is HSDP (``replicated``: an all-reduce across replica groups follows on the output),
@@ -32,8 +36,8 @@ any holds, checked at every call:
   backwards, or a second backward in one step), or a post-accumulate-grad hook, or is offloaded to CPU,
 * the unit has an all-reduce hook (``FSDPModule.set_all_reduce_hook``), or no backward is running.
 
-Every call issues its all-reduce at once, in FSDP2's order, on every rank: deferring changes only when a rank
-copies its slice, never which collectives run or their order.
+Every call posts its messages at once, in FSDP2's order, on every rank: deferring changes only when a rank sums its
+slice, never which messages are sent or their order.
 """
 
 from __future__ import annotations
@@ -49,7 +53,11 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_parallel.accounting import CommunicationStats
-from lightning_parallel.distributed.gloo_collectives import all_gather_by_broadcasts
+from lightning_parallel.distributed.gloo_collectives import (
+    ReduceScatterExchange,
+    all_gather_by_broadcasts,
+    reduce_scatter_by_exchange,
+)
 from lightning_parallel.distributed.zero.stage3_compat import (
     has_all_reduce_hook,
     post_accumulate_grad_hooks,
@@ -76,7 +84,7 @@ def install_gloo_collectives(
         return None
     GlooAllGather(stats).install(units)
     ForwardPrefetch(units)
-    reduction = GlooGradientReduction()
+    reduction = GlooGradientReduction(stats=stats)
     reduction.install(units, replicated=replicated)
     return reduction
 
@@ -155,32 +163,32 @@ class ForwardPrefetch:
 
 @dataclass
 class _InFlight:
-    work: dist.Work
-    whole: Tensor  # (world_size * shard_numel,): FSDP2's input, all-reduced in place
+    exchange: ReduceScatterExchange
     output: Tensor  # (shard_numel,): FSDP2's output, which the sharded `.grad`s view
-    rank: int
     world_size: int
     average: bool
 
     def complete(self) -> None:
-        self.work.wait()
-        numel = self.output.numel()
-        self.output.copy_(self.whole[self.rank * numel : (self.rank + 1) * numel])
+        self.exchange.finish()
         if self.average:
             self.output.div_(self.world_size)
 
 
 class GlooGradientReduction:
-    """The gradient reductions of every FSDP2 unit of one module: all-reduces kept in flight through backward.
+    """The gradient reductions of every FSDP2 unit of one module: exchanges kept in flight through backward.
 
     Args:
         max_in_flight: reductions in flight at once (each holds its unit's whole gradients).
+        stats: see :attr:`stats`.
     """
 
-    def __init__(self, *, max_in_flight: int = 2) -> None:
+    def __init__(self, *, max_in_flight: int = 2, stats: CommunicationStats | None = None) -> None:
         if max_in_flight < 1:
             raise ValueError(f"`max_in_flight={max_in_flight!r}` must be at least 1.")
         self.max_in_flight = max_in_flight
+        self.stats = stats
+        """Where each reduction's input bytes are counted as ``"reduce_scatter"`` (the monitor's tap does not see the
+        point-to-point messages as one); ``None``: not counted."""
         self._in_flight: deque[_InFlight] = deque()
         self._finish_queued = False
 
@@ -239,11 +247,10 @@ class _UnitReduction:
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
             return
         average = op == dist.ReduceOp.AVG
-        work = dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        assert work is not None  # async_op=True
-        reduction = _InFlight(
-            work, input_tensor, output_tensor, dist.get_rank(group), dist.get_world_size(group), average
-        )
+        exchange = reduce_scatter_by_exchange(output_tensor, input_tensor, group)
+        if self.owner.stats is not None:
+            self.owner.stats.record("reduce_scatter", input_tensor.numel() * input_tensor.element_size())
+        reduction = _InFlight(exchange, output_tensor, dist.get_world_size(group), average)
         self.owner._start(reduction, deferrable=average and self._output_unread(input_tensor.dtype))
 
     def _output_unread(self, reduce_dtype: torch.dtype) -> bool:

@@ -63,7 +63,8 @@ class FullyShardBackend(ReplicatedBackend):
         """The weight-averaging callbacks' copies of the module, held as shards like it."""
         self._hooks: list[RemovableHandle] = []
         self.gloo_reduction: GlooGradientReduction | None = None
-        """On gloo, each unit's reduce-scatter as an all-reduce in flight through backward (``stage3_gloo.py``)."""
+        """On gloo, each unit's reduce-scatter as a point-to-point exchange in flight through backward
+        (``stage3_gloo.py``)."""
         self.local_steps: list[LocalShardStep] = []
         """The optimizers stepping the local shards of ``DTensor`` parameters (``distributed/zero/local_step.py``)."""
         self.tensor_parallel = False
