@@ -224,9 +224,10 @@ class _PipelineStepRunner:
         for param in params:
             param.grad = None
         with self._answered_locally():
-            runtime.schedule.step(
+            runtime.schedule.step(  # as the engine steps: the last stage keeps no micro-batch's output
                 *(args if runtime.has_first_stage else ()),
                 target=target if runtime.has_last_stage else None,
+                return_outputs=False,
             )
             del args, target, previous
             phase("gradient_sync")
