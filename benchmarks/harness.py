@@ -5,7 +5,9 @@ model size, world size, batch and number of steps. :func:`run_interleaved` train
 in alternating order (forwards, then backwards), so that slow drift of a shared machine affects each side alike.
 Throughput comes from fits that carry no monitor, only :class:`StepClock` (a clock at ``on_train_batch_start`` and
 ``on_train_batch_end`` on every rank, what a user's timing callback does): the monitor's dispatch-mode tap costs
-FSDP2's collectives more than ours (+14-24 ms on a ~70 ms ZeRO-3 step), so timing under it favoured us. Everything
+FSDP2's collectives more than ours (+14-24 ms on a ~70 ms ZeRO-3 step), so timing under it favoured us; and with
+glibc's own allocator settings, as users run (:mod:`benchmarks.isolation`: the fixed mmap threshold the memory figures
+need made every step ~25-30% slower, unevenly between sides). Everything
 else, tokens, bytes held per rank, peak memory, bytes per collective, exposed communication, the pipeline's bubble
 and timeline, comes from one more fit per contender under
 :class:`~lightning_parallel.monitor.ParallelismMonitor` (its summary, which rank 0 writes as JSON, read back here),
