@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from distributed_harness import run_distributed
+from test_zero3_gloo import WIDTH, _Block
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -24,17 +25,6 @@ from torch.distributed.tensor import DTensor
 from lightning_parallel.distributed.zero import stage3 as zero3
 from lightning_parallel.distributed.zero.local_step import ELEMENTWISE_OPTIMIZERS, LocalShardStep, local_shard_steps
 from lightning_parallel.distributed.zero.stage3_compat import initialise_root
-
-WIDTH = 10
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.linear(x))
 
 
 class _Model(nn.Module):
