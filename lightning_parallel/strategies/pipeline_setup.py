@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
 from lightning_parallel import _compat
 from lightning_parallel.choices import check_choice
@@ -18,7 +19,7 @@ from lightning_parallel.distributed.pipeline.balance import UnevenStages
 from lightning_parallel.distributed.pipeline.config import check_count
 from lightning_parallel.distributed.pipeline.consolidate import OptimizerLayout, optimizer_layout
 from lightning_parallel.distributed.pipeline.contract import ModelCall, model_inputs_of_batch
-from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, check_divisible_batch
+from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, check_batch_rows, check_divisible_batch
 from lightning_parallel.distributed.pipeline.stage_plan import validate_partition
 from lightning_parallel.distributed.pipeline.verify import check_single_evaluation_optimizers
 from lightning_parallel.distributed.zero.config import ZeroConfig
@@ -98,20 +99,44 @@ def example_model_inputs(
     step = _STEP_NAMES.get(trainer.state.fn)
     if source is None or step is None or not source.is_defined():
         return None
-    loader = source.dataloader()
-    if isinstance(loader, dict):
-        loader = list(loader.values())
-    if isinstance(loader, list | tuple):
-        loader = loader[0] if loader else None
-    try:
-        batch = next(iter(loader))
-    except (StopIteration, TypeError):
+    batch = _first_batch(source.dataloader(), training=step == "training_step")
+    if batch is None:
         return None
     inputs = model_inputs_of_batch(module, step, (batch, 0), {}, call=call)
     size = batch_size_of(inputs)
+    if size is not None:
+        check_batch_rows(batch, size, step=step)
     if step == "training_step" and size is not None:
         check_divisible_batch(size, num_microbatches)
     return inputs
+
+
+def _first_batch(loaders: Any, *, training: bool) -> Any | None:
+    """The first batch the step will receive from ``loaders`` (what ``train_dataloader()`` & co. returned), or
+    ``None`` if there is none.
+
+    Training combines several loaders (a dict, list or tuple of them, or a ``CombinedLoader``) into one batch of the
+    same structure, as Lightning's fit loop does (``max_size_cycle`` unless the ``CombinedLoader`` says otherwise):
+    the step receives ``{"a": batch_a, "b": batch_b}``. Evaluation runs several loaders one after the other: the
+    step's first batch is the first loader's.
+    """
+    if training and isinstance(loaders, dict | list | tuple | CombinedLoader):
+        combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "max_size_cycle")
+        try:
+            batch, _, _ = next(iter(combined))
+        except (StopIteration, TypeError):
+            return None
+        return batch
+    if isinstance(loaders, CombinedLoader):
+        loaders = loaders.flattened
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    if isinstance(loaders, list | tuple):
+        loaders = loaders[0] if loaders else None
+    try:
+        return next(iter(loaders))
+    except (StopIteration, TypeError):
+        return None
 
 
 def whole_model_optimizer_layouts(module: Any, *, fitting: bool) -> list[OptimizerLayout]:

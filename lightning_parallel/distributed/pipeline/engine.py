@@ -32,7 +32,13 @@ from lightning_parallel.distributed.pipeline.contract import (
     step_loss,
     to_portable,
 )
-from lightning_parallel.distributed.pipeline.microbatch import batch_size_of, detached_cpu, pad_batch, slice_batch
+from lightning_parallel.distributed.pipeline.microbatch import (
+    batch_size_of,
+    check_batch_rows,
+    detached_cpu,
+    pad_batch,
+    slice_batch,
+)
 from lightning_parallel.distributed.pipeline.parallel_dims import ParallelDims
 from lightning_parallel.distributed.pipeline.random_draws import (
     RecordedDraws,
@@ -172,6 +178,8 @@ class PipelineEngine:
                 f"`{step}` called the model without a tensor argument with a batch dimension; the pipeline splits"
                 " the model's input into micro-batches along dim 0."
             )
+        if args:
+            check_batch_rows(args[0], size, step=step)
         return model_inputs, size
 
     # ------------------------------------------------------------------ training

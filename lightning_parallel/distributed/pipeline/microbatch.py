@@ -6,7 +6,8 @@ torch-free package, not ``lightning.pytorch``): tuples, lists, namedtuples, mapp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sized
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ __all__ = [
     "ForwardsLoaderState",
     "StatefulDivisibleBatches",
     "batch_size_of",
+    "check_batch_rows",
     "check_divisible_batch",
     "detached_cpu",
     "divisible_batches",
@@ -49,6 +51,46 @@ def check_divisible_batch(size: int, num_microbatches: int) -> None:
             f" splits every batch into equal micro-batches. Use a batch size that is a multiple of {num_microbatches}"
             " or another `num_microbatches`."
         )
+
+
+def check_batch_rows(batch: Any, size: int, *, step: str) -> None:
+    """Raise ``ValueError`` naming the first tensor of ``batch`` (the step's batch) whose dim 0 is not ``size`` (the
+    rows of the model's input).
+
+    The pipeline cuts the model's input and the step's batch into micro-batches alike, rows ``i * size / m`` on: the
+    last stage's run of the step on micro-batch ``i`` must see the rows that made the input of micro-batch ``i``. A
+    tensor with other rows would be cut at the wrong rows, silently (a step that concatenates the batches of several
+    training loaders: the first micro-batch would be the first loader's whole batch against both loaders' targets).
+    """
+    for path, tensor in _named_tensors(batch, "batch"):
+        if tensor.dim() > 0 and tensor.size(0) != size:
+            raise ValueError(
+                f"`{step}`'s `{path}` has {tensor.size(0)} rows along dim 0, the input it passes to `self(...)` has"
+                f" {size}. The pipeline cuts the batch and the model's input into micro-batches row by row, so the"
+                " rows of every batch tensor must be the input's rows. A step that concatenates the batches of"
+                " several loaders (`torch.cat([batch['a'], batch['b']])`) cannot be cut that way: train from one"
+                " loader whose batches hold every sample the step feeds to the model (e.g. one dataset over both),"
+                " or take the tensor out of the batch (a module attribute) if it is not per-sample."
+            )
+
+
+def _named_tensors(value: Any, path: str) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor in ``value`` with its path from ``path`` (``batch['a'][0]``), in ``apply_to_collection``'s
+    order."""
+    if isinstance(value, Tensor):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _named_tensors(item, f"{path}[{key!r}]")
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        for field in value._fields:
+            yield from _named_tensors(getattr(value, field), f"{path}.{field}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _named_tensors(item, f"{path}[{index}]")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _named_tensors(getattr(value, field.name), f"{path}.{field.name}")
 
 
 def pad_batch(value: Any, size: int) -> Any:
