@@ -283,14 +283,17 @@ def test_masked_lm_collator_batches_are_identical_on_every_stage(num_workers: in
 
 
 # ---------------------------------------------------------------------------------------------- resume
-def _fit_and_resume(rank: int, world_size: int, data_dir: Path, checkpoints: Path, stop_at: int | None) -> dict:
-    """An uninterrupted epoch (``stop_at=None``), or one stopped after ``stop_at`` steps and resumed from there."""
+def _fit_and_resume(
+    rank: int, world_size: int, data_dir: Path, checkpoints: Path, stop_at: int | None, resume: str = "here"
+) -> dict:
+    """An uninterrupted epoch (``stop_at=None``), or one stopped after ``stop_at`` steps and resumed from there
+    (``resume="here"``), or only stopped (``"elsewhere"``: another world size resumes it)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def fit(max_steps: int, ckpt_path: Path | None, callbacks: list[pl.Callback]) -> BatchRecorder:
         pl.seed_everything(SEED, verbose=False)
         recorder = BatchRecorder()
-        strategy = PipelineParallelStrategy(num_microbatches=2, timeout=60)
+        strategy = PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=60)
         trainer = make_trainer(
             strategy,
             devices=world_size,
@@ -306,20 +309,56 @@ def _fit_and_resume(rank: int, world_size: int, data_dir: Path, checkpoints: Pat
         return {"batches": fit(-1, None, []).batches}
     saver = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=stop_at, save_top_k=-1)
     before = fit(stop_at, None, [saver]).batches
+    if resume == "elsewhere":
+        return {"before": before}
     after = fit(-1, checkpoints / f"epoch=0-step={stop_at}.ckpt", []).batches
     return {"batches": before + after, "before": before}
 
 
-def test_a_run_stopped_mid_epoch_resumes_litdata_at_the_next_unseen_samples(streaming_dir: Path, tmp_path: Path):
+def _resume(rank: int, world_size: int, data_dir: Path, checkpoint: Path) -> list[Any]:
+    pl.seed_everything(SEED, verbose=False)
+    recorder = BatchRecorder()
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=60)
+    trainer = make_trainer(strategy, devices=world_size, max_epochs=1, max_steps=-1, callbacks=[recorder])
+    trainer.fit(Regressor(data_dir), ckpt_path=checkpoint)
+    return recorder.batches
+
+
+@pytest.mark.parametrize(("world_size", "stop_at"), [(2, 3), (4, 1), (4, 3)])
+def test_a_run_stopped_mid_epoch_resumes_litdata_at_the_next_unseen_samples(
+    streaming_dir: Path, tmp_path: Path, world_size: int, stop_at: int
+):
     """LitData's ``StreamingDataLoader`` saves its position; under the pipeline a resumed run goes on with the next
-    unseen samples, on both ranks, exactly as the uninterrupted run."""
+    unseen samples, on every rank, exactly as the uninterrupted run: one pipeline of two stages, and two replicas of
+    it (2 x 2), where LitData reads the replica's share and its own resume code counts the global world size."""
     args = (streaming_dir, tmp_path / "checkpoints")
-    uninterrupted = run_distributed(_fit_and_resume, 2, args=(*args, None), init_process_group=False, timeout=120)
-    resumed = run_distributed(_fit_and_resume, 2, args=(*args, 3), init_process_group=False, timeout=120)
+    uninterrupted = run_distributed(
+        _fit_and_resume, world_size, args=(*args, None), init_process_group=False, timeout=120
+    )
+    resumed = run_distributed(_fit_and_resume, world_size, args=(*args, stop_at), init_process_group=False, timeout=120)
     for whole, split in zip(uninterrupted, resumed, strict=True):
-        assert len(split["before"]) == 3
+        assert len(split["before"]) == stop_at
         assert split["batches"] == whole["batches"]  # none skipped, none repeated
-        assert sorted(i for batch in split["batches"] for i in batch) == list(range(NUM_SAMPLES))
+    shares = {tuple(map(tuple, result["batches"])) for result in resumed}  # one per replica
+    assert len(shares) == world_size // 2
+    assert sorted(i for share in shares for batch in share for i in batch) == list(range(NUM_SAMPLES))
+
+
+def test_a_run_stopped_on_two_replicas_resumes_litdata_on_one(streaming_dir: Path, tmp_path: Path):
+    """Stopped under 2 x 2 after one step (each replica trained 8 of its 32 samples), resumed by one pipeline of two
+    ranks: LitData re-stripes the rest of the epoch for the new replica count, so the resumed run trains the 48
+    samples no replica trained, none twice."""
+    checkpoints = tmp_path / "checkpoints"
+    stopped = run_distributed(
+        _fit_and_resume, 4, args=(streaming_dir, checkpoints, 1, "elsewhere"), init_process_group=False, timeout=120
+    )
+    before = {tuple(map(tuple, result["before"])) for result in stopped}
+    assert len(before) == 2 and all(len(share) == 1 for share in before)
+    checkpoint = checkpoints / "epoch=0-step=1.ckpt"
+    first, last = run_distributed(_resume, 2, args=(streaming_dir, checkpoint), init_process_group=False, timeout=120)
+    assert first == last
+    trained = [i for share in before for batch in share for i in batch] + [i for batch in first for i in batch]
+    assert sorted(trained) == list(range(NUM_SAMPLES))
 
 
 # ---------------------------------------------------------------------------------------------- refusal
