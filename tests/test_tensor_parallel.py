@@ -348,17 +348,38 @@ def _fit(name: str, rank: int, world_size: int, tensor: int, directory: str, sta
         "sampler": fit.strategy.distributed_sampler_kwargs if world_size > 1 else None,
     }
     if world_size > 1:
-        split = [
-            n
-            for n, p in module.named_parameters()
-            if isinstance(p, DTensor) and "tensor" in p.device_mesh.mesh_dim_names
-        ]
-        result["split"] = split
+        result["split"] = [n for n, p in module.named_parameters() if _split(p)]
+        # `full_module()` on every rank, then rank 0 alone calls the model: the split layers whole, no collective.
+        with fit.strategy.full_module() as whole, torch.no_grad():
+            if rank == 0 and not name.endswith("_bf16"):
+                result["rank_zero_logits"] = _logits(whole, _tokens()[:2])
+                result["still_split"] = [n for n, p in whole.named_parameters() if isinstance(p, DTensor)]
+        result["split_again"] = [n for n, p in module.named_parameters() if _split(p)]
         path = f"{directory}/{name}-{world_size}-{stage}.ckpt"  # rank 0 writes, every rank calls
         fit.save_checkpoint(path)
         result["checkpoint"] = path if rank == 0 else None
         result["tied"] = name == "qwen2" and module.model.lm_head.weight is module.model.model.embed_tokens.weight
     return result
+
+
+def _split(param: Tensor) -> bool:
+    return isinstance(param, DTensor) and "tensor" in (param.device_mesh.mesh_dim_names or ())
+
+
+def _logits(module: pl.LightningModule, ids: Tensor) -> Tensor:
+    return module.model(input_ids=ids).logits if hasattr(module, "model") else module(ids)
+
+
+def _assert_rank_zero_alone_computes_like_one_device(result: dict[str, Any], name: str, reference: dict) -> None:
+    """What rank 0 computed alone inside ``full_module()``: the one-device model's logits (same weights, within the
+    training tolerance); no parameter left split inside the block, every one split again after it."""
+    plain = MODELS[name]()
+    plain.load_state_dict(reference["weights"])
+    with torch.no_grad():
+        expected = _logits(plain, _tokens()[:2])
+    torch.testing.assert_close(result["rank_zero_logits"], expected, **TOLERANCE)
+    assert result["still_split"] == []
+    assert result["split_again"] == result["split"]
 
 
 def _in_ranks(rank: int, world_size: int, cases: list[tuple[str, int, int]], directory: str = "") -> dict[str, Any]:
@@ -393,6 +414,8 @@ def test_one_by_two_trains_like_one_device(references: dict[str, Any], tmp_path:
         _assert_like_one_device(ranks[0][name], references[name])
         assert ranks[1][name]["losses"] == ranks[0][name]["losses"]  # both tensor ranks read the same batch
         assert [rank[name]["sampler"] for rank in ranks] == [{"num_replicas": 1, "rank": 0}] * 2
+    for name in ("own", "llama", "qwen2"):
+        _assert_rank_zero_alone_computes_like_one_device(ranks[0][name], name, references[name])
     assert len(ranks[0]["own"]["split"]) == 2 * (6 * 2 - 1)  # weights and biases of the six split layers, no k bias
     assert "model.model.embed_tokens.weight" in ranks[0]["llama"]["split"]
     assert ranks[0]["qwen2"]["tied"]  # one parameter for the embedding and the head after the split
@@ -414,6 +437,7 @@ def test_two_by_two_trains_like_one_device(references: dict[str, Any], tmp_path:
     ranks = run_distributed(_in_ranks, 4, args=(cases, str(tmp_path)), init_process_group=False, timeout=420)
     for name in ("llama_hybrid", "llama", "llama@zero1", "llama@zero2", "llama_hybrid@zero2"):
         _assert_like_one_device(ranks[0][name], references["llama"], losses=False)
+        _assert_rank_zero_alone_computes_like_one_device(ranks[0][name], "llama", references["llama"])
     assert [rank["llama"]["sampler"] for rank in ranks] == [{"num_replicas": 2, "rank": r // 2} for r in range(4)]
     assert ranks[1]["llama"]["losses"] == ranks[0]["llama"]["losses"]  # a tensor-parallel group: one batch
     # Each data-parallel rank's loss is the mean over its half of the batch: their mean is the one device's.
@@ -537,6 +561,7 @@ def test_zero12_one_by_two_trains_like_one_device(references: dict[str, Any], tm
             torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-4, atol=0)
             continue
         _assert_like_one_device(result, reference)
+        _assert_rank_zero_alone_computes_like_one_device(result, name, reference)
         assert ranks[1][f"{name}@zero{stage}"]["losses"] == result["losses"]
     assert ranks[0]["qwen2@zero2"]["tied"]
     checkpoint = torch.load(ranks[0]["llama@zero1"]["checkpoint"], weights_only=False)

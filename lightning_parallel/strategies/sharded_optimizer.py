@@ -26,6 +26,7 @@ from lightning_parallel.distributed.activation_checkpointing import ActivationCh
 from lightning_parallel.distributed.averaged_copy import shard_whole_state
 from lightning_parallel.distributed.checkpoint import ShardedCheckpointReader, is_sharded_checkpoint
 from lightning_parallel.distributed.mesh import MeshLayout, validate_tensor_parallel_size
+from lightning_parallel.distributed.tensor_parallel import whole_layers
 from lightning_parallel.distributed.trainable import check_same_trainable_parameters
 from lightning_parallel.distributed.zero.backends import ZeroBackend, ZeroContext, backend_type
 from lightning_parallel.distributed.zero.config import (
@@ -399,14 +400,17 @@ class ShardedOptimizerStrategy(LightningParallelStrategy):
                     sample = model.generate(prompt)
 
         Stage 3 all-gathers every parameter once on entry and frees the whole copies on exit (each rank holds the
-        full parameters in between; changes to them are dropped); stages 1-2 hold whole parameters anyway. Outside
-        this block a stage-3 module called outside a Trainer raises a ``RuntimeError`` instead of hanging.
+        full parameters in between; changes to them are dropped); stages 1-2 hold whole parameters anyway. With
+        ``tensor_parallel_size``, the weights split over the tensor axis are gathered whole too and torch's parallel
+        styles' hooks lifted until exit, so the layers compute without their tensor-parallel group
+        (``distributed/tensor_parallel/whole.py``). Outside this block a stage-3 module called outside a Trainer
+        raises a ``RuntimeError`` instead of hanging.
         """
         if self._backend is None:  # never set up: the module as it is
             yield self.module
             return
-        with self._backend.full_module() as module:
-            yield module
+        with self._backend.full_module() as module, whole_layers(module) as whole:
+            yield whole
 
     def _validate_optimizers(self) -> None:
         optimizers = self.unwrapped_optimizers()  # several may hold the same parameter, as on one device

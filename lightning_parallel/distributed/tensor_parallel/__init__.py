@@ -1,6 +1,7 @@
 """Tensor parallelism: the ``tensor`` axis of the mesh (``distributed/mesh.py``), the model's plan resolved to
 torch's parallel styles (:mod:`.plan`), applied with ``parallelize_module`` (:mod:`.apply`), and the gradient norm
-over ``DTensor`` gradients on several meshes (:mod:`.norm`). docs/tensor_parallel.md."""
+over ``DTensor`` gradients on several meshes (:mod:`.norm`); the split layers whole again for one rank's calls
+(:mod:`.whole`). docs/tensor_parallel.md."""
 
 from lightning_parallel.distributed.tensor_parallel.apply import apply_tensor_parallel, is_tensor_parallel
 from lightning_parallel.distributed.tensor_parallel.norm import clip_grad_norm_of_placed_
@@ -12,6 +13,7 @@ from lightning_parallel.distributed.tensor_parallel.plan import (
     resolve_plan,
     style_from_name,
 )
+from lightning_parallel.distributed.tensor_parallel.whole import whole_layers
 
 __all__ = [
     "HOOK_NAME",
@@ -23,4 +25,5 @@ __all__ = [
     "is_tensor_parallel",
     "resolve_plan",
     "style_from_name",
+    "whole_layers",
 ]

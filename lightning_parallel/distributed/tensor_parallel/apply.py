@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0
 from lightning_parallel.distributed.tensor_parallel.plan import TensorParallelPlan, check_divisible
+from lightning_parallel.distributed.tensor_parallel.whole import record_style_hooks
 
 __all__ = ["apply_tensor_parallel", "is_tensor_parallel", "parallelize"]
 
@@ -47,7 +48,7 @@ def parallelize(module: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -
     ``module``'s layers as ``plan`` says, tied weights kept tied (see :func:`apply_tensor_parallel`)."""
     check_divisible(module, plan, mesh.size())
     ties = _tied_parameters(module)
-    parallelize_module(module, mesh, plan.styles)
+    record_style_hooks(module, lambda: parallelize_module(module, mesh, plan.styles))  # `whole_layers` lifts them
     _retie(module, ties)
 
 
