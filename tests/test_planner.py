@@ -251,8 +251,9 @@ def test_zero_padding_and_sharding_arithmetic() -> None:
 def test_fsdp_units_and_roots_match_apply_fully_shard() -> None:
     spec = model_spec(_module())
     assert spec.units is not None
-    # Two blocks, then the GPT holding the rest; none is the LightningModule, so every unit reshards after forward.
-    assert [u.is_root for u in spec.units] == [False, False, False]
+    # Two blocks, then the GPT holding the rest and every block: the LightningModule (the root) holds no parameter,
+    # so the GPT it wraps stays gathered from forward to backward (as FSDP2's root would); the blocks reshard.
+    assert [u.stays_gathered for u in spec.units] == [False, False, True]
     covered = sorted(i for u in spec.units for i in u.params)
     assert covered == list(range(len(spec.params)))
 

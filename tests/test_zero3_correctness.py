@@ -105,9 +105,13 @@ class _ShardedAfterForward(pl.Callback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         units = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, FSDPModule)]
-        self.gathered.append(
-            [name for name, unit in units if any(not isinstance(p, DTensor) for p in unit.parameters(recurse=False))]
-        )
+
+        def own(unit: nn.Module) -> list[nn.Parameter]:  # the unit's parameters, not those of units nested in it
+            inside = [m for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)]
+            nested = {id(p) for m in inside for p in m.parameters()}
+            return [p for p in unit.parameters() if id(p) not in nested]
+
+        self.gathered.append([name for name, unit in units if any(not isinstance(p, DTensor) for p in own(unit))])
 
 
 def _flat_model(rank: int, world_size: int) -> dict[str, Any]:
@@ -117,9 +121,60 @@ def _flat_model(rank: int, world_size: int) -> dict[str, Any]:
     return {"weights": weights, "gathered_before_backward": probe.gathered}
 
 
+class _Net(nn.Module):
+    """ResidualMLP's layers as a plain network, for a LightningModule that wraps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers = ResidualMLP()  # the same layers, drawn in the same order
+        self.inp, self.blocks, self.out = layers.inp, layers.blocks, layers.out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+class WrappedModel(pl.LightningModule):
+    """A LightningModule that wraps its network (``self.model``), as most do, and validates after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Net()
+        self.validated = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.model(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.validated += 1
+        self.log("val_loss", nn.functional.cross_entropy(self.model(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _wrapped_model(rank: int, world_size: int) -> dict[str, Any]:
+    """The wrapped network is the unit every block is nested in: it stays gathered from its forward to backward (as
+    FSDP2's root would); the blocks reshard. Validation runs between steps (the network then stays gathered after a
+    forward without backward until the next training step's backward reshards it)."""
+    probe = _ShardedAfterForward()
+    validation = {"val_check_interval": 1, "limit_val_batches": 2}
+    fit_trainer = trainer("zero3", world_size, callbacks=[probe], **validation)
+    pl.seed_everything(0, verbose=False)
+    module = WrappedModel()
+    fit_trainer.fit(module, loader(world_size, rank), loader(world_size, rank))
+    weights = {k: v.detach().clone() for k, v in fit_trainer.strategy.lightning_module_state_dict().items()}
+    return {"weights": weights, "gathered_before_backward": probe.gathered, "validated": module.validated}
+
+
 def _in_ranks(rank: int, world_size: int) -> dict:
     results: dict[str, Any] = {}
     results["flat_model"] = _flat_model(rank, world_size)
+    results["wrapped_model"] = _wrapped_model(rank, world_size)
     _rank_seeded_then_rank_zero_only(rank, world_size, results)
     results["freeze_schedule"] = fit_in_rank(FreezeScheduleModel, "zero3", world_size)
     results["callbacks"] = _refused_callbacks(rank, world_size)
@@ -161,6 +216,16 @@ def test_units_not_nested_in_another_reshard_after_forward_and_train_like_one_de
         assert result["flat_model"]["gathered_before_backward"]  # the probe ran
         assert all(gathered == [] for gathered in result["flat_model"]["gathered_before_backward"])
     torch.testing.assert_close(ranks[0]["flat_model"]["weights"], single_device(ResidualMLP), **TOLERANCE)
+
+
+def test_the_wrapped_network_stays_gathered_to_backward_and_trains_like_one_device(ranks):
+    for rank in ranks:
+        result = rank["wrapped_model"]
+        assert result["validated"] > 0
+        assert result["gathered_before_backward"]  # the probe ran
+        assert result["gathered_before_backward"] == [["model"]] * len(result["gathered_before_backward"])
+    reference = single_device(WrappedModel)  # validation changes no weight
+    torch.testing.assert_close(ranks[0]["wrapped_model"]["weights"], reference, **TOLERANCE)
 
 
 def test_unfreezing_during_training_trains_like_one_device(ranks):

@@ -30,8 +30,9 @@ Every formula mirrors what our strategies allocate and send, so ``tests/test_pla
   gradients.
 * ZeRO-3 (FSDP2): every parameter is sharded on dim 0 into ``ceil(d0/N)``-row shards; each rank stores a padded
   shard (parameters) and a padded gradient shard per unit, while optimizer state follows the unpadded local rows
-  (``torch.chunk``). Per step every unit is all-gathered in forward and reduce-scattered once; non-root units are
-  all-gathered again in backward (``reshard_after_forward=True``), the root unit stays gathered.
+  (``torch.chunk``). Per step every unit is all-gathered in forward and reduce-scattered once; units are
+  all-gathered again in backward (``reshard_after_forward=True``) except the root and the model it wraps
+  (``UnitSpec.stays_gathered``).
 * Pipeline p x dp: the split of ``PipelineParallelStrategy(partition="flops")`` (the partitioner itself is called,
   uneven stages and the per-rank refinement of several stages per rank included);
   each rank holds its stages' parameters, gradients and optimizer state. Per step every stage boundary sends the
@@ -430,9 +431,9 @@ def estimate_zero3(
     if units is None:
         from lightning_parallel.planner.spec import UnitSpec
 
-        units = [UnitSpec(params=tuple(range(len(params))), is_root=False)]
+        units = [UnitSpec(params=tuple(range(len(params))), stays_gathered=False)]
         notes.append("FSDP2 units unknown: one unit gathered in forward and backward assumed.")
-    gather = sum((1 if u.is_root else 2) * n * sum(padded_shard[i] for i in u.params) for u in units)
+    gather = sum((1 if u.stays_gathered else 2) * n * sum(padded_shard[i] for i in u.params) for u in units)
     scatter = sum(n * sum(padded_shard[i] for i in u.params) for u in units)
     # A reduce-scatter on every backend (on gloo built from point-to-point sends: `distributed/zero/stage3_gloo.py`).
     comm = {"all_gather": gather * compute, "reduce_scatter": scatter * e}

@@ -60,9 +60,10 @@ class UnitSpec:
 
     params: tuple[int, ...]
     """Indices into :attr:`ModelSpec.params`."""
-    is_root: bool
-    """The LightningModule itself: FSDP2 keeps it gathered between forward and backward (gathered once a step);
-    every other unit reshards after forward and is gathered again for backward."""
+    stays_gathered: bool
+    """Kept gathered between forward and backward (gathered once a step): the LightningModule itself (FSDP2's
+    root), and the model it wraps when that holds every other unit (``zero3.gathered_through_backward``); every
+    other unit reshards after forward and is gathered again for backward."""
 
 
 @dataclass
@@ -216,11 +217,11 @@ def _from_module(name: str, module: nn.Module) -> ModelSpec:
         holder = nn.Module()
         holder.add_module("model", module)
     found = zero3.fsdp_units(holder)
+    gathered = zero3.gathered_through_backward(holder, found)  # as `apply_fully_shard` keeps them
     for unit in found:
         nested = {id(p) for other in found if other is not unit and _contains(unit, other) for p in other.parameters()}
         own = tuple(index[id(p)] for p in unit.parameters() if id(p) not in nested and id(p) in index)
-        # Only the LightningModule itself stays gathered between forward and backward (`apply_fully_shard`).
-        units.append(UnitSpec(params=own, is_root=unit is holder))
+        units.append(UnitSpec(params=own, stays_gathered=any(unit is kept for kept in gathered)))
     return ModelSpec(
         name=name,
         params=[ParamSpec(n, tuple(p.shape), p.element_size()) for n, p in named],

@@ -84,7 +84,10 @@ class FullyShardBackend(ReplicatedBackend):
         if self.config.master_weights == "fp32":
             self.compute_dtype = zero3.upcast_16bit_parameters(module) or self.compute_dtype
         policy = zero3.master_weight_policy(self.compute_dtype, reduce_dtype=self.config.reduce_dtype)
-        self.units = zero3.apply_fully_shard(module, mesh, mp_policy=policy)
+        # A pipeline stage's micro-batches interleave forwards and backwards: every unit but the root reshards there.
+        self.units = zero3.apply_fully_shard(
+            module, mesh, mp_policy=policy, keep_wrapped_model_gathered=self.stage_extensions is None
+        )
         self.tensor_parallel = is_tensor_parallel(module)
         if zero3.materialize_meta_module(module, device) and self.compute_dtype is not None:
             zero3.round_parameters(module, self.compute_dtype)  # initialised in fp32: as a 16-bit init would be
