@@ -219,7 +219,9 @@ def _from_module(name: str, module: nn.Module) -> ModelSpec:
     found = zero3.fsdp_units(holder)
     gathered = zero3.gathered_through_backward(holder, found)  # as `apply_fully_shard` keeps them
     for unit in found:
-        nested = {id(p) for other in found if other is not unit and _contains(unit, other) for p in other.parameters()}
+        nested = {
+            id(p) for other in found if other is not unit and zero3.contains(unit, other) for p in other.parameters()
+        }
         own = tuple(index[id(p)] for p in unit.parameters() if id(p) not in nested and id(p) in index)
         units.append(UnitSpec(params=own, stays_gathered=any(unit is kept for kept in gathered)))
     return ModelSpec(
@@ -237,10 +239,6 @@ def _from_hf_config(values: dict[str, Any], origin: str) -> ModelSpec:
         spec = _from_module(f"{layout.causal_lm} ({origin})", build_causal_lm(layout))
     spec.notes += hf_notes(layout)
     return spec
-
-
-def _contains(outer: nn.Module, inner: nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())
 
 
 def _from_count(count: int) -> ModelSpec:

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_parallel.distributed.broadcast import broadcast_from_rank0
 from lightning_parallel.distributed.tensor_parallel.plan import TensorParallelPlan, check_divisible
-from lightning_parallel.distributed.tensor_parallel.whole import record_style_hooks
+from lightning_parallel.distributed.tensor_parallel.whole import is_split, record_style_hooks
 
 __all__ = ["apply_tensor_parallel", "is_tensor_parallel", "parallelize"]
 
@@ -54,10 +54,7 @@ def parallelize(module: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -
 
 def is_tensor_parallel(module: nn.Module) -> bool:
     """Whether a parameter of ``module`` is split over a mesh with a ``tensor`` axis."""
-    return any(
-        isinstance(param, DTensor) and "tensor" in (param.device_mesh.mesh_dim_names or ())
-        for param in module.parameters()
-    )
+    return any(is_split(param) for param in module.parameters())
 
 
 def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:

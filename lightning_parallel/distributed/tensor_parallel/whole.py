@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["record_style_hooks", "whole_layers"]
+__all__ = ["is_split", "record_style_hooks", "whole_layers"]
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 _STYLE_HOOKS: WeakKeyDictionary[nn.Module, dict[str, set[int]]] = WeakKeyDictionary()
@@ -41,7 +41,8 @@ def record_style_hooks(module: nn.Module, split: Callable[[], Any]) -> Any:
     return result
 
 
-def _is_split(param: torch.Tensor) -> bool:
+def is_split(param: torch.Tensor) -> bool:
+    """Whether ``param`` is split by tensor parallelism (a ``DTensor`` on a mesh with a ``tensor`` axis)."""
     return isinstance(param, DTensor) and "tensor" in (param.device_mesh.mesh_dim_names or ())
 
 
@@ -55,7 +56,7 @@ def whole_layers(module: nn.Module) -> Generator[nn.Module, None, None]:
         (owner, name, param)
         for owner in module.modules()
         for name, param in owner._parameters.items()
-        if param is not None and _is_split(param)
+        if param is not None and is_split(param)
     ]
     if not places:
         yield module

@@ -44,6 +44,7 @@ __all__ = [
     "cast_parameters",
     "consolidated_model_state",
     "consolidated_optimizer_state",
+    "contains",
     "fsdp_units",
     "gathered_through_backward",
     "load_consolidated_model_state",
@@ -119,11 +120,12 @@ def gathered_through_backward(module: nn.Module, units: list[nn.Module]) -> list
     covered = {id(p) for unit in inner for p in unit.parameters()}
     if any(id(p) not in covered for p in module.parameters()):
         return [module]
-    top = [unit for unit in inner if not any(other is not unit and _contains(other, unit) for other in inner)]
+    top = [unit for unit in inner if not any(other is not unit and contains(other, unit) for other in inner)]
     return [module, top[0]] if len(top) == 1 else [module]
 
 
-def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+def contains(outer: nn.Module, inner: nn.Module) -> bool:
+    """Whether ``inner`` is ``outer`` or one of its submodules (by identity)."""
     return any(child is inner for child in outer.modules())
 
 
